@@ -1,0 +1,117 @@
+"""Command line: the composition root. Parses flags once and wires the pieces together.
+
+    python -m dietserve compile --model default --target llvm --out DIR
+    python -m dietserve embed "a sentence" "another sentence" --similarity
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CACHE = Path.home() / ".cache" / "dietserve"
+
+
+def _say(message: str) -> None:
+    print(f"[dietserve] {message}", file=sys.stderr, flush=True)
+
+
+def _add_build_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="'default' (all-MiniLM-L6-v2), 'bert-base' (seeded random weights) "
+                             "or a Hugging Face folder with config.json and model.safetensors")
+    parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm",
+                        help="llvm: this CPU (default); cuda: an NVIDIA GPU, compiled with nvcc")
+    parser.add_argument("--mcpu", default=None,
+                        help="LLVM CPU name to compile for (default: detect this machine's, e.g. znver3)")
+    parser.add_argument("--num-cores", type=int, default=None, help="CPU threads the schedules assume")
+    parser.add_argument("--arch", default="sm_90", help="CUDA architecture for --target cuda (e.g. sm_90, sm_75)")
+    parser.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed for the bert-base preset")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
+                        help=f"where compiled artifacts and generated models are kept (default {DEFAULT_CACHE})")
+
+
+def _request(args: argparse.Namespace):
+    from .compile.artifact import CompileRequest
+    from .compile.target import TargetSpec
+
+    spec = TargetSpec(kind=args.target, mcpu=args.mcpu, num_cores=args.num_cores, arch=args.arch)
+    return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compile.artifact import compile_artifact
+
+    out = compile_artifact(_request(args), args.cache_dir, args.out, progress=_say)
+    print(out)
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .runtime.artifact import load_artifact
+    from .runtime.embedder import Embedder, cosine_similarities
+    from .runtime.engine import Engine
+
+    if args.artifact is not None:
+        directory = args.artifact
+    else:
+        from .compile.artifact import compile_artifact
+
+        directory = compile_artifact(_request(args), args.cache_dir, None, progress=_say)
+    embedder = Embedder(Engine(load_artifact(directory)))
+    embeddings = embedder.embed(list(args.texts))
+    if args.json:
+        print(json.dumps({"texts": args.texts, "embeddings": embeddings.tolist()}))
+    elif args.similarity:
+        similarity = cosine_similarities(embeddings)
+        width = max(len(t) for t in args.texts)
+        for text, row in zip(args.texts, similarity):
+            print(f"{text[:width]:<{width}}  " + "  ".join(f"{value:6.3f}" for value in row))
+    else:
+        np.set_printoptions(precision=4, suppress=True, linewidth=120)
+        for text, vector in zip(args.texts, embeddings):
+            print(f"{text!r}: dim={vector.size} norm={np.linalg.norm(vector):.4f} {vector[:6]} ...")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dietserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    compile_parser = commands.add_parser("compile", help="compile a model into an artifact directory")
+    _add_build_flags(compile_parser)
+    compile_parser.add_argument("--out", type=Path, default=None,
+                                help="artifact directory to write (default: a cache entry named by content hash)")
+    compile_parser.set_defaults(run=cmd_compile)
+
+    embed_parser = commands.add_parser("embed", help="print sentence embeddings (compiles on first use)")
+    embed_parser.add_argument("texts", nargs="+", help="sentences to embed")
+    _add_build_flags(embed_parser)
+    embed_parser.add_argument("--artifact", type=Path, default=None, help="use this compiled artifact directory")
+    embed_parser.add_argument("--similarity", action="store_true", help="print the cosine-similarity matrix")
+    embed_parser.add_argument("--json", action="store_true", help="print full vectors as JSON")
+    embed_parser.set_defaults(run=cmd_embed)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .compile.target import TargetError
+    from .model.checkpoint import CheckpointError
+    from .runtime.manifest import ArtifactError
+
+    try:
+        return args.run(args)
+    except (ArtifactError, CheckpointError, TargetError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Build a versioned artifact directory: exported library, converted weights, tokenizer files
+and a manifest with content hashes. Written to a temporary directory and renamed into place,
+and reused when its cache key (everything that determines the build) is unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from ..model.bert import BertModel, export_relax
+from ..model.checkpoint import Checkpoint, load_parameters
+from ..model.presets import TOKENIZER_FILES, resolve_model
+from ..runtime.host import LLVM_TO_CPUINFO
+from ..runtime.manifest import (
+    LIBRARY_FILE,
+    MANIFEST_FILE,
+    PARAMS_FILE,
+    ArtifactError,
+    Manifest,
+    sha256_file,
+    write_text_atomic,
+)
+from .target import TargetSpec, build_target, target_description, tvm_version
+
+Progress = Callable[[str], None]
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    model: str = "default"  # "default", "bert-base", or a Hugging Face folder
+    target: TargetSpec = field(default_factory=TargetSpec)
+    max_batch: int = 64
+    seed: int = 0  # for the random-weight presets
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+
+
+def compiler_source_hash() -> str:
+    """Hash of the code that determines what a build produces (model + compile packages)."""
+    digest = hashlib.sha256()
+    for package in ("model", "compile"):
+        for path in sorted((_SOURCE_ROOT / package).rglob("*.py")):
+            digest.update(path.relative_to(_SOURCE_ROOT).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def required_cpu_flags(target) -> list[str]:
+    if target.kind.name != "llvm":
+        return []
+    from tvm.target.codegen import llvm_get_cpu_features
+
+    features = set(llvm_get_cpu_features(target))
+    return sorted(LLVM_TO_CPUINFO[name] for name in features if name in LLVM_TO_CPUINFO)
+
+
+def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int) -> str:
+    inputs = {
+        "config": checkpoint.config.to_dict(),
+        "normalize": checkpoint.pooling.normalize,
+        "weights": weights_sha,
+        "target": target_description(target),
+        "tvm": tvm_version(),
+        "compiler": compiler_source_hash(),
+        "max_batch": max_batch,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def model_display_name(request: CompileRequest, folder: Path) -> str:
+    return request.model if request.model in ("default", "bert-base") else folder.name
+
+
+def default_artifact_dir(cache_dir: Path, name: str, kind: str, key: str) -> Path:
+    return cache_dir / "artifacts" / f"{name}-{kind}-{key[:16]}"
+
+
+def _is_current(directory: Path, key: str) -> bool:
+    try:
+        return Manifest.read(directory).cache_key == key
+    except ArtifactError:
+        return False
+
+
+def compile_artifact(
+    request: CompileRequest,
+    cache_dir: Path,
+    out_dir: Path | None = None,
+    progress: Progress = lambda _message: None,
+) -> Path:
+    """Compile ``request`` into ``out_dir`` (default: a content-addressed cache entry)."""
+    folder = resolve_model(request.model, cache_dir, request.seed)
+    checkpoint = Checkpoint.open(folder)
+    target = build_target(request.target)
+    progress(f"hashing weights in {checkpoint.weights_file}")
+    weights_sha = sha256_file(checkpoint.weights_file)
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch)
+    name = model_display_name(request, folder)
+    out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
+    if _is_current(out_dir, key):
+        progress(f"artifact {out_dir} is up to date (cache key {key[:16]})")
+        return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        _build_into(staging, checkpoint, target, request, name, key, progress)
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    progress(f"wrote {out_dir}")
+    return out_dir
+
+
+def _build_into(staging, checkpoint, target, request, name, key, progress) -> None:
+    from .pipeline import compile_module
+
+    model = BertModel(checkpoint.config, checkpoint.pooling)
+    mod, parameters = export_relax(model, request.max_batch)
+    params = load_parameters(checkpoint, model, parameters)
+    started = time.perf_counter()
+    progress(f"compiling {name} for {json.dumps(target_description(target))} (this takes a minute)")
+    if request.target.kind == "cuda":
+        from .cuda import nvcc_fatbin
+
+        with nvcc_fatbin(request.target.arch):
+            executable = compile_module(mod, target)
+            executable.export_library(str(staging / LIBRARY_FILE))
+    else:
+        executable = compile_module(mod, target)
+        executable.export_library(str(staging / LIBRARY_FILE))
+    progress(f"compiled in {time.perf_counter() - started:.1f} s; saving weights")
+    save_file(params, str(staging / PARAMS_FILE))
+    for file_name in TOKENIZER_FILES:
+        source = checkpoint.folder / file_name
+        if source.is_file():
+            shutil.copy(source, staging / file_name)
+    files = {path.name: sha256_file(path) for path in sorted(staging.iterdir()) if path.is_file()}
+    manifest = Manifest(
+        model_name=name,
+        model_config=checkpoint.config.to_dict(),
+        normalize_embeddings=checkpoint.pooling.normalize,
+        target=target_description(target),
+        tvm_version=tvm_version(),
+        cache_key=key,
+        bounds={"batch": request.max_batch, "seq_len": checkpoint.config.max_position_embeddings},
+        parameters=[[n, list(shape)] for n, shape in parameters],
+        files=files,
+        required_cpu_flags=required_cpu_flags(target.host if request.target.kind == "cuda" else target),
+        cuda_arch=request.target.arch if request.target.kind == "cuda" else None,
+    )
+    write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
+
+
+def _replace_dir(staging: Path, out_dir: Path) -> None:
+    """Swap ``staging`` into ``out_dir``; an old artifact there is removed only afterwards."""
+    if out_dir.exists():
+        retired = out_dir.with_name(f".{out_dir.name}-old-{os.getpid()}")
+        os.replace(out_dir, retired)
+        os.replace(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, out_dir)

@@ -1,0 +1,124 @@
+"""Register-tiled CPU schedule for matmul-like PrimFuncs with fused element-wise epilogues.
+
+Covers the dense layers ``[T, K] x [K, N] (+ bias, GELU, residual)`` and both attention
+batch-matmuls. Each parallel task computes an ``mr x nr`` output tile in registers over the
+whole reduction, then applies the epilogue while writing the tile back. The row tile is
+symbolic-sized, so the tile loop is marked for partitioning: the main body runs without
+bound checks and only the last partial tile keeps them.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.target import Target
+
+from .common import float_lanes, is_llvm, static_extent
+
+# Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
+ACCUMULATOR_VECTORS = 12
+
+
+def _is_multiply_accumulate(block) -> bool:
+    """``C[...] = C[...] + A[...] * B[...]`` (loads may be wrapped in casts)."""
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+        return False
+    acc, product = store.value.a, store.value.b
+    return (
+        isinstance(acc, tvm.ir.TensorLoad)
+        and acc.source.same_as(store.buffer)
+        and isinstance(product, tirx.Mul)
+    )
+
+
+def choose_tile(rows: int | None, cols: int | None, lanes: int) -> tuple[int, int]:
+    """Pick ``(mr, nr)``: two vectors wide where the column count allows, rows filling the rest."""
+    if cols is not None and cols % (2 * lanes) != 0 and cols % lanes == 0:
+        nr = lanes
+    elif cols is not None and cols < lanes:
+        nr = cols
+    else:
+        nr = 2 * lanes
+    mr = max(1, ACCUMULATOR_VECTORS // max(1, nr // lanes))
+    if rows is not None:
+        mr = min(mr, rows)
+    return mr, nr
+
+
+class CPUMatmul(dlight.ScheduleRule):
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
+            return None
+        # Analyse: exactly one reduction block, spatial axes then one reduction axis.
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        reductions = [info for info in infos if not info.is_injective()]
+        if len(reductions) != 1:
+            return None
+        matmul = reductions[0]
+        kinds = matmul.dom_kind()
+        if len(kinds) < 3 or kinds != "S" * (len(kinds) - 1) + "R":
+            return None
+        position = infos.index(matmul)
+        producers, consumers = infos[:position], infos[position + 1 :]
+        # Bail out early on anything we cannot fold into the tile.
+        try:
+            for info in reversed(producers):
+                sch.compute_inline(info.block_rv)
+            for info in consumers[:-1]:
+                sch.compute_inline(info.block_rv)
+        except s_tir.ScheduleError:
+            return None
+        if not _is_multiply_accumulate(sch.get(matmul.block_rv)):
+            return None
+        epilogue = consumers[-1].block_rv if consumers else None
+
+        # Schedule: tile, keep the tile in registers, parallelise over tiles.
+        block = matmul.block_rv
+        lanes = float_lanes(target)
+        *batch, i, j, k = sch.get_loops(block)
+        columns_symbolic = static_extent(sch, j) is None
+        mr, nr = choose_tile(static_extent(sch, i), static_extent(sch, j), lanes)
+        i_outer, i_inner = sch.split(i, [None, mr])
+        j_outer, j_inner = sch.split(j, [None, nr])
+        sch.reorder(i_outer, j_outer, k, i_inner, j_inner)
+        if columns_symbolic:
+            # A symbolic column count: the column-tile loop stays serial inside each task so
+            # that partitioning can peel its last, partial tile off a check-free main loop.
+            tiles = sch.fuse(*batch, i_outer)
+            sch.annotate(j_outer, "pragma_loop_partition_hint", 1)
+            tile = j_outer
+        else:
+            tiles = sch.fuse(*batch, i_outer, j_outer)
+            tile = tiles
+        sch.parallel(tiles)
+        sch.annotate(tiles, "pragma_loop_partition_hint", 1)
+        accumulator = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(accumulator, tile, preserve_unit_loops=True)
+        writers = [accumulator]
+        if epilogue is not None:
+            try:
+                sch.reverse_compute_inline(epilogue)
+            except s_tir.ScheduleError:
+                sch.reverse_compute_at(epilogue, tile, preserve_unit_loops=True)
+                writers.append(epilogue)
+        self._vectorize_tile(sch, j_inner, nr, lanes)
+        sch.unroll(i_inner)
+        sch.decompose_reduction(block, k)
+        for writer in writers:
+            self._vectorize_tile(sch, sch.get_loops(writer)[-1], nr, lanes)
+        return sch
+
+    @staticmethod
+    def _vectorize_tile(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, nr: int, lanes: int) -> None:
+        if nr > lanes and nr % lanes == 0:
+            outer, vec = sch.split(loop, [None, lanes])
+            sch.vectorize(vec)
+            sch.unroll(outer)
+        else:
+            sch.vectorize(loop)

@@ -1,0 +1,85 @@
+"""Our Relax pipeline: a list of small IRModule -> IRModule passes, composed once.
+
+    legalize + fuse -> [link tuned kernels] -> default schedules -> lower to the VM
+
+The tuned-kernel linking pass (the DietCode tuner's output) slots in before the default
+schedules, which then leave the PrimFuncs it marked ``tirx.is_scheduled`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tvm
+from tvm import relax
+from tvm.s_tir import dlight
+from tvm.target import Target
+
+from .cpu import cpu_schedule_rules
+
+
+def legalize_passes() -> list[tvm.transform.Pass]:
+    return [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]
+
+
+def default_schedule_pass(target: Target) -> tvm.transform.Pass:
+    if target.kind.name == "cuda":
+        return dlight.ApplyDefaultSchedule(
+            dlight.gpu.Matmul(),
+            dlight.gpu.GEMV(),
+            dlight.gpu.Reduction(),
+            dlight.gpu.GeneralReduction(),
+            dlight.gpu.Fallback(),
+        )
+    return dlight.ApplyDefaultSchedule(*cpu_schedule_rules())
+
+
+def lower_passes(target: Target) -> list[tvm.transform.Pass]:
+    passes = [
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+    ]
+    if target.kind.name == "cuda":
+        passes.append(relax.transform.RewriteCUDAGraph())
+    return passes + [
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+    ]
+
+
+def build_pipeline(target: Target, link_passes: Sequence[tvm.transform.Pass] = ()) -> list[tvm.transform.Pass]:
+    """The pass list for ``target``; ``link_passes`` replace PrimFuncs with tuned kernels."""
+    return [*legalize_passes(), *link_passes, default_schedule_pass(target), *lower_passes(target)]
+
+
+def schedule_module(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """Legalize, fuse and schedule without lowering: what the tests and tools inspect."""
+    with target:
+        return tvm.transform.Sequential([*legalize_passes(), default_schedule_pass(target)])(mod)
+
+
+def compile_module(
+    mod: tvm.IRModule, target: Target, link_passes: Sequence[tvm.transform.Pass] = ()
+) -> relax.Executable:
+    passes = build_pipeline(target, link_passes)
+
+    @tvm.transform.module_pass(opt_level=0, name="DietservePipeline")
+    def pipeline(module: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(module)
+
+    return tvm.compile(mod, target, relax_pipeline=pipeline)

@@ -1,0 +1,225 @@
+"""BERT encoder defined in Relax (``tvm.relax.frontend.nn``), dynamic in batch and sequence.
+
+Attribute names mirror Hugging Face's ``BertModel`` so checkpoint tensors map one to one.
+Three layout choices differ from the checkpoint, all for the matmul kernels:
+- between attention blocks the hidden state is 2-D, ``[batch * seq, hidden]``, so every dense
+  layer is the one dynamic-shape operator ``[T, K] x [K, N]`` (DietCode's dense task) with a
+  single symbolic row count, which tiles cleanly (reshapes are free views);
+- linear weights are stored transposed, ``[in, out]``, so the output axis is contiguous and
+  vectorises (the checkpoint's ``[out, in]`` is transposed once at load time);
+- keys are permuted to ``[batch, heads, head_dim, seq]`` before the score matmul, so both
+  attention batch-matmuls read their second operand along its contiguous axis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from .config import BertConfig
+
+# torch.finfo(torch.float32).min: the additive mask value Hugging Face uses, so masked
+# keys get exactly zero attention weight in both implementations.
+MASK_FILL = -3.4028234663852886e38
+
+
+@dataclass(frozen=True)
+class PoolingOptions:
+    """How the sentence embedding is derived from the last hidden state."""
+
+    normalize: bool = False  # L2-normalise (sentence-transformers' Normalize module)
+
+
+class TransposedLinear(nn.Module):
+    """``y = x @ weight + bias`` with ``weight`` stored as ``[in_features, out_features]``."""
+
+    def __init__(self, in_features: int, out_features: int):
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter((in_features, out_features), "float32")
+        self.weight.stored_transposed = True
+        self.bias = nn.Parameter((out_features,), "float32")
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return op.matmul(x, self.weight) + self.bias
+
+
+def activation(x: nn.Tensor, name: str) -> nn.Tensor:
+    if name == "gelu":
+        return op.gelu(x)
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return op.gelu(x, approximate="tanh")
+    if name == "relu":
+        return op.relu(x)
+    if name in ("silu", "swish"):
+        return op.silu(x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, "float32")
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, "float32")
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, "float32")
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
+        batch, seq = input_ids.shape
+        words = self.word_embeddings(input_ids)
+        # position_ids is [seq]; it broadcasts over the batch without materialising it.
+        positions = self.position_embeddings(position_ids)
+        types = self.token_type_embeddings(token_type_ids)
+        summed = words + types + positions
+        return self.LayerNorm(op.reshape(summed, (batch * seq, summed.shape[-1])))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.query = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+        self.key = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+        self.value = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
+        batch, _, _, seq = mask_bias.shape
+        width = hidden.shape[-1]
+        heads = (batch, seq, self.num_heads, self.head_dim)
+        q = op.permute_dims(op.reshape(self.query(hidden), heads), [0, 2, 1, 3])  # b h s d
+        k = op.permute_dims(op.reshape(self.key(hidden), heads), [0, 2, 3, 1])  # b h d s
+        v = op.permute_dims(op.reshape(self.value(hidden), heads), [0, 2, 1, 3])  # b h s d
+        scores = op.matmul(q, k) * (1.0 / math.sqrt(self.head_dim)) + mask_bias
+        probs = op.softmax(scores, axis=-1)
+        context = op.matmul(probs, v)  # b h s d
+        return op.reshape(op.permute_dims(context, [0, 2, 1, 3]), (batch * seq, width))
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.dense = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, attended: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
+        return self.LayerNorm(self.dense(attended) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg)
+
+    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
+        return self.output(self.self(hidden, mask_bias), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.dense = TransposedLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.hidden_act = cfg.hidden_act
+
+    def forward(self, hidden: nn.Tensor) -> nn.Tensor:
+        return activation(self.dense(hidden), self.hidden_act)
+
+
+class BertOutput(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.dense = TransposedLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, intermediate: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
+        return self.LayerNorm(self.dense(intermediate) + residual)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertOutput(cfg)
+
+    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
+        attended = self.attention(hidden, mask_bias)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.layer = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+
+    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, mask_bias)
+        return hidden
+
+
+class BertModel(nn.Module):
+    """Returns ``(last_hidden_state [b, s, h], sentence_embedding [b, h])``."""
+
+    def __init__(self, cfg: BertConfig, pooling: PoolingOptions = PoolingOptions()):
+        self.config = cfg
+        self.pooling = pooling
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+
+    def forward(
+        self,
+        input_ids: nn.Tensor,
+        attention_mask: nn.Tensor,
+        token_type_ids: nn.Tensor,
+        position_ids: nn.Tensor,
+    ) -> tuple[nn.Tensor, nn.Tensor]:
+        batch, seq = input_ids.shape
+        mask = op.astype(attention_mask, "float32")
+        mask_bias = op.reshape((1.0 - mask) * MASK_FILL, (batch, 1, 1, seq))
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids)
+        hidden = self.encoder(hidden, mask_bias)
+        hidden = op.reshape(hidden, (batch, seq, hidden.shape[-1]))
+        return hidden, self._pool(hidden, mask)
+
+    def _pool(self, hidden: nn.Tensor, mask: nn.Tensor) -> nn.Tensor:
+        # Masked mean exactly as sentence-transformers' Pooling (count clamped at 1e-9).
+        batch, seq = mask.shape
+        summed = op.sum(hidden * op.reshape(mask, (batch, seq, 1)), axis=1)
+        counts = op.maximum(op.sum(mask, axis=1, keepdims=True), nn.Tensor.from_const(1e-9))
+        pooled = summed / counts
+        if not self.pooling.normalize:
+            return pooled
+        # torch.nn.functional.normalize: x / max(||x||, 1e-12).
+        norm = op.sqrt(op.sum(pooled * pooled, axis=1, keepdims=True))
+        return pooled / op.maximum(norm, nn.Tensor.from_const(1e-12))
+
+
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
+
+
+def transposed_weight_names(model: nn.Module) -> set[str]:
+    """Names of the parameters stored as ``[in, out]`` (checkpoints hold them ``[out, in]``)."""
+    return {name for name, param in model.named_parameters() if getattr(param, "stored_transposed", False)}
+
+
+def export_relax(model: BertModel, max_batch: int) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...]]]]:
+    """Export ``model`` to an IRModule whose ``forward`` is symbolic in batch and seq_len.
+
+    Returns ``(irmodule, parameters)`` with ``parameters`` as ``(name, shape)`` in argument
+    order; they follow the four inputs as function arguments, so weights stay out of the
+    compiled library. The symbolic upper bounds let memory planning allocate statically.
+    """
+    ids = nn.spec.Tensor(["batch", "seq_len"], "int64")
+    spec = {
+        "forward": {
+            "input_ids": ids,
+            "attention_mask": ids,
+            "token_type_ids": ids,
+            "position_ids": nn.spec.Tensor(["seq_len"], "int64"),
+            "$": {"param_mode": "plain", "effect_mode": "none"},
+        }
+    }
+    mod, params = model.export_tvm(spec=spec)
+    bounds = {"batch": max_batch, "seq_len": model.config.max_position_embeddings}
+    mod["forward"] = mod["forward"].with_attr("tir_var_upper_bound", bounds)
+    parameters = [(name, tuple(int(d) for d in param.shape)) for name, param in params]
+    return mod, parameters

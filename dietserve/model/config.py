@@ -1,0 +1,81 @@
+"""BERT hyper-parameters as read from a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Activation names used by real BERT-family checkpoints. "gelu" is the exact erf form;
+# the tanh approximation appears under several names.
+SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json is missing, malformed, or asks for something unsupported."""
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
+            )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ModelConfigError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> BertConfig:
+        model_type = raw.get("model_type", "bert")
+        if model_type != "bert":
+            raise ModelConfigError(f"model_type={model_type!r} is not a BERT checkpoint")
+        position_kind = raw.get("position_embedding_type", "absolute")
+        if position_kind != "absolute":
+            raise ModelConfigError(
+                f"position_embedding_type={position_kind!r} is not supported (only 'absolute')"
+            )
+        known = {name for name in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        if kwargs.get("pad_token_id") is None:
+            kwargs.pop("pad_token_id", None)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: Path) -> BertConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError as err:
+            raise ModelConfigError(f"no config.json at {path}") from err
+        except json.JSONDecodeError as err:
+            raise ModelConfigError(f"{path} is not valid JSON: {err}") from err
+        return cls.from_dict(raw)
+
+
+# BERT-base as in DietCode's experiments; used with seeded random weights for benchmarks.
+BERT_BASE = BertConfig()

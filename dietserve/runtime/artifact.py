@@ -1,0 +1,83 @@
+"""Load a compiled artifact after checking it fits this machine and is intact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+from safetensors.numpy import load_file
+from tvm.runtime.vm import VirtualMachine
+
+from .host import cpu_flags, missing_cpu_flags
+from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
+
+
+@dataclass
+class LoadedArtifact:
+    directory: Path
+    manifest: Manifest
+    device: tvm.runtime.Device
+    vm: VirtualMachine
+    params: list  # tvm tensors on ``device``, in the function's argument order
+
+
+def verify_files(directory: Path, manifest: Manifest) -> None:
+    for name, expected in manifest.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"artifact {directory} is incomplete: {name} is missing")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise ArtifactError(
+                f"artifact file {path} does not match its manifest (sha256 {actual[:16]}..., "
+                f"expected {expected[:16]}...): the artifact is damaged or was modified; recompile it"
+            )
+
+
+def choose_device(manifest: Manifest) -> tvm.runtime.Device:
+    """The device the artifact was built for, after checking this machine has it."""
+    kind = manifest.target.get("kind")
+    if kind == "llvm":
+        missing = missing_cpu_flags(manifest.required_cpu_flags, cpu_flags())
+        if missing:
+            raise ArtifactError(
+                f"artifact was compiled for CPU {manifest.target.get('mcpu')!r}; this CPU lacks "
+                f"{', '.join(missing)}. Recompile on this machine (or name an older --mcpu)."
+            )
+        return tvm.cpu(0)
+    if kind == "cuda":
+        device = tvm.cuda(0)
+        if not device.exist:
+            raise ArtifactError("artifact was compiled for CUDA but this machine has no CUDA GPU")
+        built_for = (manifest.cuda_arch or "").removeprefix("sm_")
+        have = str(device.compute_version).replace(".", "")
+        if built_for != have:
+            raise ArtifactError(
+                f"artifact was compiled for sm_{built_for}; this GPU is sm_{have}. Recompile with --arch sm_{have}."
+            )
+        return device
+    raise ArtifactError(f"artifact target kind {kind!r} is not supported")
+
+
+def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact:
+    directory = Path(directory)
+    manifest = Manifest.read(directory)
+    if manifest.tvm_version != str(tvm.__version__):
+        raise ArtifactError(
+            f"artifact was built with TVM {manifest.tvm_version}; this runtime is TVM {tvm.__version__}"
+        )
+    if verify_hashes:
+        verify_files(directory, manifest)
+    device = choose_device(manifest)
+    library = tvm.runtime.load_module(str(directory / LIBRARY_FILE))
+    vm = VirtualMachine(library, device)
+    stored = load_file(str(directory / PARAMS_FILE))
+    params = []
+    for name, shape in manifest.parameters:
+        tensor = stored.get(name)
+        if tensor is None or list(tensor.shape) != list(shape):
+            raise ArtifactError(f"{PARAMS_FILE} in {directory} lacks {name} with shape {shape}")
+        params.append(tvm.runtime.tensor(np.ascontiguousarray(tensor), device))
+    return LoadedArtifact(directory, manifest, device, vm, params)

@@ -1,0 +1,93 @@
+"""The inference engine: validated inputs in, one VM call, encoder outputs out.
+
+Knows nothing about transports. Calls are serialised: a VM instance is not re-entrant.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+
+from .artifact import LoadedArtifact
+
+
+class InputError(ValueError):
+    """A request's tensors are malformed; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    last_hidden_state: np.ndarray  # float32 [batch, seq, hidden]
+    sentence_embedding: np.ndarray  # float32 [batch, hidden]
+
+
+def _as_ids(name: str, value: object, shape: tuple[int, int] | None) -> np.ndarray:
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        raise InputError(f"{name} must hold integers, got dtype {array.dtype}")
+    if array.ndim != 2:
+        raise InputError(f"{name} must be 2-D [batch, seq], got shape {list(array.shape)}")
+    if shape is not None and array.shape != shape:
+        raise InputError(f"{name} has shape {list(array.shape)} but input_ids has {list(shape)}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+class Engine:
+    def __init__(self, artifact: LoadedArtifact):
+        self.artifact = artifact
+        manifest = artifact.manifest
+        self.max_batch = manifest.max_batch
+        self.max_seq_len = manifest.max_seq_len
+        self.vocab_size = int(manifest.model_config["vocab_size"])
+        self.type_vocab_size = int(manifest.model_config["type_vocab_size"])
+        self.hidden_size = int(manifest.model_config["hidden_size"])
+        self._forward = artifact.vm["forward"]
+        self._positions = np.arange(self.max_seq_len, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def validate(
+        self,
+        input_ids: object,
+        attention_mask: object | None = None,
+        token_type_ids: object | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = _as_ids("input_ids", input_ids, None)
+        batch, seq = ids.shape
+        if batch == 0 or seq == 0:
+            raise InputError(f"input_ids is empty (shape {[batch, seq]})")
+        if batch > self.max_batch:
+            raise InputError(f"batch of {batch} exceeds the artifact's maximum of {self.max_batch}")
+        if seq > self.max_seq_len:
+            raise InputError(f"sequence length {seq} exceeds the model's maximum of {self.max_seq_len}")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+            raise InputError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if attention_mask is None:
+            mask = np.ones_like(ids)
+        else:
+            mask = _as_ids("attention_mask", attention_mask, ids.shape)
+            if not np.isin(mask, (0, 1)).all():
+                raise InputError("attention_mask may hold only 0 and 1")
+        if token_type_ids is None:
+            types = np.zeros_like(ids)
+        else:
+            types = _as_ids("token_type_ids", token_type_ids, ids.shape)
+            if types.min() < 0 or types.max() >= self.type_vocab_size:
+                raise InputError(f"token_type_ids must lie in [0, {self.type_vocab_size})")
+        return ids, mask, types
+
+    def run(
+        self,
+        input_ids: object,
+        attention_mask: object | None = None,
+        token_type_ids: object | None = None,
+    ) -> EncoderOutput:
+        ids, mask, types = self.validate(input_ids, attention_mask, token_type_ids)
+        device = self.artifact.device
+        inputs = [tvm.runtime.tensor(array, device) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
+        with self._lock:
+            hidden, pooled = self._forward(*inputs, *self.artifact.params)
+            return EncoderOutput(hidden.numpy(), pooled.numpy())

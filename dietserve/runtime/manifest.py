@@ -1,0 +1,92 @@
+"""The artifact manifest: what was compiled, for which machine, and the hashes of its files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST_FILE = "manifest.json"
+LIBRARY_FILE = "model.so"
+PARAMS_FILE = "params.safetensors"
+FORMAT_VERSION = 1
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory is missing, damaged, or built for another machine or TVM."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_name: str
+    model_config: dict
+    normalize_embeddings: bool
+    target: dict
+    tvm_version: str
+    cache_key: str
+    bounds: dict  # symbolic var -> inclusive upper bound, e.g. {"batch": 64, "seq_len": 512}
+    parameters: list  # [[name, shape], ...] in the order the compiled function takes them
+    files: dict  # file name -> sha256
+    required_cpu_flags: list = field(default_factory=list)  # /proc/cpuinfo names, llvm only
+    cuda_arch: str | None = None
+    inputs: list = field(default_factory=lambda: ["input_ids", "attention_mask", "token_type_ids", "position_ids"])
+    outputs: list = field(default_factory=lambda: ["last_hidden_state", "sentence_embedding"])
+    format_version: int = FORMAT_VERSION
+    created_by: str = "dietserve"
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.bounds["batch"])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.bounds["seq_len"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = Path(directory) / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError(f"{directory} is not an artifact: {MANIFEST_FILE} is missing")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ArtifactError(f"{path} is not valid JSON: {err}") from err
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{path} has format version {version}; this dietserve reads version {FORMAT_VERSION}. "
+                "Recompile the artifact."
+            )
+        try:
+            return cls(**raw)
+        except TypeError as err:
+            raise ArtifactError(f"{path} does not describe an artifact: {err}") from err
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while block := stream.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same directory and rename: never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
