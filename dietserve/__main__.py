@@ -70,11 +70,11 @@ def cmd_embed(args: argparse.Namespace) -> int:
     elif args.similarity:
         similarity = cosine_similarities(embeddings)
         width = max(len(t) for t in args.texts)
-        for text, row in zip(args.texts, similarity):
+        for text, row in zip(args.texts, similarity, strict=True):
             print(f"{text[:width]:<{width}}  " + "  ".join(f"{value:6.3f}" for value in row))
     else:
         np.set_printoptions(precision=4, suppress=True, linewidth=120)
-        for text, vector in zip(args.texts, embeddings):
+        for text, vector in zip(args.texts, embeddings, strict=True):
             print(f"{text!r}: dim={vector.size} norm={np.linalg.norm(vector):.4f} {vector[:6]} ...")
     return 0
 

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from ..model.bert import BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.presets import TOKENIZER_FILES, resolve_model
+from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.host import LLVM_TO_CPUINFO
 from ..runtime.manifest import (
     LIBRARY_FILE,
@@ -133,15 +134,18 @@ def _build_into(staging, checkpoint, target, request, name, key, progress) -> No
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
     progress(f"compiling {name} for {json.dumps(target_description(target))} (this takes a minute)")
+    executable = compile_module(mod, target)
+    executable.export_library(str(staging / LIBRARY_FILE))
+    cuda_source_sha256 = None
     if request.target.kind == "cuda":
-        from .cuda import nvcc_fatbin
+        from .cuda import CudaToolchainError, compile_fatbin, find_cuda_source, source_digest
 
-        with nvcc_fatbin(request.target.arch):
-            executable = compile_module(mod, target)
-            executable.export_library(str(staging / LIBRARY_FILE))
-    else:
-        executable = compile_module(mod, target)
-        executable.export_library(str(staging / LIBRARY_FILE))
+        source = find_cuda_source(executable.mod)
+        if source is None:
+            raise CudaToolchainError("the CUDA build produced no CUDA module")
+        progress(f"compiling CUDA kernels with nvcc for {request.target.arch}")
+        (staging / FATBIN_FILE).write_bytes(compile_fatbin(source, target))
+        cuda_source_sha256 = source_digest(source)
     progress(f"compiled in {time.perf_counter() - started:.1f} s; saving weights")
     save_file(params, str(staging / PARAMS_FILE))
     for file_name in TOKENIZER_FILES:
@@ -161,6 +165,7 @@ def _build_into(staging, checkpoint, target, request, name, key, progress) -> No
         files=files,
         required_cpu_flags=required_cpu_flags(target.host if request.target.kind == "cuda" else target),
         cuda_arch=request.target.arch if request.target.kind == "cuda" else None,
+        cuda_source_sha256=cuda_source_sha256,
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
 

@@ -1,39 +1,50 @@
-"""Compile generated CUDA to a fatbin with nvcc while building, so that the exported library
-carries device code and a GPU host needs no compiler (TVM otherwise embeds source or needs
-NVRTC from cuda-bindings at build time)."""
+"""Compile an executable's generated CUDA source to a fatbin with nvcc at build time.
+
+TVM 0.27 keeps CUDA kernels as source inside the exported library and compiles them when the
+library is loaded, through the ``tvm_callback_cuda_compile`` hook (nvcc or NVRTC on the GPU
+host). We compile here instead, on the build machine, and ship the fatbin in the artifact;
+the runtime answers that hook with it (``runtime/cuda_kernels.py``), so a GPU host needs no
+compiler and loads exactly the code that was built and hashed.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import shutil
-from collections.abc import Iterator
 
 import tvm_ffi
-
-_CALLBACK = "tvm_callback_cuda_compile"
+from tvm.target import Target
 
 
 class CudaToolchainError(RuntimeError):
-    """nvcc is needed to build CUDA artifacts and was not found."""
+    """nvcc is needed to build CUDA artifacts and was not found or failed."""
 
 
-@contextlib.contextmanager
-def nvcc_fatbin(arch: str) -> Iterator[None]:
-    """Route TVM's CUDA compile callback to nvcc producing a fatbin for ``arch`` (sm_XX)."""
+def find_cuda_source(module: tvm_ffi.Module) -> str | None:
+    """The CUDA source of the first ``cuda`` module among ``module``'s imports (depth-first)."""
+    if module.kind == "cuda":
+        return module.inspect_source()
+    for imported in module.imports:
+        source = find_cuda_source(imported)
+        if source is not None:
+            return source
+    return None
+
+
+def source_digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def compile_fatbin(source: str, target: Target) -> bytes:
+    """nvcc -> fatbin holding SASS for the target's architecture (e.g. sm_90)."""
     from tvm.support import nvcc
 
     if shutil.which("nvcc") is None:
         raise CudaToolchainError("nvcc is not on PATH; it is needed to compile CUDA artifacts")
-    previous = tvm_ffi.get_global_func(_CALLBACK, allow_missing=True)
-    suffix = arch.removeprefix("sm_")
-
-    def compile_to_fatbin(code: str, *_target: object) -> bytearray:
-        gencode = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
-        return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
-
-    tvm_ffi.register_global_func(_CALLBACK, compile_to_fatbin, override=True)
+    arch = str(target.attrs["arch"]).removeprefix("sm_")
+    gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     try:
-        yield
-    finally:
-        if previous is not None:
-            tvm_ffi.register_global_func(_CALLBACK, previous, override=True)
+        with target:
+            return bytes(nvcc.compile_cuda(source, target_format="fatbin", arch=gencode, compiler="nvcc"))
+    except RuntimeError as err:
+        raise CudaToolchainError(f"nvcc failed to compile the generated CUDA kernels: {err}") from err

@@ -36,8 +36,13 @@ def host_cpu() -> str:
 
 
 def build_target(spec: TargetSpec) -> Target:
-    """The TVM target for a spec; CPU features default to the machine compiling."""
-    host = {"kind": "llvm", "mcpu": spec.mcpu or host_cpu(), "num-cores": spec.num_cores or os.cpu_count() or 1}
+    """The TVM target for a spec; CPU features default to the machine compiling.
+
+    A CUDA artifact's host code is only VM glue, so it targets generic x86-64 by default and
+    loads on any GPU server, whatever CPU built it.
+    """
+    default_cpu = host_cpu() if spec.kind == "llvm" else "x86-64"
+    host = {"kind": "llvm", "mcpu": spec.mcpu or default_cpu, "num-cores": spec.num_cores or os.cpu_count() or 1}
     if spec.kind == "llvm":
         from tvm.target.codegen import llvm_is_valid_cpu
 
@@ -49,9 +54,11 @@ def build_target(spec: TargetSpec) -> Target:
 
 def target_description(target: Target) -> dict:
     """A JSON-able record of the target for manifests and cache keys."""
-    return {key: str(value) for key, value in target.export().items() if key in ("kind", "mcpu", "arch", "num-cores")} | (
-        {"host": target_description(target.host)} if target.host is not None and target.kind.name != "llvm" else {}
-    )
+    kept = ("kind", "mcpu", "arch", "num-cores")
+    description = {key: str(value) for key, value in target.export().items() if key in kept}
+    if target.host is not None and target.kind.name != "llvm":
+        description["host"] = target_description(target.host)
+    return description
 
 
 def tvm_version() -> str:

@@ -10,6 +10,7 @@ import tvm
 from safetensors.numpy import load_file
 from tvm.runtime.vm import VirtualMachine
 
+from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
 from .host import cpu_flags, missing_cpu_flags
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
 
@@ -71,6 +72,8 @@ def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact
     if verify_hashes:
         verify_files(directory, manifest)
     device = choose_device(manifest)
+    if manifest.cuda_source_sha256 is not None:
+        install_prebuilt_kernels(directory / FATBIN_FILE, manifest.cuda_source_sha256)
     library = tvm.runtime.load_module(str(directory / LIBRARY_FILE))
     vm = VirtualMachine(library, device)
     stored = load_file(str(directory / PARAMS_FILE))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.tokenizer import TextTokenizer
-from .engine import Engine, EncoderOutput
+from .engine import EncoderOutput, Engine
 
 
 class Embedder:

@@ -32,6 +32,7 @@ class Manifest:
     files: dict  # file name -> sha256
     required_cpu_flags: list = field(default_factory=list)  # /proc/cpuinfo names, llvm only
     cuda_arch: str | None = None
+    cuda_source_sha256: str | None = None  # the kernels' source, which kernels.fatbin was built from
     inputs: list = field(default_factory=lambda: ["input_ids", "attention_mask", "token_type_ids", "position_ids"])
     outputs: list = field(default_factory=lambda: ["last_hidden_state", "sentence_embedding"])
     format_version: int = FORMAT_VERSION

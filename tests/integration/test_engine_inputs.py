@@ -1,0 +1,40 @@
+"""Bad inputs get an error naming what is wrong, and the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dietserve.runtime.engine import InputError
+
+GOOD = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_ids": GOOD.astype(np.float32)}, "must hold integers"),
+        ({"input_ids": GOOD[0]}, "must be 2-D"),
+        ({"input_ids": np.zeros((1, 0), np.int64)}, "is empty"),
+        ({"input_ids": np.zeros((0, 4), np.int64)}, "is empty"),
+        ({"input_ids": np.full((1, 513), 101)}, "exceeds the model's maximum of 512"),
+        ({"input_ids": np.full((9, 4), 101)}, "exceeds the artifact's maximum of 8"),
+        ({"input_ids": GOOD + 40000}, "outside the vocabulary"),
+        ({"input_ids": -GOOD}, "outside the vocabulary"),
+        ({"input_ids": GOOD, "attention_mask": np.ones((1, 3), np.int64)}, "attention_mask has shape [1, 3]"),
+        ({"input_ids": GOOD, "attention_mask": np.full((1, 4), 2)}, "only 0 and 1"),
+        ({"input_ids": GOOD, "token_type_ids": np.full((1, 4), 2)}, "token_type_ids must lie in"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_clear_message(minilm_engine, kwargs, message) -> None:
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        minilm_engine.run(**kwargs)
+    after = minilm_engine.run(GOOD)
+    assert after.last_hidden_state.shape == (1, 4, 384)
+    assert np.isfinite(after.last_hidden_state).all()
+
+
+def test_defaults_equal_explicit_mask_and_segments(minilm_engine) -> None:
+    implicit = minilm_engine.run(GOOD)
+    explicit = minilm_engine.run(GOOD, np.ones_like(GOOD), np.zeros_like(GOOD))
+    np.testing.assert_array_equal(implicit.sentence_embedding, explicit.sentence_embedding)

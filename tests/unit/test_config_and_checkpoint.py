@@ -1,0 +1,102 @@
+"""Config parsing and checkpoint conversion, on small synthetic checkpoints (no TVM build)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dietserve.model.bert import BertModel, PoolingOptions, export_relax, transposed_weight_names
+from dietserve.model.checkpoint import Checkpoint, CheckpointError, load_parameters
+from dietserve.model.config import BertConfig, ModelConfigError
+from dietserve.model.presets import random_hf_weights
+
+TINY = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=16, max_position_embeddings=12)
+
+
+def test_config_reads_checkpoint_options() -> None:
+    config = BertConfig.from_dict({"model_type": "bert", "hidden_size": 384, "num_attention_heads": 12,
+                                   "hidden_act": "gelu_new", "layer_norm_eps": 1e-5, "unknown_key": 3})
+    assert (config.hidden_size, config.head_dim) == (384, 32)
+    assert (config.hidden_act, config.layer_norm_eps) == ("gelu_new", 1e-5)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"hidden_act": "mish"}, "hidden_act='mish' is not supported"),
+        ({"hidden_size": 100, "num_attention_heads": 12}, "not divisible"),
+        ({"model_type": "roberta"}, "not a BERT checkpoint"),
+        ({"position_embedding_type": "relative_key"}, "only 'absolute'"),
+        ({"num_hidden_layers": 0}, "must be positive"),
+    ],
+)
+def test_config_rejects_what_we_cannot_run(raw: dict, message: str) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        BertConfig.from_dict(raw)
+
+
+def _write_checkpoint(folder: Path, weights: dict[str, np.ndarray], config: BertConfig = TINY) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", **config.to_dict()}))
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_linear_weights_are_transposed_and_prefixes_stripped(tmp_path: Path) -> None:
+    hf = random_hf_weights(TINY, seed=3)
+    prefixed = {f"bert.{name}": tensor for name, tensor in hf.items()}
+    prefixed["bert.embeddings.LayerNorm.gamma"] = prefixed.pop("bert.embeddings.LayerNorm.weight")
+    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", prefixed))
+    model = BertModel(TINY, PoolingOptions())
+    _, expected = export_relax(model, max_batch=2)
+    params = load_parameters(checkpoint, model, expected)
+    query = "encoder.layer.0.attention.self.query.weight"
+    assert query in transposed_weight_names(model)
+    np.testing.assert_array_equal(params[query], hf[query].T)
+    np.testing.assert_array_equal(params["embeddings.LayerNorm.weight"], hf["embeddings.LayerNorm.weight"])
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    hf = random_hf_weights(TINY, seed=3)
+    del hf["encoder.layer.0.output.dense.bias"]
+    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
+    model = BertModel(TINY, PoolingOptions())
+    _, expected = export_relax(model, max_batch=2)
+    with pytest.raises(CheckpointError, match="no tensor 'encoder.layer.0.output.dense.bias'"):
+        load_parameters(checkpoint, model, expected)
+
+
+def test_wrong_shape_is_named(tmp_path: Path) -> None:
+    hf = random_hf_weights(TINY, seed=3)
+    hf["embeddings.word_embeddings.weight"] = np.zeros((49, 8), np.float32)
+    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
+    model = BertModel(TINY, PoolingOptions())
+    _, expected = export_relax(model, max_batch=2)
+    with pytest.raises(CheckpointError, match=r"'embeddings.word_embeddings.weight' has shape \(49, 8\)"):
+        load_parameters(checkpoint, model, expected)
+
+
+def test_folder_without_weights_is_explained(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        Checkpoint.open(tmp_path)
+
+
+def test_sentence_transformers_normalize_module_is_detected(tmp_path: Path) -> None:
+    folder = _write_checkpoint(tmp_path / "st", random_hf_weights(TINY, seed=1))
+    assert not Checkpoint.open(folder).pooling.normalize
+    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Normalize"}]))
+    assert Checkpoint.open(folder).pooling.normalize
+
+
+def test_random_weights_are_seeded() -> None:
+    a, b, c = (random_hf_weights(TINY, seed) for seed in (5, 5, 6))
+    name = "encoder.layer.0.intermediate.dense.weight"
+    np.testing.assert_array_equal(a[name], b[name])
+    assert not np.array_equal(a[name], c[name])
+    assert a[name].shape == (16, 8)  # stored [out, in] as Hugging Face does

@@ -1,0 +1,62 @@
+"""Manifest reading/writing and host capability checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dietserve.runtime.host import cpu_flags, missing_cpu_flags
+from dietserve.runtime.manifest import MANIFEST_FILE, ArtifactError, Manifest, write_text_atomic
+
+
+def _manifest(**changes) -> Manifest:
+    fields = dict(model_name="m", model_config={}, normalize_embeddings=False, target={"kind": "llvm"},
+                  tvm_version="0.27.0", cache_key="k", bounds={"batch": 4, "seq_len": 512},
+                  parameters=[], files={})
+    fields.update(changes)
+    return Manifest(**fields)
+
+
+def test_manifest_round_trips(tmp_path: Path) -> None:
+    write_text_atomic(tmp_path / MANIFEST_FILE, _manifest().to_json())
+    read = Manifest.read(tmp_path)
+    assert read == _manifest() and read.max_batch == 4 and read.max_seq_len == 512
+
+
+def test_future_format_is_refused(tmp_path: Path) -> None:
+    raw = json.loads(_manifest().to_json())
+    raw["format_version"] = 99
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match="format version 99"):
+        Manifest.read(tmp_path)
+
+
+def test_corrupt_manifest_is_explained(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST_FILE).write_text('{"model_name": ')
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        Manifest.read(tmp_path)
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    write_text_atomic(target, "old")
+
+
+    with pytest.raises(TypeError):
+        write_text_atomic(target, object())  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"], "temporary file left behind"
+    assert os.access(target, os.R_OK)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma\n\nprocessor\t: 1\nflags\t: fpu\n")
+    flags = cpu_flags(cpuinfo)
+    assert flags == {"fpu", "sse4_2", "avx", "avx2", "fma"}
+    assert missing_cpu_flags(["avx2", "avx512f"], flags) == ["avx512f"]
+    assert missing_cpu_flags(["avx512f"], None) == []
+    assert cpu_flags(tmp_path / "absent") is None
