@@ -55,3 +55,16 @@ def parallelize_outer(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, keep_
         return
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     sch.parallel(fused)
+
+
+def parallelize_copy(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> None:
+    """A copy/pad block: outer loops fused and parallel, the innermost loop vectorised."""
+    loops = sch.get_loops(block)
+    if len(loops) > 1:
+        vectorize_innermost(sch, block, lanes)
+        outer = loops[:-1]
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    else:
+        outer, vec = sch.split(loops[0], [None, lanes])
+        sch.parallel(outer)
+        sch.vectorize(vec)

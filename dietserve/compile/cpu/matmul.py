@@ -15,7 +15,7 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from .common import float_lanes, is_llvm, static_extent
+from .common import float_lanes, is_llvm, parallelize_copy, static_extent
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
@@ -78,34 +78,29 @@ class CPUMatmul(dlight.ScheduleRule):
             return None
         epilogue = consumers[-1].block_rv if consumers else None
 
-        # Schedule: tile, keep the tile in registers, parallelise over tiles.
+        # Schedule: pad to whole tiles, tile, keep each tile in registers, parallel tiles.
         block = matmul.block_rv
         lanes = float_lanes(target)
+        *batch, i, j, _ = sch.get_loops(block)
+        rows, cols = static_extent(sch, i), static_extent(sch, j)
+        mr, nr = choose_tile(rows, cols, lanes)
+        padded = self._pad_to_tiles(sch, block, len(batch), rows, cols, (mr, nr), lanes)
+        if padded is not None:
+            epilogue = padded
         *batch, i, j, k = sch.get_loops(block)
-        columns_symbolic = static_extent(sch, j) is None
-        mr, nr = choose_tile(static_extent(sch, i), static_extent(sch, j), lanes)
         i_outer, i_inner = sch.split(i, [None, mr])
         j_outer, j_inner = sch.split(j, [None, nr])
         sch.reorder(i_outer, j_outer, k, i_inner, j_inner)
-        if columns_symbolic:
-            # A symbolic column count: the column-tile loop stays serial inside each task so
-            # that partitioning can peel its last, partial tile off a check-free main loop.
-            tiles = sch.fuse(*batch, i_outer)
-            sch.annotate(j_outer, "pragma_loop_partition_hint", 1)
-            tile = j_outer
-        else:
-            tiles = sch.fuse(*batch, i_outer, j_outer)
-            tile = tiles
+        tiles = sch.fuse(*batch, i_outer, j_outer)
         sch.parallel(tiles)
-        sch.annotate(tiles, "pragma_loop_partition_hint", 1)
         accumulator = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(accumulator, tile, preserve_unit_loops=True)
+        sch.reverse_compute_at(accumulator, tiles, preserve_unit_loops=True)
         writers = [accumulator]
         if epilogue is not None:
             try:
                 sch.reverse_compute_inline(epilogue)
             except s_tir.ScheduleError:
-                sch.reverse_compute_at(epilogue, tile, preserve_unit_loops=True)
+                sch.reverse_compute_at(epilogue, tiles, preserve_unit_loops=True)
                 writers.append(epilogue)
         self._vectorize_tile(sch, j_inner, nr, lanes)
         sch.unroll(i_inner)
@@ -113,6 +108,27 @@ class CPUMatmul(dlight.ScheduleRule):
         for writer in writers:
             self._vectorize_tile(sch, sch.get_loops(writer)[-1], nr, lanes)
         return sch
+
+    @staticmethod
+    def _pad_to_tiles(sch, block, n_batch, rows, cols, tile, lanes):
+        """Local padding (DietCode): pad the iteration space to whole tiles so the register
+        tile carries no bound checks and stays a fixed-size register block. The inputs are
+        copied into padded buffers (cheap next to the matmul); the epilogue reads the padded
+        result and writes only the real rows and columns. Returns the epilogue block."""
+        mr, nr = tile
+        pad_rows = rows is None or rows % mr != 0
+        pad_cols = cols is None or cols % nr != 0
+        if not (pad_rows or pad_cols):
+            return None
+        sch.pad_einsum(block, [1] * n_batch + [mr if pad_rows else 1, nr if pad_cols else 1, 1])
+        for producer in sch.get_producers(block):
+            parallelize_copy(sch, producer, lanes)
+        (unpad,) = sch.get_consumers(block)
+        consumers = sch.get_consumers(unpad)
+        if not consumers:
+            return unpad
+        sch.compute_inline(unpad)
+        return consumers[0]
 
     @staticmethod
     def _vectorize_tile(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, nr: int, lanes: int) -> None:

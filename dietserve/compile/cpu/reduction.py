@@ -9,10 +9,24 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base.common_schedules import try_inline_contiguous_spatial
 from tvm.target import Target
 
 from .common import float_lanes, is_llvm, vectorize_innermost
+
+
+def _inline_single_use_spatial(sch: s_tir.Schedule, infos: list) -> list:
+    """Inline element-wise blocks read by one block; keep those read twice (softmax's exp)
+    materialised per row, so each value is computed once and its loop vectorises."""
+    remaining = []
+    for info in infos[:-1]:
+        if info.is_injective() and len(sch.get_consumers(info.block_rv)) == 1:
+            try:
+                sch.compute_inline(info.block_rv)
+                continue
+            except s_tir.ScheduleError:
+                pass
+        remaining.append(info)
+    return [*remaining, infos[-1]]
 
 
 def _leading_spatial(kinds: str) -> int:
@@ -28,8 +42,8 @@ class RowReduction(dlight.ScheduleRule):
         infos = normalize_prim_func(sch)
         if infos is None or all(info.is_injective() for info in infos):
             return None
-        infos = try_inline_contiguous_spatial(sch, infos)
-        if infos is None or not infos[-1].is_injective():
+        infos = _inline_single_use_spatial(sch, infos)
+        if not infos[-1].is_injective():
             return None
         shared = min(_leading_spatial(info.dom_kind()) for info in infos)
         last_loops = sch.get_loops(infos[-1].block_rv)
