@@ -2,9 +2,9 @@
 
 Covers the dense layers ``[T, K] x [K, N] (+ bias, GELU, residual)`` and both attention
 batch-matmuls. Each parallel task computes an ``mr x nr`` output tile in registers over the
-whole reduction, then applies the epilogue while writing the tile back. The row tile is
-symbolic-sized, so the tile loop is marked for partitioning: the main body runs without
-bound checks and only the last partial tile keeps them.
+whole reduction, then applies the epilogue while writing the tile back. Symbolic row or column
+counts are padded up to whole tiles first, so the tile loop carries no bound checks and the
+accumulator is a fixed-size block LLVM keeps in registers.
 """
 
 from __future__ import annotations
@@ -84,7 +84,10 @@ class CPUMatmul(dlight.ScheduleRule):
         *batch, i, j, _ = sch.get_loops(block)
         rows, cols = static_extent(sch, i), static_extent(sch, j)
         mr, nr = choose_tile(rows, cols, lanes)
-        padded = self._pad_to_tiles(sch, block, len(batch), rows, cols, (mr, nr), lanes)
+        try:
+            padded = self._pad_to_tiles(sch, block, len(batch), rows, cols, (mr, nr), lanes)
+        except s_tir.ScheduleError:
+            return None  # not an einsum: tiles could not be padded, so not ours
         if padded is not None:
             epilogue = padded
         *batch, i, j, k = sch.get_loops(block)
@@ -111,10 +114,12 @@ class CPUMatmul(dlight.ScheduleRule):
 
     @staticmethod
     def _pad_to_tiles(sch, block, n_batch, rows, cols, tile, lanes):
-        """Local padding (DietCode): pad the iteration space to whole tiles so the register
-        tile carries no bound checks and stays a fixed-size register block. The inputs are
-        copied into padded buffers (cheap next to the matmul); the epilogue reads the padded
-        result and writes only the real rows and columns. Returns the epilogue block."""
+        """Pad the iteration space to whole tiles (``pad_einsum``) so the register tile carries
+        no bound checks. Unlike DietCode's local padding, which pads inside each tile's local
+        workspace, the inputs are copied into whole padded buffers (cheap next to the matmul,
+        except for attention's seq x seq operand); the epilogue reads the padded result and
+        writes only the real rows and columns. Returns the epilogue block, or None if no
+        padding was needed."""
         mr, nr = tile
         pad_rows = rows is None or rows % mr != 0
         pad_cols = cols is None or cols % nr != 0
