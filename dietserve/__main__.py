@@ -63,7 +63,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         from .compile.artifact import compile_artifact
 
         directory = compile_artifact(_request(args), args.cache_dir, None, progress=_say)
-    embedder = Embedder(Engine(load_artifact(directory)))
+    embedder = Embedder(Engine(load_artifact(directory), threads=args.threads))
     embeddings = embedder.embed(list(args.texts))
     if args.json:
         print(json.dumps({"texts": args.texts, "embeddings": embeddings.tolist()}))
@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed_parser.add_argument("--artifact", type=Path, default=None, help="use this compiled artifact directory")
     embed_parser.add_argument("--similarity", action="store_true", help="print the cosine-similarity matrix")
     embed_parser.add_argument("--json", action="store_true", help="print full vectors as JSON")
+    embed_parser.add_argument("--threads", type=int, default=None,
+                              help="CPU threads for the kernels (default: every CPU this process may use)")
     embed_parser.set_defaults(run=cmd_embed)
     return parser
 

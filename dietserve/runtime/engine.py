@@ -12,6 +12,7 @@ import numpy as np
 import tvm
 
 from .artifact import LoadedArtifact
+from .host import configure_cpu_threads
 
 
 class InputError(ValueError):
@@ -36,8 +37,13 @@ def _as_ids(name: str, value: object, shape: tuple[int, int] | None) -> np.ndarr
 
 
 class Engine:
-    def __init__(self, artifact: LoadedArtifact):
+    """``threads``: CPU threads for an llvm artifact's kernels (default: every CPU this
+    process may use)."""
+
+    def __init__(self, artifact: LoadedArtifact, threads: int | None = None):
         self.artifact = artifact
+        on_cpu = artifact.manifest.target.get("kind") == "llvm"
+        self.threads = configure_cpu_threads(threads) if on_cpu else None
         manifest = artifact.manifest
         self.max_batch = manifest.max_batch
         self.max_seq_len = manifest.max_seq_len

@@ -67,9 +67,6 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dietserve")
     args = parser.parse_args()
-    # TVM's thread pool reads its size at start-up; pinning it through config_threadpool would
-    # also pin the main thread, and with it PyTorch's OpenMP workers, to one core.
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
     import onnxruntime as ort
     import torch
@@ -79,7 +76,7 @@ def main() -> int:
 
     artifact = compile_artifact(CompileRequest(model=args.model, max_batch=1), args.cache_dir,
                                 progress=lambda m: print(f"# {m}", file=sys.stderr))
-    engine = Engine(load_artifact(artifact))
+    engine = Engine(load_artifact(artifact), threads=args.threads)
     folder = resolve_model(args.model, args.cache_dir)
     reference = BertModel.from_pretrained(str(folder)).eval()
     with tempfile.TemporaryDirectory() as scratch:
