@@ -38,3 +38,12 @@ def test_defaults_equal_explicit_mask_and_segments(minilm_engine) -> None:
     implicit = minilm_engine.run(GOOD)
     explicit = minilm_engine.run(GOOD, np.ones_like(GOOD), np.zeros_like(GOOD))
     np.testing.assert_array_equal(implicit.sentence_embedding, explicit.sentence_embedding)
+
+
+def test_engine_uses_every_allowed_cpu_without_pinning_the_caller(minilm_engine) -> None:
+    import os
+
+    before = os.sched_getaffinity(0)
+    assert minilm_engine.threads == len(before)
+    minilm_engine.run(GOOD)
+    assert os.sched_getaffinity(0) == before
