@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
 from tvm.target import Target
 from tvm.target.codegen import llvm_cpu_has_features
 
@@ -68,3 +69,12 @@ def parallelize_copy(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes:
         outer, vec = sch.split(loops[0], [None, lanes])
         sch.parallel(outer)
         sch.vectorize(vec)
+
+
+def normalized_schedule(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule, list[SBlockInfo]] | None:
+    """Every CPU rule's first step: an llvm PrimFunc whose blocks are in normal form, or None."""
+    if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
+        return None
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    return None if infos is None else (sch, infos)

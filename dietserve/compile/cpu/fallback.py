@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from .common import is_llvm
+from .common import normalized_schedule
 
 
 class ParallelFallback(dlight.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
+        normalized = normalized_schedule(func, target)
+        if normalized is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+        sch, infos = normalized
         for info in infos:
             kinds = info.dom_kind()
             spatial = len(kinds) - len(kinds.lstrip("S"))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target import Target
 
-from .common import float_lanes, is_llvm, parallelize_outer, static_extent, vectorize_innermost
+from .common import float_lanes, normalized_schedule, parallelize_outer, static_extent, vectorize_innermost
 
 # Below this many elements in the innermost loop, fusing it into the parallel loop
 # gives threads more work than vectorising it would save.
@@ -18,12 +17,12 @@ MIN_VECTOR_EXTENT = 4
 
 class ParallelInjective(dlight.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
-            return None
         # Analyse: only spatial blocks.
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None or not all(info.is_injective() for info in infos):
+        normalized = normalized_schedule(func, target)
+        if normalized is None:
+            return None
+        sch, infos = normalized
+        if not all(info.is_injective() for info in infos):
             return None
         remaining = try_inline(sch, infos)
 

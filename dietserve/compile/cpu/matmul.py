@@ -12,10 +12,9 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from .common import float_lanes, is_llvm, parallelize_copy, static_extent
+from .common import float_lanes, normalized_schedule, parallelize_copy, static_extent
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
@@ -50,13 +49,11 @@ def choose_tile(rows: int | None, cols: int | None, lanes: int) -> tuple[int, in
 
 class CPUMatmul(dlight.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
-            return None
         # Analyse: exactly one reduction block, spatial axes then one reduction axis.
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
+        normalized = normalized_schedule(func, target)
+        if normalized is None:
             return None
+        sch, infos = normalized
         reductions = [info for info in infos if not info.is_injective()]
         if len(reductions) != 1:
             return None

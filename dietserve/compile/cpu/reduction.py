@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from .common import float_lanes, is_llvm, vectorize_innermost
+from .common import float_lanes, normalized_schedule, vectorize_innermost
 
 
 def _inline_single_use_spatial(sch: s_tir.Schedule, infos: list) -> list:
@@ -35,12 +34,12 @@ def _leading_spatial(kinds: str) -> int:
 
 class RowReduction(dlight.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not is_llvm(target):
-            return None
         # Analyse: some reduction, the last block injective, a shared leading spatial prefix.
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None or all(info.is_injective() for info in infos):
+        normalized = normalized_schedule(func, target)
+        if normalized is None:
+            return None
+        sch, infos = normalized
+        if all(info.is_injective() for info in infos):
             return None
         infos = _inline_single_use_spatial(sch, infos)
         if not infos[-1].is_injective():
