@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import tvm
+from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -48,6 +49,23 @@ class TransposedLinear(nn.Module):
         return op.matmul(x, self.weight) + self.bias
 
 
+class Embedding(nn.Module):
+    """Row lookup whose indices are clamped into the table.
+
+    The engine rejects out-of-vocabulary ids before a call; clamping in the kernel as well
+    means a request that slips past validation reads a wrong row, never memory outside the
+    table (TVM's default "fast" take does no check at all).
+    """
+
+    def __init__(self, num: int, dim: int):
+        self.weight = nn.Parameter((num, dim), "float32")
+
+    def forward(self, ids: nn.Tensor) -> nn.Tensor:
+        flat = op.reshape(ids, (-1,))
+        rows = nn.op.wrap_nested(relax.op.take(self.weight._expr, flat._expr, axis=0, mode="clip"), "take")
+        return op.reshape(rows, (*ids.shape, self.weight.shape[1]))
+
+
 def activation(x: nn.Tensor, name: str) -> nn.Tensor:
     if name == "gelu":
         return op.gelu(x)
@@ -62,9 +80,9 @@ def activation(x: nn.Tensor, name: str) -> nn.Tensor:
 
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig):
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, "float32")
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, "float32")
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, "float32")
+        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:

@@ -47,3 +47,15 @@ def test_engine_uses_every_allowed_cpu_without_pinning_the_caller(minilm_engine)
     assert minilm_engine.threads == len(before)
     minilm_engine.run(GOOD)
     assert os.sched_getaffinity(0) == before
+
+
+def test_kernel_clamps_ids_that_bypass_validation(minilm_engine) -> None:
+    """Defense in depth: the compiled lookup never reads outside the embedding table."""
+    import tvm
+
+    ids = np.array([[101, 10**6, -5, 102]], dtype=np.int64)
+    inputs = [tvm.runtime.tensor(a) for a in (ids, np.ones_like(ids), np.zeros_like(ids), np.arange(4))]
+    hidden, _ = minilm_engine.artifact.vm["forward"](*inputs, *minilm_engine.artifact.params)
+    clamped = np.clip(ids, 0, minilm_engine.vocab_size - 1)
+    expected = minilm_engine.run(clamped).last_hidden_state
+    np.testing.assert_allclose(hidden.numpy(), expected, atol=1e-6)
