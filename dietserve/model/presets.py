@@ -36,8 +36,8 @@ def resolve_model(name_or_folder: str, cache_dir: Path, seed: int = 0) -> Path:
     return Path(name_or_folder)
 
 
-def random_hf_weights(config: BertConfig, seed: int) -> dict[str, np.ndarray]:
-    """Weights initialised like Hugging Face's BertPreTrainedModel (normal(0, 0.02)), seeded.
+def random_hf_weights(config: BertConfig, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
+    """Weights initialised like Hugging Face's BertPreTrainedModel (normal(0, std=0.02)), seeded.
 
     Biases and LayerNorm parameters get small noise too, so a test against a reference
     exercises every tensor rather than zeros and ones.
@@ -51,14 +51,14 @@ def random_hf_weights(config: BertConfig, seed: int) -> dict[str, np.ndarray]:
         if name.endswith("LayerNorm.weight"):
             tensor = 1.0 + 0.02 * rng.standard_normal(shape)
         else:
-            tensor = 0.02 * rng.standard_normal(shape)
+            tensor = std * rng.standard_normal(shape)
         if name in transposed:
             tensor = tensor.T  # checkpoints store linear weights [out, in]
         weights[name] = np.ascontiguousarray(tensor, dtype=np.float32)
     return weights
 
 
-def materialize_random_bert(config: BertConfig, folder: Path, seed: int) -> Path:
+def materialize_random_bert(config: BertConfig, folder: Path, seed: int, std: float = 0.02) -> Path:
     """Write a Hugging Face folder with seeded random weights once; later calls reuse it."""
     if (folder / "model.safetensors").is_file():
         return folder
@@ -67,7 +67,7 @@ def materialize_random_bert(config: BertConfig, folder: Path, seed: int) -> Path
     try:
         hf_config = {"model_type": "bert", "architectures": ["BertModel"], **config.to_dict()}
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
-        save_file(random_hf_weights(config, seed), str(staging / "model.safetensors"))
+        save_file(random_hf_weights(config, seed, std), str(staging / "model.safetensors"))
         # bert-base-uncased shares MiniLM's uncased WordPiece vocabulary (30522 tokens).
         for name in TOKENIZER_FILES:
             source = default_model_folder() / name

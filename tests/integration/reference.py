@@ -23,7 +23,7 @@ def padded_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int):
     mask = np.zeros((batch, seq), dtype=np.int64)
     types = np.zeros((batch, seq), dtype=np.int64)
     for row, length in enumerate(lengths):
-        ids[row, :length] = rng.integers(1000, vocab, length)
+        ids[row, :length] = rng.integers(min(1000, vocab // 2), vocab, length)
         ids[row, 0] = 101  # [CLS]
         mask[row, :length] = 1
         types[row, length // 2 : length] = 1  # a second segment, as in sentence pairs
