@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,18 +24,33 @@ class Encoded:
 class TextTokenizer:
     """Pads a batch to its longest member and truncates to ``max_length`` tokens."""
 
-    def __init__(self, tokenizer_file: Path, max_length: int):
-        if not Path(tokenizer_file).is_file():
-            raise TokenizerError(f"no tokenizer at {tokenizer_file}")
+    def __init__(self, tokenizer: Tokenizer, max_length: int):
         self.max_length = max_length
-        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self._tokenizer = tokenizer
         self._tokenizer.enable_truncation(max_length)
         pad_id = self._tokenizer.token_to_id("[PAD]")
         self._tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id)
 
     @classmethod
     def from_folder(cls, folder: Path, max_length: int) -> TextTokenizer:
-        return cls(Path(folder) / "tokenizer.json", max_length)
+        """``tokenizer.json`` when present; otherwise a WordPiece tokenizer from ``vocab.txt``
+        (older BERT checkpoints), lower-casing as ``tokenizer_config.json`` says."""
+        folder = Path(folder)
+        if (folder / "tokenizer.json").is_file():
+            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length)
+        if (folder / "vocab.txt").is_file():
+            from tokenizers import BertWordPieceTokenizer
+
+            settings_file = folder / "tokenizer_config.json"
+            settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+            wordpiece = BertWordPieceTokenizer(
+                str(folder / "vocab.txt"),
+                lowercase=bool(settings.get("do_lower_case", True)),
+                strip_accents=settings.get("strip_accents"),
+                handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
+            )
+            return cls(wordpiece._tokenizer, max_length)
+        raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
     def encode(self, texts: list[str]) -> Encoded:
         if not texts:
