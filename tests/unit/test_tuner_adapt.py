@@ -1,0 +1,60 @@
+"""f_adapt against values computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.cost_model import adapt_factor, core_occupancy, kernel_instances, padding_efficiency
+from tuner.space import GPU_PRESETS, MicroKernel
+
+# A dense [T, K] x [K, N] micro-kernel: 32 x 64 output tile (8x4 and 4x16 per level), K by 8.
+KERNEL = MicroKernel(tile=(("T", (8, 4)), ("N", (4, 16)), ("K", (8,))), vector=4)
+
+
+def test_tile_extent_is_the_product_of_levels() -> None:
+    assert (KERNEL.tile_of("T"), KERNEL.tile_of("N"), KERNEL.tile_of("K")) == (32, 64, 8)
+
+
+@pytest.mark.parametrize(
+    "t, expected",
+    [
+        (128, 1.0),  # whole tiles
+        (100, 100 / 128),  # 4 tiles of 32 = 128 rows computed for 100
+        (1, 1 / 32),  # one row of a 32-row tile
+        (33, 33 / 64),
+    ],
+)
+def test_padding_efficiency(t: int, expected: float) -> None:
+    shape = {"T": t, "N": 768, "K": 768}
+    assert padding_efficiency(shape, KERNEL, ["T", "N", "K"]) == pytest.approx(expected)
+
+
+def test_padding_multiplies_across_axes() -> None:
+    shape = {"T": 100, "N": 100, "K": 12}
+    # T: 100/128, N: 100/128, K: 12/16
+    assert padding_efficiency(shape, KERNEL, ["T", "N", "K"]) == pytest.approx(0.78125 * 0.78125 * 0.75)
+
+
+def test_occupancy_counts_the_last_partial_wave() -> None:
+    assert core_occupancy(48, 132) == pytest.approx(48 / 132)  # one wave, 84 SMs idle
+    assert core_occupancy(264, 132) == 1.0  # two full waves
+    assert core_occupancy(133, 132) == pytest.approx(133 / 264)  # a second wave of one block
+    assert core_occupancy(5, 2) == pytest.approx(5 / 6)
+
+
+def test_adapt_factor_for_bert_dense_on_h100() -> None:
+    h100 = GPU_PRESETS["h100"]
+    shape = {"T": 100, "N": 768, "K": 768}
+    instances = kernel_instances(shape, KERNEL, ["T", "N"])
+    assert instances == 4 * 12
+    expected = (100 / 128) * (48 / 132)
+    assert adapt_factor(shape, KERNEL, ["T", "N"], ["T", "N", "K"], h100.sm_count) == pytest.approx(expected)
+
+
+def test_bad_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        padding_efficiency({"T": 0, "N": 64, "K": 8}, KERNEL, ["T"])
+    with pytest.raises(ValueError, match="must be positive"):
+        core_occupancy(0, 4)
+    with pytest.raises(ValueError, match="tile sizes"):
+        MicroKernel(tile=(("T", (0,)),))

@@ -1,0 +1,50 @@
+"""f_adapt: how well one micro-kernel fits one concrete shape (DietCode, MLSys 2022).
+
+A micro-kernel's throughput on a shape is its shape-independent throughput (f_microkernel,
+learned) times two analytic penalties:
+- padding efficiency: shapes are padded up to whole tiles, and the padded work is wasted:
+  prod over axes of S / (ceil(S / t) * t);
+- core occupancy: instances run in waves over the cores (SMs on a GPU); a last, partial wave
+  leaves cores idle: P / (ceil(P / cores) * cores) for P instances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from ..space.microkernel import MicroKernel
+
+
+def padding_efficiency(shape: Mapping[str, int], kernel: MicroKernel, axes: Iterable[str]) -> float:
+    efficiency = 1.0
+    for axis in axes:
+        extent, tile = shape[axis], kernel.tile_of(axis)
+        if extent < 1:
+            raise ValueError(f"shape extent of {axis!r} must be positive, got {extent}")
+        efficiency *= extent / (math.ceil(extent / tile) * tile)
+    return efficiency
+
+
+def kernel_instances(shape: Mapping[str, int], kernel: MicroKernel, parallel_axes: Iterable[str]) -> int:
+    """How many micro-kernel instances cover the shape's parallel (spatial) axes."""
+    return math.prod(math.ceil(shape[axis] / kernel.tile_of(axis)) for axis in parallel_axes)
+
+
+def core_occupancy(instances: int, cores: int) -> float:
+    if instances < 1 or cores < 1:
+        raise ValueError(f"instances and cores must be positive, got {instances} and {cores}")
+    return instances / (math.ceil(instances / cores) * cores)
+
+
+def adapt_factor(
+    shape: Mapping[str, int],
+    kernel: MicroKernel,
+    parallel_axes: Iterable[str],
+    padded_axes: Iterable[str],
+    cores: int,
+) -> float:
+    """f_adapt in (0, 1]: multiply f_microkernel's throughput by it to predict this shape's."""
+    parallel_axes = tuple(parallel_axes)
+    instances = kernel_instances(shape, kernel, parallel_axes)
+    return padding_efficiency(shape, kernel, padded_axes) * core_occupancy(instances, cores)

@@ -1,0 +1,5 @@
+"""Append-only tuning records."""
+
+from .records import RecordDatabase, TuningRecord
+
+__all__ = ["RecordDatabase", "TuningRecord"]

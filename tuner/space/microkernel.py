@@ -1,0 +1,53 @@
+"""A micro-kernel is data: the tile it computes and how, independent of any concrete shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class MicroKernel:
+    """One point of the shape-generic search space.
+
+    ``tile`` maps each spatial/reduction axis name to its per-level tile sizes, outermost
+    level first (CPU: register tile, then cache tile; CUDA: thread, warp, block); shapes are
+    padded up to whole tiles, so any tile fits any shape.
+    """
+
+    tile: tuple[tuple[str, tuple[int, ...]], ...]
+    unroll: int = 0  # max unroll steps, 0 = leave to the backend
+    vector: int = 1  # innermost vector width in elements
+    cache_scopes: tuple[str, ...] = ("local",)  # where operands/accumulators are staged
+
+    def __post_init__(self) -> None:
+        for axis, sizes in self.tile:
+            if not sizes or any(size < 1 for size in sizes):
+                raise ValueError(f"tile sizes for axis {axis!r} must be positive, got {sizes}")
+
+    def tile_of(self, axis: str) -> int:
+        """The full extent one micro-kernel instance covers along ``axis``."""
+        for name, sizes in self.tile:
+            if name == axis:
+                product = 1
+                for size in sizes:
+                    product *= size
+                return product
+        raise KeyError(f"micro-kernel has no axis {axis!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MicroKernel:
+        raw = json.loads(text)
+        return cls(
+            tile=tuple((axis, tuple(sizes)) for axis, sizes in raw["tile"]),
+            unroll=raw["unroll"],
+            vector=raw["vector"],
+            cache_scopes=tuple(raw["cache_scopes"]),
+        )
+
+    def __str__(self) -> str:
+        tiles = " ".join(f"{axis}={'x'.join(map(str, sizes))}" for axis, sizes in self.tile)
+        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)})"
