@@ -48,27 +48,26 @@ def vectorize_innermost(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lan
         sch.vectorize(inner)
 
 
-def parallelize_outer(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, keep_inner: int) -> None:
-    """Fuse all but the ``keep_inner`` innermost loops of a block and run them in parallel."""
+# Below this many elements in the innermost loop, fusing it into the parallel loop gives
+# threads more work than vectorising it would save.
+MIN_VECTOR_EXTENT = 4
+
+
+def parallelize_and_vectorize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> None:
+    """An element-wise or copy loop nest: outer loops fused and parallel, innermost vectorised."""
     loops = sch.get_loops(block)
-    outer = loops[: len(loops) - keep_inner]
-    if not outer:
+    if not loops:
         return
-    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-    sch.parallel(fused)
-
-
-def parallelize_copy(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> None:
-    """A copy/pad block: outer loops fused and parallel, the innermost loop vectorised."""
-    loops = sch.get_loops(block)
-    if len(loops) > 1:
-        vectorize_innermost(sch, block, lanes)
-        outer = loops[:-1]
-        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-    else:
-        outer, vec = sch.split(loops[0], [None, lanes])
+    inner = static_extent(sch, loops[-1])
+    if len(loops) == 1 or (inner is not None and inner < MIN_VECTOR_EXTENT):
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        outer, vec = sch.split(fused, [None, lanes])
         sch.parallel(outer)
         sch.vectorize(vec)
+        return
+    vectorize_innermost(sch, block, lanes)
+    outer = loops[:-1]
+    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
 
 
 def normalized_schedule(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule, list[SBlockInfo]] | None:

@@ -14,7 +14,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from .common import float_lanes, normalized_schedule, parallelize_copy, static_extent
+from .common import float_lanes, normalized_schedule, parallelize_and_vectorize, static_extent
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
@@ -124,7 +124,7 @@ class CPUMatmul(dlight.ScheduleRule):
             return None
         sch.pad_einsum(block, [1] * n_batch + [mr if pad_rows else 1, nr if pad_cols else 1, 1])
         for producer in sch.get_producers(block):
-            parallelize_copy(sch, producer, lanes)
+            parallelize_and_vectorize(sch, producer, lanes)
         (unpad,) = sch.get_consumers(block)
         consumers = sch.get_consumers(unpad)
         if not consumers:
