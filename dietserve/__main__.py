@@ -2,6 +2,7 @@
 
     python -m dietserve compile --model default --target llvm --out DIR
     python -m dietserve embed "a sentence" "another sentence" --similarity
+    python -m dietserve serve [--artifact DIR] [--port 8001] [--metrics-port 8002]
 """
 
 from __future__ import annotations
@@ -79,6 +80,42 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import logging
+
+    from .runtime.manifest import Manifest
+    from .server.config import config_from_args
+
+    logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args, args.artifact)  # checks the flags before a long compile
+    if args.artifact is not None:
+        directory = args.artifact
+    else:
+        from .compile.artifact import compile_artifact
+
+        directory = compile_artifact(_request(args), args.cache_dir, None, progress=_say)
+        config = dataclasses.replace(config, artifact=directory)
+    model_name = config.model_name or Manifest.read(directory).model_name
+
+    def load_model():
+        from .model.tokenizer import TextTokenizer
+        from .runtime.artifact import load_artifact
+        from .runtime.engine import Engine
+        from .server.model import ServedModel
+
+        _say(f"loading {directory}")
+        engine = Engine(load_artifact(directory), threads=config.threads)
+        return ServedModel(model_name, engine, TextTokenizer.from_folder(directory, engine.max_seq_len))
+
+    try:
+        from .server.app import serve
+    except ImportError as err:
+        raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
+    return asyncio.run(serve(config, model_name, load_model, _say))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dietserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     embed_parser.add_argument("--threads", type=int, default=None,
                               help="CPU threads for the kernels (default: every CPU this process may use)")
     embed_parser.set_defaults(run=cmd_embed)
+
+    from .server.config import add_server_flags
+
+    serve_parser = commands.add_parser(
+        "serve", help="serve the model over the KServe v2 / Triton gRPC protocol (compiles on first use)")
+    _add_build_flags(serve_parser)
+    serve_parser.add_argument("--artifact", type=Path, default=None, help="serve this compiled artifact directory")
+    add_server_flags(serve_parser)
+    serve_parser.set_defaults(run=cmd_serve)
     return parser
 
 
@@ -107,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     from .compile.target import TargetError
     from .model.checkpoint import CheckpointError
     from .runtime.manifest import ArtifactError
+    from .server.config import ConfigError
 
     try:
         return args.run(args)
-    except (ArtifactError, CheckpointError, TargetError, ValueError) as err:
+    except (ArtifactError, CheckpointError, ConfigError, TargetError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

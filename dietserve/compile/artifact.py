@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from ..model.bert import BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
-from ..model.presets import TOKENIZER_FILES, resolve_model
+from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.host import LLVM_TO_CPUINFO
 from ..runtime.manifest import (
@@ -81,7 +81,7 @@ def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int) 
 
 
 def model_display_name(request: CompileRequest, folder: Path) -> str:
-    return request.model if request.model in ("default", "bert-base") else folder.name
+    return PRESET_DISPLAY_NAMES.get(request.model, folder.name)
 
 
 def default_artifact_dir(cache_dir: Path, name: str, kind: str, key: str) -> Path:
@@ -127,14 +127,16 @@ def compile_artifact(
 
 
 def _build_into(staging, checkpoint, target, request, name, key, progress) -> None:
-    from .pipeline import compile_module
+    from .pipeline import compile_module, dynamic_operators
 
     model = BertModel(checkpoint.config, checkpoint.pooling)
     mod, parameters = export_relax(model, request.max_batch)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
     progress(f"compiling {name} for {json.dumps(target_description(target))} (this takes a minute)")
-    executable = compile_module(mod, target)
+    operators: dict[str, list[str]] = {}
+    executable = compile_module(mod, target, inspect_scheduled=lambda scheduled: operators.update(
+        dynamic_operators(scheduled)))
     executable.export_library(str(staging / LIBRARY_FILE))
     cuda_source_sha256 = None
     if request.target.kind == "cuda":
@@ -166,8 +168,17 @@ def _build_into(staging, checkpoint, target, request, name, key, progress) -> No
         required_cpu_flags=required_cpu_flags(target.host if request.target.kind == "cuda" else target),
         cuda_arch=request.target.arch if request.target.kind == "cuda" else None,
         cuda_source_sha256=cuda_source_sha256,
+        dispatch=untuned_dispatch_table(operators),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
+
+
+def untuned_dispatch_table(operators: dict[str, list[str]]) -> dict:
+    """Every dynamic operator runs its one default-scheduled kernel for every shape."""
+    return {
+        name: {"symbolic": symbolic, "variants": ["default"], "tree": {"variant": "default"}}
+        for name, symbolic in operators.items()
+    }
 
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:

@@ -8,7 +8,7 @@ schedules, which then leave the PrimFuncs it marked ``tirx.is_scheduled`` alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tvm
 from tvm import relax
@@ -87,10 +87,41 @@ def schedule_module(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
         return tvm.transform.Sequential(passes)(mod)
 
 
+def dynamic_operators(mod: tvm.IRModule) -> dict[str, list[str]]:
+    """PrimFunc name -> the symbolic variables in its buffer shapes, for every PrimFunc whose
+    shape depends on the request: the operators a DietCode dispatcher chooses kernels for."""
+    found = {}
+    for gvar, func in mod.functions_items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        names = set()
+        buffer_types = [param.ty for param in func.params if isinstance(param.ty, tvm.tirx.buffer.BufferType)]
+        for buffer_type in buffer_types:
+            for extent in buffer_type.shape:
+                if not isinstance(extent, tvm.tirx.IntImm):
+                    names.update(var.name for var in tvm.tirx.analysis.undefined_vars(extent))
+        if names:
+            found[gvar.name_hint] = sorted(names)
+    return dict(sorted(found.items()))
+
+
 def compile_module(
-    mod: tvm.IRModule, target: Target, link_passes: Sequence[tvm.transform.Pass] = ()
+    mod: tvm.IRModule,
+    target: Target,
+    link_passes: Sequence[tvm.transform.Pass] = (),
+    inspect_scheduled: Callable[[tvm.IRModule], None] | None = None,
 ) -> relax.Executable:
+    """``inspect_scheduled`` sees the module after scheduling, before VM lowering."""
     passes = build_pipeline(target, link_passes)
+    if inspect_scheduled is not None:
+
+        @tvm.transform.module_pass(opt_level=0, name="InspectScheduled")
+        def inspect(module: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+            inspect_scheduled(module)
+            return module
+
+        scheduled_at = len(fast_math_passes()) + len(legalize_passes()) + len(link_passes) + 1
+        passes = [*passes[:scheduled_at], inspect, *passes[scheduled_at:]]
 
     @tvm.transform.module_pass(opt_level=0, name="DietservePipeline")
     def pipeline(module: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

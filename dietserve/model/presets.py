@@ -17,6 +17,8 @@ from .config import BERT_BASE, BertConfig
 DEFAULT_MODEL = "default"
 BERT_BASE_MODEL = "bert-base"
 PRESETS = (DEFAULT_MODEL, BERT_BASE_MODEL)
+# What an artifact (and the server) calls each preset's model.
+PRESET_DISPLAY_NAMES = {DEFAULT_MODEL: "all-MiniLM-L6-v2", BERT_BASE_MODEL: "bert-base"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 

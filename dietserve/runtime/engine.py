@@ -12,6 +12,7 @@ import numpy as np
 import tvm
 
 from .artifact import LoadedArtifact
+from .dispatch import KernelDispatch
 from .host import configure_cpu_threads
 
 
@@ -50,6 +51,7 @@ class Engine:
         self.vocab_size = int(manifest.model_config["vocab_size"])
         self.type_vocab_size = int(manifest.model_config["type_vocab_size"])
         self.hidden_size = int(manifest.model_config["hidden_size"])
+        self.dispatch = KernelDispatch(manifest.dispatch)
         self._forward = artifact.vm["forward"]
         self._positions = np.arange(self.max_seq_len, dtype=np.int64)
         self._lock = threading.Lock()
@@ -91,7 +93,10 @@ class Engine:
         attention_mask: object | None = None,
         token_type_ids: object | None = None,
     ) -> EncoderOutput:
-        ids, mask, types = self.validate(input_ids, attention_mask, token_type_ids)
+        return self.execute(*self.validate(input_ids, attention_mask, token_type_ids))
+
+    def execute(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> EncoderOutput:
+        """Runs arrays that :meth:`validate` returned (int64, contiguous, same shape)."""
         device = self.artifact.device
         inputs = [tvm.runtime.tensor(array, device) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
         with self._lock:

@@ -35,6 +35,9 @@ class Manifest:
     cuda_source_sha256: str | None = None  # the kernels' source, which kernels.fatbin was built from
     inputs: list = field(default_factory=lambda: ["input_ids", "attention_mask", "token_type_ids", "position_ids"])
     outputs: list = field(default_factory=lambda: ["last_hidden_state", "sentence_embedding"])
+    # dynamic operator -> {"symbolic": [vars], "variants": [names], "tree": decision tree}; see
+    # dietserve/runtime/dispatch.py. Untuned artifacts have one variant per operator, "default".
+    dispatch: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 

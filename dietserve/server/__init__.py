@@ -1,0 +1,1 @@
+"""The inference server: KServe v2 / Triton gRPC protocol in front of a compiled artifact."""

@@ -1,0 +1,132 @@
+"""Server lifecycle: listen, load and warm up, serve, and on SIGTERM drain and exit.
+
+    start gRPC (live, not ready) -> load artifact, warm up -> ready (v2 + grpc health SERVING)
+    SIGTERM/SIGINT -> not ready -> keep serving ``drain_seconds`` -> stop accepting, finish
+    in-flight requests (up to ``grace_seconds``) -> exit 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ._proto import open_inference_pb2 as pb
+from ._proto import open_inference_pb2_grpc as pb_grpc
+from .batcher import BatchRun, DynamicBatcher
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .model import ServedModel
+from .servicer import InferenceServicer, ServingState
+
+log = logging.getLogger("dietserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# (batch, seq_len) run once before reporting ready: first-touch of weights, thread pool start.
+WARMUP_SHAPES = ((1, 8), (4, 64))
+
+
+def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[BatchRun], None]:
+    def record(run: BatchRun) -> None:
+        computed = run.rows * run.seq_len
+        metrics.compute_duration.observe(run.compute_seconds)
+        metrics.batch_size.observe(run.rows)
+        metrics.computed_tokens.inc(computed)
+        metrics.padding_tokens.inc(computed - run.real_tokens)
+        metrics.padding_ratio.observe((computed - run.real_tokens) / computed)
+        for operator, variant in run.variants:
+            metrics.kernel_dispatch.labels(operator, variant).inc()
+        model.statistics.record_execution(run.rows, run.compute_seconds)
+
+    return record
+
+
+def _warm_up(model: ServedModel) -> None:
+    import numpy as np
+
+    engine = model.engine
+    for batch, seq in WARMUP_SHAPES:
+        batch, seq = min(batch, engine.max_batch), min(seq, engine.max_seq_len)
+        ids = np.ones((batch, seq), np.int64)
+        engine.execute(ids, np.ones_like(ids), np.zeros_like(ids))
+
+
+async def serve(
+    config: ServerConfig,
+    model_name: str,
+    load_model: Callable[[], ServedModel],
+    say: Callable[[str], None],
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Runs until ``stop`` is set (SIGTERM and SIGINT set it). ``say`` reports progress; the
+    line ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = ServerMetrics()
+    state = ServingState(config=config, metrics=metrics, model_name=model_name)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"[{config.host}]" if ":" in config.host else config.host
+    port = server.add_insecure_port(f"{address}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {config.host}:{config.port}")
+    await server.start()
+    metrics_server, metrics_port = metrics.serve_http(config.host, config.metrics_port)
+    say(f"listening grpc={config.host}:{port} metrics={config.host}:{metrics_port}")
+
+    batcher = None
+    try:
+        model = await loop.run_in_executor(None, load_model)
+        await loop.run_in_executor(None, _warm_up, model)
+        batcher = DynamicBatcher(
+            model.engine,
+            batching=config.batching,
+            max_batch_size=config.max_batch_size,
+            max_queue_delay_s=config.max_queue_delay_ms / 1000,
+            bucket_ratio=config.bucket_ratio,
+            max_queue_rows=config.max_queue_rows,
+            on_queue_change=metrics.queued_rows.set,
+            on_batch=_record_batch(metrics, model),
+        )
+        batcher.start()
+        state.model, state.batcher = model, batcher
+        state.ready = True
+        metrics.ready.set(1)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
+                    if config.batching else "batching off")
+        say(f"ready: model '{model_name}' ({batching})")
+        await stop.wait()
+    finally:
+        state.ready = False
+        metrics.ready.set(0)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if stop.is_set() and config.drain_seconds > 0:
+            say(f"stopping: not ready; serving {config.drain_seconds} s more while load balancers notice")
+            await asyncio.sleep(config.drain_seconds)
+        say("stopping: finishing in-flight requests")
+        await server.stop(config.grace_seconds)
+        if batcher is not None:
+            await batcher.close()
+        metrics_server.shutdown()
+        say("stopped")
+    return 0

@@ -1,0 +1,97 @@
+"""Server configuration: parsed once from the command line into a frozen value."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A server setting is out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    artifact: Path | None  # None until the CLI has compiled one
+    model_name: str | None = None  # default: the artifact's model name
+    host: str = "127.0.0.1"
+    port: int = 8001  # 0 picks a free port
+    metrics_port: int = 8002  # 0 picks a free port
+    batching: bool = True
+    max_batch_size: int = 8  # rows per model execution when batching
+    max_queue_delay_ms: float = 2.0  # how long the oldest request waits for batch-mates
+    bucket_ratio: float = 1.25  # sequence-length buckets grow by this factor: bounds padding waste
+    max_queue_rows: int = 256  # rows waiting to run; beyond this requests get RESOURCE_EXHAUSTED
+    max_request_bytes: int = 16 << 20
+    threads: int | None = None  # CPU threads for the kernels (llvm artifacts)
+    drain_seconds: float = 0.0  # after SIGTERM: not ready but still serving, for load balancers
+    grace_seconds: float = 30.0  # after draining: how long in-flight requests may take
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, f"--port {self.port} is not a TCP port"),
+            (0 <= self.metrics_port <= 65535, f"--metrics-port {self.metrics_port} is not a TCP port"),
+            (self.max_batch_size >= 1, f"--max-batch-size must be at least 1, got {self.max_batch_size}"),
+            (self.max_queue_delay_ms >= 0, f"--max-queue-delay-ms must be >= 0, got {self.max_queue_delay_ms}"),
+            (self.bucket_ratio > 1.0, f"--bucket-ratio must be above 1, got {self.bucket_ratio}"),
+            (self.max_queue_rows >= 1, f"--max-queue-rows must be at least 1, got {self.max_queue_rows}"),
+            (self.max_request_bytes >= 1024,
+             f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}"),
+            (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
+            (self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}"),
+            (self.grace_seconds >= 0, f"--grace-seconds must be >= 0, got {self.grace_seconds}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig(artifact=None)
+    group = parser.add_argument_group("server")
+    group.add_argument("--model-name", default=None, help="name clients use (default: the artifact's model name)")
+    group.add_argument("--host", default=defaults.host,
+                       help=f"address to bind gRPC and metrics to (default {defaults.host}; 0.0.0.0 in a pod)")
+    group.add_argument("--port", type=int, default=defaults.port, help=f"gRPC port (default {defaults.port}; 0: any)")
+    group.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                       help=f"Prometheus /metrics HTTP port (default {defaults.metrics_port}; 0: any)")
+    group.add_argument("--no-batching", dest="batching", action="store_false",
+                       help="run every request alone (default: dynamic batching)")
+    group.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                       help=f"most rows one model execution takes when batching (default {defaults.max_batch_size})")
+    group.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms,
+                       help=f"longest a request waits for batch-mates (default {defaults.max_queue_delay_ms})")
+    group.add_argument("--bucket-ratio", type=float, default=defaults.bucket_ratio,
+                       help="sequence-length buckets grow by this factor; only lengths in one bucket are "
+                            "batched together, so padding is under 1 - 1/ratio of the tokens "
+                            f"(default {defaults.bucket_ratio})")
+    group.add_argument("--max-queue-rows", type=int, default=defaults.max_queue_rows,
+                       help=f"rows allowed to wait; more get RESOURCE_EXHAUSTED (default {defaults.max_queue_rows})")
+    group.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                       help=f"largest request message (default {defaults.max_request_bytes})")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for the kernels (default: every CPU this process may use)")
+    group.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds,
+                       help="after SIGTERM, keep serving this long while reporting not-ready (default 0)")
+    group.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
+                       help=f"then wait this long for in-flight requests (default {defaults.grace_seconds})")
+
+
+def config_from_args(args: argparse.Namespace, artifact: Path | None) -> ServerConfig:
+    return ServerConfig(
+        artifact=artifact,
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        batching=args.batching,
+        max_batch_size=args.max_batch_size,
+        max_queue_delay_ms=args.max_queue_delay_ms,
+        bucket_ratio=args.bucket_ratio,
+        max_queue_rows=args.max_queue_rows,
+        max_request_bytes=args.max_request_bytes,
+        threads=args.threads,
+        drain_seconds=args.drain_seconds,
+        grace_seconds=args.grace_seconds,
+    )

@@ -1,0 +1,57 @@
+"""Prometheus metrics, on their own registry (one per server) and their own HTTP port.
+
+Names follow Prometheus conventions: base units (seconds), ``_total`` counters, histograms with
+sub-millisecond buckets because a short request's server overhead is tens of microseconds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+DURATION_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
+    1.0, 2.5, 5.0, 10.0,
+)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024)
+RATIO_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dietserve_requests", "gRPC requests by method and status code",
+                                ["method", "code"], registry=r)
+        self.request_duration = Histogram(
+            "dietserve_request_duration_seconds", "ModelInfer time in the server, from receipt to response",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.queue_duration = Histogram(
+            "dietserve_queue_duration_seconds", "time a request waited for its batch to start",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.compute_duration = Histogram(
+            "dietserve_compute_duration_seconds", "model execution time per batch",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.batch_size = Histogram("dietserve_batch_size", "rows per model execution",
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.sequence_length = Histogram("dietserve_request_sequence_length", "tokens per row of a request",
+                                         buckets=LENGTH_BUCKETS, registry=r)
+        self.padding_ratio = Histogram(
+            "dietserve_batch_padding_ratio", "share of a batch's computed tokens that are padding",
+            buckets=RATIO_BUCKETS, registry=r)
+        self.padding_tokens = Counter("dietserve_padding_tokens",
+                                      "tokens computed only because a batch was padded", registry=r)
+        self.computed_tokens = Counter("dietserve_computed_tokens", "tokens computed, padding included",
+                                       registry=r)
+        self.inflight = Gauge("dietserve_inflight_requests", "ModelInfer requests being handled", registry=r)
+        self.queued_rows = Gauge("dietserve_queued_rows", "rows waiting for a batch", registry=r)
+        self.kernel_dispatch = Counter(
+            "dietserve_kernel_dispatch", "model executions by dynamic operator and the kernel variant it ran",
+            ["operator", "variant"], registry=r)
+        self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
+
+    def serve_http(self, host: str, port: int) -> tuple[object, int]:
+        """Starts /metrics in a daemon thread; returns (server, bound port)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_port

@@ -1,0 +1,134 @@
+"""The served model: an engine and tokenizer, its v2 metadata and Triton config and statistics."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..model.tokenizer import TextTokenizer
+from ..runtime.engine import Engine
+from ._proto import open_inference_pb2 as pb
+from .requests import ID_INPUTS, OUTPUTS, TEXT_INPUT
+
+PLATFORM = "dietserve_tvm"
+VERSION = "1"
+
+
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+    def proto(self) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass
+class ModelStatistics:
+    """Triton's per-model statistics; updated on the event loop thread only."""
+
+    last_inference_ms: int = 0
+    inference_count: int = 0
+    execution_count: int = 0
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    queue: _Duration = field(default_factory=_Duration)
+    compute_infer: _Duration = field(default_factory=_Duration)
+    by_batch_size: dict = field(default_factory=lambda: defaultdict(_Duration))
+
+    def record_request(self, ok: bool, rows: int, seconds: float, queue_seconds: float | None) -> None:
+        (self.success if ok else self.fail).add(seconds)
+        if ok:
+            self.inference_count += rows
+            self.last_inference_ms = int(time.time() * 1000)
+        if queue_seconds is not None:
+            self.queue.add(queue_seconds)
+
+    def record_execution(self, rows: int, seconds: float) -> None:
+        self.execution_count += 1
+        self.compute_infer.add(seconds)
+        self.by_batch_size[rows].add(seconds)
+
+
+class ServedModel:
+    def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer):
+        self.name = name
+        self.version = VERSION
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.statistics = ModelStatistics()
+        manifest = engine.artifact.manifest
+        self.target_kind = manifest.target.get("kind", "llvm")
+
+    def metadata(self) -> pb.ModelMetadataResponse:
+        hidden = self.engine.hidden_size
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=self.name,
+            versions=[self.version],
+            platform=PLATFORM,
+            inputs=[tensor(name=name, datatype="INT64", shape=[-1, -1]) for name in ID_INPUTS]
+            + [tensor(name=TEXT_INPUT, datatype="BYTES", shape=[-1])],
+            outputs=[
+                tensor(name=OUTPUTS[0], datatype="FP32", shape=[-1, -1, hidden]),
+                tensor(name=OUTPUTS[1], datatype="FP32", shape=[-1, hidden]),
+            ],
+        )
+
+    def config(self, batching: bool, max_queue_delay_ms: float, buckets: list[int]) -> pb.ModelConfig:
+        """Triton's model configuration; dims exclude the batch dimension (max_batch_size > 0)."""
+        hidden = self.engine.hidden_size
+        ids = [pb.ModelInput(name=name, data_type=pb.TYPE_INT64, dims=[-1], optional=name != "input_ids")
+               for name in ID_INPUTS]
+        text = pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[1],
+                             reshape=pb.ModelTensorReshape(shape=[]), optional=True)
+        manifest = self.engine.artifact.manifest
+        config = pb.ModelConfig(
+            name=self.name,
+            platform=PLATFORM,
+            backend="dietserve",
+            max_batch_size=self.engine.max_batch,
+            input=[*ids, text],
+            output=[
+                pb.ModelOutput(name=OUTPUTS[0], data_type=pb.TYPE_FP32, dims=[-1, hidden]),
+                pb.ModelOutput(name=OUTPUTS[1], data_type=pb.TYPE_FP32, dims=[hidden]),
+            ],
+            instance_group=[pb.ModelInstanceGroup(
+                name=self.name, count=1,
+                kind=pb.ModelInstanceGroup.KIND_GPU if self.target_kind == "cuda" else pb.ModelInstanceGroup.KIND_CPU,
+            )],
+            default_model_filename="model.so",
+        )
+        if batching:
+            config.dynamic_batching.max_queue_delay_microseconds = int(max_queue_delay_ms * 1000)
+        parameters = {
+            "max_sequence_length": str(self.engine.max_seq_len),
+            "sequence_length_buckets": ",".join(map(str, buckets)),
+            "target": manifest.target.get("kind", ""),
+            "dynamic_operators": ",".join(self.engine.dispatch.operators),
+            "cache_key": manifest.cache_key,
+        }
+        for key, value in parameters.items():
+            config.parameters[key].string_value = value
+        return config
+
+    def statistics_proto(self) -> pb.ModelStatistics:
+        s = self.statistics
+        return pb.ModelStatistics(
+            name=self.name,
+            version=self.version,
+            last_inference=s.last_inference_ms,
+            inference_count=s.inference_count,
+            execution_count=s.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=s.success.proto(), fail=s.fail.proto(), queue=s.queue.proto(),
+                compute_infer=s.compute_infer.proto(),
+            ),
+            batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())
+                         for size, d in sorted(s.by_batch_size.items())],
+        )
