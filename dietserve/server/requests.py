@@ -8,13 +8,16 @@ Outputs: ``last_hidden_state`` [batch, seq, hidden] and ``sentence_embedding`` [
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..model.tokenizer import TextTokenizer
 from ..runtime.engine import Engine, InputError
-from ._proto import open_inference_pb2 as pb
 from .tensors import RequestError, decode_inputs
+
+if TYPE_CHECKING:  # messages are duck-typed: any wire-identical v2 classes work
+    from ._proto import open_inference_pb2 as pb
 
 ID_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TEXT_INPUT = "text"

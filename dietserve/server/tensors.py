@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from ._proto import open_inference_pb2 as pb
+if TYPE_CHECKING:  # messages are duck-typed: any wire-identical v2 classes work
+    from ._proto import open_inference_pb2 as pb
+
 
 # v2 datatype -> (little-endian numpy dtype, typed-contents field)
 DATATYPES: dict[str, tuple[np.dtype, str]] = {

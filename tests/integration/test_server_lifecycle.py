@@ -1,0 +1,110 @@
+"""Server lifecycle under load: SIGTERM drains without losing accepted requests; a full queue
+answers RESOURCE_EXHAUSTED; batching off runs every request alone. Real server processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from .server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+MODEL = "minilm"
+ATOL = 1e-4
+
+
+def _input(ids: np.ndarray) -> triton.InferInput:
+    tensor = triton.InferInput("input_ids", list(ids.shape), "INT64")
+    tensor.set_data_from_numpy(ids)
+    return tensor
+
+
+def test_sigterm_during_load_loses_no_accepted_request(minilm_artifact: Path, minilm_engine):
+    server = ServerProcess(minilm_artifact, "--drain-seconds", "1.0", "--grace-seconds", "60", model_name=MODEL)
+    rng = np.random.default_rng(3)
+    cases = [rng.integers(1000, 5000, size=(1, int(rng.integers(64, 256)))) for _ in range(6)]
+    expected = [minilm_engine.run(ids).sentence_embedding for ids in cases]
+    outcomes: list[tuple[float, str]] = []  # (finish time, "ok" | "wrong" | status code name)
+    signalled = threading.Event()
+    lock = threading.Lock()
+
+    def client_loop(seed: int) -> None:
+        with triton.InferenceServerClient(server.grpc_url) as client:
+            for attempt in range(1000):
+                index = (seed + attempt) % len(cases)
+                try:
+                    result = client.infer(MODEL, [_input(cases[index])], client_timeout=120)
+                    ok = np.allclose(result.as_numpy("sentence_embedding"), expected[index], atol=ATOL)
+                    outcome = "ok" if ok else "wrong"
+                except triton.InferenceServerException as err:
+                    outcome = str(err.status())
+                with lock:
+                    outcomes.append((time.monotonic(), outcome))
+                if outcome != "ok" and signalled.is_set():
+                    return
+
+    threads = [threading.Thread(target=client_loop, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    while sum(1 for _, o in outcomes if o == "ok") < 8:
+        time.sleep(0.05)
+    signal_time = time.monotonic()
+    server.terminate()
+    signalled.set()
+    # While draining, readiness is off but requests are still served.
+    with triton.InferenceServerClient(server.grpc_url) as probe:
+        deadline = time.monotonic() + 0.8
+        saw_not_ready = False
+        while time.monotonic() < deadline and not saw_not_ready:
+            saw_not_ready = not probe.is_server_ready()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert server.wait(timeout=120) == 0, server.log()
+
+    assert saw_not_ready, "readiness should turn off as soon as SIGTERM arrives"
+    kinds = {outcome for _, outcome in outcomes}
+    assert "wrong" not in kinds
+    # Refused after the server stopped accepting is fine (never accepted); anything else is a loss.
+    assert kinds <= {"ok", "StatusCode.UNAVAILABLE"}, kinds
+    finished_after_signal = [o for t, o in outcomes if t > signal_time and o == "ok"]
+    assert finished_after_signal, "requests in flight or arriving during the drain should have completed"
+    assert "stopped" in server.log()
+
+
+def test_full_queue_answers_resource_exhausted_and_batching_off_runs_alone(minilm_artifact: Path, minilm_engine):
+    server = ServerProcess(minilm_artifact, "--no-batching", "--max-queue-rows", "2", model_name=MODEL)
+    try:
+        ids = np.full((1, 384), 2000, dtype=np.int64)
+        expected = minilm_engine.run(ids).sentence_embedding
+        outcomes: list[str] = []
+
+        def one() -> None:
+            with triton.InferenceServerClient(server.grpc_url) as client:
+                try:
+                    result = client.infer(MODEL, [_input(ids)], client_timeout=120)
+                    ok = np.allclose(result.as_numpy("sentence_embedding"), expected, atol=ATOL)
+                    outcomes.append("ok" if ok else "wrong")
+                except triton.InferenceServerException as err:
+                    outcomes.append(f"{err.status()}: {err.message()}")
+
+        threads = [threading.Thread(target=one) for _ in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        exhausted = [o for o in outcomes if o.startswith("StatusCode.RESOURCE_EXHAUSTED")]
+        assert exhausted and all("queue full" in o for o in exhausted), outcomes
+        assert set(outcomes) - set(exhausted) == {"ok"}, outcomes
+        with triton.InferenceServerClient(server.grpc_url) as client:
+            assert client.get_model_config(MODEL).config.WhichOneof("scheduling_choice") is None
+            stats = client.get_inference_statistics(MODEL).model_stats[0]
+            assert stats.execution_count == stats.inference_count  # every request ran alone
+            assert {b.batch_size for b in stats.batch_stats} == {1}
+    finally:
+        server.stop()
+    assert server.process.returncode == 0

@@ -1,0 +1,273 @@
+"""Server pieces without a server: the proto's wire compatibility with Triton's, reproducible
+code generation, tensor decoding, buckets and padding, dispatch trees, configuration.
+
+Request messages come from tritonclient's generated classes (wire-identical to ours); the test
+process never imports dietserve.server._proto, whose protobuf package is the same."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import descriptor_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from dietserve.runtime.dispatch import KernelDispatch
+from dietserve.runtime.engine import EncoderOutput
+from dietserve.runtime.manifest import ArtifactError
+from dietserve.server.batcher import DynamicBatcher, Job, bucket_edges, pad_rows
+from dietserve.server.config import ConfigError, ServerConfig
+from dietserve.server.protogen import VIRTUAL_ROOT, generate
+from dietserve.server.requests import EncoderRequest
+from dietserve.server.tensors import RequestError, decode_input, decode_inputs
+
+PROTOS = Path(__file__).resolve().parents[2] / "protos"
+
+
+# ---------------------------------------------------------------------------- the proto file
+
+
+def _our_descriptors(tmp_path: Path) -> descriptor_pb2.FileDescriptorProto:
+    from grpc_tools import protoc
+
+    out = tmp_path / "set.pb"
+    source = PROTOS / "open_inference.proto"
+    assert protoc.main(["protoc", f"-I{PROTOS}", f"--descriptor_set_out={out}", str(source)]) == 0
+    files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    (ours,) = files.file
+    assert ours.package == "inference"
+    return ours
+
+
+def _messages(file: descriptor_pb2.FileDescriptorProto) -> dict[str, descriptor_pb2.DescriptorProto]:
+    found = {}
+
+    def walk(message, prefix):
+        found[prefix + message.name] = message
+        for nested in message.nested_type:
+            walk(nested, prefix + message.name + ".")
+
+    for message in file.message_type:
+        walk(message, "")
+    return found
+
+
+def _triton_messages() -> dict[str, descriptor_pb2.DescriptorProto]:
+    messages = {}
+    for module in (service_pb2, model_config_pb2):
+        file = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(file)
+        messages.update(_messages(file))
+    return messages
+
+
+def test_proto_is_wire_compatible_with_triton(tmp_path):
+    ours = _our_descriptors(tmp_path)
+    theirs = _triton_messages()
+    for name, message in _messages(ours).items():
+        assert name in theirs, f"{name} is not a Triton message"
+        their_fields = {f.name: f for f in theirs[name].field}
+        for field in message.field:
+            assert field.name in their_fields, f"{name}.{field.name} is not in Triton's {name}"
+            reference = their_fields[field.name]
+            assert (field.number, field.type, field.label) == (reference.number, reference.type, reference.label), \
+                f"{name}.{field.name} differs from Triton's"
+            assert field.type_name == reference.type_name, f"{name}.{field.name} has another message type"
+    service = ours.service[0]
+    assert service.name == "GRPCInferenceService"
+    triton_methods = {m.name: m for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    required = {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+                "ModelConfig", "ModelStatistics", "RepositoryIndex"}
+    assert {m.name for m in service.method} == required
+    for method in service.method:
+        reference = triton_methods[method.name]
+        assert method.input_type == "." + reference.input_type.full_name
+        assert method.output_type == "." + reference.output_type.full_name
+
+
+def test_code_generation_is_reproducible(tmp_path):
+    first = generate(PROTOS, tmp_path / "a" / "_proto")
+    second = generate(PROTOS, tmp_path / "b" / "_proto")
+    assert [p.name for p in first] == [p.name for p in second]
+    assert {"open_inference_pb2.py", "open_inference_pb2_grpc.py", "__init__.py"} <= {p.name for p in first}
+    for a, b in zip(first, second, strict=True):
+        assert filecmp.cmp(a, b, shallow=False), a.name
+    grpc_module = (tmp_path / "a" / "_proto" / "open_inference_pb2_grpc.py").read_text()
+    assert f"from {VIRTUAL_ROOT.replace('/', '.')} import open_inference_pb2" in grpc_module
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _tensor(name, datatype, shape):
+    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=shape)
+
+
+def test_decode_raw_and_typed_numbers():
+    values = np.arange(6, dtype=np.int64).reshape(2, 3)
+    np.testing.assert_array_equal(decode_input(_tensor("x", "INT64", [2, 3]), values.tobytes()), values)
+    typed = _tensor("x", "INT64", [2, 3])
+    typed.contents.int64_contents.extend(values.ravel().tolist())
+    np.testing.assert_array_equal(decode_input(typed, None), values)
+    floats = _tensor("f", "FP32", [3])
+    floats.contents.fp32_contents.extend([0.5, 1.5, -2.0])
+    np.testing.assert_array_equal(decode_input(floats, None), np.array([0.5, 1.5, -2.0], np.float32))
+
+
+def test_decode_bytes_raw_and_typed():
+    items = [b"hello", b"", "caf\u00e9".encode()]
+    raw = b"".join(len(i).to_bytes(4, "little") + i for i in items)
+    assert decode_input(_tensor("t", "BYTES", [3]), raw) == items
+    typed = _tensor("t", "BYTES", [3])
+    typed.contents.bytes_contents.extend(items)
+    assert decode_input(typed, None) == items
+
+
+@pytest.mark.parametrize("tensor, raw, message", [
+    (_tensor("x", "INT64", [2, 3]), b"\0" * 40, "40 bytes of raw data; shape [2, 3] of INT64 needs 48"),
+    (_tensor("x", "INT64", [-1, 3]), b"", "negative dimension"),
+    (_tensor("x", "COMPLEX", [1]), b"\0", "does not define"),
+    (_tensor("t", "BYTES", [2]), (5).to_bytes(4, "little") + b"abc", "runs past the data"),
+    (_tensor("t", "BYTES", [2]), (1).to_bytes(4, "little") + b"a", "holds 1 BYTES elements but its shape needs 2"),
+    (_tensor("t", "BYTES", [1]), b"\1\0", "ends inside an element length"),
+    (_tensor("x", "INT32", [2]), None, "holds 0 INT32 values"),
+])
+def test_decode_errors_name_the_problem(tensor, raw, message):
+    with pytest.raises(RequestError) as raised:
+        decode_input(tensor, raw)
+    assert message in str(raised.value)
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_raw_contents_must_cover_every_input():
+    request = service_pb2.ModelInferRequest()
+    request.inputs.add(name="a", datatype="INT64", shape=[1])
+    request.inputs.add(name="b", datatype="INT64", shape=[1])
+    request.raw_input_contents.append(np.int64(1).tobytes())
+    with pytest.raises(RequestError, match="1 entries for 2 inputs"):
+        decode_inputs(request)
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_bucket_edges_bound_padding():
+    ratio = 1.25
+    edges = bucket_edges(512, ratio)
+    assert edges[0] == 8 and edges[-1] == 512 and edges == sorted(set(edges))
+    assert all(edge % 8 == 0 for edge in edges)
+    for low, high in zip(edges, edges[1:], strict=False):
+        if low >= 32:  # above the 8-token granularity the growth is the ratio, rounded to 8
+            assert high <= low * ratio + 8
+    assert bucket_edges(1, 1.5) == [1]
+
+
+def _job(ids: np.ndarray, bucket: int = 0) -> Job:
+    request = EncoderRequest(ids, np.ones_like(ids), np.zeros_like(ids), ("sentence_embedding",))
+    return Job(request, bucket, future=None)
+
+
+def test_pad_rows_pads_with_masked_zeros():
+    a = np.array([[5, 6, 7]])
+    b = np.array([[8], [9]])
+    ids, mask, types = pad_rows([_job(a), _job(b)], 3)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [8, 0, 0], [9, 0, 0]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [1, 0, 0], [1, 0, 0]])
+    assert types.shape == (3, 3) and not types.any()
+
+
+class _RecordingEngine:
+    """Stands in for the VM (the real engine is exercised by the integration tests): returns
+    each row's ids as its hidden state so the batcher's splitting can be checked exactly."""
+
+    max_batch, max_seq_len = 8, 64
+
+    def __init__(self):
+        self.calls = []
+        self.dispatch = KernelDispatch({})
+
+    def execute(self, ids, mask, types):
+        self.calls.append(ids.shape)
+        hidden = np.repeat(ids[:, :, None].astype(np.float32), 2, axis=2)
+        return EncoderOutput(hidden, (hidden * mask[:, :, None]).sum(axis=1))
+
+
+def test_batcher_groups_one_bucket_and_splits_results():
+    engine = _RecordingEngine()
+    runs = []
+
+    async def scenario():
+        batcher = DynamicBatcher(engine, batching=True, max_batch_size=4, max_queue_delay_s=0.05,
+                                 bucket_ratio=1.25, max_queue_rows=16, on_batch=runs.append)
+        batcher.start()
+        rows = [np.full((1, n), n) for n in (3, 5, 7)] + [np.full((1, 40), 40)]
+        requests = [EncoderRequest(r, np.ones_like(r), np.zeros_like(r), ()) for r in rows]
+        results = await asyncio.gather(*(batcher.submit(r) for r in requests))
+        await batcher.close()
+        return rows, results
+
+    rows, results = asyncio.run(scenario())
+    assert sorted(engine.calls) == [(1, 40), (3, 7)]  # 3, 5, 7 share the first bucket; 40 runs alone
+    for row, result in zip(rows, results, strict=True):
+        np.testing.assert_array_equal(result.output.last_hidden_state[..., 0], row)
+        np.testing.assert_array_equal(result.output.sentence_embedding[:, 0], row.sum(axis=1))
+    padded = next(run for run in runs if run.rows == 3)
+    assert padded.real_tokens == 15 and padded.rows * padded.seq_len == 21
+
+
+def test_batcher_refuses_when_the_queue_is_full():
+    from dietserve.server.batcher import QueueFull
+
+    engine = _RecordingEngine()
+
+    async def scenario():
+        batcher = DynamicBatcher(engine, batching=True, max_batch_size=8, max_queue_delay_s=0.2,
+                                 bucket_ratio=1.25, max_queue_rows=2)
+        batcher.start()
+        ids = np.ones((2, 4), np.int64)
+        first = asyncio.ensure_future(batcher.submit(EncoderRequest(ids, ids, ids * 0, ())))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull, match="queue full"):
+            await batcher.submit(EncoderRequest(ids, ids, ids * 0, ()))
+        await first
+        await batcher.close()
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- dispatch, config
+
+
+def test_dispatch_tree_chooses_by_shape():
+    tree = {"var": "tokens", "le": 64,
+            "then": {"variant": "small"},
+            "else": {"var": "seq_len", "le": 256, "then": {"variant": "mid"}, "else": {"variant": "large"}}}
+    dispatch = KernelDispatch({"dense": {"variants": ["small", "mid", "large"], "tree": tree},
+                               "cast": {"variants": ["default"], "tree": {"variant": "default"}}})
+    assert dict(dispatch.variants(1, 64)) == {"cast": "default", "dense": "small"}
+    assert dict(dispatch.variants(2, 33))["dense"] == "mid"
+    assert dict(dispatch.variants(1, 300))["dense"] == "large"
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"op": {"variants": ["a"], "tree": {"variant": "b"}}}, "unknown variant 'b'"),
+    ({"op": {"variants": [], "tree": {"variant": "a"}}}, "lists no variants"),
+    ({"op": {"variants": ["a"], "tree": {"var": "width", "le": 3, "then": {"variant": "a"}}}}, "malformed"),
+])
+def test_dispatch_rejects_malformed_tables(table, message):
+    with pytest.raises(ArtifactError, match=message):
+        KernelDispatch(table)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"port": 70000}, "--port"), ({"max_batch_size": 0}, "--max-batch-size"),
+    ({"bucket_ratio": 1.0}, "--bucket-ratio"), ({"max_queue_rows": 0}, "--max-queue-rows"),
+    ({"max_queue_delay_ms": -1}, "--max-queue-delay-ms"), ({"grace_seconds": -1}, "--grace-seconds"),
+])
+def test_config_rejects_out_of_range_settings(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(artifact=None, **change)
