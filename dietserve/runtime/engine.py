@@ -45,6 +45,11 @@ class Engine:
         self.artifact = artifact
         on_cpu = artifact.manifest.target.get("kind") == "llvm"
         self.threads = configure_cpu_threads(threads) if on_cpu else None
+        # TVM's CPU thread pool is per calling thread: a thread that runs the VM without
+        # configuring its own pool gets TVM's default (half the cores on x86). Each calling
+        # thread configures once, on its first call.
+        self._configured = threading.local()
+        self._configured.done = True
         manifest = artifact.manifest
         self.max_batch = manifest.max_batch
         self.max_seq_len = manifest.max_seq_len
@@ -97,6 +102,9 @@ class Engine:
 
     def execute(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> EncoderOutput:
         """Runs arrays that :meth:`validate` returned (int64, contiguous, same shape)."""
+        if self.threads is not None and not getattr(self._configured, "done", False):
+            configure_cpu_threads(self.threads)
+            self._configured.done = True
         device = self.artifact.device
         inputs = [tvm.runtime.tensor(array, device) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
         with self._lock:

@@ -32,6 +32,8 @@ WARMUP_SHAPES = ((1, 8), (4, 64))
 
 
 def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[BatchRun], None]:
+    dispatch_counters = {}  # labels() costs microseconds; a model has dozens of dynamic operators
+
     def record(run: BatchRun) -> None:
         computed = run.rows * run.seq_len
         metrics.compute_duration.observe(run.compute_seconds)
@@ -39,8 +41,11 @@ def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[Batch
         metrics.computed_tokens.inc(computed)
         metrics.padding_tokens.inc(computed - run.real_tokens)
         metrics.padding_ratio.observe((computed - run.real_tokens) / computed)
-        for operator, variant in run.variants:
-            metrics.kernel_dispatch.labels(operator, variant).inc()
+        for key in run.variants:
+            counter = dispatch_counters.get(key)
+            if counter is None:
+                counter = dispatch_counters[key] = metrics.kernel_dispatch.labels(*key)
+            counter.inc()
         model.statistics.record_execution(run.rows, run.compute_seconds)
 
     return record

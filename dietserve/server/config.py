@@ -21,7 +21,7 @@ class ServerConfig:
     batching: bool = True
     max_batch_size: int = 8  # rows per model execution when batching
     max_queue_delay_ms: float = 2.0  # how long the oldest request waits for batch-mates
-    bucket_ratio: float = 1.25  # sequence-length buckets grow by this factor: bounds padding waste
+    bucket_ratio: float = 1.5  # sequence-length buckets grow by this factor: bounds padding waste
     max_queue_rows: int = 256  # rows waiting to run; beyond this requests get RESOURCE_EXHAUSTED
     max_request_bytes: int = 16 << 20
     threads: int | None = None  # CPU threads for the kernels (llvm artifacts)
