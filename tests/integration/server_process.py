@@ -20,10 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, *flags: str, model_name: str = "minilm"):
+    def __init__(self, artifact: Path, *flags: str, model_name: str = "minilm", command: list[str] | None = None):
         self.model_name = model_name
-        command = [sys.executable, "-m", "dietserve", "serve", "--artifact", str(artifact),
-                   "--model-name", model_name, "--port", "0", "--metrics-port", "0", *flags]
+        command = command or [sys.executable, "-m", "dietserve", "serve", "--artifact", str(artifact),
+                              "--model-name", model_name, "--port", "0", "--metrics-port", "0", *flags]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []

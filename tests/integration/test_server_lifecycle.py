@@ -3,6 +3,7 @@ answers RESOURCE_EXHAUSTED; batching off runs every request alone. Real server p
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -108,3 +109,22 @@ def test_full_queue_answers_resource_exhausted_and_batching_off_runs_alone(minil
     finally:
         server.stop()
     assert server.process.returncode == 0
+
+
+def test_unexpected_error_is_internal_without_a_traceback_and_serving_goes_on(minilm_artifact: Path):
+    script = Path(__file__).parent / "clients" / "faulty_server.py"
+    fault = 4242
+    server = ServerProcess(minilm_artifact, command=[sys.executable, str(script), str(minilm_artifact), str(fault)])
+    try:
+        with triton.InferenceServerClient(server.grpc_url) as client:
+            with pytest.raises(triton.InferenceServerException) as raised:
+                client.infer(MODEL, [_input(np.array([[101, fault, 102]]))])
+            assert raised.value.status() == "StatusCode.INTERNAL"
+            assert "internal error (reference" in raised.value.message()
+            assert "secret" not in raised.value.message() and "Traceback" not in raised.value.message()
+            good = client.infer(MODEL, [_input(np.array([[101, 2000, 102]]))])
+            assert good.as_numpy("sentence_embedding").shape == (1, 384)
+    finally:
+        server.stop()
+    reference = raised.value.message().split("reference ")[1].split(" ")[0]
+    assert f"reference {reference}" in server.log() and "injected fault" in server.log()
