@@ -69,13 +69,19 @@ def lower_passes(target: Target) -> list[tvm.transform.Pass]:
     ]
 
 
-def build_pipeline(target: Target, link_passes: Sequence[tvm.transform.Pass] = ()) -> list[tvm.transform.Pass]:
-    """The pass list for ``target``; ``link_passes`` replace PrimFuncs with tuned kernels."""
+def build_pipeline(
+    target: Target,
+    link_passes: Sequence[tvm.transform.Pass] = (),
+    after_schedule: Sequence[tvm.transform.Pass] = (),
+) -> list[tvm.transform.Pass]:
+    """The pass list for ``target``; ``link_passes`` replace PrimFuncs with tuned kernels;
+    ``after_schedule`` see every PrimFunc scheduled, before VM lowering."""
     return [
         *fast_math_passes(),
         *legalize_passes(),
         *link_passes,
         default_schedule_pass(target),
+        *after_schedule,
         *lower_passes(target),
     ]
 
@@ -112,7 +118,7 @@ def compile_module(
     inspect_scheduled: Callable[[tvm.IRModule], None] | None = None,
 ) -> relax.Executable:
     """``inspect_scheduled`` sees the module after scheduling, before VM lowering."""
-    passes = build_pipeline(target, link_passes)
+    after_schedule = []
     if inspect_scheduled is not None:
 
         @tvm.transform.module_pass(opt_level=0, name="InspectScheduled")
@@ -120,8 +126,8 @@ def compile_module(
             inspect_scheduled(module)
             return module
 
-        scheduled_at = len(fast_math_passes()) + len(legalize_passes()) + len(link_passes) + 1
-        passes = [*passes[:scheduled_at], inspect, *passes[scheduled_at:]]
+        after_schedule.append(inspect)
+    passes = build_pipeline(target, link_passes, after_schedule)
 
     @tvm.transform.module_pass(opt_level=0, name="DietservePipeline")
     def pipeline(module: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

@@ -86,8 +86,12 @@ async def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_health(status) -> None:
+        for service in ("", SERVICE_NAME):  # "" is the whole server, as Kubernetes probes ask
+            await health_servicer.set(service, status)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"[{config.host}]" if ":" in config.host else config.host
     port = server.add_insecure_port(f"{address}:{config.port}")
     if port == 0:
@@ -114,8 +118,7 @@ async def serve(
         state.model, state.batcher = model, batcher
         state.ready = True
         metrics.ready.set(1)
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_pb2.HealthCheckResponse.SERVING)
         batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
         say(f"ready: model '{model_name}' ({batching})")
@@ -123,8 +126,7 @@ async def serve(
     finally:
         state.ready = False
         metrics.ready.set(0)
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if stop.is_set() and config.drain_seconds > 0:
             say(f"stopping: not ready; serving {config.drain_seconds} s more while load balancers notice")
             await asyncio.sleep(config.drain_seconds)

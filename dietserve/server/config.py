@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 
@@ -79,19 +79,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, artifact: Path | None) -> ServerConfig:
-    return ServerConfig(
-        artifact=artifact,
-        model_name=args.model_name,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        batching=args.batching,
-        max_batch_size=args.max_batch_size,
-        max_queue_delay_ms=args.max_queue_delay_ms,
-        bucket_ratio=args.bucket_ratio,
-        max_queue_rows=args.max_queue_rows,
-        max_request_bytes=args.max_request_bytes,
-        threads=args.threads,
-        drain_seconds=args.drain_seconds,
-        grace_seconds=args.grace_seconds,
-    )
+    """Every flag of :func:`add_server_flags` is named after its ServerConfig field."""
+    settings = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if f.name != "artifact"}
+    return ServerConfig(artifact=artifact, **settings)

@@ -75,7 +75,7 @@ def parse_request(request: pb.ModelInferRequest, engine: Engine, tokenizer: Text
     if TEXT_INPUT in inputs:
         if set(inputs) != {TEXT_INPUT}:
             raise RequestError("send either text or input_ids (with attention_mask, token_type_ids), not both")
-        shape = [dim for dim in request.inputs[0].shape]
+        shape = list(request.inputs[0].shape)  # text is the only input
         if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
             raise RequestError(f"input 'text' must have shape [batch] or [batch, 1], got {shape}")
         texts = _texts(*inputs[TEXT_INPUT])
