@@ -25,6 +25,12 @@ class MicroKernel:
             if not sizes or any(size < 1 for size in sizes):
                 raise ValueError(f"tile sizes for axis {axis!r} must be positive, got {sizes}")
 
+    def tile_sizes(self, axis: str) -> tuple[int, ...]:
+        for name, sizes in self.tile:
+            if name == axis:
+                return sizes
+        raise KeyError(f"micro-kernel has no axis {axis!r}")
+
     def tile_of(self, axis: str) -> int:
         """The full extent one micro-kernel instance covers along ``axis``."""
         for name, sizes in self.tile:

@@ -1,0 +1,180 @@
+"""Command line of the tuner, usable without the server.
+
+    python -m tuner tune --op dense --k 768 --n 3072 --t 1:512 --target llvm --trials 256 --db records.jsonl
+    python -m tuner report --db records.jsonl [--plot latency.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .database.records import RecordDatabase
+from .ops import EPILOGUES, attention_context, attention_scores, dense
+from .task import ShapeVar, TuningTask
+
+
+def _say(message: str) -> None:
+    print(f"[tuner] {message}", file=sys.stderr, flush=True)
+
+
+def _spec(args: argparse.Namespace):
+    if args.op == "dense":
+        if args.k is None or args.n is None:
+            raise SystemExit("--op dense needs --k and --n (the weight is [K, N])")
+        return dense(args.k, args.n, args.epilogue)
+    builder = attention_scores if args.op == "attention_scores" else attention_context
+    return builder(args.heads, args.head_dim, args.batch)
+
+
+def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
+    """``--weights FILE``: JSON {value: weight}; values it does not name get weight 0."""
+    if path is None:
+        return None
+    raw = json.loads(Path(path).read_text())
+    return [float(raw.get(str(value), 0.0)) for value in variable.values]
+
+
+def _target_and_space(args: argparse.Namespace):
+    from .space.cpu import cpu_space
+    from .space.hardware import GPU_PRESETS, detect_cpu
+
+    if args.target == "cuda":
+        from .space.gpu import gpu_space
+
+        hardware = GPU_PRESETS[args.gpu]
+        if args.sm_count:
+            hardware = hardware.with_overrides(sm_count=args.sm_count)
+        target = {"kind": "cuda", "arch": hardware.arch, "host": {"kind": "llvm", "mcpu": "x86-64"}}
+        return target, gpu_space(hardware), hardware.sm_count, hardware
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    hardware = detect_cpu(flags)
+    if args.cores:
+        hardware = hardware.with_overrides(cores=args.cores)
+    from dietserve.compile.target import host_cpu
+
+    target = {"kind": "llvm", "mcpu": args.mcpu or host_cpu(), "num-cores": hardware.cores}
+    return target, cpu_space(hardware), hardware.cores, hardware
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
+    from .tune import TuneOptions, Tuner
+
+    spec = _spec(args)
+    variable = ShapeVar.parse("T", args.t)
+    target, space, cores, hardware = _target_and_space(args)
+    task = TuningTask.create(spec, target, variable, _weights(args.weights, variable))
+    options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
+                          loop_partition=args.loop_partition, seed=args.seed)
+    measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
+    runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
+    database = RecordDatabase(Path(args.db))
+    _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
+         f"{len(space)} micro-kernels for {hardware.name}, {args.trials} trials, measuring on {runner.describe()}")
+    with runner:
+        result = Tuner(task, space, cores, runner, database, options, log=_say if args.verbose else lambda _m: None
+                       ).run()
+    plan_path = Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json")
+    _write_atomic(plan_path, result.plan.to_json())
+    _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
+         f"{len(result.plan.variants)} variants; plan written to {plan_path}")
+    for name, _kernel in result.plan.variants.items():
+        _say(f"  {name}: {result.plan.kernel(name)}")
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import format_table, workloads, write_plot
+
+    database = RecordDatabase(Path(args.db))
+    if not database.path.exists():
+        raise SystemExit(f"no records database at {database.path}")
+    found = workloads(database)
+    if args.workload:
+        found = [(w, t) for w, t in found if w == args.workload]
+    if not found:
+        raise SystemExit(f"{database.path} has no records{' for ' + args.workload if args.workload else ''}")
+    for index, (workload, target) in enumerate(found):
+        print(format_table(database, workload, target))
+        print()
+        plot = Path(args.plot) if args.plot else database.path.with_suffix(".png")
+        if len(found) > 1:
+            plot = plot.with_name(f"{plot.stem}-{index}{plot.suffix}")
+        try:
+            _say(f"plot of {workload}: {write_plot(database, workload, target, plot)}")
+        except ValueError as err:
+            _say(str(err))
+    if database.skipped_lines:
+        _say(f"skipped {database.skipped_lines} unreadable line(s) (a truncated write)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tuner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    tune = commands.add_parser("tune", help="tune one dynamic-shape operator for all its shapes")
+    tune.add_argument("--op", choices=("dense", "attention_scores", "attention_context"), required=True)
+    tune.add_argument("--k", type=int, help="dense: reduction size K")
+    tune.add_argument("--n", type=int, help="dense: output features N")
+    tune.add_argument("--epilogue", choices=EPILOGUES, default="bias", help="dense: fused epilogue (default bias)")
+    tune.add_argument("--heads", type=int, default=12, help="attention: heads (default 12)")
+    tune.add_argument("--head-dim", type=int, default=64, help="attention: head size d (default 64)")
+    tune.add_argument("--batch", type=int, default=1, help="attention: batch B (default 1)")
+    tune.add_argument("--t", default="1:512", help="values of the symbolic T: 1:512, 1:512:8 or 1,7,128")
+    tune.add_argument("--weights", help="JSON file {T: weight} (default: all T equally)")
+    tune.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
+    tune.add_argument("--mcpu", help="llvm: CPU to compile for (default: this machine's)")
+    tune.add_argument("--cores", type=int, help="llvm: cores to plan for (default: detected)")
+    tune.add_argument("--gpu", choices=("h100", "t4"), default="h100", help="cuda: hardware preset")
+    tune.add_argument("--sm-count", type=int, help="cuda: override the preset's SM count")
+    tune.add_argument("--trials", type=int, default=256, help="micro-kernels to measure (default 256)")
+    tune.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    tune.add_argument("--max-variants", type=int, default=4, help="micro-kernels in the dispatch plan")
+    tune.add_argument("--loop-partition", action="store_true", help="also partition boundary loops")
+    tune.add_argument("--db", default="records.jsonl", help="records database (JSON lines, appended)")
+    tune.add_argument("--plan", help="where to write the dispatch plan (default: DB with .plan.json)")
+    tune.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
+    tune.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
+    tune.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
+    tune.add_argument("--number", type=int, default=2, help="runs per timed repeat")
+    tune.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--verbose", action="store_true", help="log each failed candidate")
+    tune.set_defaults(run=cmd_tune)
+    report = commands.add_parser("report", help="per-shape table and latency plot from a records database")
+    report.add_argument("--db", required=True)
+    report.add_argument("--workload", help="only this workload (default: every one in the database)")
+    report.add_argument("--plot", help="PNG path (default: DB with .png)")
+    report.set_defaults(run=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as err:
+        _say(f"error: {err}")
+        return 2
+
+
+__all__ = ["build_parser", "main"]

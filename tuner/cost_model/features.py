@@ -1,0 +1,42 @@
+"""Shape-independent features of a micro-kernel, for f_microkernel.
+
+Generic over targets: log2 of every tile size per axis and level, the register/thread tile
+and whole-tile areas, the register tile's arithmetic intensity, the staging scopes, unroll
+and vector width. What differs between CPU and CUDA kernels is in the tile levels' meaning,
+which the learned model sorts out from measurements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..space.microkernel import MicroKernel
+
+AXES = ("i", "j", "k")
+LEVELS = 2
+SCOPES = ("local", "shared", "B.local")
+
+
+def kernel_features(kernel: MicroKernel) -> list[float]:
+    features = []
+    for axis in AXES:
+        sizes = list(kernel.tile_sizes(axis))[:LEVELS]
+        sizes += [1] * (LEVELS - len(sizes))
+        features += [math.log2(size) for size in sizes]
+    inner_i, inner_j = kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0]
+    features += [
+        math.log2(inner_i * inner_j),
+        math.log2(kernel.tile_of("i") * kernel.tile_of("j")),
+        inner_i * inner_j / (inner_i + inner_j),
+        math.log2(kernel.tile_of("i") * kernel.tile_of("j") / (inner_i * inner_j)),
+        float(kernel.unroll),
+        float(kernel.vector),
+    ]
+    features += [float(scope in kernel.cache_scopes) for scope in SCOPES]
+    return features
+
+
+def feature_matrix(kernels: list[MicroKernel]) -> np.ndarray:
+    return np.asarray([kernel_features(kernel) for kernel in kernels], dtype=np.float32)

@@ -1,0 +1,70 @@
+"""The cost model: f_microkernel (XGBoost, trained online) x f_adapt (analytic, per shape).
+
+Each measurement of kernel c on shape s gives an *adapted-away* throughput
+``flops(s) / latency / f_adapt(c, s)``; f_microkernel learns its log from the kernel's
+features. The predicted latency of any (kernel, shape) pair is then
+``flops(s) / (f_microkernel(c) * f_adapt(c, s))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..space.microkernel import MicroKernel
+from .adapt import core_occupancy, kernel_instances, padding_efficiency
+from .features import feature_matrix
+
+MIN_SAMPLES = 8  # below this the model predicts nothing and the search explores at random
+
+
+def adapt(extents: Mapping[str, int], kernel: MicroKernel, cores: int) -> float:
+    """f_adapt for the matmul axes (b, i, j, k): padding of i, j (and k where it is tiled)
+    times the occupancy of ``b x ceil(i/mc) x ceil(j/nc)`` instances on ``cores``."""
+    padded = ("i", "j", "k") if kernel.tile_of("k") > 1 else ("i", "j")
+    instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i", "j"))
+    return padding_efficiency(extents, kernel, padded) * core_occupancy(instances, cores)
+
+
+class CostModel:
+    def __init__(self, cores: int, seed: int = 0):
+        self.cores = cores
+        self.seed = seed
+        self._kernels: list[MicroKernel] = []
+        self._targets: list[float] = []
+        self._booster = None
+
+    @property
+    def trained(self) -> bool:
+        return self._booster is not None
+
+    def add(self, kernel: MicroKernel, extents: Mapping[str, int], flops: int, latency_s: float) -> None:
+        throughput = flops / latency_s / adapt(extents, kernel, self.cores)
+        self._kernels.append(kernel)
+        self._targets.append(math.log(throughput))
+
+    def fit(self) -> None:
+        if len(self._targets) < MIN_SAMPLES:
+            return
+        import xgboost
+
+        data = xgboost.DMatrix(feature_matrix(self._kernels), label=np.asarray(self._targets, dtype=np.float32))
+        params = {"max_depth": 5, "eta": 0.15, "subsample": 0.9, "seed": self.seed, "nthread": 1,
+                  "objective": "reg:squarederror", "verbosity": 0}
+        self._booster = xgboost.train(params, data, num_boost_round=120)
+
+    def kernel_throughput(self, kernels: list[MicroKernel]) -> np.ndarray:
+        """f_microkernel: predicted shape-independent FLOP/s (ones if untrained)."""
+        if self._booster is None:
+            return np.ones(len(kernels))
+        import xgboost
+
+        predicted = self._booster.predict(xgboost.DMatrix(feature_matrix(kernels)))
+        return np.exp(predicted.astype(np.float64))
+
+    def predict_latency(self, kernels: list[MicroKernel], extents: Mapping[str, int], flops: int) -> np.ndarray:
+        throughput = self.kernel_throughput(kernels)
+        factors = np.asarray([adapt(extents, kernel, self.cores) for kernel in kernels])
+        return flops / (throughput * factors)

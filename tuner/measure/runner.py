@@ -1,0 +1,177 @@
+"""Run measurement jobs in a separate worker process with a timeout per job.
+
+A candidate that crashes the worker (a segfault in generated code, an abort in the compiler)
+or hangs past the timeout costs only that candidate: the worker is killed if needed and a
+fresh one starts for the next job. Two device kinds: this machine (``LocalRunner``) or a
+remote device reached through a TVM RPC tracker (``RPCRunner``); both build in the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import worker
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so ``-m tuner.measure.worker`` imports this tree
+STARTUP_GRACE_S = 30.0  # a fresh worker imports TVM before its first job
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    number: int = 3  # runs per timed repeat
+    repeat: int = 5  # timed repeats; the median is kept
+    min_repeat_ms: int = 0
+    timeout_s: float = 60.0  # per job: build + check + timing of every shape
+
+
+class _Worker:
+    """One ``python -m tuner.measure.worker`` process, spoken to in pickled frames over pipes.
+
+    A plain subprocess (not multiprocessing) so the caller's main module is never re-imported.
+    """
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.jobs_done = 0
+
+    def ensure_started(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tuner.measure.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            cwd=_PACKAGE_ROOT, start_new_session=True,
+        )
+        self.jobs_done = 0
+
+    def run(self, job: dict, timeout_s: float) -> dict:
+        self.ensure_started()
+        budget = timeout_s + (STARTUP_GRACE_S if self.jobs_done == 0 else 0.0)
+        try:
+            worker.write_frame(self.process.stdin, job)
+            result = self._read(budget)
+        except (BrokenPipeError, ConnectionResetError, OSError, EOFError, pickle.UnpicklingError):
+            result = "died"
+        if result == "timeout":
+            self.kill()
+            return {"error": f"timeout: no result within {timeout_s:.0f} s (worker killed)"}
+        if result == "died":
+            code = self._reap()
+            return {"error": f"worker process died ({_describe_exit(code)}) while measuring this candidate"}
+        self.jobs_done += 1
+        return result
+
+    def _read(self, budget: float):
+        stream = self.process.stdout
+        deadline = time.monotonic() + budget
+        header = b""
+        while len(header) < 8:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            ready, _, _ = select.select([stream], [], [], remaining)
+            if not ready:
+                return "timeout"
+            chunk = os.read(stream.fileno(), 8 - len(header))
+            if not chunk:
+                return "died"
+            header += chunk
+        size = int.from_bytes(header, "little")
+        payload = bytearray()
+        while len(payload) < size:
+            chunk = os.read(stream.fileno(), size - len(payload))
+            if not chunk:
+                return "died"
+            payload += chunk
+        return pickle.loads(bytes(payload))
+
+    def _reap(self) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = None
+        self.process = None
+        return code
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the worker and anything it started
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=5)
+        self.process = None
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class LocalRunner:
+    """Measure on this machine's CPU (llvm) or first GPU (cuda)."""
+
+    device = {"kind": "local"}
+
+    def __init__(self, options: MeasureOptions = MeasureOptions()):
+        self.options = options
+        self._worker = _Worker()
+
+    def describe(self) -> str:
+        return "local"
+
+    def run(self, job: dict) -> dict:
+        job = {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
+               "min_repeat_ms": self.options.min_repeat_ms}
+        return self._worker.run(job, self.options.timeout_s)
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+class RPCRunner(LocalRunner):
+    """Measure on a device registered with a TVM RPC tracker under ``key``
+    (``python -m tvm.exec.rpc_tracker`` + ``python -m tvm.exec.rpc_server --tracker ...``)."""
+
+    def __init__(self, tracker: str, key: str, options: MeasureOptions = MeasureOptions(),
+                 priority: int = 1, session_timeout_s: int = 120):
+        super().__init__(options)
+        host, _, port = tracker.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"tracker must be host:port, got {tracker!r}")
+        self.device = {"kind": "rpc", "host": host, "port": int(port), "key": key, "priority": priority,
+                       "session_timeout": session_timeout_s}
+
+    def describe(self) -> str:
+        return f"rpc {self.device['host']}:{self.device['port']} key={self.device['key']}"

@@ -1,0 +1,176 @@
+"""What runs inside a measurement worker process: build one candidate, check it against the
+reference on a sample shape, then time it on each requested shape.
+
+A job and its result are plain dicts (they cross a process pipe). Everything that can crash or
+hang (TVM's compiler, generated code) runs here, never in the tuner's own process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from functools import lru_cache
+
+import numpy as np
+
+CHECK_RTOL = 1e-3
+CHECK_ATOL = 1e-3
+
+
+@lru_cache(maxsize=16)
+def _spec(recipe: tuple):
+    from ..ops import from_recipe
+
+    return from_recipe(recipe)
+
+
+@lru_cache(maxsize=8)
+def _inputs(recipe: tuple, shape_key: tuple) -> list[np.ndarray]:
+    from ..ops import random_inputs
+
+    return random_inputs(_spec(recipe), dict(shape_key), seed=len(shape_key) + sum(v for _, v in shape_key))
+
+
+@lru_cache(maxsize=8)
+def _expected(recipe: tuple, shape_key: tuple) -> np.ndarray:
+    return _spec(recipe).reference(*_inputs(recipe, shape_key))
+
+
+def _freeze(value):
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class _Session:
+    """Where the compiled candidate runs: this process's device, or a remote one over TVM RPC."""
+
+    def __init__(self, device_config: dict, target_kind: str):
+        self.config = device_config
+        self.remote = None
+        if device_config["kind"] == "rpc":
+            from tvm import rpc
+
+            tracker = rpc.connect_tracker(device_config["host"], int(device_config["port"]))
+            self.remote = tracker.request(device_config["key"], priority=int(device_config.get("priority", 1)),
+                                          session_timeout=int(device_config.get("session_timeout", 60)))
+            self.device = self.remote.cuda(0) if target_kind == "cuda" else self.remote.cpu(0)
+        else:
+            import tvm
+
+            self.device = tvm.cuda(0) if target_kind == "cuda" else tvm.cpu(0)
+
+    def load(self, executable):
+        if self.remote is None:
+            return executable.jit()
+        with tempfile.TemporaryDirectory(prefix="dietserve-tuner-") as folder:
+            path = os.path.join(folder, "candidate.so")
+            executable.export_library(path)
+            self.remote.upload(path)
+        return self.remote.load_module("candidate.so")
+
+    def tensor(self, array: np.ndarray):
+        import tvm
+
+        return tvm.runtime.tensor(array, device=self.device)
+
+
+def measure(job: dict) -> dict:
+    """Build, check and time one micro-kernel; never raises (errors are in the result)."""
+    started = time.perf_counter()
+    try:
+        return _measure(job, started)
+    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
+        detail = traceback.format_exc(limit=3)
+        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": detail[-2000:],
+                "seconds": time.perf_counter() - started}
+
+
+def _measure(job: dict, started: float) -> dict:
+    import tvm
+
+    from ..schedule import resolve
+    from ..space.microkernel import MicroKernel
+
+    recipe = _freeze(job["recipe"])
+    spec = _spec(recipe)
+    kernel = MicroKernel.from_json(job["kernel"])
+    target_kind = job["target"]["kind"]
+    scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
+    host = job["target"].get("host")
+    device_target = {key: value for key, value in job["target"].items() if key != "host"}
+    target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    executable = tvm.compile(scheduled, target)
+    built = time.perf_counter()
+    session = _Session(job["device"], target_kind)
+    module = session.load(executable)
+    function = module["main"]
+
+    # Correctness first: on the sample shape, against the independent reference.
+    check_key = tuple(sorted(job["check_shape"].items()))
+    inputs = _inputs(recipe, check_key)
+    expected = _expected(recipe, check_key)
+    arguments = [session.tensor(x) for x in inputs] + [session.tensor(np.full(expected.shape, np.nan, "float32"))]
+    function(*arguments)
+    got = arguments[-1].numpy()
+    if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+        worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
+        return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}",
+                "seconds": time.perf_counter() - started}
+
+    latencies = {}
+    timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
+                                  min_repeat_ms=job.get("min_repeat_ms", 0))
+    for shape in job["shapes"]:
+        key = tuple(sorted(shape.items()))
+        arrays = _inputs(recipe, key)
+        args = [session.tensor(x) for x in arrays]
+        args.append(session.tensor(np.empty(spec.output_shape(shape), "float32")))
+        warm_up = time.perf_counter()
+        function(*args)  # warm-up: caches, page faults, thread pool
+        if session.remote is None and time.perf_counter() - warm_up > job.get("abandon_above_s", float("inf")):
+            latencies[_shape_text(key)] = time.perf_counter() - warm_up  # hopeless: not worth repeats
+            continue
+        latencies[_shape_text(key)] = float(np.median(timer(*args).results))
+    return {"latencies": latencies, "error": None, "build_seconds": built - started,
+            "seconds": time.perf_counter() - started}
+
+
+def _shape_text(key: tuple) -> str:
+    return ",".join(f"{name}={value}" for name, value in key)
+
+
+def _read_frame(stream) -> object | None:
+    header = stream.read(8)
+    if len(header) < 8:
+        return None
+    payload = stream.read(int.from_bytes(header, "little"))
+    return pickle.loads(payload)
+
+
+def write_frame(stream, message) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(len(payload).to_bytes(8, "little") + payload)
+    stream.flush()
+
+
+def main() -> None:
+    """The worker loop over stdin/stdout frames: one job in, one result out, until EOF.
+
+    The protocol owns the original stdout; anything else printing (TVM, nvcc) goes to stderr.
+    """
+    protocol_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    protocol_in = os.fdopen(0, "rb")
+    while True:
+        job = _read_frame(protocol_in)
+        if job is None:
+            return
+        write_frame(protocol_out, measure(job))
+
+
+if __name__ == "__main__":
+    main()

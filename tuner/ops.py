@@ -1,0 +1,180 @@
+"""The operators BERT spends ~90% of its time in, as symbolic TE definitions with numpy
+references: dense layers with a fused bias (and GELU) epilogue, and the two attention
+batch matmuls, where the sequence length T is symbolic in two places.
+
+Each builder returns an ``OperatorSpec``: a PrimFunc whose row count (dense) or sequence length
+(attention) is a symbolic ``int64`` var, plus what is needed to test and time it for a concrete
+shape (input shapes, a numpy reference, the FLOP count).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import te, tirx
+
+Shape = Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    name: str  # the workload, e.g. "dense_bias_gelu[K=768,N=3072]"
+    kind: str  # "dense", "attention_scores", "attention_context"
+    func: tirx.PrimFunc
+    shape_vars: tuple[str, ...]
+    input_shapes: Callable[[Shape], list[tuple[int, ...]]]
+    output_shape: Callable[[Shape], tuple[int, ...]]
+    reference: Callable[..., np.ndarray]
+    flops: Callable[[Shape], int]
+    static: Callable[[Shape], tirx.PrimFunc] | None  # the same operator with every var bound
+    recipe: tuple = ()  # how to rebuild this spec in another process: see ``from_recipe``
+    epilogue: str = "none"
+
+
+def _prim_func(tensors) -> tirx.PrimFunc:
+    return te.create_prim_func(tensors, index_dtype_override="int64").with_attr("global_symbol", "main")
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float64])(x)
+
+
+def numpy_gelu(x: np.ndarray) -> np.ndarray:
+    """Exact (erf) GELU, as BERT and Relax's legalization use."""
+    return (0.5 * x * (1.0 + _erf(x.astype(np.float64) / math.sqrt(2.0)))).astype(x.dtype)
+
+
+EPILOGUES = ("none", "bias", "bias_gelu")
+
+
+def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
+    """``Y[T, N] = X[T, K] @ W[K, N] (+ bias[N]) (-> GELU)`` with T symbolic."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"dense epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if k < 1 or n < 1:
+        raise ValueError(f"dense needs positive K and N, got K={k} N={n}")
+
+    def build(rows):
+        x = te.placeholder((rows, k), "float32", name="X")
+        w = te.placeholder((k, n), "float32", name="W")
+        r = te.reduce_axis((0, k), name="k")
+        y = te.compute((rows, n), lambda i, j: te.sum(x[i, r] * w[r, j], axis=r), name="matmul")
+        tensors = [x, w]
+        if epilogue != "none":
+            bias = te.placeholder((n,), "float32", name="bias")
+            y = te.compute((rows, n), lambda i, j: y[i, j] + bias[j], name="add_bias")
+            tensors.append(bias)
+            if epilogue == "bias_gelu":
+                y = te.compute((rows, n), lambda i, j: 0.5 * y[i, j] * (1.0 + tirx.erf(y[i, j] * 0.7071067811865476)),
+                               name="gelu")
+        return _prim_func([*tensors, y])
+
+    def reference(x, w, bias=None):
+        y = x @ w
+        if bias is not None:
+            y = y + bias
+        return numpy_gelu(y) if epilogue == "bias_gelu" else y
+
+    def input_shapes(shape: Shape):
+        shapes = [(shape["T"], k), (k, n)]
+        return shapes + ([(n,)] if epilogue != "none" else [])
+
+    suffix = "" if epilogue == "none" else f"_{epilogue}"
+    return OperatorSpec(
+        name=f"dense{suffix}[K={k},N={n}]",
+        kind="dense",
+        func=build(te.var("T", "int64")),
+        shape_vars=("T",),
+        input_shapes=input_shapes,
+        output_shape=lambda shape: (shape["T"], n),
+        reference=reference,
+        flops=lambda shape: 2 * shape["T"] * k * n,
+        static=lambda shape: build(shape["T"]),
+        recipe=("dense", k, n, epilogue),
+        epilogue=epilogue,
+    )
+
+
+def attention_scores(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
+    """``S[B*H, T, T] = Q[B*H, T, d] @ Kt[B*H, d, T]``: T symbolic in both output dims."""
+
+    def build(length):
+        q = te.placeholder((batch * heads, length, head_dim), "float32", name="Q")
+        kt = te.placeholder((batch * heads, head_dim, length), "float32", name="Kt")
+        r = te.reduce_axis((0, head_dim), name="k")
+        s = te.compute((batch * heads, length, length), lambda b, i, j: te.sum(q[b, i, r] * kt[b, r, j], axis=r),
+                       name="matmul")
+        return _prim_func([q, kt, s])
+
+    return OperatorSpec(
+        name=f"attention_scores[BH={batch * heads},d={head_dim}]",
+        kind="attention_scores",
+        func=build(te.var("T", "int64")),
+        shape_vars=("T",),
+        input_shapes=lambda shape: [(batch * heads, shape["T"], head_dim), (batch * heads, head_dim, shape["T"])],
+        output_shape=lambda shape: (batch * heads, shape["T"], shape["T"]),
+        reference=lambda q, kt: q @ kt,
+        flops=lambda shape: 2 * batch * heads * shape["T"] ** 2 * head_dim,
+        static=lambda shape: build(shape["T"]),
+        recipe=("attention_scores", heads, head_dim, batch),
+    )
+
+
+def attention_context(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
+    """``O[B*H, T, d] = P[B*H, T, T] @ V[B*H, T, d]``: T symbolic in a spatial and the reduction dim."""
+
+    def build(length):
+        p = te.placeholder((batch * heads, length, length), "float32", name="P")
+        v = te.placeholder((batch * heads, length, head_dim), "float32", name="V")
+        r = te.reduce_axis((0, length), name="k")
+        o = te.compute((batch * heads, length, head_dim), lambda b, i, j: te.sum(p[b, i, r] * v[b, r, j], axis=r),
+                       name="matmul")
+        return _prim_func([p, v, o])
+
+    return OperatorSpec(
+        name=f"attention_context[BH={batch * heads},d={head_dim}]",
+        kind="attention_context",
+        func=build(te.var("T", "int64")),
+        shape_vars=("T",),
+        input_shapes=lambda shape: [(batch * heads, shape["T"], shape["T"]), (batch * heads, shape["T"], head_dim)],
+        output_shape=lambda shape: (batch * heads, shape["T"], head_dim),
+        reference=lambda p, v: p @ v,
+        flops=lambda shape: 2 * batch * heads * shape["T"] ** 2 * head_dim,
+        static=lambda shape: build(shape["T"]),
+        recipe=("attention_context", heads, head_dim, batch),
+    )
+
+
+def from_recipe(recipe: tuple | list) -> OperatorSpec:
+    """Rebuild a spec from its ``recipe`` (what worker processes receive)."""
+    kind, *args = recipe
+    if kind == "prim_func":
+        from .extract import spec_from_prim_func
+
+        name, text = args
+        return spec_from_prim_func(name, tvm.ir.load_json(text))
+    builders = {"dense": dense, "attention_scores": attention_scores, "attention_context": attention_context}
+    if kind not in builders:
+        raise ValueError(f"unknown operator kind {kind!r}; expected one of {sorted(builders)} or 'prim_func'")
+    return builders[kind](*args)
+
+
+def random_inputs(spec: OperatorSpec, shape: Shape, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, size).astype("float32") for size in spec.input_shapes(shape)]
+
+
+def structural_key(func: tirx.PrimFunc) -> str:
+    import tvm_ffi
+
+    return f"{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFF:012x}"
+
+
+__all__ = ["EPILOGUES", "OperatorSpec", "attention_context", "attention_scores", "dense", "from_recipe",
+           "random_inputs", "structural_key"]

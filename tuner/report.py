@@ -1,0 +1,78 @@
+"""Summaries of a records database: a per-shape table and a plot of latency vs the shape var."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .database.records import RecordDatabase, TuningRecord
+from .space.microkernel import MicroKernel
+
+
+def workloads(database: RecordDatabase) -> list[tuple[str, str]]:
+    return sorted({(r.workload, r.target) for r in database.records()})
+
+
+def best_rows(database: RecordDatabase, workload: str, target: str) -> list[tuple[dict, TuningRecord, int]]:
+    """(shape, fastest record, kernels measured there) per measured shape, by shape."""
+    counts: dict[tuple, int] = {}
+    for record in database.query(workload, target):
+        counts[record.shape_key()] = counts.get(record.shape_key(), 0) + 1
+    best = database.best_per_shape(workload, target)
+    return [(dict(key), best[key], counts[key]) for key in sorted(best)]
+
+
+def flops_of(record: TuningRecord) -> float | None:
+    return record.meta.get("flops")
+
+
+def format_table(database: RecordDatabase, workload: str, target: str) -> str:
+    rows = best_rows(database, workload, target)
+    failed = sum(1 for r in database.records() if r.workload == workload and r.target == target and not r.ok)
+    lines = [f"{workload} on {target}: {len(rows)} shapes measured, {failed} failed candidates",
+             f"{'shape':>14} {'best latency':>13} {'GFLOP/s':>8} {'tried':>6}  kernel"]
+    for shape, record, count in rows:
+        shape_text = ",".join(f"{k}={v}" for k, v in sorted(shape.items()))
+        flops = flops_of(record)
+        rate = f"{flops / record.latency_s / 1e9:8.1f}" if flops else f"{'-':>8}"
+        lines.append(f"{shape_text:>14} {record.latency_s * 1e3:10.3f} ms {rate} {count:6d}  "
+                     f"{MicroKernel.from_json(record.kernel)}")
+    return "\n".join(lines)
+
+
+def write_plot(database: RecordDatabase, workload: str, target: str, path: Path) -> Path:
+    """PNG: best measured latency per shape vs the varying shape var (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = best_rows(database, workload, target)
+    if not rows:
+        raise ValueError(f"no successful measurements of {workload} on {target} to plot")
+    var = _varying(rows)
+    xs = [shape[var] for shape, _, _ in rows]
+    ys = [record.latency_s * 1e3 for _, record, _ in rows]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(xs, ys, marker="o", markersize=3, linewidth=1)
+    axis.set_xlabel(var)
+    axis.set_ylabel("best latency (ms)")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.set_title(f"{workload}\n{target}", fontsize=9)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    figure.savefig(temporary, format="png", dpi=120)
+    plt.close(figure)
+    temporary.replace(path)
+    return path
+
+
+def _varying(rows) -> str:
+    names = sorted(rows[0][0])
+    for name in names:
+        if len({shape[name] for shape, _, _ in rows}) > 1:
+            return name
+    return names[0]

@@ -1,0 +1,164 @@
+"""Apply a CPU micro-kernel to a matmul-like PrimFunc, for every value of its symbolic dims.
+
+The loop nest (DietCode's micro-kernel, BLIS's blocking):
+
+    parallel over tiles (batch x ceil(M / mc) x ceil(N / nc)):
+        for each reduction step of kc:
+            pack A[mc, kc] (and optionally B[kc, nc]) into a local buffer, zero-padded   <- checks
+            for each mr x nr register tile: for k in kc: C_local += A * B               <- none
+        write C_local's real rows/columns back through the epilogue (bias, GELU)         <- checks
+
+Local padding: ``pad_einsum`` pads the iteration space to whole tiles, then the padded operand
+and result buffers are made local to the tile (``set_scope`` + ``compute_at``), so the padding
+lives only in the tile's workspace, never as padded copies of whole tensors, and the inner loop
+is the same straight-line code for every shape. ``loop_partition`` additionally splits the
+packing and write-back loops into a check-free body and a tail.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+from ..space.microkernel import MicroKernel
+
+
+class ScheduleMismatch(ValueError):
+    """The PrimFunc is not a matmul-like operator this micro-kernel can be applied to."""
+
+
+def _static(sch: s_tir.Schedule, loop) -> int | None:
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def find_matmul(sch: s_tir.Schedule):
+    """Normalize and return (matmul block, epilogue block or None) after inlining the rest."""
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        raise ScheduleMismatch("blocks are not in a normal form")
+    reductions = [info for info in infos if not info.is_injective()]
+    if len(reductions) != 1:
+        raise ScheduleMismatch(f"expected one reduction block, found {len(reductions)}")
+    matmul = reductions[0]
+    kinds = matmul.dom_kind()
+    if len(kinds) < 3 or kinds != "S" * (len(kinds) - 1) + "R":
+        raise ScheduleMismatch(f"expected spatial axes then one reduction axis, got {kinds!r}")
+    position = infos.index(matmul)
+    producers, consumers = infos[:position], infos[position + 1 :]
+    try:
+        for info in reversed(producers):
+            sch.compute_inline(info.block_rv)
+        for info in consumers[:-1]:
+            sch.compute_inline(info.block_rv)
+    except s_tir.ScheduleError as err:
+        raise ScheduleMismatch(f"cannot fold producers/epilogue into the tile: {err}") from err
+    return matmul.block_rv, (consumers[-1].block_rv if consumers else None)
+
+
+def _vectorize(sch: s_tir.Schedule, loop, lanes: int) -> None:
+    extent = _static(sch, loop)
+    if extent is None:
+        return
+    if extent > lanes and extent % lanes == 0:
+        outer, vec = sch.split(loop, [None, lanes])
+        sch.vectorize(vec)
+        sch.unroll(outer)
+    elif extent <= 4 * lanes:
+        sch.vectorize(loop)
+
+
+def _pack(sch: s_tir.Schedule, block, at, lanes: int, loop_partition: bool) -> None:
+    """A packing copy computed inside the tile: innermost loop vectorised when static."""
+    sch.compute_at(block, at, preserve_unit_loops=True)
+    sch.set_scope(block, 0, "local")
+    own = _loops_below(sch, block, at)
+    if own:
+        _vectorize(sch, own[-1], lanes)
+        if loop_partition and len(own) > 1:
+            sch.annotate(own[0], "pragma_loop_partition_hint", 1)
+
+
+def _loops_below(sch: s_tir.Schedule, block, at) -> list:
+    """``block``'s loops nested inside loop ``at``."""
+    loops = sch.get_loops(block)
+    anchor = sch.get(at)
+    for depth, loop in enumerate(loops):
+        if sch.get(loop).same_as(anchor):
+            return list(loops[depth + 1 :])
+    return list(loops)
+
+
+def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = False) -> tirx.PrimFunc:
+    """Schedule ``func`` (symbolic) with ``kernel``; raises ScheduleMismatch if it does not fit."""
+    (mr, ti), (nr, tj), (kc,) = (kernel.tile_sizes(axis) for axis in ("i", "j", "k"))
+    lanes = kernel.vector
+    pack_b = "B.local" in kernel.cache_scopes
+    sch = s_tir.Schedule(func)
+    block, epilogue = find_matmul(sch)
+    *batch, i, j, k = sch.get_loops(block)
+    extents = [_static(sch, loop) for loop in (i, j, k)]
+    tiles = (mr * ti, nr * tj, kc)
+    padding = [1 if extent is not None and extent % tile == 0 else tile
+               for extent, tile in zip(extents, tiles, strict=True)]
+    padded = any(p > 1 for p in padding)
+    if padded:
+        try:
+            sch.pad_einsum(block, [1] * len(batch) + padding)
+        except s_tir.ScheduleError as err:
+            raise ScheduleMismatch(f"cannot pad to whole tiles: {err}") from err
+        unpad = sch.get_consumers(block)[0]
+        if epilogue is not None:
+            sch.compute_inline(unpad)
+        else:
+            epilogue = unpad
+    producers = sch.get_producers(block) if padded else []
+
+    *batch, i, j, k = sch.get_loops(block)
+    i_tile, i_micro, i_reg = sch.split(i, [None, ti, mr])
+    j_tile, j_micro, j_reg = sch.split(j, [None, tj, nr])
+    sch.reorder(i_tile, j_tile, j_micro, i_micro, k, i_reg, j_reg)
+    tile = sch.fuse(*batch, i_tile, j_tile)
+    sch.parallel(tile)
+    if kernel.unroll:
+        sch.annotate(tile, "pragma_auto_unroll_max_step", kernel.unroll)
+        sch.annotate(tile, "pragma_unroll_explicit", 1)
+
+    # The padded result lives only in the tile's workspace; each mr x nr register tile
+    # accumulates the whole reduction in registers before it is stored there.
+    if padded:
+        sch.set_scope(block, 0, "local")
+        writer = epilogue
+        sch.reverse_compute_at(writer, tile, preserve_unit_loops=True)
+    else:
+        writer = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(writer, tile, preserve_unit_loops=True)
+        if epilogue is not None:
+            try:
+                sch.reverse_compute_inline(epilogue)
+            except s_tir.ScheduleError:
+                sch.reverse_compute_at(epilogue, tile, preserve_unit_loops=True)
+                _vectorize(sch, sch.get_loops(epilogue)[-1], lanes)
+    registers = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(registers, i_micro, preserve_unit_loops=True)
+    _vectorize(sch, sch.get_loops(registers)[-1], lanes)
+
+    # Operand panels: padded ones are packed per tile; B optionally even if not padded.
+    for producer in producers:
+        _pack(sch, producer, tile, lanes, loop_partition)
+    b_was_padded = padding[1] > 1 or padding[2] > 1
+    if pack_b and not b_was_padded:
+        packed = sch.cache_read(block, 1, "local")
+        _pack(sch, packed, tile, lanes, loop_partition)
+
+    sch.unroll(i_reg)
+    _vectorize(sch, j_reg, lanes)
+    sch.decompose_reduction(block, k)
+
+    writer_loops = _loops_below(sch, writer, tile)
+    if writer_loops:
+        _vectorize(sch, writer_loops[-1], lanes)
+        if loop_partition and len(writer_loops) > 1:
+            sch.annotate(writer_loops[0], "pragma_loop_partition_hint", 1)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+

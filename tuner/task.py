@@ -1,0 +1,111 @@
+"""A tuning task: one operator with symbolic dims, the shape instances it must serve and a
+weight per instance (DietCode's ``ShapeVar`` and ``wkl_inst_weights``), for one target."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .extract import evaluate, matmul_extents, symbolic_vars
+from .ops import OperatorSpec
+
+Shape = dict[str, int]
+
+
+@dataclass(frozen=True)
+class ShapeVar:
+    """A symbolic dimension and the values it takes, e.g. ``ShapeVar("T", range(1, 513))``."""
+
+    name: str
+    values: tuple[int, ...]
+
+    def __init__(self, name: str, values) -> None:
+        values = tuple(int(v) for v in values)
+        if not values or min(values) < 1:
+            raise ValueError(f"shape var {name!r} needs positive values, got {values[:5]}...")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "values", values)
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> ShapeVar:
+        """``"1:512"`` (inclusive range), ``"1:512:8"`` (with step) or ``"1,7,128"``."""
+        try:
+            if ":" in text:
+                parts = [int(p) for p in text.split(":")]
+                start, stop, step = (parts + [1])[:3] if len(parts) < 3 else parts
+                return cls(name, range(start, stop + 1, step))
+            return cls(name, [int(p) for p in text.split(",")])
+        except ValueError as err:
+            raise ValueError(f"cannot parse values of {name!r} from {text!r}: use 1:512, 1:512:8 or 1,7,128 "
+                             f"({err})") from err
+
+
+@dataclass(frozen=True, eq=False)  # identity hash: caches key on the task object
+class TuningTask:
+    spec: OperatorSpec
+    target: dict  # a TVM target as a dict, e.g. {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+    instances: tuple[tuple[tuple[str, int], ...], ...]  # each a sorted (var, value) tuple
+    weights: tuple[float, ...]
+    fixed: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, spec: OperatorSpec, target: dict, variable: ShapeVar,
+               weights: Sequence[float] | None = None, fixed: Mapping[str, int] | None = None) -> TuningTask:
+        """Instances vary ``variable``; other symbolic vars take ``fixed`` values."""
+        fixed = dict(fixed or {})
+        missing = set(spec.shape_vars) - {variable.name} - set(fixed)
+        if variable.name not in spec.shape_vars:
+            raise ValueError(f"{spec.name} has symbolic vars {spec.shape_vars}, not {variable.name!r}")
+        if missing:
+            raise ValueError(f"{spec.name}: give values for symbolic vars {sorted(missing)}")
+        weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(variable.values)))
+        if len(weights) != len(variable.values) or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError("weights must be non-negative, one per instance, not all zero")
+        instances = tuple(tuple(sorted({**fixed, variable.name: value}.items())) for value in variable.values)
+        return cls(spec, dict(target), instances, weights, fixed)
+
+    @property
+    def workload(self) -> str:
+        return self.spec.name
+
+    @property
+    def target_key(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in sorted(self.target.items()) if k != "host")
+
+    @property
+    def target_kind(self) -> str:
+        return self.target["kind"]
+
+    def shapes(self) -> list[Shape]:
+        return [dict(instance) for instance in self.instances]
+
+    def varying(self) -> str:
+        """The one var the instances differ in (the dispatch key)."""
+        for name in self.spec.shape_vars:
+            if name not in self.fixed:
+                return name
+        raise AssertionError("a task varies one var")
+
+    def flops(self, shape: Mapping[str, int]) -> int:
+        return self.spec.flops(shape)
+
+    @functools.cached_property
+    def _extents(self):
+        return matmul_extents(self.spec.func), symbolic_vars(self.spec.func)
+
+    def axis_extents(self, shape: Mapping[str, int]) -> dict[str, int]:
+        """Concrete extents of the matmul's axes: ``b`` (all batch axes), ``i``, ``j``, ``k``."""
+        key = tuple(sorted(shape.items()))
+        return dict(_axis_extents_cached(self, key))
+
+
+@functools.lru_cache(maxsize=65536)
+def _axis_extents_cached(task: TuningTask, key: tuple) -> tuple:
+    extents, variables = task._extents
+    values = [evaluate(extent, variables, dict(key)) for extent in extents]
+    *batch, i, j, k = values
+    b = 1
+    for value in batch:
+        b *= value
+    return (("b", b), ("i", i), ("j", j), ("k", k))
