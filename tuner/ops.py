@@ -40,9 +40,9 @@ def _prim_func(tensors) -> tirx.PrimFunc:
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    from math import erf
+    from scipy.special import erf
 
-    return np.vectorize(erf, otypes=[np.float64])(x)
+    return erf(x)
 
 
 def numpy_gelu(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""Measurement in worker processes: a crashing or hanging candidate costs only itself, results
+are checked against numpy before they count, and a real TVM RPC tracker + server measure too."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tuner.database.records import RecordDatabase
+from tuner.measure.runner import LocalRunner, MeasureOptions, RPCRunner
+from tuner.ops import dense
+from tuner.space.microkernel import MicroKernel
+from tuner.task import ShapeVar, TuningTask
+from tuner.tune import Tuner, TuneOptions
+
+TARGET = {"kind": "llvm", "num-cores": 2}
+FAULTY = "tests.unit.faulty_schedules:crash_or_hang"
+
+
+def kernel(mr: int, nr: int = 8) -> MicroKernel:
+    return MicroKernel(tile=(("i", (mr, 2)), ("j", (nr, 2)), ("k", (1,))), vector=8)
+
+
+def job(k: MicroKernel, apply: str = "tuner.schedule:apply_kernel") -> dict:
+    return {"recipe": ("dense", 64, 48, "bias_gelu"), "target": TARGET, "kernel": k.to_json(),
+            "shapes": [{"T": 5}, {"T": 64}], "check_shape": {"T": 13}, "apply": apply}
+
+
+def test_crashing_and_hanging_candidates_cost_only_themselves() -> None:
+    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=8)) as runner:
+        good = runner.run(job(kernel(4)))
+        assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
+        crashed = runner.run(job(kernel(2), FAULTY))
+        assert "died" in crashed["error"] and "SIGSEGV" in crashed["error"]
+        started = time.monotonic()
+        hung = runner.run(job(kernel(3), FAULTY))
+        assert "timeout" in hung["error"] and time.monotonic() - started < 60
+        again = runner.run(job(kernel(4), FAULTY))  # a fresh worker takes over
+        assert again["error"] is None and again["latencies"]["T=64"] > 0
+
+
+def test_a_wrong_kernel_is_rejected_before_its_time_counts() -> None:
+    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60)) as runner:
+        result = runner.run(job(kernel(4), "tests.unit.test_tuner_measure:wrong_schedule"))
+    assert result["error"].startswith("wrong result on {'T': 13}")
+    assert "latencies" not in result
+
+
+def wrong_schedule(func, kernel, target_kind, loop_partition=False):
+    """A "schedule" with the same signature that computes something else: no GELU."""
+    from tuner.ops import dense
+    from tuner.schedule import apply_kernel
+
+    return apply_kernel(dense(64, 48, "bias").func, kernel, target_kind)
+
+
+def test_tuning_goes_on_past_crashes_and_hangs(tmp_path: Path) -> None:
+    task = TuningTask.create(dense(64, 48, "bias"), TARGET, ShapeVar("T", [1, 5, 13, 64]))
+    space = [kernel(mr, nr) for mr in (1, 2, 3, 4) for nr in (8, 16)]
+    database = RecordDatabase(tmp_path / "records.jsonl")
+    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=6)) as runner:
+        result = Tuner(task, space, 2, runner, database, TuneOptions(trials=8, apply=FAULTY, seed=1)).run()
+    records = list(database.records())
+    assert result.trials == len(records) == 8
+    errors = [r.error for r in records if not r.ok]
+    assert result.failures == len(errors) >= 1
+    assert all("died" in e or "timeout" in e for e in errors)
+    for name in result.plan.variants:  # only kernels that measured fine are dispatched to
+        assert result.plan.kernel(name).tile_sizes("i")[0] not in (2, 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def rpc_tracker():
+    """A real TVM RPC tracker with one CPU server registered under the key "cpu"."""
+    port, server_port = _free_port(), _free_port()
+    tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                                "--port", str(port), "--port-end", str(port + 1)], stderr=subprocess.DEVNULL)
+    time.sleep(2)
+    server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
+                               "--key", "cpu", "--host", "127.0.0.1", "--port", str(server_port),
+                               "--port-end", str(server_port + 1)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = subprocess.run([sys.executable, "-m", "tvm.exec.query_rpc_tracker", "--host", "127.0.0.1",
+                                     "--port", str(port)], capture_output=True, text=True)
+            if "cpu" in status.stdout and "free" not in status.stdout.split("cpu")[0][-5:]:
+                break
+            time.sleep(1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for process in (server, tracker):
+            process.kill()
+            process.wait()
+
+
+def test_rpc_runner_measures_on_a_registered_device(rpc_tracker: str) -> None:
+    with RPCRunner(rpc_tracker, "cpu", MeasureOptions(number=1, repeat=2, timeout_s=90)) as runner:
+        result = runner.run(job(kernel(4)))
+    assert result["error"] is None, result
+    assert 0 < result["latencies"]["T=5"] < result["latencies"]["T=64"] * 10
+
+
+def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
+    database = tmp_path / "records.jsonl"
+    tune = subprocess.run(
+        [sys.executable, "-m", "tuner", "tune", "--op", "dense", "--k", "64", "--n", "64", "--epilogue", "bias_gelu",
+         "--t", "1:64", "--trials", "6", "--db", str(database), "--number", "1", "--repeat", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert tune.returncode == 0, tune.stderr
+    assert "6/6 trials" in tune.stderr
+    plan = json.loads(database.with_suffix(".plan.json").read_text())
+    assert plan["var"] == "T" and len(plan["shapes"]) == 64 and plan["variants"]
+    report = subprocess.run([sys.executable, "-m", "tuner", "report", "--db", str(database)],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert "dense_bias_gelu[K=64,N=64]" in report.stdout and "best latency" in report.stdout
+    assert database.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "tuner", "tune", "--op", "dense", "--t", "1:8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--k and --n" in bad.stderr
