@@ -17,7 +17,7 @@ from tuner.measure.runner import LocalRunner, MeasureOptions, RPCRunner
 from tuner.ops import dense
 from tuner.space.microkernel import MicroKernel
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import Tuner, TuneOptions
+from tuner.tune import TuneOptions, Tuner
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 FAULTY = "tests.unit.faulty_schedules:crash_or_hang"

@@ -33,6 +33,7 @@ def kernel_features(kernel: MicroKernel) -> list[float]:
         math.log2(kernel.tile_of("i") * kernel.tile_of("j") / (inner_i * inner_j)),
         float(kernel.unroll),
         float(kernel.vector),
+        float(kernel.threads == 1),
     ]
     features += [float(scope in kernel.cache_scopes) for scope in SCOPES]
     return features

@@ -25,6 +25,7 @@ def adapt(extents: Mapping[str, int], kernel: MicroKernel, cores: int) -> float:
     times the occupancy of ``b x ceil(i/mc) x ceil(j/nc)`` instances on ``cores``."""
     padded = ("i", "j", "k") if kernel.tile_of("k") > 1 else ("i", "j")
     instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i", "j"))
+    cores = 1 if kernel.threads == 1 else cores  # a serial kernel occupies its one core fully
     return padding_efficiency(extents, kernel, padded) * core_occupancy(instances, cores)
 
 

@@ -119,7 +119,8 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
     j_tile, j_micro, j_reg = sch.split(j, [None, tj, nr])
     sch.reorder(i_tile, j_tile, j_micro, i_micro, k, i_reg, j_reg)
     tile = sch.fuse(*batch, i_tile, j_tile)
-    sch.parallel(tile)
+    if kernel.threads != 1:
+        sch.parallel(tile)
     if kernel.unroll:
         sch.annotate(tile, "pragma_auto_unroll_max_step", kernel.unroll)
         sch.annotate(tile, "pragma_unroll_explicit", 1)

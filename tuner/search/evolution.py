@@ -20,12 +20,12 @@ Score = Callable[[list[MicroKernel]], np.ndarray]  # higher is better
 
 
 def _knobs(kernel: MicroKernel) -> tuple:
-    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes)
+    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes, kernel.threads)
 
 
 def _rebuild(knobs: tuple) -> MicroKernel:
-    *tile, unroll, vector, scopes = knobs
-    return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes)
+    *tile, unroll, vector, scopes, threads = knobs
+    return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes, threads=threads)
 
 
 class EvolutionarySearch:

@@ -6,7 +6,9 @@ operands and local accumulator must sit in L2), with the reduction padded to mul
 ``kc`` where it is symbolic. Rules:
 - registers: ``mr * nr/lanes`` accumulators + ``nr/lanes`` B vectors + 1 broadcast <= registers;
 - L1: one B panel row block (``nr`` floats x 256 reduction steps) <= L1;
-- L2: the cache tile's local accumulator ``mc x nc`` and a 256-deep B panel <= L2 / 2.
+- L2: the cache tile's local accumulator ``mc x nc`` and a 256-deep B panel <= L2 / 2;
+- threads: tiles spread over every core, or run serially (for shapes too small to pay for
+  waking the other cores).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
         for mr in range(1, 17):
             if mr * vectors + vectors + 1 > hw.vector_registers:
                 break
-            for ti, tj, kc, pack_b in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8), (1, 8, 32), (False, True)):
+            for ti, tj, kc, pack_b, threads in itertools.product(
+                (1, 2, 4, 8, 16), (1, 2, 4, 8), (1, 8, 32), (False, True), (0, 1) if hw.cores > 1 else (0,)
+            ):
                 mc, nc = mr * ti, nr * tj
                 footprint = (mc * nc + PANEL_DEPTH * nc) * DTYPE_BYTES
                 if footprint > hw.l2_bytes // 2:
@@ -39,5 +43,6 @@ def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
                     tile=(("i", (mr, ti)), ("j", (nr, tj)), ("k", (kc,))),
                     vector=lanes,
                     cache_scopes=("local", "B.local") if pack_b else ("local",),
+                    threads=threads,
                 ))
     return kernels

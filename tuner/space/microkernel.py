@@ -19,6 +19,7 @@ class MicroKernel:
     unroll: int = 0  # max unroll steps, 0 = leave to the backend
     vector: int = 1  # innermost vector width in elements
     cache_scopes: tuple[str, ...] = ("local",)  # where operands/accumulators are staged
+    threads: int = 0  # CPU: 0 = one task per tile over every core, 1 = serial (tiny shapes skip the wake-up)
 
     def __post_init__(self) -> None:
         for axis, sizes in self.tile:
@@ -52,8 +53,9 @@ class MicroKernel:
             unroll=raw["unroll"],
             vector=raw["vector"],
             cache_scopes=tuple(raw["cache_scopes"]),
+            threads=raw.get("threads", 0),
         )
 
     def __str__(self) -> str:
         tiles = " ".join(f"{axis}={'x'.join(map(str, sizes))}" for axis, sizes in self.tile)
-        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)})"
+        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}{' serial' if self.threads == 1 else ''})"

@@ -1,0 +1,258 @@
+"""Apply a CUDA micro-kernel to a matmul-like PrimFunc, for every value of its symbolic dims.
+
+The loop nest (one thread block per ``bm x bn`` output tile, ``bm = tm * ty``, ``bn = tn * tx``):
+
+    blockIdx.z/y/x over batch x ceil(M / bm) x ceil(N / bn), threadIdx.y/x over ty x tx:
+        acc[tm, tn] = 0                                                      (registers)
+        for each reduction step of bk:
+            A_shared[bm, bk], B_shared[bk, bn] <- global, zero-padded, by all threads  <- checks
+            for k in bk: for tm x tn: acc += A_shared * B_shared                        <- none
+        write acc's real rows/columns back through the epilogue (bias, GELU)            <- checks
+
+Local padding (DietCode): ``pad_einsum`` pads the iteration space to whole block tiles; the padded
+operands become shared-memory tiles filled at each reduction step (``set_scope`` + ``compute_at``)
+and the padded result becomes the thread's register tile, so padding never costs a padded copy
+of a whole tensor and the FMA loop is the same straight-line code for every shape.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tvm import s_tir, tirx
+
+from ..space.microkernel import MicroKernel
+from .cpu import ScheduleMismatch, find_matmul
+
+__all__ = ["ScheduleMismatch", "apply_cuda", "cuda_source", "inner_loop_has_bound_checks"]
+
+_OPERAND_SCOPES = ("shared", "shared.dyn")
+
+
+def _static(extent) -> int | None:
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def _loops_below(sch: s_tir.Schedule, block, at) -> list:
+    """``block``'s loops nested inside loop ``at``."""
+    loops = sch.get_loops(block)
+    anchor = sch.get(at)
+    for depth, loop in enumerate(loops):
+        if sch.get(loop).same_as(anchor):
+            return list(loops[depth + 1 :])
+    return list(loops)
+
+
+def _vector_lanes(source, staged, lanes: int) -> int:
+    """Lanes a global load of ``source`` into its (padded) copy ``staged`` may use.
+
+    The rows of ``source`` must be a static multiple of ``lanes``, so that every vector is
+    aligned whatever the symbolic dims (a float4 load from a row of length T faults at runtime),
+    and its innermost axis must be unpadded, so the padding check does not vary across lanes.
+    """
+    inner, staged_inner = _static(source.shape[-1]), _static(staged.shape[-1])
+    if lanes > 1 and inner is not None and inner == staged_inner and inner % lanes == 0:
+        return lanes
+    return 1
+
+
+def _fill(sch: s_tir.Schedule, block, at, threads: tuple[int, int], lanes: int) -> None:
+    """A shared-memory tile filled cooperatively by the block's threads at reduction step ``at``."""
+    sch.compute_at(block, at, preserve_unit_loops=True)
+    loops = _loops_below(sch, block, at)
+    inner = _static(sch.get(loops[-1]).extent)
+    if inner is None or inner % lanes:
+        lanes = 1
+    _, y, x, vec = sch.split(sch.fuse(*loops), [None, threads[0], threads[1], lanes])
+    sch.bind(y, "threadIdx.y")
+    sch.bind(x, "threadIdx.x")
+    if lanes > 1:
+        sch.vectorize(vec)
+
+
+def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = False) -> tirx.PrimFunc:
+    """Schedule ``func`` (symbolic) with ``kernel``; raises ScheduleMismatch if it does not fit."""
+    # Analyse: a CUDA micro-kernel and one matmul-like reduction to apply it to.
+    try:
+        (tm, ty), (tn, tx), (bk,) = (kernel.tile_sizes(axis) for axis in ("i", "j", "k"))
+    except (KeyError, ValueError) as err:
+        raise ScheduleMismatch(f"not a CUDA micro-kernel (i=tm x ty, j=tn x tx, k=bk): {kernel}") from err
+    operand_scope = kernel.cache_scopes[0] if kernel.cache_scopes else ""
+    if operand_scope not in _OPERAND_SCOPES:
+        raise ScheduleMismatch(f"CUDA operand tiles live in one of {_OPERAND_SCOPES}, not {operand_scope!r}")
+    sch = s_tir.Schedule(func)
+    block, epilogue = find_matmul(sch)
+    *batch, i, j, k = sch.get_loops(block)
+    # Pad only the axes that are symbolic or not a whole number of tiles.
+    padding = []
+    for loop, tile in ((i, tm * ty), (j, tn * tx), (k, bk)):
+        extent = _static(sch.get(loop).extent)
+        padding.append(1 if extent is not None and extent % tile == 0 else tile)
+    operands = [region.source for region in sch.get(block).reads]
+    if len(operands) != 2:
+        raise ScheduleMismatch(f"expected a product of two operands, the reduction reads {len(operands)}")
+
+    # Pad to whole block tiles; the padded operands and result are staged below, never whole.
+    padded = any(p > 1 for p in padding)
+    if padded:
+        try:
+            sch.pad_einsum(block, [1] * len(batch) + padding)
+        except s_tir.ScheduleError as err:
+            raise ScheduleMismatch(f"cannot pad to whole tiles: {err}") from err
+        unpad = sch.get_consumers(block)[0]
+        if epilogue is not None:
+            sch.compute_inline(unpad)
+        else:
+            epilogue = unpad
+
+    # Schedule: block tile -> thread grid -> register tile; k split at the shared-memory step.
+    *batch, i, j, k = sch.get_loops(block)
+    i_tile, i_thread, i_reg = sch.split(i, [None, ty, tm])
+    j_tile, j_thread, j_reg = sch.split(j, [None, tx, tn])
+    k_step, k_inner = sch.split(k, [None, bk])
+    sch.reorder(*batch, i_tile, j_tile, i_thread, j_thread, k_step, k_inner, i_reg, j_reg)
+    if batch:
+        sch.bind(sch.fuse(*batch) if len(batch) > 1 else batch[0], "blockIdx.z")
+    sch.bind(i_tile, "blockIdx.y")
+    sch.bind(j_tile, "blockIdx.x")
+    sch.bind(i_thread, "threadIdx.y")
+    sch.bind(j_thread, "threadIdx.x")
+    if kernel.unroll:
+        outermost = sch.get_loops(block)[0]
+        sch.annotate(outermost, "pragma_auto_unroll_max_step", kernel.unroll)
+        sch.annotate(outermost, "pragma_unroll_explicit", 1)
+
+    # The accumulator is the thread's tm x tn register tile; the epilogue writes real elements only.
+    if padded:
+        sch.set_scope(block, 0, "local")
+        sch.reverse_compute_at(epilogue, j_thread, preserve_unit_loops=True)
+        writer = epilogue
+    else:
+        writer = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(writer, j_thread, preserve_unit_loops=True)
+        if epilogue is not None:
+            try:
+                sch.reverse_compute_inline(epilogue)
+            except s_tir.ScheduleError:
+                sch.reverse_compute_at(epilogue, j_thread, preserve_unit_loops=True)
+
+    # Operand tiles in shared memory, refilled by all threads at every reduction step.
+    for index, operand in enumerate(operands):
+        staged = sch.get(block).reads[index].source
+        pads = [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(staged)]
+        if pads:
+            stage = pads[0]
+            sch.set_scope(stage, 0, operand_scope)
+        else:
+            stage = sch.cache_read(block, index, operand_scope)
+        _fill(sch, stage, k_step, (ty, tx), _vector_lanes(operand, staged, kernel.vector))
+
+    sch.decompose_reduction(block, k_step)
+    if loop_partition:
+        # Whole reduction steps then the ragged last one: the fills of the former lose their k
+        # checks. TVM 0.27's LoopPartition fails on a hint at the fill loops themselves and, with
+        # an int32/int64 mismatch, on a static int64 reduction; so only symbolic ones are split.
+        if _static(sch.get(k_step).extent) is None:
+            sch.annotate(k_step, "pragma_loop_partition_hint", 1)
+        for loop in _loops_below(sch, writer, j_thread)[:1]:
+            sch.annotate(loop, "pragma_loop_partition_hint", 1)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def cuda_source(func: tirx.PrimFunc, arch: str) -> str:
+    """Compile ``func`` for ``arch`` (e.g. "sm_90") and return the device module's CUDA source."""
+    import tvm
+    from tvm.target import Target
+
+    from dietserve.compile.cuda import find_cuda_source
+
+    executable = tvm.compile(func, Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"}))
+    source = find_cuda_source(executable.mod)
+    if source is None:
+        raise RuntimeError("the compiled module holds no CUDA source")
+    return source
+
+
+_CONDITIONAL = re.compile(r"\bif\s*\(|\?|\bmin\(|\bmax\(")
+_FMA = re.compile(r"^(\w+)\[(.+)\] = \(\1\[\2\] \+ \(.+ \* .+\)\);$")
+
+
+@dataclass
+class _Scope:
+    """A braced region of the generated source: a loop, a branch, or the kernel body."""
+
+    header: str
+    items: list[str | _Scope] = field(default_factory=list)
+
+    @property
+    def is_loop(self) -> bool:
+        return self.header.startswith("for ")
+
+    @property
+    def is_branch(self) -> bool:
+        return self.header.startswith(("if ", "if(", "} else", "else"))
+
+    def statements(self) -> Iterator[str]:
+        for item in self.items:
+            if isinstance(item, _Scope):
+                yield item.header
+                yield from item.statements()
+            else:
+                yield item
+
+
+def _parse(source: str) -> _Scope:
+    """Nest the codegen's one-statement-per-line output by its braces."""
+    root = _Scope("")
+    stack = [root]
+    for raw in source.splitlines():
+        line = raw.strip()
+        if line.startswith("}") and len(stack) > 1:
+            stack.pop()
+            line = line[1:].strip()
+            if not line:
+                continue
+            line = "} " + line
+        if line.endswith("{"):
+            scope = _Scope(line)
+            stack[-1].items.append(scope)
+            stack.append(scope)
+        elif line:
+            stack[-1].items.append(line)
+    return root
+
+
+def _fma_sites(scope: _Scope, enclosing: tuple[_Scope, ...] = ()) -> Iterator[tuple[str, tuple[_Scope, ...]]]:
+    """Each accumulation ``acc[x] = (acc[x] + (a * b))`` with the scopes around it, outermost first."""
+    for item in scope.items:
+        if isinstance(item, _Scope):
+            yield from _fma_sites(item, (*enclosing, item))
+        elif _FMA.match(item):
+            yield item, enclosing
+
+
+def inner_loop_has_bound_checks(source: str) -> bool:
+    """Whether any multiply-accumulate of the generated CUDA ``source`` runs under a conditional.
+
+    That is: an FMA statement holding a ternary or min/max, an ``if`` around an FMA, or any
+    conditional in the outermost FMA-holding loop below the shared-memory step (the innermost
+    loop with a ``__syncthreads``, whose fills may check bounds). Raises ValueError when the
+    source has no FMA statement at all, since then there is nothing to check.
+    """
+    sites = list(_fma_sites(_parse(source)))
+    if not sites:
+        raise ValueError("no multiply-accumulate statement found in the CUDA source")
+    for statement, enclosing in sites:
+        if _CONDITIONAL.search(statement) or any(scope.is_branch for scope in enclosing):
+            return True
+        fma_loops = []
+        for scope in reversed(enclosing):
+            if any("__syncthreads" in line for line in scope.statements()):
+                break
+            if scope.is_loop:
+                fma_loops.append(scope)
+        if fma_loops and any(_CONDITIONAL.search(line) for line in fma_loops[-1].statements()):
+            return True
+    return False
