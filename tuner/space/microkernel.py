@@ -58,4 +58,5 @@ class MicroKernel:
 
     def __str__(self) -> str:
         tiles = " ".join(f"{axis}={'x'.join(map(str, sizes))}" for axis, sizes in self.tile)
-        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}{' serial' if self.threads == 1 else ''})"
+        serial = " serial" if self.threads == 1 else ""
+        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}{serial})"
