@@ -54,30 +54,36 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
         raise ValueError(f"{name} has no symbolic dimension: nothing to tune for shapes")
     extents = matmul_extents(func)
     params = [param.ty for param in func.params if isinstance(param.ty, tirx.buffer.BufferType)]
+    scalars = tuple((position, param.name) for position, param in enumerate(func.params)
+                    if not isinstance(param.ty, tirx.buffer.BufferType))
     reference_lib = {}
 
     def shapes_of(shape: Shape) -> list[tuple[int, ...]]:
         return [tuple(evaluate(extent, variables, shape) for extent in buffer.shape) for buffer in params]
 
-    def reference(*inputs: np.ndarray) -> np.ndarray:
+    def reference(*inputs: np.ndarray, shape: Shape | None = None) -> np.ndarray:
+        """TVM's unscheduled build of the same PrimFunc. ``shape`` names the vars; without it
+        they are read off input dims that are a var alone (not ``batch * seq_len``)."""
         if "lib" not in reference_lib:
             reference_lib["lib"] = tvm.compile(func, tvm.target.Target({"kind": "llvm"}))
-        shape_out = _infer_output_shape(inputs)
-        out = tvm.runtime.tensor(np.zeros(shape_out, params[-1].dtype))
-        reference_lib["lib"](*[tvm.runtime.tensor(x) for x in inputs], out)
+        shape = dict(shape) if shape is not None else _vars_from(inputs)
+        out = tvm.runtime.tensor(np.zeros(shapes_of(shape)[-1], str(params[-1].dtype)))
+        reference_lib["lib"](*spec.call_arguments(shape, [tvm.runtime.tensor(x) for x in inputs], out))
         return out.numpy()
 
-    def _infer_output_shape(inputs) -> tuple[int, ...]:
-        # Solve each var from the input shapes (every var appears alone in some input dim).
+    def _vars_from(inputs) -> dict[str, int]:
         shape = {}
         for buffer, array in zip(params, inputs, strict=False):
-            for extent, size in zip(buffer.shape, array.shape, strict=False):
+            for extent, size in zip(buffer.shape, array.shape, strict=True):
                 if isinstance(extent, tirx.Var):
                     shape[extent.name] = size
-        return shapes_of(shape)[-1]
+        missing = set(variables) - set(shape)
+        if missing:
+            raise ValueError(f"{name}: pass shape= to the reference; {sorted(missing)} are not input dims")
+        return shape
 
     text = tvm.ir.save_json(func)
-    return OperatorSpec(
+    spec = OperatorSpec(
         name=f"{name}[{text and _short_hash(func)}]",
         kind="prim_func",
         func=func,
@@ -88,7 +94,9 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
         flops=lambda shape: 2 * math.prod(evaluate(extent, variables, shape) for extent in extents),
         static=None,
         recipe=("prim_func", name, text),
+        scalar_params=scalars,
     )
+    return spec
 
 
 def _short_hash(func: tirx.PrimFunc) -> str:

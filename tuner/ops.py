@@ -33,6 +33,22 @@ class OperatorSpec:
     static: Callable[[Shape], tirx.PrimFunc] | None  # the same operator with every var bound
     recipe: tuple = ()  # how to rebuild this spec in another process: see ``from_recipe``
     epilogue: str = "none"
+    # Scalar params (position, var name): Relax passes symbolic dims that no buffer shape
+    # gives alone (rows = batch * seq_len) as int64 arguments.
+    scalar_params: tuple[tuple[int, str], ...] = ()
+
+    def expected(self, shape: Shape, inputs: list[np.ndarray]) -> np.ndarray:
+        """The reference output for ``inputs`` of ``shape``."""
+        if self.scalar_params:
+            return self.reference(*inputs, shape=shape)
+        return self.reference(*inputs)
+
+    def call_arguments(self, shape: Shape, inputs: list, output) -> list:
+        """Arguments in the PrimFunc's order: inputs, the shape's scalars, the output."""
+        arguments = [*inputs, output]
+        for position, name in sorted(self.scalar_params):
+            arguments.insert(position, int(shape[name]))
+        return arguments
 
 
 def _prim_func(tensors) -> tirx.PrimFunc:

@@ -36,7 +36,7 @@ def _inputs(recipe: tuple, shape_key: tuple) -> list[np.ndarray]:
 
 @lru_cache(maxsize=8)
 def _expected(recipe: tuple, shape_key: tuple) -> np.ndarray:
-    return _spec(recipe).reference(*_inputs(recipe, shape_key))
+    return _spec(recipe).expected(dict(shape_key), _inputs(recipe, shape_key))
 
 
 def _freeze(value):
@@ -84,7 +84,7 @@ def measure(job: dict) -> dict:
     try:
         return _measure(job, started)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        detail = traceback.format_exc(limit=3)
+        detail = traceback.format_exc(limit=8)
         return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": detail[-2000:],
                 "seconds": time.perf_counter() - started}
 
@@ -113,9 +113,9 @@ def _measure(job: dict, started: float) -> dict:
     check_key = tuple(sorted(job["check_shape"].items()))
     inputs = _inputs(recipe, check_key)
     expected = _expected(recipe, check_key)
-    arguments = [session.tensor(x) for x in inputs] + [session.tensor(np.full(expected.shape, np.nan, "float32"))]
-    function(*arguments)
-    got = arguments[-1].numpy()
+    output = session.tensor(np.full(expected.shape, np.nan, "float32"))
+    function(*spec.call_arguments(dict(check_key), [session.tensor(x) for x in inputs], output))
+    got = output.numpy()
     if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
         worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
         return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}",
@@ -127,8 +127,8 @@ def _measure(job: dict, started: float) -> dict:
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
         arrays = _inputs(recipe, key)
-        args = [session.tensor(x) for x in arrays]
-        args.append(session.tensor(np.empty(spec.output_shape(shape), "float32")))
+        output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
+        args = spec.call_arguments(shape, [session.tensor(x) for x in arrays], output)
         warm_up = time.perf_counter()
         function(*args)  # warm-up: caches, page faults, thread pool
         if session.remote is None and time.perf_counter() - warm_up > job.get("abandon_above_s", float("inf")):
