@@ -99,16 +99,17 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: DispatchPlan, target_kind: s
     variables = symbolic_vars(func)
     if plan.var not in variables:
         raise ValueError(f"plan branches on {plan.var!r}, the function's vars are {sorted(variables)}")
-    bodies = {name: apply_kernel(func, plan.kernel(name), target_kind, loop_partition) for name in plan.variants}
     var = variables[plan.var]
+    # Each leaf gets its own freshly scheduled copy: a variant reached by two leaves must not
+    # share loop vars between them (the simplifier binds each var's range once per function).
+    first = apply_kernel(func, plan.kernel(next(iter(plan.variants))), target_kind, loop_partition)
 
     def lower(node: dict) -> tirx.Stmt:
         if "variant" in node:
-            return bodies[node["variant"]].body
+            return apply_kernel(func, plan.kernel(node["variant"]), target_kind, loop_partition).body
         condition = var <= tirx.IntImm(str(var.ty.dtype), int(node["le"]))
         return tirx.IfThenElse(condition, lower(node["then"]), lower(node["else"]))
 
-    first = next(iter(bodies.values()))
-    if len(bodies) == 1:
+    if len(plan.variants) == 1:
         return first
     return first.with_body(lower(plan.tree)).with_attr("tirx.is_scheduled", True)

@@ -106,3 +106,9 @@ def test_dispatched_function_branches_to_each_variant() -> None:
     for length in (1, 8, 9, 13, 300):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
+    # One variant reached from two leaves (small, large, small again).
+    plan.tree = interval_tree("T", [1, 8, 9, 100, 101, 512], ["small", "small", "large", "large", "small", "small"])
+    lib = tvm.compile(dispatched_prim_func(spec.func, plan, "llvm"), TARGET)
+    for length in (1, 9, 100, 101, 300):
+        got, expected = run(lib, spec, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
