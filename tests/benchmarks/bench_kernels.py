@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_baselines as baselines  # noqa: E402
+import torch  # noqa: E402
 import tvm  # noqa: E402
 
 from tuner.database.records import RecordDatabase  # noqa: E402
@@ -112,7 +113,12 @@ def main() -> int:
                   f"{'vs torch':>9} {'vs numpy':>9} {'vs default':>11} {'vs MS':>7}")
             for length in lengths:
                 ours = time_ours(spec, tuned.plan, target, length)
+                # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a
+                # call can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
                 torch_s = baselines.time_torch(spec, {"T": length}, device=device)
+                if device == "cpu":
+                    torch_s = min(torch_s, baselines.time_torch(spec, {"T": length}, threads=1))
+                    torch.set_num_threads(len(os.sched_getaffinity(0)))
                 numpy_s = baselines.time_numpy(spec, {"T": length}) if device == "cpu" else float("nan")
                 default_s = (float("nan") if args.skip_default else
                              baselines.time_tvm_default(spec, {"T": length}, target, time_cap_s=6))
