@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from dietserve.runtime.manifest import write_text_atomic
+
 from .database.records import RecordDatabase
 from .ops import EPILOGUES, attention_context, attention_scores, dense
+from .targets import resolve_target
 from .task import ShapeVar, TuningTask
 
 
@@ -38,67 +40,33 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
     return [float(raw.get(str(value), 0.0)) for value in variable.values]
 
 
-def _target_and_space(args: argparse.Namespace):
-    from .space.cpu import cpu_space
-    from .space.hardware import GPU_PRESETS, detect_cpu
-
-    if args.target == "cuda":
-        from .space.gpu import gpu_space
-
-        hardware = GPU_PRESETS[args.gpu]
-        if args.sm_count:
-            hardware = hardware.with_overrides(sm_count=args.sm_count)
-        target = {"kind": "cuda", "arch": hardware.arch, "host": {"kind": "llvm", "mcpu": "x86-64"}}
-        return target, gpu_space(hardware), hardware.sm_count, hardware
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    hardware = detect_cpu(flags)
-    if args.cores:
-        hardware = hardware.with_overrides(cores=args.cores)
-    from dietserve.compile.target import host_cpu
-
-    target = {"kind": "llvm", "mcpu": args.mcpu or host_cpu(), "num-cores": hardware.cores}
-    return target, cpu_space(hardware), hardware.cores, hardware
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
     from .tune import TuneOptions, Tuner
 
     spec = _spec(args)
     variable = ShapeVar.parse("T", args.t)
-    target, space, cores, hardware = _target_and_space(args)
-    task = TuningTask.create(spec, target, variable, _weights(args.weights, variable))
+    where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
+    task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
                           loop_partition=args.loop_partition, seed=args.seed)
     measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
-         f"{len(space)} micro-kernels for {hardware.name}, {args.trials} trials, measuring on {runner.describe()}")
+         f"{len(where.space)} micro-kernels for {where.hardware.name}, {args.trials} trials, "
+         f"measuring on {runner.describe()}")
     with runner:
-        result = Tuner(task, space, cores, runner, database, options, log=_say if args.verbose else lambda _m: None
-                       ).run()
+        log = _say if args.verbose else lambda _message: None
+        result = Tuner(task, where.space, where.cores, runner, database, options, log=log).run()
     plan_path = Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json")
-    _write_atomic(plan_path, result.plan.to_json())
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(plan_path, result.plan.to_json())
     _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
          f"{len(result.plan.variants)} variants; plan written to {plan_path}")
     for name, _kernel in result.plan.variants.items():
         _say(f"  {name}: {result.plan.kernel(name)}")
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -107,19 +75,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     database = RecordDatabase(Path(args.db))
     if not database.path.exists():
         raise SystemExit(f"no records database at {database.path}")
-    found = workloads(database)
+    records = list(database.records())
+    found = workloads(records)
     if args.workload:
         found = [(w, t) for w, t in found if w == args.workload]
     if not found:
         raise SystemExit(f"{database.path} has no records{' for ' + args.workload if args.workload else ''}")
     for index, (workload, target) in enumerate(found):
-        print(format_table(database, workload, target))
+        print(format_table(records, workload, target))
         print()
         plot = Path(args.plot) if args.plot else database.path.with_suffix(".png")
         if len(found) > 1:
             plot = plot.with_name(f"{plot.stem}-{index}{plot.suffix}")
         try:
-            _say(f"plot of {workload}: {write_plot(database, workload, target, plot)}")
+            _say(f"plot of {workload}: {write_plot(records, workload, target, plot)}")
         except ValueError as err:
             _say(str(err))
     if database.skipped_lines:

@@ -102,14 +102,11 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: DispatchPlan, target_kind: s
     var = variables[plan.var]
     # Each leaf gets its own freshly scheduled copy: a variant reached by two leaves must not
     # share loop vars between them (the simplifier binds each var's range once per function).
-    first = apply_kernel(func, plan.kernel(next(iter(plan.variants))), target_kind, loop_partition)
-
     def lower(node: dict) -> tirx.Stmt:
         if "variant" in node:
             return apply_kernel(func, plan.kernel(node["variant"]), target_kind, loop_partition).body
         condition = var <= tirx.IntImm(str(var.ty.dtype), int(node["le"]))
         return tirx.IfThenElse(condition, lower(node["then"]), lower(node["else"]))
 
-    if len(plan.variants) == 1:
-        return first
-    return first.with_body(lower(plan.tree)).with_attr("tirx.is_scheduled", True)
+    # Every variant is scheduled from ``func``, so they share its params and buffers.
+    return func.with_body(lower(plan.tree)).with_attr("tirx.is_scheduled", True)

@@ -14,7 +14,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .ops import OperatorSpec, Shape
-from .schedule.cpu import find_matmul
+from .schedule.common import find_matmul
 
 
 def symbolic_vars(func: tirx.PrimFunc) -> dict[str, tirx.Var]:

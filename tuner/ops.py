@@ -117,54 +117,44 @@ def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
     )
 
 
-def attention_scores(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
-    """``S[B*H, T, T] = Q[B*H, T, d] @ Kt[B*H, d, T]``: T symbolic in both output dims."""
+def _batch_matmul(kind: str, names: tuple[str, str], heads: int, head_dim: int, batch: int,
+                  dims: Callable[[object], tuple[tuple, tuple, tuple]]) -> OperatorSpec:
+    """``C[BH, m, n] = A[BH, m, k] @ B[BH, k, n]``, with ``dims(T)`` giving A's, B's and C's
+    shapes (without BH) for a sequence length T: a var, or an int for the static operator."""
+    bh = batch * heads
 
     def build(length):
-        q = te.placeholder((batch * heads, length, head_dim), "float32", name="Q")
-        kt = te.placeholder((batch * heads, head_dim, length), "float32", name="Kt")
-        r = te.reduce_axis((0, head_dim), name="k")
-        s = te.compute((batch * heads, length, length), lambda b, i, j: te.sum(q[b, i, r] * kt[b, r, j], axis=r),
-                       name="matmul")
-        return _prim_func([q, kt, s])
+        (m, k), b_shape, c_shape = dims(length)
+        a = te.placeholder((bh, m, k), "float32", name=names[0])
+        b = te.placeholder((bh, *b_shape), "float32", name=names[1])
+        r = te.reduce_axis((0, k), name="k")
+        c = te.compute((bh, *c_shape), lambda z, i, j: te.sum(a[z, i, r] * b[z, r, j], axis=r), name="matmul")
+        return _prim_func([a, b, c])
 
     return OperatorSpec(
-        name=f"attention_scores[BH={batch * heads},d={head_dim}]",
-        kind="attention_scores",
+        name=f"{kind}[BH={bh},d={head_dim}]",
+        kind=kind,
         func=build(te.var("T", "int64")),
         shape_vars=("T",),
-        input_shapes=lambda shape: [(batch * heads, shape["T"], head_dim), (batch * heads, head_dim, shape["T"])],
-        output_shape=lambda shape: (batch * heads, shape["T"], shape["T"]),
-        reference=lambda q, kt: q @ kt,
-        flops=lambda shape: 2 * batch * heads * shape["T"] ** 2 * head_dim,
+        input_shapes=lambda shape: [(bh, *dims(shape["T"])[0]), (bh, *dims(shape["T"])[1])],
+        output_shape=lambda shape: (bh, *dims(shape["T"])[2]),
+        reference=lambda a, b: a @ b,
+        flops=lambda shape: 2 * bh * shape["T"] ** 2 * head_dim,
         static=lambda shape: build(shape["T"]),
-        recipe=("attention_scores", heads, head_dim, batch),
+        recipe=(kind, heads, head_dim, batch),
     )
+
+
+def attention_scores(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
+    """``S[B*H, T, T] = Q[B*H, T, d] @ Kt[B*H, d, T]``: T symbolic in both output dims."""
+    return _batch_matmul("attention_scores", ("Q", "Kt"), heads, head_dim, batch,
+                         lambda t: ((t, head_dim), (head_dim, t), (t, t)))
 
 
 def attention_context(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
     """``O[B*H, T, d] = P[B*H, T, T] @ V[B*H, T, d]``: T symbolic in a spatial and the reduction dim."""
-
-    def build(length):
-        p = te.placeholder((batch * heads, length, length), "float32", name="P")
-        v = te.placeholder((batch * heads, length, head_dim), "float32", name="V")
-        r = te.reduce_axis((0, length), name="k")
-        o = te.compute((batch * heads, length, head_dim), lambda b, i, j: te.sum(p[b, i, r] * v[b, r, j], axis=r),
-                       name="matmul")
-        return _prim_func([p, v, o])
-
-    return OperatorSpec(
-        name=f"attention_context[BH={batch * heads},d={head_dim}]",
-        kind="attention_context",
-        func=build(te.var("T", "int64")),
-        shape_vars=("T",),
-        input_shapes=lambda shape: [(batch * heads, shape["T"], shape["T"]), (batch * heads, shape["T"], head_dim)],
-        output_shape=lambda shape: (batch * heads, shape["T"], head_dim),
-        reference=lambda p, v: p @ v,
-        flops=lambda shape: 2 * batch * heads * shape["T"] ** 2 * head_dim,
-        static=lambda shape: build(shape["T"]),
-        recipe=("attention_context", heads, head_dim, batch),
-    )
+    return _batch_matmul("attention_context", ("P", "V"), heads, head_dim, batch,
+                         lambda t: ((t, t), (t, head_dim), (t, head_dim)))
 
 
 def from_recipe(recipe: tuple | list) -> OperatorSpec:

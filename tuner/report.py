@@ -1,52 +1,54 @@
-"""Summaries of a records database: a per-shape table and a plot of latency vs the shape var."""
+"""Summaries of tuning records (read once from the database): a per-shape table and a plot
+of latency vs the shape var."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .database.records import RecordDatabase, TuningRecord
+from .database.records import TuningRecord
 from .space.microkernel import MicroKernel
 
 
-def workloads(database: RecordDatabase) -> list[tuple[str, str]]:
-    return sorted({(r.workload, r.target) for r in database.records()})
+def workloads(records: list[TuningRecord]) -> list[tuple[str, str]]:
+    return sorted({(r.workload, r.target) for r in records})
 
 
-def best_rows(database: RecordDatabase, workload: str, target: str) -> list[tuple[dict, TuningRecord, int]]:
+def best_rows(records: list[TuningRecord], workload: str, target: str) -> list[tuple[dict, TuningRecord, int]]:
     """(shape, fastest record, kernels measured there) per measured shape, by shape."""
+    best: dict[tuple, TuningRecord] = {}
     counts: dict[tuple, int] = {}
-    for record in database.query(workload, target):
-        counts[record.shape_key()] = counts.get(record.shape_key(), 0) + 1
-    best = database.best_per_shape(workload, target)
+    for record in records:
+        if record.workload != workload or record.target != target or not record.ok:
+            continue
+        key = record.shape_key()
+        counts[key] = counts.get(key, 0) + 1
+        if key not in best or record.latency_s < best[key].latency_s:
+            best[key] = record
     return [(dict(key), best[key], counts[key]) for key in sorted(best)]
 
 
-def flops_of(record: TuningRecord) -> float | None:
-    return record.meta.get("flops")
-
-
-def format_table(database: RecordDatabase, workload: str, target: str) -> str:
-    rows = best_rows(database, workload, target)
-    failed = sum(1 for r in database.records() if r.workload == workload and r.target == target and not r.ok)
+def format_table(records: list[TuningRecord], workload: str, target: str) -> str:
+    rows = best_rows(records, workload, target)
+    failed = sum(1 for r in records if r.workload == workload and r.target == target and not r.ok)
     lines = [f"{workload} on {target}: {len(rows)} shapes measured, {failed} failed candidates",
              f"{'shape':>14} {'best latency':>13} {'GFLOP/s':>8} {'tried':>6}  kernel"]
     for shape, record, count in rows:
         shape_text = ",".join(f"{k}={v}" for k, v in sorted(shape.items()))
-        flops = flops_of(record)
+        flops = record.meta.get("flops")
         rate = f"{flops / record.latency_s / 1e9:8.1f}" if flops else f"{'-':>8}"
         lines.append(f"{shape_text:>14} {record.latency_s * 1e3:10.3f} ms {rate} {count:6d}  "
                      f"{MicroKernel.from_json(record.kernel)}")
     return "\n".join(lines)
 
 
-def write_plot(database: RecordDatabase, workload: str, target: str, path: Path) -> Path:
+def write_plot(records: list[TuningRecord], workload: str, target: str, path: Path) -> Path:
     """PNG: best measured latency per shape vs the varying shape var (log-log)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = best_rows(database, workload, target)
+    rows = best_rows(records, workload, target)
     if not rows:
         raise ValueError(f"no successful measurements of {workload} on {target} to plot")
     var = _varying(rows)

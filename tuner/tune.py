@@ -97,7 +97,7 @@ class Tuner:
         self.trials = 0
         self.failures = 0
         self.check_shape = check_shape_for(task)
-        self._calibrated_cache: dict[MicroKernel, float] = {}
+        self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
 
     # -- priorities ------------------------------------------------------------------------
     def _best_latency(self, shape: dict) -> float:
@@ -107,7 +107,7 @@ class Tuner:
         return self._predicted_best(shape)
 
     def _predicted_best(self, shape: dict) -> float:
-        known = self._calibrated()
+        known = self.calibrated()
         if not known:
             return float("inf")
         extents = self.task.axis_extents(shape)
@@ -146,8 +146,14 @@ class Tuner:
         return list(generator.choice(positive, size=min(count, positive.size), replace=False, p=probabilities))
 
     # -- measurements ----------------------------------------------------------------------
-    def _calibrated(self) -> dict[MicroKernel, float]:
-        """Measured kernels' shape-independent throughput: median of flops/latency/f_adapt."""
+    def calibrated(self) -> dict[MicroKernel, float]:
+        """Measured kernels' shape-independent throughput: median of flops/latency/f_adapt
+        (computed once per new measurement, not per query)."""
+        if self._calibrated_cache is None:
+            self._calibrated_cache = self._calibrate()
+        return self._calibrated_cache
+
+    def _calibrate(self) -> dict[MicroKernel, float]:
         samples: dict[MicroKernel, list[float]] = defaultdict(list)
         for key, kernels in self.measured.items():
             shape = dict(key)
@@ -161,7 +167,7 @@ class Tuner:
         measured = self.measured.get(_key(shape), {}).get(kernel)
         if measured is not None:
             return measured
-        throughput = self._calibrated_cache.get(kernel)
+        throughput = self.calibrated().get(kernel)
         if throughput is None:
             return float("inf")
         return self.task.flops(shape) / (throughput * adapt(self.task.axis_extents(shape), kernel, self.cores))
@@ -180,6 +186,7 @@ class Tuner:
         if error is None:
             latency = next(iter(result["latencies"].values()))
             self.measured[_key(shape)][kernel] = latency
+            self._calibrated_cache = None
             self.model.add(kernel, self.task.axis_extents(shape), self.task.flops(shape), latency)
         else:
             self.failures += 1
@@ -210,7 +217,7 @@ class Tuner:
                     return -self.model.predict_latency(kernels, extents, flops)
 
                 exclude = set(self.measured.get(_key(shape), {})) | self.failed
-                seeds = sorted(self._calibrated(), key=lambda k: self.estimate_or_inf(k, shape))[:16]
+                seeds = sorted(self.calibrated(), key=lambda k, shape=shape: self.estimate(k, shape))[:16]
                 for kernel in self.search.propose(score, per_shape, exclude, seeds):
                     if self.trials >= self.options.trials:
                         break
@@ -223,17 +230,12 @@ class Tuner:
                           "wall_s": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
 
-    def estimate_or_inf(self, kernel: MicroKernel, shape: dict) -> float:
-        self._calibrated_cache = self._calibrated()
-        return self.estimate(kernel, shape)
-
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
     def plan(self) -> DispatchPlan:
-        self._calibrated_cache = self._calibrated()
-        kernels = list(self._calibrated_cache)
+        kernels = list(self.calibrated())
         if not kernels:
             raise RuntimeError(f"no candidate of {self.task.workload} measured successfully in {self.trials} trials"
                                f" ({self.failures} failed); see the records for their errors")

@@ -49,11 +49,13 @@ class CompileRequest:
 
 
 def compiler_source_hash() -> str:
-    """Hash of the code that determines what a build produces (model + compile packages)."""
+    """Hash of the code that determines what a build produces (model, compile, tuner schedules)."""
     digest = hashlib.sha256()
-    for package in ("model", "compile"):
-        for path in sorted((_SOURCE_ROOT / package).rglob("*.py")):
-            digest.update(path.relative_to(_SOURCE_ROOT).as_posix().encode())
+    # The CPU matmul rule matches operators with the tuner's matcher: its code counts too.
+    folders = [_SOURCE_ROOT / "model", _SOURCE_ROOT / "compile", _SOURCE_ROOT.parent / "tuner" / "schedule"]
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(path.relative_to(_SOURCE_ROOT.parent).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -32,6 +32,7 @@ from tuner.database.records import RecordDatabase  # noqa: E402
 from tuner.dispatch import dispatched_prim_func  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
+from tuner.targets import resolve_target  # noqa: E402
 from tuner.task import ShapeVar, TuningTask  # noqa: E402
 from tuner.tune import TuneOptions, Tuner  # noqa: E402
 
@@ -48,14 +49,6 @@ OPERATORS = {
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def _target(kind: str) -> tuple[dict, list, int]:
-    from tuner.cli import _target_and_space
-
-    args = argparse.Namespace(target=kind, gpu="h100", sm_count=None, cores=None, mcpu=None)
-    target, space, cores, _hardware = _target_and_space(args)
-    return target, space, cores
 
 
 def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: Path):
@@ -92,7 +85,8 @@ def main() -> int:
     parser.add_argument("--skip-default", action="store_true", help="skip TVM's untuned default (slow on llvm)")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
-    target, space, cores = _target(args.target)
+    where = resolve_target(args.target)
+    target, space, cores = where.target, where.space, where.cores
     device = "cuda" if args.target == "cuda" else "cpu"
     vs_torch, vs_ms, ours_tuning, ms_tuning = [], [], 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:

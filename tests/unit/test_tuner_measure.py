@@ -109,7 +109,9 @@ def rpc_tracker():
 def test_rpc_runner_measures_on_a_registered_device(rpc_tracker: str) -> None:
     with RPCRunner(rpc_tracker, "cpu", MeasureOptions(number=1, repeat=2, timeout_s=90)) as runner:
         result = runner.run(job(kernel(4)))
+        second = runner.run(job(kernel(1, 16)))  # same session, a different library
     assert result["error"] is None, result
+    assert second["error"] is None, second
     assert 0 < result["latencies"]["T=5"] < result["latencies"]["T=64"] * 10
 
 

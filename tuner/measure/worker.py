@@ -51,6 +51,7 @@ class _Session:
     def __init__(self, device_config: dict, target_kind: str):
         self.config = device_config
         self.remote = None
+        self.uploads = 0
         if device_config["kind"] == "rpc":
             from tvm import rpc
 
@@ -66,16 +67,32 @@ class _Session:
     def load(self, executable):
         if self.remote is None:
             return executable.jit()
+        # A fresh name per candidate: the session outlives jobs, and dlopen of a path it has
+        # already loaded returns the old library.
+        self.uploads += 1
+        name = f"candidate-{os.getpid()}-{self.uploads}.so"
         with tempfile.TemporaryDirectory(prefix="dietserve-tuner-") as folder:
-            path = os.path.join(folder, "candidate.so")
+            path = os.path.join(folder, name)
             executable.export_library(path)
             self.remote.upload(path)
-        return self.remote.load_module("candidate.so")
+        return self.remote.load_module(name)
 
     def tensor(self, array: np.ndarray):
         import tvm
 
         return tvm.runtime.tensor(array, device=self.device)
+
+
+_SESSIONS: dict[tuple, _Session] = {}
+
+
+def _session(device_config: dict, target_kind: str) -> _Session:
+    """One session per device for the worker's life: an RPC session is requested from the
+    tracker once, not per candidate (a failed job drops it, see ``measure``)."""
+    key = (tuple(sorted(device_config.items())), target_kind)
+    if key not in _SESSIONS:
+        _SESSIONS[key] = _Session(device_config, target_kind)
+    return _SESSIONS[key]
 
 
 def measure(job: dict) -> dict:
@@ -84,6 +101,7 @@ def measure(job: dict) -> dict:
     try:
         return _measure(job, started)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
+        _SESSIONS.clear()  # the remote end may be what failed: reconnect for the next job
         detail = traceback.format_exc(limit=8)
         return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": detail[-2000:],
                 "seconds": time.perf_counter() - started}
@@ -105,7 +123,7 @@ def _measure(job: dict, started: float) -> dict:
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
     executable = tvm.compile(scheduled, target)
     built = time.perf_counter()
-    session = _Session(job["device"], target_kind)
+    session = _session(job["device"], target_kind)
     module = session.load(executable)
     function = module["main"]
 

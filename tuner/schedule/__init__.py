@@ -8,7 +8,8 @@ from collections.abc import Callable
 from tvm import tirx
 
 from ..space.microkernel import MicroKernel
-from .cpu import ScheduleMismatch, apply_cpu, find_matmul
+from .common import ScheduleMismatch, find_matmul
+from .cpu import apply_cpu
 
 ApplyFn = Callable[..., tirx.PrimFunc]
 

@@ -18,42 +18,15 @@ packing loops into a check-free body and a tail.
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 from ..space.microkernel import MicroKernel
+from .common import ScheduleMismatch, find_matmul, loops_below, pad_to_tiles, static_extent
 
-
-class ScheduleMismatch(ValueError):
-    """The PrimFunc is not a matmul-like operator this micro-kernel can be applied to."""
+__all__ = ["ScheduleMismatch", "apply_cpu", "find_matmul"]
 
 
 def _static(sch: s_tir.Schedule, loop) -> int | None:
-    extent = sch.get(loop).extent
-    return int(extent) if isinstance(extent, tirx.IntImm) else None
-
-
-def find_matmul(sch: s_tir.Schedule):
-    """Normalize and return (matmul block, epilogue block or None) after inlining the rest."""
-    infos = normalize_prim_func(sch)
-    if infos is None:
-        raise ScheduleMismatch("blocks are not in a normal form")
-    reductions = [info for info in infos if not info.is_injective()]
-    if len(reductions) != 1:
-        raise ScheduleMismatch(f"expected one reduction block, found {len(reductions)}")
-    matmul = reductions[0]
-    kinds = matmul.dom_kind()
-    if len(kinds) < 3 or kinds != "S" * (len(kinds) - 1) + "R":
-        raise ScheduleMismatch(f"expected spatial axes then one reduction axis, got {kinds!r}")
-    position = infos.index(matmul)
-    producers, consumers = infos[:position], infos[position + 1 :]
-    try:
-        for info in reversed(producers):
-            sch.compute_inline(info.block_rv)
-        for info in consumers[:-1]:
-            sch.compute_inline(info.block_rv)
-    except s_tir.ScheduleError as err:
-        raise ScheduleMismatch(f"cannot fold producers/epilogue into the tile: {err}") from err
-    return matmul.block_rv, (consumers[-1].block_rv if consumers else None)
+    return static_extent(sch.get(loop).extent)
 
 
 def _vectorize(sch: s_tir.Schedule, loop, lanes: int) -> None:
@@ -72,21 +45,11 @@ def _pack(sch: s_tir.Schedule, block, at, lanes: int, loop_partition: bool) -> N
     """A packing copy computed inside the tile: innermost loop vectorised when static."""
     sch.compute_at(block, at, preserve_unit_loops=True)
     sch.set_scope(block, 0, "local")
-    own = _loops_below(sch, block, at)
+    own = loops_below(sch, block, at)
     if own:
         _vectorize(sch, own[-1], lanes)
         if loop_partition and len(own) > 1:
             sch.annotate(own[0], "pragma_loop_partition_hint", 1)
-
-
-def _loops_below(sch: s_tir.Schedule, block, at) -> list:
-    """``block``'s loops nested inside loop ``at``."""
-    loops = sch.get_loops(block)
-    anchor = sch.get(at)
-    for depth, loop in enumerate(loops):
-        if sch.get(loop).same_as(anchor):
-            return list(loops[depth + 1 :])
-    return list(loops)
 
 
 def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = False) -> tirx.PrimFunc:
@@ -96,22 +59,7 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
     pack_b = "B.local" in kernel.cache_scopes
     sch = s_tir.Schedule(func)
     block, epilogue = find_matmul(sch)
-    *batch, i, j, k = sch.get_loops(block)
-    extents = [_static(sch, loop) for loop in (i, j, k)]
-    tiles = (mr * ti, nr * tj, kc)
-    padding = [1 if extent is not None and extent % tile == 0 else tile
-               for extent, tile in zip(extents, tiles, strict=True)]
-    padded = any(p > 1 for p in padding)
-    if padded:
-        try:
-            sch.pad_einsum(block, [1] * len(batch) + padding)
-        except s_tir.ScheduleError as err:
-            raise ScheduleMismatch(f"cannot pad to whole tiles: {err}") from err
-        unpad = sch.get_consumers(block)[0]
-        if epilogue is not None:
-            sch.compute_inline(unpad)
-        else:
-            epilogue = unpad
+    padded, epilogue = pad_to_tiles(sch, block, epilogue, (mr * ti, nr * tj, kc))
     producers = sch.get_producers(block) if padded else []
 
     *batch, i, j, k = sch.get_loops(block)
@@ -147,8 +95,7 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
     # Operand panels: padded ones are packed per tile; B optionally even if not padded.
     for producer in producers:
         _pack(sch, producer, tile, lanes, loop_partition)
-    b_was_padded = padding[1] > 1 or padding[2] > 1
-    if pack_b and not b_was_padded:
+    if pack_b and not any(_writes_operand(sch, producer, block, 1) for producer in producers):
         packed = sch.cache_read(block, 1, "local")
         _pack(sch, packed, tile, lanes, loop_partition)
 
@@ -156,10 +103,15 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
     _vectorize(sch, j_reg, lanes)
     sch.decompose_reduction(block, k)
 
-    writer_loops = _loops_below(sch, writer, tile)
+    writer_loops = loops_below(sch, writer, tile)
     if writer_loops:
         # Not partitioned: TVM 0.27's LoopPartition miscompiles this write-back's predicate
         # (wrong rows for T >= 2 tiles), found by the tests; its check is outside the inner loop.
         _vectorize(sch, writer_loops[-1], lanes)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
+
+
+def _writes_operand(sch: s_tir.Schedule, producer, block, index: int) -> bool:
+    """Whether ``producer`` writes the buffer the matmul reads as operand ``index``."""
+    return sch.get(producer).writes[0].source.same_as(sch.get(block).reads[index].source)

@@ -24,25 +24,11 @@ from dataclasses import dataclass, field
 from tvm import s_tir, tirx
 
 from ..space.microkernel import MicroKernel
-from .cpu import ScheduleMismatch, find_matmul
+from .common import ScheduleMismatch, find_matmul, loops_below, pad_to_tiles, static_extent
 
 __all__ = ["ScheduleMismatch", "apply_cuda", "cuda_source", "inner_loop_has_bound_checks"]
 
 _OPERAND_SCOPES = ("shared", "shared.dyn")
-
-
-def _static(extent) -> int | None:
-    return int(extent) if isinstance(extent, tirx.IntImm) else None
-
-
-def _loops_below(sch: s_tir.Schedule, block, at) -> list:
-    """``block``'s loops nested inside loop ``at``."""
-    loops = sch.get_loops(block)
-    anchor = sch.get(at)
-    for depth, loop in enumerate(loops):
-        if sch.get(loop).same_as(anchor):
-            return list(loops[depth + 1 :])
-    return list(loops)
 
 
 def _vector_lanes(source, staged, lanes: int) -> int:
@@ -52,7 +38,7 @@ def _vector_lanes(source, staged, lanes: int) -> int:
     aligned whatever the symbolic dims (a float4 load from a row of length T faults at runtime),
     and its innermost axis must be unpadded, so the padding check does not vary across lanes.
     """
-    inner, staged_inner = _static(source.shape[-1]), _static(staged.shape[-1])
+    inner, staged_inner = static_extent(source.shape[-1]), static_extent(staged.shape[-1])
     if lanes > 1 and inner is not None and inner == staged_inner and inner % lanes == 0:
         return lanes
     return 1
@@ -61,8 +47,8 @@ def _vector_lanes(source, staged, lanes: int) -> int:
 def _fill(sch: s_tir.Schedule, block, at, threads: tuple[int, int], lanes: int) -> None:
     """A shared-memory tile filled cooperatively by the block's threads at reduction step ``at``."""
     sch.compute_at(block, at, preserve_unit_loops=True)
-    loops = _loops_below(sch, block, at)
-    inner = _static(sch.get(loops[-1]).extent)
+    loops = loops_below(sch, block, at)
+    inner = static_extent(sch.get(loops[-1]).extent)
     if inner is None or inner % lanes:
         lanes = 1
     _, y, x, vec = sch.split(sch.fuse(*loops), [None, threads[0], threads[1], lanes])
@@ -84,28 +70,11 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         raise ScheduleMismatch(f"CUDA operand tiles live in one of {_OPERAND_SCOPES}, not {operand_scope!r}")
     sch = s_tir.Schedule(func)
     block, epilogue = find_matmul(sch)
-    *batch, i, j, k = sch.get_loops(block)
-    # Pad only the axes that are symbolic or not a whole number of tiles.
-    padding = []
-    for loop, tile in ((i, tm * ty), (j, tn * tx), (k, bk)):
-        extent = _static(sch.get(loop).extent)
-        padding.append(1 if extent is not None and extent % tile == 0 else tile)
     operands = [region.source for region in sch.get(block).reads]
     if len(operands) != 2:
         raise ScheduleMismatch(f"expected a product of two operands, the reduction reads {len(operands)}")
-
     # Pad to whole block tiles; the padded operands and result are staged below, never whole.
-    padded = any(p > 1 for p in padding)
-    if padded:
-        try:
-            sch.pad_einsum(block, [1] * len(batch) + padding)
-        except s_tir.ScheduleError as err:
-            raise ScheduleMismatch(f"cannot pad to whole tiles: {err}") from err
-        unpad = sch.get_consumers(block)[0]
-        if epilogue is not None:
-            sch.compute_inline(unpad)
-        else:
-            epilogue = unpad
+    padded, epilogue = pad_to_tiles(sch, block, epilogue, (tm * ty, tn * tx, bk))
 
     # Schedule: block tile -> thread grid -> register tile; k split at the shared-memory step.
     *batch, i, j, k = sch.get_loops(block)
@@ -154,9 +123,9 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         # Whole reduction steps then the ragged last one: the fills of the former lose their k
         # checks. TVM 0.27's LoopPartition fails on a hint at the fill loops themselves and, with
         # an int32/int64 mismatch, on a static int64 reduction; so only symbolic ones are split.
-        if _static(sch.get(k_step).extent) is None:
+        if static_extent(sch.get(k_step).extent) is None:
             sch.annotate(k_step, "pragma_loop_partition_hint", 1)
-        for loop in _loops_below(sch, writer, j_thread)[:1]:
+        for loop in loops_below(sch, writer, j_thread)[:1]:
             sch.annotate(loop, "pragma_loop_partition_hint", 1)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 

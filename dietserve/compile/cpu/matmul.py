@@ -14,7 +14,9 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from .common import float_lanes, normalized_schedule, parallelize_and_vectorize, static_extent
+from tuner.schedule.common import ScheduleMismatch, find_matmul
+
+from .common import float_lanes, is_llvm, parallelize_and_vectorize, static_extent
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
@@ -49,34 +51,19 @@ def choose_tile(rows: int | None, cols: int | None, lanes: int) -> tuple[int, in
 
 class CPUMatmul(dlight.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        # Analyse: exactly one reduction block, spatial axes then one reduction axis.
-        normalized = normalized_schedule(func, target)
-        if normalized is None:
+        # Analyse: one multiply-accumulate reduction, element-wise producers and epilogue
+        # folded in (the tuner's matcher: the same operators its micro-kernels replace).
+        if not is_llvm(target) or not isinstance(func, tirx.PrimFunc):
             return None
-        sch, infos = normalized
-        reductions = [info for info in infos if not info.is_injective()]
-        if len(reductions) != 1:
-            return None
-        matmul = reductions[0]
-        kinds = matmul.dom_kind()
-        if len(kinds) < 3 or kinds != "S" * (len(kinds) - 1) + "R":
-            return None
-        position = infos.index(matmul)
-        producers, consumers = infos[:position], infos[position + 1 :]
-        # Bail out early on anything we cannot fold into the tile.
+        sch = s_tir.Schedule(func)
         try:
-            for info in reversed(producers):
-                sch.compute_inline(info.block_rv)
-            for info in consumers[:-1]:
-                sch.compute_inline(info.block_rv)
-        except s_tir.ScheduleError:
+            block, epilogue = find_matmul(sch)
+        except ScheduleMismatch:
             return None
-        if not _is_multiply_accumulate(sch.get(matmul.block_rv)):
+        if not _is_multiply_accumulate(sch.get(block)):
             return None
-        epilogue = consumers[-1].block_rv if consumers else None
 
         # Schedule: pad to whole tiles, tile, keep each tile in registers, parallel tiles.
-        block = matmul.block_rv
         lanes = float_lanes(target)
         *batch, i, j, _ = sch.get_loops(block)
         rows, cols = static_extent(sch, i), static_extent(sch, j)

@@ -1,0 +1,42 @@
+"""Where tuning runs: the TVM target (as a dict, so it crosses process pipes), the
+micro-kernel space for its hardware, and how many cores/SMs f_adapt spreads tiles over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .space.cpu import cpu_space
+from .space.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
+from .space.microkernel import MicroKernel
+
+
+@dataclass(frozen=True)
+class TuningTarget:
+    target: dict
+    space: list[MicroKernel]
+    cores: int  # CPU cores or GPU SMs
+    hardware: CpuHardware | GpuHardware
+
+
+def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = None, mcpu: str | None = None,
+                   sm_count: int | None = None) -> TuningTarget:
+    """``llvm``: this machine's CPU (detected; ``cores``/``mcpu`` override); ``cuda``: a GPU
+    preset (``sm_count`` overrides), measured wherever the runner runs."""
+    if kind == "cuda":
+        from .space.gpu import gpu_space
+
+        if gpu not in GPU_PRESETS:
+            raise ValueError(f"unknown GPU preset {gpu!r}; known: {sorted(GPU_PRESETS)}")
+        hardware = GPU_PRESETS[gpu].with_overrides(sm_count=sm_count) if sm_count else GPU_PRESETS[gpu]
+        target = {"kind": "cuda", "arch": hardware.arch, "host": {"kind": "llvm", "mcpu": "x86-64"}}
+        return TuningTarget(target, gpu_space(hardware), hardware.sm_count, hardware)
+    if kind != "llvm":
+        raise ValueError(f"target must be llvm or cuda, got {kind!r}")
+    from dietserve.compile.target import host_cpu
+    from dietserve.runtime.host import cpu_flags
+
+    hardware = detect_cpu(cpu_flags() or set())
+    if cores:
+        hardware = hardware.with_overrides(cores=cores)
+    target = {"kind": "llvm", "mcpu": mcpu or host_cpu(), "num-cores": hardware.cores}
+    return TuningTarget(target, cpu_space(hardware), hardware.cores, hardware)
