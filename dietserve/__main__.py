@@ -1,6 +1,8 @@
 """Command line: the composition root. Parses flags once and wires the pieces together.
 
-    python -m dietserve compile --model default --target llvm --out DIR
+    python -m dietserve compile --model default --target llvm --out DIR [--plans DIR]
+    python -m dietserve tune --model default --trials 64 --db records.jsonl --out DIR
+    python -m dietserve explain --artifact DIR --seq 37 [--batch 4] [--plot FILE.png]
     python -m dietserve embed "a sentence" "another sentence" --similarity
     python -m dietserve serve [--artifact DIR] [--port 8001] [--metrics-port 8002]
 """
@@ -40,7 +42,8 @@ def _request(args: argparse.Namespace):
     from .compile.target import TargetSpec
 
     spec = TargetSpec(kind=args.target, mcpu=args.mcpu, num_cores=args.num_cores, arch=args.arch)
-    return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed)
+    plans = tuple(getattr(args, "plans", None) or ())
+    return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -48,6 +51,25 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     out = compile_artifact(_request(args), args.cache_dir, args.out, progress=_say)
     print(out)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .compile.tuning import TuneRequest, read_lengths, tune_model
+
+    lengths = read_lengths(args.lengths) if args.lengths else ()
+    request = TuneRequest(compile=_request(args), db=args.db, out=args.out, trials=args.trials,
+                          time_budget_s=args.time_budget, lengths=lengths)
+    print(tune_model(request, args.cache_dir, progress=_say))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain_rows, format_explain, write_explain_plot
+
+    print(format_explain(explain_rows(args.artifact, args.batch, args.seq), args.batch, args.seq))
+    if args.plot:
+        _say(f"plot: {write_explain_plot(args.artifact, args.plot, batch=args.batch)}")
     return 0
 
 
@@ -125,7 +147,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build_flags(compile_parser)
     compile_parser.add_argument("--out", type=Path, default=None,
                                 help="artifact directory to write (default: a cache entry named by content hash)")
+    compile_parser.add_argument("--plans", type=Path, action="append",
+                                help="kernel plan file or directory to link in (repeatable; from `tune`)")
     compile_parser.set_defaults(run=cmd_compile)
+
+    tune_parser = commands.add_parser(
+        "tune", help="tune the model's dynamic operators (DietCode) and compile an artifact linking the kernels")
+    _add_build_flags(tune_parser)
+    tune_parser.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
+    tune_parser.add_argument("--time-budget", type=float, default=None, help="seconds for all operators together")
+    tune_parser.add_argument("--lengths", type=Path, default=None,
+                             help="observed sequence lengths (integers, or JSON {length: count}) to weight "
+                                  "shapes by (default: every length 1..max equally)")
+    tune_parser.add_argument("--db", type=Path, default=Path("records.jsonl"),
+                             help="tuning records (appended; records already there are reused)")
+    tune_parser.add_argument("--out", type=Path, required=True,
+                             help="output folder: tasks.json, plans/, artifact/")
+    tune_parser.set_defaults(run=cmd_tune)
+
+    explain_parser = commands.add_parser("explain", help="which kernel variant each dynamic operator runs at a shape")
+    explain_parser.add_argument("--artifact", type=Path, required=True, help="compiled artifact directory")
+    explain_parser.add_argument("--seq", type=int, required=True, help="sequence length")
+    explain_parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    explain_parser.add_argument("--plot", type=Path, default=None,
+                                help="PNG: latency and GFLOP/s over the shape range, per operator and variant")
+    explain_parser.set_defaults(run=cmd_explain)
 
     embed_parser = commands.add_parser("embed", help="print sentence embeddings (compiles on first use)")
     embed_parser.add_argument("texts", nargs="+", help="sentences to embed")
@@ -151,13 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .compile.target import TargetError
+    from .kernels.plan import PlanError
+    from .kernels.tasks import TuningError
     from .model.checkpoint import CheckpointError
     from .runtime.manifest import ArtifactError
     from .server.config import ConfigError
 
     try:
         return args.run(args)
-    except (ArtifactError, CheckpointError, ConfigError, TargetError, ValueError, OSError) as err:
+    except (ArtifactError, CheckpointError, ConfigError, PlanError, TargetError, TuningError, ValueError,
+            OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,11 @@
 """Command line of the tuner, usable without the server.
 
     python -m tuner tune --op dense --k 768 --n 3072 --t 1:512 --target llvm --trials 256 --db records.jsonl
+    python -m tuner tune-tasks --tasks tasks.json --db records.jsonl --plans DIR --trials 64
     python -m tuner report --db records.jsonl [--plot latency.png]
+
+``tune-tasks`` is how ``python -m dietserve tune`` hands over a model's operators: a task file
+in, one kernel plan per task out (``dietserve/kernels/tasks.py`` and ``plan.py``).
 """
 
 from __future__ import annotations
@@ -10,8 +14,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-from dietserve.runtime.manifest import write_text_atomic
 
 from .database.records import RecordDatabase
 from .ops import EPILOGUES, attention_context, attention_scores, dense
@@ -59,13 +61,93 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with runner:
         log = _say if args.verbose else lambda _message: None
         result = Tuner(task, where.space, where.cores, runner, database, options, log=log).run()
-    plan_path = Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json")
-    plan_path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(plan_path, result.plan.to_json())
+    plan_path = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
     _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
          f"{len(result.plan.variants)} variants; plan written to {plan_path}")
     for name, _kernel in result.plan.variants.items():
         _say(f"  {name}: {result.plan.kernel(name)}")
+    return 0
+
+
+def _target_for(description: dict):
+    """The tuning target for a manifest-style target description."""
+    kind = description.get("kind")
+    cores = int(description["num-cores"]) if description.get("num-cores") else None
+    if kind == "cuda":
+        from dietserve.kernels.hardware import GPU_PRESETS
+
+        presets = {hw.arch: name for name, hw in GPU_PRESETS.items()}
+        arch = description.get("arch")
+        if arch not in presets:
+            raise ValueError(f"no GPU preset for {arch!r}; known: {sorted(presets)}")
+        return resolve_target("cuda", presets[arch])
+    return resolve_target("llvm", cores=cores, mcpu=description.get("mcpu"))
+
+
+def _plan_is_current(path: Path, workload: str, target: dict, trials: int) -> bool:
+    import tvm
+
+    from dietserve.kernels.plan import KernelPlan, PlanError
+
+    if not path.exists():
+        return False
+    try:
+        plan = KernelPlan.read(path)
+        plan.check_target(target, str(tvm.__version__))
+        if plan.workload != workload:
+            raise PlanError(f"{path} is for workload {plan.workload}, not {workload}")
+    except PlanError as err:
+        _say(f"re-tuning: {err}")
+        return False
+    return plan.provenance.get("trials_requested", 0) >= trials
+
+
+def cmd_tune_tasks(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    import tvm
+
+    from dietserve.kernels.plan import plan_path
+    from dietserve.kernels.tasks import TaskFile
+
+    from .extract import spec_from_prim_func
+    from .measure.runner import LocalRunner, MeasureOptions
+    from .tune import TuneOptions, Tuner
+
+    tasks = TaskFile.read(Path(args.tasks))
+    where = _target_for(tasks.target)
+    database = RecordDatabase(Path(args.db))
+    measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
+    budget_each = args.time_budget / len(tasks.tasks) if args.time_budget else None
+    started = time.monotonic()
+    with LocalRunner(measure) as runner:
+        for index, description in enumerate(tasks.tasks, 1):
+            out = plan_path(Path(args.plans), description.workload)
+            header = f"[{index}/{len(tasks.tasks)}] {description.operator} (x{description.calls} calls)"
+            if _plan_is_current(out, description.workload, tasks.target, args.trials):
+                _say(f"{header}: plan {out} is up to date")
+                continue
+            spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func))
+            values = description.vary["values"]
+            task = TuningTask.create(spec, where.target, ShapeVar(description.vary["var"], values),
+                                     description.weights or None, description.fixed)
+            _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials")
+            options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
+                                  seed=args.seed)
+            tuner = Tuner(task, where.space, where.cores, runner, database, options,
+                          log=_say if args.verbose else lambda _message: None)
+            result = tuner.run()
+            # The model's key (computed on its own PrimFunc) names the workload, not ours of the copy.
+            plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
+                                       provenance={
+                **result.plan.provenance, "trials_requested": args.trials, "records": str(Path(args.db).resolve()),
+                "model": tasks.model})
+            plan.write(out)
+            chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
+            _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in {result.wall_s:.1f} s -> "
+                 f"{out.name}: {chosen}")
+    _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
     return 0
 
 
@@ -129,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--verbose", action="store_true", help="log each failed candidate")
     tune.set_defaults(run=cmd_tune)
+    model_tasks = commands.add_parser("tune-tasks", help="tune a model's operators from a task file "
+                                                         "(written by python -m dietserve tune)")
+    model_tasks.add_argument("--tasks", required=True, help="task description file (dietserve.tuning-tasks)")
+    model_tasks.add_argument("--db", required=True, help="records database (JSON lines, appended, reused)")
+    model_tasks.add_argument("--plans", required=True, help="directory for one <workload>.plan.json per task")
+    model_tasks.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
+    model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
+    model_tasks.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
+    model_tasks.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
+    model_tasks.add_argument("--number", type=int, default=2, help="runs per timed repeat")
+    model_tasks.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
+    model_tasks.add_argument("--seed", type=int, default=0)
+    model_tasks.add_argument("--verbose", action="store_true", help="log each failed candidate")
+    model_tasks.set_defaults(run=cmd_tune_tasks)
     report = commands.add_parser("report", help="per-shape table and latency plot from a records database")
     report.add_argument("--db", required=True)
     report.add_argument("--workload", help="only this workload (default: every one in the database)")

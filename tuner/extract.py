@@ -11,40 +11,11 @@ import math
 
 import numpy as np
 import tvm
-from tvm import s_tir, tirx
+from tvm import tirx
+
+from dietserve.kernels.matching import evaluate, matmul_extents, symbolic_vars, workload_key
 
 from .ops import OperatorSpec, Shape
-from .schedule.common import find_matmul
-
-
-def symbolic_vars(func: tirx.PrimFunc) -> dict[str, tirx.Var]:
-    found = {}
-    for param in func.params:
-        if isinstance(param.ty, tirx.buffer.BufferType):
-            for extent in param.ty.shape:
-                for var in tirx.analysis.undefined_vars(extent):
-                    found[var.name] = var
-    return found
-
-
-def evaluate(expr, variables: dict[str, tirx.Var], shape: Shape) -> int:
-    from tvm.sym.analyzer import Analyzer
-
-    analyzer = Analyzer()
-    for name, var in variables.items():
-        if name in shape:
-            analyzer.bind(var, tirx.IntImm(str(var.ty.dtype), int(shape[name])))
-    value = analyzer.simplify(expr)
-    if not isinstance(value, tirx.IntImm):
-        raise ValueError(f"shape {dict(shape)} does not bind every var of {expr}")
-    return int(value)
-
-
-def matmul_extents(func: tirx.PrimFunc) -> list:
-    """The matmul block's loop extents (batch..., i, j, k) as expressions of the symbolic vars."""
-    sch = s_tir.Schedule(func)
-    block, _ = find_matmul(sch)
-    return [sch.get(loop).extent for loop in sch.get_loops(block)]
 
 
 def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
@@ -59,7 +30,7 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
     reference_lib = {}
 
     def shapes_of(shape: Shape) -> list[tuple[int, ...]]:
-        return [tuple(evaluate(extent, variables, shape) for extent in buffer.shape) for buffer in params]
+        return [tuple(evaluate(extent, shape) for extent in buffer.shape) for buffer in params]
 
     def reference(*inputs: np.ndarray, shape: Shape | None = None) -> np.ndarray:
         """TVM's unscheduled build of the same PrimFunc. ``shape`` names the vars; without it
@@ -84,22 +55,16 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
 
     text = tvm.ir.save_json(func)
     spec = OperatorSpec(
-        name=f"{name}[{text and _short_hash(func)}]",
+        name=f"{name}[{workload_key(func)}]",
         kind="prim_func",
         func=func,
         shape_vars=tuple(sorted(variables)),
         input_shapes=lambda shape: shapes_of(shape)[:-1],
         output_shape=lambda shape: shapes_of(shape)[-1],
         reference=reference,
-        flops=lambda shape: 2 * math.prod(evaluate(extent, variables, shape) for extent in extents),
+        flops=lambda shape: 2 * math.prod(evaluate(extent, shape) for extent in extents),
         static=None,
         recipe=("prim_func", name, text),
         scalar_params=scalars,
     )
     return spec
-
-
-def _short_hash(func: tirx.PrimFunc) -> str:
-    from .ops import structural_key
-
-    return structural_key(func)

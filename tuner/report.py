@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import DEFAULT_VARIANT
+
 from .database.records import TuningRecord
-from .space.microkernel import MicroKernel
 
 
 def workloads(records: list[TuningRecord]) -> list[tuple[str, str]]:
@@ -37,7 +39,7 @@ def format_table(records: list[TuningRecord], workload: str, target: str) -> str
         flops = record.meta.get("flops")
         rate = f"{flops / record.latency_s / 1e9:8.1f}" if flops else f"{'-':>8}"
         lines.append(f"{shape_text:>14} {record.latency_s * 1e3:10.3f} ms {rate} {count:6d}  "
-                     f"{MicroKernel.from_json(record.kernel)}")
+                     f"{_kernel_text(record.kernel)}")
     return "\n".join(lines)
 
 
@@ -78,3 +80,7 @@ def _varying(rows) -> str:
         if len({shape[name] for shape, _, _ in rows}) > 1:
             return name
     return names[0]
+
+
+def _kernel_text(kernel: str) -> str:
+    return "default rule (untuned)" if kernel == DEFAULT_VARIANT else str(MicroKernel.from_json(kernel))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dietserve.kernels.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
+from dietserve.kernels.microkernel import MicroKernel
+
 from .space.cpu import cpu_space
-from .space.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
-from .space.microkernel import MicroKernel
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,7 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
         return TuningTarget(target, gpu_space(hardware), hardware.sm_count, hardware)
     if kind != "llvm":
         raise ValueError(f"target must be llvm or cuda, got {kind!r}")
-    from dietserve.compile.target import host_cpu
-    from dietserve.runtime.host import cpu_flags
+    from dietserve.kernels.host import cpu_flags, host_cpu
 
     hardware = detect_cpu(cpu_flags() or set())
     if cores:

@@ -7,7 +7,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .extract import evaluate, matmul_extents, symbolic_vars
+from dietserve.kernels.matching import evaluate, matmul_axes, matmul_extents
+
 from .ops import OperatorSpec
 
 Shape = dict[str, int]
@@ -92,7 +93,21 @@ class TuningTask:
 
     @functools.cached_property
     def _extents(self):
-        return matmul_extents(self.spec.func), symbolic_vars(self.spec.func)
+        return matmul_extents(self.spec.func)
+
+    @functools.cached_property
+    def axes(self) -> dict[str, str]:
+        """The matmul's axes as shape text (``b``, ``i``, ``j``, ``k``)."""
+        return matmul_axes(self.spec.func)
+
+    @property
+    def dispatch_var(self) -> str:
+        """What the dispatch tree branches on: the operator's row count as shape text (dense:
+        ``batch * seq_len``; attention: ``seq_len``)."""
+        return self.axes["i"]
+
+    def dispatch_value(self, shape: Mapping[str, int]) -> int:
+        return self.axis_extents(shape)["i"]
 
     def axis_extents(self, shape: Mapping[str, int]) -> dict[str, int]:
         """Concrete extents of the matmul's axes: ``b`` (all batch axes), ``i``, ``j``, ``k``."""
@@ -102,8 +117,7 @@ class TuningTask:
 
 @functools.lru_cache(maxsize=65536)
 def _axis_extents_cached(task: TuningTask, key: tuple) -> tuple:
-    extents, variables = task._extents
-    values = [evaluate(extent, variables, dict(key)) for extent in extents]
+    values = [evaluate(extent, dict(key)) for extent in task._extents]
     *batch, i, j, k = values
     b = 1
     for value in batch:

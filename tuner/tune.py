@@ -7,7 +7,10 @@ Each round:
    measure the most promising not yet measured there (in a worker process, checked first);
 3. record every measurement (append-only), retrain f_microkernel.
 It stops at the trial budget or the time budget, then turns the measurements into a dispatch
-plan: at most ``max_variants`` micro-kernels and a decision tree over the shape var.
+plan: at most ``max_variants`` micro-kernels and a decision tree over the operator's row count.
+The default rule's kernel (what an untuned build runs) is measured on every shape the search
+works on and stays a candidate, so the plan never loses to it where both were measured.
+Records already in the database for the same workload and target are reused, not re-measured.
 """
 
 from __future__ import annotations
@@ -21,17 +24,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import tvm
+
+from dietserve.kernels.matching import workload_key
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
+from dietserve.kernels.tree import interval_tree
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import DispatchPlan, choose_variants, interval_tree
+from .dispatch import choose_variants, segment
 from .progress import ProgressBar
-from .schedule import DEFAULT_APPLY
 from .search.evolution import EvolutionarySearch
-from .space.microkernel import MicroKernel
 from .task import TuningTask
 
-TUNER_VERSION = 1
+TUNER_VERSION = 2
+DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 
 
@@ -42,6 +50,7 @@ class TuneOptions:
     candidates_per_round: int = 8
     shapes_per_round: int = 2
     max_variants: int = 4
+    max_intervals: int = 8  # leaves of the decision tree (each is a scheduled copy in the code)
     loop_partition: bool = False
     apply: str = DEFAULT_APPLY  # "module:function" applying a kernel (a custom schedule)
     seed: int = 0
@@ -57,7 +66,7 @@ class TuneOptions:
 
 @dataclass
 class TuneResult:
-    plan: DispatchPlan
+    plan: KernelPlan
     trials: int
     failures: int
     wall_s: float
@@ -93,11 +102,34 @@ class Tuner:
         self.shapes = task.shapes()
         self.weights = list(task.weights)
         self.measured: dict[tuple, dict[MicroKernel, float]] = defaultdict(dict)  # shape -> kernel -> latency
+        self.default_measured: dict[tuple, float] = {}  # shape -> the default rule's kernel's latency
         self.failed: set[MicroKernel] = set()
         self.trials = 0
         self.failures = 0
+        self.reused = 0
         self.check_shape = check_shape_for(task)
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
+        self._reuse_records()
+
+    def _reuse_records(self) -> None:
+        """Measurements already in the database for this workload and target, on our shapes."""
+        ours = {_key(shape) for shape in self.shapes}
+        for record in self.database.records():
+            if record.workload != self.task.workload or record.target != self.task.target_key:
+                continue
+            key = record.shape_key()
+            if record.kernel == DEFAULT_VARIANT:
+                if record.ok and key in ours:
+                    self.default_measured[key] = min(record.latency_s, self.default_measured.get(key, float("inf")))
+                continue
+            kernel = MicroKernel.from_json(record.kernel)
+            if not record.ok:
+                self.failed.add(kernel)
+            elif key in ours and kernel not in self.measured[key]:
+                self.measured[key][kernel] = record.latency_s
+                self.model.add(kernel, self.task.axis_extents(dict(key)), self.task.flops(dict(key)), record.latency_s)
+                self.reused += 1
+        self.model.fit()
 
     # -- priorities ------------------------------------------------------------------------
     def _best_latency(self, shape: dict) -> float:
@@ -172,6 +204,26 @@ class Tuner:
             return float("inf")
         return self.task.flops(shape) / (throughput * adapt(self.task.axis_extents(shape), kernel, self.cores))
 
+    def measure_default(self, shape: dict) -> None:
+        """The untuned build's kernel on ``shape``: the bar every variant must clear there."""
+        job = {"recipe": self.task.spec.recipe, "target": self.task.target, "kernel": None,
+               "shapes": [shape], "check_shape": self.check_shape}
+        result = self.runner.run(job)
+        self.trials += 1
+        error = result.get("error")
+        latency = None if error else next(iter(result["latencies"].values()))
+        if latency is not None:
+            self.default_measured[_key(shape)] = latency
+        else:
+            self.failures += 1
+            self.log(f"the default kernel failed on {shape}: {error}")
+        self.database.append(TuningRecord(
+            workload=self.task.workload, target=self.task.target_key, kernel=DEFAULT_VARIANT, shape=shape,
+            latency_s=latency, error=error,
+            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "time": time.time(),
+                  "flops": self.task.flops(shape)},
+        ))
+
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
         job = {"recipe": self.task.spec.recipe, "target": self.task.target, "kernel": kernel.to_json(),
                "shapes": [shape], "check_shape": self.check_shape, "apply": self.options.apply,
@@ -212,6 +264,8 @@ class Tuner:
             per_shape = max(1, self.options.candidates_per_round // len(shapes))
             for shape in shapes:
                 extents, flops = self.task.axis_extents(shape), self.task.flops(shape)
+                if _key(shape) not in self.default_measured and self.trials < self.options.trials:
+                    self.measure_default(shape)
 
                 def score(kernels, extents=extents, flops=flops):
                     return -self.model.predict_latency(kernels, extents, flops)
@@ -225,27 +279,82 @@ class Tuner:
                     bar.update(self.trials, self._status())
             self.model.fit()
         bar.close(self.trials, self._status())
-        plan = self.plan()
-        plan.meta.update({"trials": self.trials, "failures": self.failures,
-                          "wall_s": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
+        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
 
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
-    def plan(self) -> DispatchPlan:
-        kernels = list(self.calibrated())
-        if not kernels:
+    def default_estimate(self, shape: dict) -> float:
+        """The default kernel's latency: measured, else from its median measured throughput."""
+        measured = self.default_measured.get(_key(shape))
+        if measured is not None:
+            return measured
+        if not self.default_measured:
+            return float("inf")
+        throughput = statistics.median(self.task.flops(dict(key)) / latency
+                                       for key, latency in self.default_measured.items())
+        return self.task.flops(shape) / throughput
+
+    def variant_estimate(self, kernel: MicroKernel | None, shape: dict) -> float:
+        return self.default_estimate(shape) if kernel is None else self.estimate(kernel, shape)
+
+    def plan(self, provenance: dict | None = None) -> KernelPlan:
+        candidates: list[MicroKernel | None] = list(self.calibrated())
+        if self.default_measured:
+            candidates.append(None)
+        if not candidates:
             raise RuntimeError(f"no candidate of {self.task.workload} measured successfully in {self.trials} trials"
                                f" ({self.failures} failed); see the records for their errors")
-        variants, assignment, latency = choose_variants(kernels, self.shapes, self.weights, self.estimate,
-                                                        self.options.max_variants)
-        names = [f"v{index}" for index in range(len(variants))]
-        var = self.task.varying()
-        tree = interval_tree(var, [s[var] for s in self.shapes], [names[a] for a in assignment])
-        rows = [{"shape": s, "variant": names[a], "latency_s": lat,
-                 "measured": variants[a] in self.measured.get(_key(s), {})}
-                for s, a, lat in zip(self.shapes, assignment, latency, strict=True)]
-        return DispatchPlan(self.task.workload, self.task.target_key, var,
-                            {n: k.to_json() for n, k in zip(names, variants, strict=True)}, tree, rows)
+        order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
+        shapes = [self.shapes[s] for s in order]
+        weights = [self.weights[s] for s in order]
+        variants, _, _ = choose_variants(candidates, shapes, weights, self.variant_estimate,
+                                         self.options.max_variants)
+        if None not in variants and self.default_measured:
+            variants.append(None)  # always a candidate: the guard below may need it
+        cost = np.asarray([[w * self.variant_estimate(v, s) for s, w in zip(shapes, weights, strict=True)]
+                           for v in variants])
+        for column, shape in enumerate(shapes):
+            untuned = self.default_measured.get(_key(shape))
+            for row, variant in enumerate(variants):
+                measured = None if variant is None else self.measured.get(_key(shape), {}).get(variant)
+                if untuned is not None and measured is not None and measured > untuned:
+                    cost[row, column] = np.inf  # measured slower than the untuned kernel here
+        labels = segment(cost, self.options.max_intervals)
+        used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
+        names = {v: DEFAULT_VARIANT if variants[v] is None else f"v{rank}" for rank, v in enumerate(used)}
+        values = [self.task.dispatch_value(s) for s in shapes]
+        tree = interval_tree(self.task.dispatch_var, values, [names[v] for v in labels])
+        rows = []
+        for shape, value, v in zip(shapes, values, labels, strict=True):
+            variant = variants[v]
+            measured = (_key(shape) in self.default_measured if variant is None
+                        else variant in self.measured.get(_key(shape), {}))
+            rows.append({"shape": shape, "value": value, "variant": names[v],
+                         "latency_s": self.variant_estimate(variant, shape), "measured": measured,
+                         "default_latency_s": self.default_estimate(shape),
+                         "default_measured": _key(shape) in self.default_measured})
+        func = self.task.spec.func
+        return KernelPlan(
+            workload=workload_key(func),
+            operator=self.task.spec.name,
+            shape_vars=sorted(self.task.spec.shape_vars),
+            axes=self.task.axes,
+            target=_plan_target(self.task.target),
+            tvm_version=str(tvm.__version__),
+            variants={names[v]: (None if variants[v] is None else variants[v].to_dict()) for v in used},
+            tree=tree,
+            tuned_range={"var": self.task.dispatch_var, "min": min(values), "max": max(values)},
+            shapes=rows,
+            provenance={"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
+                        "failures": self.failures, "fixed": dict(self.task.fixed),
+                        "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0},
+                        **(provenance or {})},
+        )
+
+
+def _plan_target(target: dict) -> dict:
+    """The target as manifests describe it (strings; the host left out)."""
+    return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}

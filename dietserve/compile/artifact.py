@@ -16,7 +16,8 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from ..model.bert import BertModel, export_relax
+from ..kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
+from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
 from ..runtime.cuda_kernels import FATBIN_FILE
@@ -30,10 +31,12 @@ from ..runtime.manifest import (
     sha256_file,
     write_text_atomic,
 )
+from .passes.link_kernels import target_fields as link_target_fields
 from .target import TargetSpec, build_target, target_description, tvm_version
 
 Progress = Callable[[str], None]
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
+PLANS_DIR = "plans"  # inside an artifact: the kernel plans linked into it
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class CompileRequest:
     target: TargetSpec = field(default_factory=TargetSpec)
     max_batch: int = 64
     seed: int = 0  # for the random-weight presets
+    plans: tuple[Path, ...] = ()  # kernel plan files or directories (python -m dietserve tune)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -49,10 +53,9 @@ class CompileRequest:
 
 
 def compiler_source_hash() -> str:
-    """Hash of the code that determines what a build produces (model, compile, tuner schedules)."""
+    """Hash of the code that determines what a build produces (model, compile, kernels)."""
     digest = hashlib.sha256()
-    # The CPU matmul rule matches operators with the tuner's matcher: its code counts too.
-    folders = [_SOURCE_ROOT / "model", _SOURCE_ROOT / "compile", _SOURCE_ROOT.parent / "tuner" / "schedule"]
+    folders = [_SOURCE_ROOT / "model", _SOURCE_ROOT / "compile", _SOURCE_ROOT / "kernels"]
     for folder in folders:
         for path in sorted(folder.rglob("*.py")):
             digest.update(path.relative_to(_SOURCE_ROOT.parent).as_posix().encode())
@@ -69,8 +72,10 @@ def required_cpu_flags(target) -> list[str]:
     return sorted(LLVM_TO_CPUINFO[name] for name in features if name in LLVM_TO_CPUINFO)
 
 
-def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int) -> str:
+def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int,
+              plans: list[KernelPlan] = ()) -> str:
     inputs = {
+        "plans": sorted(plan.digest() for plan in plans),
         "config": checkpoint.config.to_dict(),
         "normalize": checkpoint.pooling.normalize,
         "weights": weights_sha,
@@ -109,7 +114,10 @@ def compile_artifact(
     target = build_target(request.target)
     progress(f"hashing weights in {checkpoint.weights_file}")
     weights_sha = sha256_file(checkpoint.weights_file)
-    key = cache_key(checkpoint, weights_sha, target, request.max_batch)
+    plans = read_plans(request.plans)
+    for plan in plans:  # stale plans are refused before any work
+        plan.check_target(link_target_fields(target), tvm_version())
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans)
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
@@ -119,7 +127,7 @@ def compile_artifact(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        _build_into(staging, checkpoint, target, request, name, key, progress)
+        _build_into(staging, checkpoint, target, request, name, key, plans, progress)
         _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -128,17 +136,20 @@ def compile_artifact(
     return out_dir
 
 
-def _build_into(staging, checkpoint, target, request, name, key, progress) -> None:
-    from .pipeline import compile_module, dynamic_operators
+def _build_into(staging, checkpoint, target, request, name, key, plans, progress) -> None:
+    from .passes import foreign_plans, link_tuned_kernels, linked_operators
+    from .pipeline import compile_module
 
     model = BertModel(checkpoint.config, checkpoint.pooling)
     mod, parameters = export_relax(model, request.max_batch)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
-    progress(f"compiling {name} for {json.dumps(target_description(target))} (this takes a minute)")
-    operators: dict[str, list[str]] = {}
-    executable = compile_module(mod, target, inspect_scheduled=lambda scheduled: operators.update(
-        dynamic_operators(scheduled)))
+    tuned = f" with {len(plans)} tuned kernel plan(s)" if plans else ""
+    progress(f"compiling {name} for {json.dumps(target_description(target))}{tuned} (this takes a minute)")
+    operators: dict[str, dict] = {}
+    executable = compile_module(mod, target, link_passes=[link_tuned_kernels(plans, target, tvm_version())],
+                                inspect_scheduled=lambda scheduled: operators.update(linked_operators(scheduled)))
+    foreign_plans(plans, operators)
     executable.export_library(str(staging / LIBRARY_FILE))
     cuda_source_sha256 = None
     if request.target.kind == "cuda":
@@ -156,7 +167,10 @@ def _build_into(staging, checkpoint, target, request, name, key, progress) -> No
         source = checkpoint.folder / file_name
         if source.is_file():
             shutil.copy(source, staging / file_name)
-    files = {path.name: sha256_file(path) for path in sorted(staging.iterdir()) if path.is_file()}
+    for plan in plans:  # what was linked in, for `explain` and for re-linking
+        plan.write(plan_path(staging / PLANS_DIR, plan.workload))
+    files = {path.relative_to(staging).as_posix(): sha256_file(path)
+             for path in sorted(staging.rglob("*")) if path.is_file()}
     manifest = Manifest(
         model_name=name,
         model_config=checkpoint.config.to_dict(),
@@ -170,17 +184,25 @@ def _build_into(staging, checkpoint, target, request, name, key, progress) -> No
         required_cpu_flags=required_cpu_flags(target.host if request.target.kind == "cuda" else target),
         cuda_arch=request.target.arch if request.target.kind == "cuda" else None,
         cuda_source_sha256=cuda_source_sha256,
-        dispatch=untuned_dispatch_table(operators),
+        dispatch=dispatch_table(operators, plans),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
 
 
-def untuned_dispatch_table(operators: dict[str, list[str]]) -> dict:
-    """Every dynamic operator runs its one default-scheduled kernel for every shape."""
-    return {
-        name: {"symbolic": symbolic, "variants": ["default"], "tree": {"variant": "default"}}
-        for name, symbolic in operators.items()
-    }
+def dispatch_table(operators: dict[str, dict], plans: list[KernelPlan]) -> dict:
+    """Per dynamic matmul-like operator: its workload, call sites, variants and the decision tree
+    compiled into it (one ``default`` variant where no plan was linked)."""
+    by_digest = {plan.digest(): plan for plan in plans}
+    table = {}
+    for name, linked in operators.items():
+        plan = by_digest.get(linked["plan"]) if linked["plan"] else None
+        entry = {**linked, "shape_vars": list(SHAPE_VARS)}
+        if plan is None:
+            entry.update(variants=[DEFAULT_VARIANT], tree={"variant": DEFAULT_VARIANT})
+        else:
+            entry.update(variants=sorted(plan.variants), tree=plan.tree, operator=plan.operator)
+        table[name] = entry
+    return table
 
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:

@@ -12,23 +12,11 @@ from __future__ import annotations
 import hashlib
 import shutil
 
-import tvm_ffi
 from tvm.target import Target
 
 
 class CudaToolchainError(RuntimeError):
     """nvcc is needed to build CUDA artifacts and was not found or failed."""
-
-
-def find_cuda_source(module: tvm_ffi.Module) -> str | None:
-    """The CUDA source of the first ``cuda`` module among ``module``'s imports (depth-first)."""
-    if module.kind == "cuda":
-        return module.inspect_source()
-    for imported in module.imports:
-        source = find_cuda_source(imported)
-        if source is not None:
-            return source
-    return None
 
 
 def source_digest(source: str) -> str:

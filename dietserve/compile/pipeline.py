@@ -2,8 +2,8 @@
 
     fast math -> legalize + fuse -> [link tuned kernels] -> default schedules -> lower to the VM
 
-The tuned-kernel linking pass (the DietCode tuner's output) slots in before the default
-schedules, which then leave the PrimFuncs it marked ``tirx.is_scheduled`` alone.
+The tuned-kernel linking pass (``passes/link_kernels.py``: the tuner's plans) slots in before
+the default schedules, which then leave the PrimFuncs it marked ``tirx.is_scheduled`` alone.
 """
 
 from __future__ import annotations
@@ -91,24 +91,6 @@ def schedule_module(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     with target:
         passes = [*fast_math_passes(), *legalize_passes(), default_schedule_pass(target)]
         return tvm.transform.Sequential(passes)(mod)
-
-
-def dynamic_operators(mod: tvm.IRModule) -> dict[str, list[str]]:
-    """PrimFunc name -> the symbolic variables in its buffer shapes, for every PrimFunc whose
-    shape depends on the request: the operators a DietCode dispatcher chooses kernels for."""
-    found = {}
-    for gvar, func in mod.functions_items():
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            continue
-        names = set()
-        buffer_types = [param.ty for param in func.params if isinstance(param.ty, tvm.tirx.buffer.BufferType)]
-        for buffer_type in buffer_types:
-            for extent in buffer_type.shape:
-                if not isinstance(extent, tvm.tirx.IntImm):
-                    names.update(var.name for var in tvm.tirx.analysis.undefined_vars(extent))
-        if names:
-            found[gvar.name_hint] = sorted(names)
-    return dict(sorted(found.items()))
 
 
 def compile_module(

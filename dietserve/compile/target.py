@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import tvm
 from tvm.target import Target
 
+from ..kernels.host import host_cpu
+
 
 class TargetError(ValueError):
     """A target name, CPU or GPU architecture that we cannot compile for."""
@@ -27,12 +29,6 @@ class TargetSpec:
             raise TargetError(f"target {self.kind!r} is not supported; use 'llvm' or 'cuda'")
         if self.kind == "cuda" and not (self.arch.startswith("sm_") and self.arch[3:].isdigit()):
             raise TargetError(f"CUDA architecture {self.arch!r} must look like sm_90")
-
-
-def host_cpu() -> str:
-    from tvm.target.codegen import llvm_get_system_cpu
-
-    return str(llvm_get_system_cpu())
 
 
 def build_target(spec: TargetSpec) -> Target:

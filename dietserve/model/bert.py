@@ -210,6 +210,8 @@ class BertModel(nn.Module):
         return pooled / op.maximum(norm, nn.Tensor.from_const(1e-12))
 
 
+# The symbolic dims every dynamic operator's shapes are expressions of.
+SHAPE_VARS = ("batch", "seq_len")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
 
@@ -226,18 +228,18 @@ def export_relax(model: BertModel, max_batch: int) -> tuple[tvm.IRModule, list[t
     order; they follow the four inputs as function arguments, so weights stay out of the
     compiled library. The symbolic upper bounds let memory planning allocate statically.
     """
-    ids = nn.spec.Tensor(["batch", "seq_len"], "int64")
+    ids = nn.spec.Tensor(list(SHAPE_VARS), "int64")
     spec = {
         "forward": {
             "input_ids": ids,
             "attention_mask": ids,
             "token_type_ids": ids,
-            "position_ids": nn.spec.Tensor(["seq_len"], "int64"),
+            "position_ids": nn.spec.Tensor([SHAPE_VARS[1]], "int64"),
             "$": {"param_mode": "plain", "effect_mode": "none"},
         }
     }
     mod, params = model.export_tvm(spec=spec)
-    bounds = {"batch": max_batch, "seq_len": model.config.max_position_embeddings}
+    bounds = {SHAPE_VARS[0]: max_batch, SHAPE_VARS[1]: model.config.max_position_embeddings}
     mod["forward"] = mod["forward"].with_attr("tir_var_upper_bound", bounds)
     parameters = [(name, tuple(int(d) for d in param.shape)) for name, param in params]
     return mod, parameters

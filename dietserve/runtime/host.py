@@ -3,50 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-# LLVM feature names -> the flag Linux lists in /proc/cpuinfo, for the features a compiled
-# kernel may use. Features outside this table are not checked.
-LLVM_TO_CPUINFO = {
-    "sse4.1": "sse4_1",
-    "sse4.2": "sse4_2",
-    "avx": "avx",
-    "avx2": "avx2",
-    "fma": "fma",
-    "f16c": "f16c",
-    "avx512f": "avx512f",
-    "avx512bw": "avx512bw",
-    "avx512cd": "avx512cd",
-    "avx512dq": "avx512dq",
-    "avx512vl": "avx512vl",
-    "avx512vnni": "avx512_vnni",
-    "avx512bf16": "avx512_bf16",
-    "avx512ifma": "avx512ifma",
-    "avx512vbmi": "avx512vbmi",
-    "avx512vbmi2": "avx512_vbmi2",
-    "avx512bitalg": "avx512_bitalg",
-    "avx512vpopcntdq": "avx512_vpopcntdq",
-    "amx-tile": "amx_tile",
-}
+from ..kernels.host import LLVM_TO_CPUINFO, cpu_flags, missing_cpu_flags
 
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The flags of the first CPU, or None where the platform has no /proc/cpuinfo."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return None
-
-
-def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[str]:
-    if available is None:
-        return []  # cannot tell; let the load try
-    return sorted(flag for flag in required if flag not in available)
-
+__all__ = ["LLVM_TO_CPUINFO", "available_cpus", "configure_cpu_threads", "cpu_flags", "missing_cpu_flags"]
 
 def available_cpus() -> list[int]:
     """The CPUs this process may run on (respects taskset / container cpusets)."""

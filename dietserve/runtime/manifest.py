@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from ..kernels.atomic_io import write_text_atomic
+
+__all__ = ["ArtifactError", "Manifest", "sha256_file", "write_text_atomic"]
 
 MANIFEST_FILE = "manifest.json"
 LIBRARY_FILE = "model.so"
 PARAMS_FILE = "params.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: dispatch entries per matmul operator with workload, plan, calls
 
 
 class ArtifactError(RuntimeError):
@@ -79,18 +81,3 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := stream.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory and rename: never half-written."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

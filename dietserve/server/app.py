@@ -41,11 +41,11 @@ def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[Batch
         metrics.computed_tokens.inc(computed)
         metrics.padding_tokens.inc(computed - run.real_tokens)
         metrics.padding_ratio.observe((computed - run.real_tokens) / computed)
-        for key in run.variants:
-            counter = dispatch_counters.get(key)
+        for operator, variant, executions in run.variants:
+            counter = dispatch_counters.get((operator, variant))
             if counter is None:
-                counter = dispatch_counters[key] = metrics.kernel_dispatch.labels(*key)
-            counter.inc()
+                counter = dispatch_counters[(operator, variant)] = metrics.kernel_dispatch.labels(operator, variant)
+            counter.inc(executions)
         model.statistics.record_execution(run.rows, run.compute_seconds)
 
     return record

@@ -47,7 +47,8 @@ class ServerMetrics:
         self.inflight = Gauge("dietserve_inflight_requests", "ModelInfer requests being handled", registry=r)
         self.queued_rows = Gauge("dietserve_queued_rows", "rows waiting for a batch", registry=r)
         self.kernel_dispatch = Counter(
-            "dietserve_kernel_dispatch", "model executions by dynamic operator and the kernel variant it ran",
+            "dietserve_kernel_dispatch",
+            "operator executions (call sites x batches) by dynamic operator and the variant its compiled tree chose",
             ["operator", "variant"], registry=r)
         self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
 

@@ -28,8 +28,8 @@ import kernel_baselines as baselines  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 
+from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
 from tuner.database.records import RecordDatabase  # noqa: E402
-from tuner.dispatch import dispatched_prim_func  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
@@ -63,7 +63,7 @@ def time_ours(spec, plan, target: dict, length: int) -> float:
     host = target.get("host")
     device_target = {k: v for k, v in target.items() if k != "host"}
     tvm_target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, target["kind"]), tvm_target).jit()
+    lib = tvm.compile(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
     device = tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
     args, inputs = baselines.tvm_arguments(spec, {"T": length}, device)
     lib["main"](*args)

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from tuner.schedule import apply_kernel
+from dietserve.kernels.apply import apply_kernel
 
 
 def crash_or_hang(func, kernel, target_kind, loop_partition=False):

@@ -242,21 +242,32 @@ def test_batcher_refuses_when_the_queue_is_full():
 # ---------------------------------------------------------------------------- dispatch, config
 
 
-def test_dispatch_tree_chooses_by_shape():
-    tree = {"var": "tokens", "le": 64,
+VARS = ["batch", "seq_len"]
+
+
+def test_dispatch_tree_chooses_by_shape_expressions_and_counts_call_sites():
+    tree = {"var": "batch * seq_len", "le": 64,
             "then": {"variant": "small"},
             "else": {"var": "seq_len", "le": 256, "then": {"variant": "mid"}, "else": {"variant": "large"}}}
-    dispatch = KernelDispatch({"dense": {"variants": ["small", "mid", "large"], "tree": tree},
-                               "cast": {"variants": ["default"], "tree": {"variant": "default"}}})
-    assert dict(dispatch.variants(1, 64)) == {"cast": "default", "dense": "small"}
-    assert dict(dispatch.variants(2, 33))["dense"] == "mid"
-    assert dict(dispatch.variants(1, 300))["dense"] == "large"
+    dispatch = KernelDispatch({
+        "dense": {"variants": ["small", "mid", "large"], "tree": tree, "shape_vars": VARS, "calls": 12},
+        "scores": {"variants": ["default"], "tree": {"variant": "default"}, "shape_vars": VARS, "calls": 6}})
+    assert dispatch.variants(1, 64) == (("dense", "small", 12), ("scores", "default", 6))
+    assert dispatch.variants(2, 33)[0][1] == "mid"  # 66 rows
+    assert dispatch.variants(2, 32)[0][1] == "small"  # 64 rows: the boundary itself
+    assert dispatch.variants(1, 300)[0][1] == "large"
 
 
 @pytest.mark.parametrize("table, message", [
     ({"op": {"variants": ["a"], "tree": {"variant": "b"}}}, "unknown variant 'b'"),
     ({"op": {"variants": [], "tree": {"variant": "a"}}}, "lists no variants"),
-    ({"op": {"variants": ["a"], "tree": {"var": "width", "le": 3, "then": {"variant": "a"}}}}, "malformed"),
+    ({"op": {"variants": ["a"], "tree": {"var": "seq_len", "le": 3, "then": {"variant": "a"}}, "shape_vars": VARS}},
+     "needs var, integer le, then and else"),
+    ({"op": {"variants": ["a"], "shape_vars": VARS,
+             "tree": {"var": "width", "le": 3, "then": {"variant": "a"}, "else": {"variant": "a"}}}}, "names 'width'"),
+    ({"op": {"variants": ["a"], "shape_vars": VARS,
+             "tree": {"var": "__import__('os')", "le": 3, "then": {"variant": "a"}, "else": {"variant": "a"}}}},
+     "may only use names, integers"),
 ])
 def test_dispatch_rejects_malformed_tables(table, message):
     with pytest.raises(ArtifactError, match=message):

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import tvm
 
-from tuner.dispatch import DispatchPlan, dispatched_prim_func, interval_tree
+from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.dispatch import dispatched_prim_func
+from dietserve.kernels.hardware import CPU_PRESETS
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import KernelPlan
+from dietserve.kernels.tree import choose, interval_tree
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
-from tuner.schedule import apply_kernel
 from tuner.space.cpu import cpu_space
-from tuner.space.hardware import CPU_PRESETS
-from tuner.space.microkernel import MicroKernel
 
 SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -95,20 +97,29 @@ def test_space_fits_the_register_file() -> None:
     assert len(cpu_space(CPU_PRESETS["avx512"])) > len(cpu_space(CPU_PRESETS["avx2"]))
 
 
+def _plan(variants: dict, tree: dict) -> KernelPlan:
+    axes = {"b": "1", "i": "T", "j": "64", "k": "128"}
+    return KernelPlan(workload="w", operator="dense", shape_vars=["T"], axes=axes,
+                      target={"kind": "llvm"}, tvm_version=tvm.__version__,
+                      variants={name: k.to_dict() for name, k in variants.items()}, tree=tree,
+                      tuned_range={"var": "T", "min": 1, "max": 512})
+
+
 def test_dispatched_function_branches_to_each_variant() -> None:
     spec = dense(128, 64, "bias_gelu")
     small, large = KERNELS["1x1 tiles"], KERNELS["6x16 per register tile, 4x2 of them"]
     tree = interval_tree("T", [1, 8, 9, 512], ["small", "small", "large", "large"])
     assert tree == {"var": "T", "le": 8, "then": {"variant": "small"}, "else": {"variant": "large"}}
-    plan = DispatchPlan("w", "t", "T", {"small": small.to_json(), "large": large.to_json()}, tree)
-    assert plan.variant_for({"T": 8}) == "small" and plan.variant_for({"T": 9}) == "large"
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, "llvm"), TARGET)
+    plan = _plan({"small": small, "large": large}, tree)
+    assert choose(plan.tree, {"T": 8}) == "small" and choose(plan.tree, {"T": 9}) == "large"
+    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in (1, 8, 9, 13, 300):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
     # One variant reached from two leaves (small, large, small again).
-    plan.tree = interval_tree("T", [1, 8, 9, 100, 101, 512], ["small", "small", "large", "large", "small", "small"])
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, "llvm"), TARGET)
+    plan = _plan({"small": small, "large": large},
+                 interval_tree("T", [1, 8, 9, 100, 101, 512], ["small", "small", "large", "large", "small", "small"]))
+    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in (1, 9, 100, 101, 300):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")

@@ -9,14 +9,14 @@ import pytest
 import tvm
 
 from dietserve.compile.pipeline import fast_math_passes, legalize_passes
+from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.microkernel import MicroKernel
 from dietserve.model.bert import BertModel, export_relax
 from dietserve.model.checkpoint import Checkpoint
 from dietserve.model.presets import resolve_model
 from tuner.extract import spec_from_prim_func
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import from_recipe, numpy_gelu
-from tuner.schedule import apply_kernel
-from tuner.space.microkernel import MicroKernel
 from tuner.task import ShapeVar, TuningTask
 
 KERNEL = MicroKernel(tile=(("i", (4, 4)), ("j", (16, 2)), ("k", (1,))), vector=8)
@@ -45,7 +45,7 @@ def test_dense_gelu_prim_func_becomes_a_task(fused_module: tvm.IRModule) -> None
     with LocalRunner(MeasureOptions(number=1, repeat=1)) as runner:  # measured in a worker process
         result = runner.run({"recipe": spec.recipe, "target": {"kind": "llvm"}, "kernel": KERNEL.to_json(),
                              "shapes": [{"batch": 2, "seq_len": 13}], "check_shape": {"batch": 1, "seq_len": 7},
-                             "apply": "tuner.schedule:apply_kernel"})
+                             "apply": "dietserve.kernels.apply:apply_kernel"})
     assert result["error"] is None, result.get("traceback")
     assert result["latencies"]["batch=2,seq_len=13"] > 0
 

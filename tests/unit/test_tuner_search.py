@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dietserve.kernels.hardware import CPU_PRESETS
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.tree import interval_tree
 from tuner.cost_model.model import CostModel, adapt
-from tuner.dispatch import choose_variants, interval_tree
+from tuner.dispatch import choose_variants
 from tuner.ops import dense
 from tuner.search.evolution import EvolutionarySearch
 from tuner.space.cpu import cpu_space
-from tuner.space.hardware import CPU_PRESETS
-from tuner.space.microkernel import MicroKernel
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import check_shape_for
 

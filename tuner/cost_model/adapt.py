@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from ..space.microkernel import MicroKernel
+from dietserve.kernels.microkernel import MicroKernel
 
 
 def padding_efficiency(shape: Mapping[str, int], kernel: MicroKernel, axes: Iterable[str]) -> float:

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..space.microkernel import MicroKernel
+from dietserve.kernels.microkernel import MicroKernel
 
 AXES = ("i", "j", "k")
 LEVELS = 2

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..space.microkernel import MicroKernel
+from dietserve.kernels.microkernel import MicroKernel
+
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
 from .features import feature_matrix
 

@@ -110,17 +110,20 @@ def measure(job: dict) -> dict:
 def _measure(job: dict, started: float) -> dict:
     import tvm
 
-    from ..schedule import resolve
-    from ..space.microkernel import MicroKernel
+    from dietserve.kernels.apply import apply_default
+    from dietserve.kernels.microkernel import MicroKernel
 
     recipe = _freeze(job["recipe"])
     spec = _spec(recipe)
-    kernel = MicroKernel.from_json(job["kernel"])
     target_kind = job["target"]["kind"]
-    scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
     host = job["target"].get("host")
     device_target = {key: value for key, value in job["target"].items() if key != "host"}
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    if job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
+        scheduled = apply_default(spec.func, target)
+    else:
+        kernel = MicroKernel.from_json(job["kernel"])
+        scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
     executable = tvm.compile(scheduled, target)
     built = time.perf_counter()
     session = _session(job["device"], target_kind)
@@ -155,6 +158,16 @@ def _measure(job: dict, started: float) -> dict:
         latencies[_shape_text(key)] = float(np.median(timer(*args).results))
     return {"latencies": latencies, "error": None, "build_seconds": built - started,
             "seconds": time.perf_counter() - started}
+
+
+def resolve(path: str):
+    """``"package.module:function"`` -> the function that applies a micro-kernel (custom schedules)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"schedule function must look like 'package.module:function', got {path!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def _shape_text(key: tuple) -> str:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 
-from .hardware import CpuHardware
-from .microkernel import MicroKernel
+from dietserve.kernels.hardware import CpuHardware
+from dietserve.kernels.microkernel import MicroKernel
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for

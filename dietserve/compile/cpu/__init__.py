@@ -6,9 +6,9 @@ tried in order, the fallback last.
 
 from tvm.s_tir import dlight
 
+from ...kernels.default_cpu import CPUMatmul
 from .fallback import ParallelFallback
 from .injective import ParallelInjective
-from .matmul import CPUMatmul
 from .reduction import RowReduction
 
 

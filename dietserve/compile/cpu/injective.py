@@ -8,7 +8,7 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target import Target
 
-from .common import float_lanes, normalized_schedule, parallelize_and_vectorize
+from ...kernels.loops import float_lanes, normalized_schedule, parallelize_and_vectorize
 
 
 class ParallelInjective(dlight.ScheduleRule):

@@ -10,7 +10,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from .common import float_lanes, normalized_schedule, vectorize_innermost
+from ...kernels.loops import float_lanes, normalized_schedule, vectorize_innermost
 
 
 def _inline_single_use_spatial(sch: s_tir.Schedule, infos: list) -> list:

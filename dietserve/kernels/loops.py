@@ -1,4 +1,4 @@
-"""Small helpers shared by the CPU schedule rules."""
+"""Loop-level helpers every CPU schedule shares (the default rules and the micro-kernels)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,31 @@ def float_lanes(target: Target) -> int:
     return 4
 
 
-def static_extent(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> int | None:
-    extent = sch.get(loop).extent
-    return int(extent) if isinstance(extent, tirx.IntImm) else None
+def static_extent(expr) -> int | None:
+    """The value of a constant extent, None for a symbolic one."""
+    return int(expr) if isinstance(expr, tirx.IntImm) else None
+
+
+def loop_extent(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> int | None:
+    return static_extent(sch.get(loop).extent)
 
 
 def is_llvm(target: Target) -> bool:
     return target.kind.name == "llvm"
+
+
+def vectorize_tile(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, lanes: int) -> None:
+    """A static register-tile loop: whole vectors, the vector count unrolled (vectorising a
+    multi-vector loop directly makes LLVM spill to the stack); left alone when symbolic."""
+    extent = loop_extent(sch, loop)
+    if extent is None:
+        return
+    if extent > lanes and extent % lanes == 0:
+        outer, vec = sch.split(loop, [None, lanes])
+        sch.vectorize(vec)
+        sch.unroll(outer)
+    elif extent <= 4 * lanes:
+        sch.vectorize(loop)
 
 
 def vectorize_innermost(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> None:
@@ -35,7 +53,7 @@ def vectorize_innermost(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lan
     if not loops:
         return
     inner = loops[-1]
-    extent = static_extent(sch, inner)
+    extent = loop_extent(sch, inner)
     if extent is None:
         # Symbolic: partitioning peels the one predicated tail vector off a check-free loop.
         outer, vec = sch.split(inner, [None, lanes])
@@ -58,7 +76,7 @@ def parallelize_and_vectorize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockR
     loops = sch.get_loops(block)
     if not loops:
         return
-    inner = static_extent(sch, loops[-1])
+    inner = loop_extent(sch, loops[-1])
     if len(loops) == 1 or (inner is not None and inner < MIN_VECTOR_EXTENT):
         fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         outer, vec = sch.split(fused, [None, lanes])
@@ -77,3 +95,13 @@ def normalized_schedule(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Sche
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
     return None if infos is None else (sch, infos)
+
+
+def loops_below(sch: s_tir.Schedule, block, at) -> list:
+    """``block``'s loops nested inside loop ``at``."""
+    loops = sch.get_loops(block)
+    anchor = sch.get(at)
+    for depth, loop in enumerate(loops):
+        if sch.get(loop).same_as(anchor):
+            return list(loops[depth + 1 :])
+    return list(loops)

@@ -17,16 +17,13 @@ of a whole tensor and the FMA loop is the same straight-line code for every shap
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-
 from tvm import s_tir, tirx
 
-from ..space.microkernel import MicroKernel
-from .common import ScheduleMismatch, find_matmul, loops_below, pad_to_tiles, static_extent
+from .loops import loops_below, static_extent
+from .matching import ScheduleMismatch, find_matmul, pad_to_tiles
+from .microkernel import MicroKernel
 
-__all__ = ["ScheduleMismatch", "apply_cuda", "cuda_source", "inner_loop_has_bound_checks"]
+__all__ = ["ScheduleMismatch", "apply_cuda"]
 
 _OPERAND_SCOPES = ("shared", "shared.dyn")
 
@@ -128,100 +125,3 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         for loop in loops_below(sch, writer, j_thread)[:1]:
             sch.annotate(loop, "pragma_loop_partition_hint", 1)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
-def cuda_source(func: tirx.PrimFunc, arch: str) -> str:
-    """Compile ``func`` for ``arch`` (e.g. "sm_90") and return the device module's CUDA source."""
-    import tvm
-    from tvm.target import Target
-
-    from dietserve.compile.cuda import find_cuda_source
-
-    executable = tvm.compile(func, Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"}))
-    source = find_cuda_source(executable.mod)
-    if source is None:
-        raise RuntimeError("the compiled module holds no CUDA source")
-    return source
-
-
-_CONDITIONAL = re.compile(r"\bif\s*\(|\?|\bmin\(|\bmax\(")
-_FMA = re.compile(r"^(\w+)\[(.+)\] = \(\1\[\2\] \+ \(.+ \* .+\)\);$")
-
-
-@dataclass
-class _Scope:
-    """A braced region of the generated source: a loop, a branch, or the kernel body."""
-
-    header: str
-    items: list[str | _Scope] = field(default_factory=list)
-
-    @property
-    def is_loop(self) -> bool:
-        return self.header.startswith("for ")
-
-    @property
-    def is_branch(self) -> bool:
-        return self.header.startswith(("if ", "if(", "} else", "else"))
-
-    def statements(self) -> Iterator[str]:
-        for item in self.items:
-            if isinstance(item, _Scope):
-                yield item.header
-                yield from item.statements()
-            else:
-                yield item
-
-
-def _parse(source: str) -> _Scope:
-    """Nest the codegen's one-statement-per-line output by its braces."""
-    root = _Scope("")
-    stack = [root]
-    for raw in source.splitlines():
-        line = raw.strip()
-        if line.startswith("}") and len(stack) > 1:
-            stack.pop()
-            line = line[1:].strip()
-            if not line:
-                continue
-            line = "} " + line
-        if line.endswith("{"):
-            scope = _Scope(line)
-            stack[-1].items.append(scope)
-            stack.append(scope)
-        elif line:
-            stack[-1].items.append(line)
-    return root
-
-
-def _fma_sites(scope: _Scope, enclosing: tuple[_Scope, ...] = ()) -> Iterator[tuple[str, tuple[_Scope, ...]]]:
-    """Each accumulation ``acc[x] = (acc[x] + (a * b))`` with the scopes around it, outermost first."""
-    for item in scope.items:
-        if isinstance(item, _Scope):
-            yield from _fma_sites(item, (*enclosing, item))
-        elif _FMA.match(item):
-            yield item, enclosing
-
-
-def inner_loop_has_bound_checks(source: str) -> bool:
-    """Whether any multiply-accumulate of the generated CUDA ``source`` runs under a conditional.
-
-    That is: an FMA statement holding a ternary or min/max, an ``if`` around an FMA, or any
-    conditional in the outermost FMA-holding loop below the shared-memory step (the innermost
-    loop with a ``__syncthreads``, whose fills may check bounds). Raises ValueError when the
-    source has no FMA statement at all, since then there is nothing to check.
-    """
-    sites = list(_fma_sites(_parse(source)))
-    if not sites:
-        raise ValueError("no multiply-accumulate statement found in the CUDA source")
-    for statement, enclosing in sites:
-        if _CONDITIONAL.search(statement) or any(scope.is_branch for scope in enclosing):
-            return True
-        fma_loops = []
-        for scope in reversed(enclosing):
-            if any("__syncthreads" in line for line in scope.statements()):
-                break
-            if scope.is_loop:
-                fma_loops.append(scope)
-        if fma_loops and any(_CONDITIONAL.search(line) for line in fma_loops[-1].statements()):
-            return True
-    return False

@@ -9,30 +9,15 @@ accumulator is a fixed-size block LLVM keeps in registers.
 
 from __future__ import annotations
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from tuner.schedule.common import ScheduleMismatch, find_matmul
-
-from .common import float_lanes, is_llvm, parallelize_and_vectorize, static_extent
+from .loops import float_lanes, is_llvm, loop_extent, parallelize_and_vectorize, vectorize_tile
+from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
-
-
-def _is_multiply_accumulate(block) -> bool:
-    """``C[...] = C[...] + A[...] * B[...]`` (loads may be wrapped in casts)."""
-    store = block.body
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
-        return False
-    acc, product = store.value.a, store.value.b
-    return (
-        isinstance(acc, tvm.ir.TensorLoad)
-        and acc.source.same_as(store.buffer)
-        and isinstance(product, tirx.Mul)
-    )
 
 
 def choose_tile(rows: int | None, cols: int | None, lanes: int) -> tuple[int, int]:
@@ -60,13 +45,13 @@ class CPUMatmul(dlight.ScheduleRule):
             block, epilogue = find_matmul(sch)
         except ScheduleMismatch:
             return None
-        if not _is_multiply_accumulate(sch.get(block)):
+        if not is_multiply_accumulate(sch.get(block)):
             return None
 
         # Schedule: pad to whole tiles, tile, keep each tile in registers, parallel tiles.
         lanes = float_lanes(target)
         *batch, i, j, _ = sch.get_loops(block)
-        rows, cols = static_extent(sch, i), static_extent(sch, j)
+        rows, cols = loop_extent(sch, i), loop_extent(sch, j)
         mr, nr = choose_tile(rows, cols, lanes)
         try:
             padded = self._pad_to_tiles(sch, block, len(batch), rows, cols, (mr, nr), lanes)
@@ -89,11 +74,11 @@ class CPUMatmul(dlight.ScheduleRule):
             except s_tir.ScheduleError:
                 sch.reverse_compute_at(epilogue, tiles, preserve_unit_loops=True)
                 writers.append(epilogue)
-        self._vectorize_tile(sch, j_inner, nr, lanes)
+        vectorize_tile(sch, j_inner, lanes)
         sch.unroll(i_inner)
         sch.decompose_reduction(block, k)
         for writer in writers:
-            self._vectorize_tile(sch, sch.get_loops(writer)[-1], nr, lanes)
+            vectorize_tile(sch, sch.get_loops(writer)[-1], lanes)
         return sch
 
     @staticmethod
@@ -118,12 +103,3 @@ class CPUMatmul(dlight.ScheduleRule):
             return unpad
         sch.compute_inline(unpad)
         return consumers[0]
-
-    @staticmethod
-    def _vectorize_tile(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, nr: int, lanes: int) -> None:
-        if nr > lanes and nr % lanes == 0:
-            outer, vec = sch.split(loop, [None, lanes])
-            sch.vectorize(vec)
-            sch.unroll(outer)
-        else:
-            sch.vectorize(loop)

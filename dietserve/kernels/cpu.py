@@ -19,26 +19,9 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-from ..space.microkernel import MicroKernel
-from .common import ScheduleMismatch, find_matmul, loops_below, pad_to_tiles, static_extent
-
-__all__ = ["ScheduleMismatch", "apply_cpu", "find_matmul"]
-
-
-def _static(sch: s_tir.Schedule, loop) -> int | None:
-    return static_extent(sch.get(loop).extent)
-
-
-def _vectorize(sch: s_tir.Schedule, loop, lanes: int) -> None:
-    extent = _static(sch, loop)
-    if extent is None:
-        return
-    if extent > lanes and extent % lanes == 0:
-        outer, vec = sch.split(loop, [None, lanes])
-        sch.vectorize(vec)
-        sch.unroll(outer)
-    elif extent <= 4 * lanes:
-        sch.vectorize(loop)
+from .loops import loops_below, vectorize_tile
+from .matching import find_matmul, pad_to_tiles
+from .microkernel import MicroKernel
 
 
 def _pack(sch: s_tir.Schedule, block, at, lanes: int, loop_partition: bool) -> None:
@@ -47,7 +30,7 @@ def _pack(sch: s_tir.Schedule, block, at, lanes: int, loop_partition: bool) -> N
     sch.set_scope(block, 0, "local")
     own = loops_below(sch, block, at)
     if own:
-        _vectorize(sch, own[-1], lanes)
+        vectorize_tile(sch, own[-1], lanes)
         if loop_partition and len(own) > 1:
             sch.annotate(own[0], "pragma_loop_partition_hint", 1)
 
@@ -87,10 +70,10 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
                 sch.reverse_compute_inline(epilogue)
             except s_tir.ScheduleError:
                 sch.reverse_compute_at(epilogue, tile, preserve_unit_loops=True)
-                _vectorize(sch, sch.get_loops(epilogue)[-1], lanes)
+                vectorize_tile(sch, sch.get_loops(epilogue)[-1], lanes)
     registers = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(registers, i_micro, preserve_unit_loops=True)
-    _vectorize(sch, sch.get_loops(registers)[-1], lanes)
+    vectorize_tile(sch, sch.get_loops(registers)[-1], lanes)
 
     # Operand panels: padded ones are packed per tile; B optionally even if not padded.
     for producer in producers:
@@ -100,16 +83,15 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
         _pack(sch, packed, tile, lanes, loop_partition)
 
     sch.unroll(i_reg)
-    _vectorize(sch, j_reg, lanes)
+    vectorize_tile(sch, j_reg, lanes)
     sch.decompose_reduction(block, k)
 
     writer_loops = loops_below(sch, writer, tile)
     if writer_loops:
         # Not partitioned: TVM 0.27's LoopPartition miscompiles this write-back's predicate
         # (wrong rows for T >= 2 tiles), found by the tests; its check is outside the inner loop.
-        _vectorize(sch, writer_loops[-1], lanes)
+        vectorize_tile(sch, writer_loops[-1], lanes)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
 
 
 def _writes_operand(sch: s_tir.Schedule, producer, block, index: int) -> bool:

@@ -42,12 +42,18 @@ class MicroKernel:
                 return product
         raise KeyError(f"micro-kernel has no axis {axis!r}")
 
+    def to_dict(self) -> dict:
+        return json.loads(self.to_json())
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> MicroKernel:
-        raw = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> MicroKernel:
         return cls(
             tile=tuple((axis, tuple(sizes)) for axis, sizes in raw["tile"]),
             unroll=raw["unroll"],

@@ -1,0 +1,130 @@
+"""``python -m dietserve tune``: the model's dynamic operators out as tuning tasks, the tuner run
+as its own process, its plans linked into a new artifact.
+
+The serving side never imports the tuner: the task file goes out, plans come back
+(``dietserve/kernels/tasks.py``, ``plan.py``), and ``python -m tuner tune-tasks`` runs in a
+child process, so the server installs and runs without the tuner's extras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+
+from ..kernels.matching import is_dynamic_matmul, workload_key
+from ..kernels.tasks import TaskDescription, TaskFile, TuningError
+from ..model.bert import SHAPE_VARS, BertModel, export_relax
+from ..model.checkpoint import Checkpoint
+from ..model.presets import resolve_model
+from .artifact import CompileRequest, compile_artifact, model_display_name
+from .passes.link_kernels import call_counts
+from .pipeline import fast_math_passes, legalize_passes
+from .target import build_target, target_description
+
+Progress = Callable[[str], None]
+TASKS_FILE = "tasks.json"
+PLANS_DIR = "plans"
+ARTIFACT_DIR = "artifact"
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    compile: CompileRequest
+    db: Path
+    out: Path
+    trials: int = 64  # measurements per operator
+    time_budget_s: float | None = None  # for all operators together
+    lengths: tuple[int, ...] = ()  # observed sequence lengths (weights); empty: uniform over 1..max
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise ValueError(f"trials must be at least 1, got {self.trials}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
+
+
+def read_lengths(path: Path) -> tuple[int, ...]:
+    """Observed sequence lengths: whitespace-separated integers, or JSON ``{"length": count}``."""
+    text = Path(path).read_text()
+    try:
+        if text.lstrip().startswith("{"):
+            counts = json.loads(text)
+            lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
+        else:
+            lengths = [int(token) for token in text.split()]
+    except (ValueError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: lengths must be integers, one per observation, or JSON {{length: count}}: "
+                         f"{err}") from err
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"{path} holds no positive sequence lengths")
+    return tuple(lengths)
+
+
+def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int] = ()) -> TaskFile:
+    """One task per distinct dynamic matmul-like workload of the model, varying ``seq_len`` over
+    1..max length at batch 1 (dense layers see ``batch * seq_len`` rows, so batches reuse the
+    plan), weighted by ``lengths`` where given."""
+    folder = resolve_model(request.model, cache_dir, request.seed)
+    checkpoint = Checkpoint.open(folder)
+    target = build_target(request.target)
+    mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), request.max_batch)
+    with target:
+        legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
+    calls = call_counts(legalized)
+    max_len = checkpoint.config.max_position_embeddings
+    values = list(range(1, max_len + 1))
+    observed = Counter(min(length, max_len) for length in lengths)
+    weights = [float(observed.get(v, 0)) for v in values] if observed else []
+    tasks: dict[str, TaskDescription] = {}
+    for gvar, func in legalized.functions_items():
+        if not is_dynamic_matmul(func):
+            continue
+        key = workload_key(func)
+        if key in tasks:  # the same operator under another name: its calls add up
+            tasks[key] = dataclasses.replace(tasks[key], calls=tasks[key].calls + calls.get(gvar.name_hint, 0))
+            continue
+        tasks[key] = TaskDescription(
+            workload=key, operator=gvar.name_hint, calls=calls.get(gvar.name_hint, 0),
+            func=tvm.ir.save_json(func), vary={"var": SHAPE_VARS[1], "values": values},
+            fixed={SHAPE_VARS[0]: 1}, weights=weights)
+    model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
+    return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
+
+
+def run_tuner(task_file: Path, request: TuneRequest, plans: Path) -> None:
+    """``python -m tuner tune-tasks`` in a child process; its progress goes to our stderr."""
+    command = [sys.executable, "-m", "tuner", "tune-tasks", "--tasks", str(task_file), "--db", str(request.db),
+               "--plans", str(plans), "--trials", str(request.trials)]
+    if request.time_budget_s is not None:
+        command += ["--time-budget", str(request.time_budget_s)]
+    try:
+        completed = subprocess.run(command, check=False)
+    except OSError as err:
+        raise TuningError(f"cannot start the tuner ({' '.join(command[:3])}): {err}") from err
+    if completed.returncode != 0:
+        raise TuningError(f"the tuner exited with status {completed.returncode}; is it installed "
+                          f"(pip install -e '.[tune]')? See its messages above.")
+
+
+def tune_model(request: TuneRequest, cache_dir: Path, progress: Progress = lambda _m: None) -> Path:
+    """Extract tasks, tune them (reusing the records database), link the plans into an artifact
+    under ``out/artifact``; returns the artifact directory."""
+    out = Path(request.out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress("extracting the model's dynamic operators")
+    tasks = tuning_tasks(request.compile, cache_dir, request.lengths)
+    task_file = tasks.write(out / TASKS_FILE)
+    total_calls = sum(task.calls for task in tasks.tasks)
+    progress(f"{len(tasks.tasks)} distinct operators ({total_calls} call sites) -> {task_file}")
+    plans = out / PLANS_DIR
+    run_tuner(task_file, request, plans)
+    linked = dataclasses.replace(request.compile, plans=(plans,))
+    return compile_artifact(linked, cache_dir, out / ARTIFACT_DIR, progress=progress)

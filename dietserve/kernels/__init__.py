@@ -1,0 +1,12 @@
+"""The kernel layer: TVM-only code that both the model compiler and the tuner import.
+
+- ``microkernel``, ``hardware``: a micro-kernel as data and the hardware limits it must fit;
+- ``matching``: which PrimFuncs are matmul-like operators, their shapes as text, workload keys;
+- ``loops``, ``cpu``, ``cuda``, ``default_cpu``, ``apply``: schedules (micro-kernels with local
+  padding, and the default CPU matmul rule an untuned build uses);
+- ``tree``, ``plan``: the dispatch tree and the kernel plan format (pure Python, read by the server);
+- ``dispatch``: a plan compiled into one branching PrimFunc;
+- ``host``: this machine's CPU (flags, LLVM name).
+
+Nothing here imports the tuner, the runtime engine or the server.
+"""

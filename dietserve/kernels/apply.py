@@ -1,0 +1,53 @@
+"""Schedule a matmul-like PrimFunc with one variant: a micro-kernel (CPU or CUDA), or the
+default rule's own kernel (what an untuned build runs), for every value of its symbolic dims."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.target import Target
+
+from .cpu import apply_cpu
+from .matching import ScheduleMismatch
+from .microkernel import MicroKernel
+
+
+def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
+                 loop_partition: bool = False) -> tirx.PrimFunc:
+    if target_kind == "cuda":
+        from .cuda import apply_cuda
+
+        return apply_cuda(func, kernel, loop_partition=loop_partition)
+    if target_kind == "llvm":
+        return apply_cpu(func, kernel, loop_partition=loop_partition)
+    raise ValueError(f"no micro-kernel schedules for target kind {target_kind!r} (llvm or cuda)")
+
+
+def default_rules(target: Target) -> list:
+    """The rules an untuned build schedules matmul-like PrimFuncs with, in order."""
+    if target.kind.name == "cuda":
+        from tvm.s_tir import dlight
+
+        return [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(),
+                dlight.gpu.Fallback()]
+    from .default_cpu import CPUMatmul
+
+    return [CPUMatmul()]
+
+
+def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
+    """The default rule's kernel for ``func``: the untuned build's, always a dispatch candidate."""
+    with target:
+        for rule in default_rules(target):
+            scheduled = rule.apply(func, target, False)
+            if scheduled is not None:
+                result = scheduled if isinstance(scheduled, tirx.PrimFunc) else scheduled.mod["main"]
+                return result.with_attr("tirx.is_scheduled", True)
+    raise ScheduleMismatch(f"no default rule schedules this PrimFunc for {target.kind.name}")
+
+
+def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,
+                  loop_partition: bool = False) -> tirx.PrimFunc:
+    """``kernel`` None means the default rule's kernel."""
+    if kernel is None:
+        return apply_default(func, target)
+    return apply_kernel(func, kernel, target.kind.name, loop_partition)

@@ -1,0 +1,57 @@
+"""This machine's CPU as the kernels see it: its instruction sets and LLVM's name for it.
+
+No compiler needed for the flags (the runtime checks an artifact's required flags with them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# LLVM feature names -> the flag Linux lists in /proc/cpuinfo, for the features a compiled
+# kernel may use. Features outside this table are not checked.
+LLVM_TO_CPUINFO = {
+    "sse4.1": "sse4_1",
+    "sse4.2": "sse4_2",
+    "avx": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512cd": "avx512cd",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+    "avx512ifma": "avx512ifma",
+    "avx512vbmi": "avx512vbmi",
+    "avx512vbmi2": "avx512_vbmi2",
+    "avx512bitalg": "avx512_bitalg",
+    "avx512vpopcntdq": "avx512_vpopcntdq",
+    "amx-tile": "amx_tile",
+}
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The flags of the first CPU, or None where the platform has no /proc/cpuinfo."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[str]:
+    if available is None:
+        return []  # cannot tell; let the load try
+    return sorted(flag for flag in required if flag not in available)
+
+
+def host_cpu() -> str:
+    """LLVM's name for this CPU (e.g. ``znver3``)."""
+    from tvm.target.codegen import llvm_get_system_cpu
+
+    return str(llvm_get_system_cpu())

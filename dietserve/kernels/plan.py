@@ -1,0 +1,163 @@
+"""The kernel plan: what tuning produced for one dynamic operator, and the one module that
+reads, writes and checks it (the tuner writes plans; the link pass and the server read them).
+
+A plan file (JSON, one per tuned workload):
+
+    format, version      "dietserve.kernel-plan", 1
+    workload             structural key of the operator's PrimFunc (matching.workload_key)
+    operator             its name in the model it was tuned from (for people, never matched)
+    shape_vars           the PrimFunc's symbolic vars, e.g. ["batch", "seq_len"]
+    axes                 the matmul's axes as shape text, e.g. {"b": "1", "i": "batch * seq_len", ...}
+    target               {"kind", "mcpu" | "arch", "num-cores"} as in the artifact manifest
+    tvm_version          the TVM the kernels were built and measured with
+    variants             name -> micro-kernel (MicroKernel fields) or null for the default rule
+    tree                 decision tree over shape text (dietserve.kernels.tree)
+    tuned_range          {"var": text, "min": int, "max": int}: shapes above max take the tree's
+                         last interval, a variant that is correct for every shape
+    shapes               per tuned shape: value, chosen variant, latency, measured or predicted,
+                         and the default rule's latency there
+    provenance           records file and digest, trials, tuning seconds, shape weights, model
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .atomic_io import write_text_atomic
+from .microkernel import MicroKernel
+from .tree import TreeError, check_tree, leaves
+
+PLAN_FORMAT = "dietserve.kernel-plan"
+PLAN_VERSION = 1
+DEFAULT_VARIANT = "default"  # the default schedule rule's own kernel (what an untuned build runs)
+PLAN_SUFFIX = ".plan.json"
+MATCHED_TARGET_KEYS = ("kind", "mcpu", "arch")  # what decides the ISA; num-cores may differ
+
+
+class PlanError(ValueError):
+    """A plan file is malformed, stale (other TVM or target) or foreign (not this model's)."""
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    workload: str
+    operator: str
+    shape_vars: list
+    axes: dict
+    target: dict
+    tvm_version: str
+    variants: dict  # name -> MicroKernel fields, or None for DEFAULT_VARIANT
+    tree: dict
+    tuned_range: dict
+    shapes: list = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+    format: str = PLAN_FORMAT
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.format != PLAN_FORMAT:
+            raise PlanError(f"not a kernel plan (format {self.format!r}, expected {PLAN_FORMAT!r})")
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"kernel plan version {self.version}; this dietserve reads version {PLAN_VERSION}")
+        if not isinstance(self.variants, dict) or not self.variants:
+            raise PlanError(f"plan of {self.operator} lists no variants")
+        for name, kernel in self.variants.items():
+            if (kernel is None) != (name == DEFAULT_VARIANT):
+                raise PlanError(f"plan of {self.operator}: only variant {DEFAULT_VARIANT!r} may be null (the "
+                                f"default rule), {name!r} is {kernel!r}")
+            if kernel is not None:
+                try:
+                    MicroKernel.from_dict(kernel)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise PlanError(f"plan of {self.operator}: variant {name!r} is not a micro-kernel: {err}") from err
+        try:
+            check_tree(self.tree, self.variants, self.shape_vars)
+        except TreeError as err:
+            raise PlanError(f"plan of {self.operator}: {err}") from err
+        unused = set(self.variants) - set(leaves(self.tree))
+        if unused:
+            raise PlanError(f"plan of {self.operator}: variants {sorted(unused)} are reached by no leaf")
+        if not {"kind"} <= set(self.target):
+            raise PlanError(f"plan of {self.operator}: target {self.target!r} names no kind")
+
+    def kernel(self, name: str) -> MicroKernel | None:
+        """The variant's micro-kernel; None for the default rule's kernel."""
+        raw = self.variants[name]
+        return None if raw is None else MicroKernel.from_dict(raw)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def write(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str = "plan") -> KernelPlan:
+        if not isinstance(raw, dict):
+            raise PlanError(f"{source} is not a JSON object")
+        if raw.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source} is not a kernel plan (format {raw.get('format')!r}, expected {PLAN_FORMAT!r})")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(raw) - known
+        if unknown:
+            raise PlanError(f"{source} has unknown fields {sorted(unknown)}")
+        try:
+            return cls(**raw)
+        except TypeError as err:
+            raise PlanError(f"{source} is incomplete: {err}") from err
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}") from err
+
+    @classmethod
+    def read(cls, path: Path) -> KernelPlan:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as err:
+            raise PlanError(f"cannot read plan {path}: {err}") from err
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan {path} is not valid JSON: {err}") from err
+        return cls.from_dict(raw, str(path))
+
+    def check_target(self, target: Mapping, tvm_version: str) -> None:
+        """Refuse a plan tuned with another TVM or for another target/ISA (stale)."""
+        if self.tvm_version != tvm_version:
+            raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned with TVM {self.tvm_version}; "
+                            f"this is TVM {tvm_version}: re-tune")
+        for key in MATCHED_TARGET_KEYS:
+            if self.target.get(key) != target.get(key):
+                raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned for {key}="
+                                f"{self.target.get(key)!r}; compiling for {key}={target.get(key)!r}: re-tune")
+
+
+def plan_path(directory: Path, workload: str) -> Path:
+    return Path(directory) / f"{workload}{PLAN_SUFFIX}"
+
+
+def read_plans(paths: Iterable[Path]) -> list[KernelPlan]:
+    """Plans from files and directories (every ``*.plan.json`` inside); one per workload."""
+    plans: dict[str, tuple[KernelPlan, Path]] = {}
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            files = sorted(path.glob(f"*{PLAN_SUFFIX}"))
+        elif path.exists():
+            files = [path]
+        else:
+            raise PlanError(f"plan path {path} does not exist")
+        for file in files:
+            plan = KernelPlan.read(file)
+            if plan.workload in plans:
+                raise PlanError(f"two plans for workload {plan.workload}: {plans[plan.workload][1]} and {file}")
+            plans[plan.workload] = (plan, file)
+    return [plan for plan, _ in sorted(plans.values(), key=lambda item: item[0].workload)]

@@ -1,0 +1,88 @@
+"""Tuning task descriptions: what the model compiler hands the tuner, as a file.
+
+One JSON file lists the model's dynamic matmul-like operators, one entry per distinct workload
+(shared by every layer that calls it):
+
+    format, version   "dietserve.tuning-tasks", 1
+    model             display name and config digest of the model the operators come from
+    target            the TVM target as a dict (kind, mcpu | arch, num-cores)
+    tasks             [{workload, operator, calls, func (TVM JSON of the PrimFunc),
+                        vary: {var, values}, fixed: {var: value}, weights: [one per value]}]
+
+The tuner reads it, tunes, and answers with one kernel plan per task (``plan.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .atomic_io import write_text_atomic
+
+TASKS_FORMAT = "dietserve.tuning-tasks"
+TASKS_VERSION = 1
+
+
+class TuningError(RuntimeError):
+    """The tuner could not run or failed."""
+
+
+class TaskFileError(ValueError):
+    """A task description file is malformed."""
+
+
+@dataclass(frozen=True)
+class TaskDescription:
+    workload: str  # matching.workload_key of the PrimFunc
+    operator: str  # the PrimFunc's name in the model
+    calls: int  # call sites in the model (layers)
+    func: str  # tvm.ir.save_json of the PrimFunc
+    vary: dict  # {"var": "seq_len", "values": [1, ..., 512]}
+    fixed: dict = field(default_factory=dict)  # e.g. {"batch": 1}
+    weights: list = field(default_factory=list)  # one per value of vary; empty = uniform
+
+    def __post_init__(self) -> None:
+        values = self.vary.get("values") if isinstance(self.vary, dict) else None
+        if not isinstance(self.vary, dict) or not isinstance(self.vary.get("var"), str) or not values:
+            raise TaskFileError(f"task {self.operator}: vary must be {{var, values}}, got {self.vary!r}")
+        if any(type(v) is not int or v < 1 for v in values):
+            raise TaskFileError(f"task {self.operator}: values of {self.vary['var']} must be positive integers")
+        if self.weights and (len(self.weights) != len(values) or min(self.weights) < 0 or sum(self.weights) <= 0):
+            raise TaskFileError(f"task {self.operator}: weights must be non-negative, one per value, not all zero")
+
+
+@dataclass(frozen=True)
+class TaskFile:
+    model: dict
+    target: dict
+    tasks: list  # of TaskDescription
+    format: str = TASKS_FORMAT
+    version: int = TASKS_VERSION
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        return json.dumps(raw, indent=1, sort_keys=True)
+
+    def write(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> TaskFile:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise TaskFileError(f"cannot read task file {path}: {err}") from err
+        if not isinstance(raw, dict) or raw.get("format") != TASKS_FORMAT:
+            raise TaskFileError(f"{path} is not a tuning task file (format {TASKS_FORMAT!r})")
+        if raw.get("version") != TASKS_VERSION:
+            raise TaskFileError(f"{path} has version {raw.get('version')}; this reads version {TASKS_VERSION}")
+        try:
+            tasks = [TaskDescription(**task) for task in raw["tasks"]]
+            return cls(raw["model"], raw["target"], tasks)
+        except (KeyError, TypeError) as err:
+            raise TaskFileError(f"{path} is incomplete: {err}") from err
