@@ -1,0 +1,229 @@
+"""Tuned kernels in the served model: `dietserve tune` end to end, plans linked into BERT and
+checked against transformers, the compiled decision tree against the server's mirror, bad plans
+refused, and a server reporting more than one variant."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tvm
+from prometheus_client.parser import text_string_to_metric_families
+from tvm import tirx
+
+from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.compile.tuning import tuning_tasks
+from dietserve.kernels.dispatch import lower_tree
+from dietserve.kernels.hardware import detect_cpu
+from dietserve.kernels.host import cpu_flags
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path
+from dietserve.kernels.tree import choose, interval_tree, thresholds
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.dispatch import KernelDispatch
+from dietserve.runtime.engine import Engine
+from dietserve.runtime.manifest import Manifest
+
+from .conftest import MAX_BATCH
+from .reference import padded_batch, reference_hidden
+from .server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-4
+LANES = detect_cpu(cpu_flags() or set()).lanes()
+
+
+def micro(mr: int, ti: int, vectors: int, tj: int) -> dict:
+    return MicroKernel(tile=(("i", (mr, ti)), ("j", (vectors * LANES, tj)), ("k", (1,))), vector=LANES).to_dict()
+
+
+# Three variants besides the default rule, split at row counts 3 | 40 | 200 (boundaries probed below).
+VARIANTS = {"v0": micro(1, 1, 2, 2), "v1": micro(4, 2, 2, 1), "v2": micro(6, 4, 2, 2), DEFAULT_VARIANT: None}
+SPLITS = [(3, "v0"), (40, "v1"), (200, DEFAULT_VARIANT), (4096, "v2")]
+
+
+def handmade_plan(task, target: dict) -> KernelPlan:
+    """A plan as the tuner writes one, with several variants, for one of the model's operators."""
+    from dietserve.kernels.matching import matmul_axes
+
+    axes = matmul_axes(tvm.ir.load_json(task.func))
+    values = [value for value, _ in SPLITS]
+    return KernelPlan(workload=task.workload, operator=task.operator, shape_vars=["batch", "seq_len"], axes=axes,
+                      target=target, tvm_version=str(tvm.__version__), variants=VARIANTS,
+                      tree=interval_tree(axes["i"], values, [name for _, name in SPLITS]),
+                      tuned_range={"var": axes["i"], "min": 1, "max": 512}, provenance={"model": {"name": "test"}})
+
+
+@pytest.fixture(scope="module")
+def minilm_tasks(cache_dir: Path):
+    return tuning_tasks(CompileRequest(model="default", max_batch=MAX_BATCH), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def handmade_plans(minilm_tasks, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("plans")
+    for task in minilm_tasks.tasks:
+        handmade_plan(task, minilm_tasks.target).write(plan_path(folder, task.workload))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def linked_artifact(handmade_plans: Path, cache_dir: Path) -> Path:
+    return compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(handmade_plans,)), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def linked_engine(linked_artifact: Path) -> Engine:
+    return Engine(load_artifact(linked_artifact))
+
+
+def _check(engine: Engine, reference, batch: int, seq: int) -> None:
+    ids, mask, types = padded_batch(np.random.default_rng(batch * 1000 + seq), batch, seq, engine.vocab_size)
+    error = float(np.abs(engine.run(ids, mask, types).last_hidden_state - reference_hidden(reference, ids, mask,
+                                                                                           types)).max())
+    assert error <= TOLERANCE, f"batch={batch} seq={seq}: max abs error {error:.2e}"
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (1, 3), (1, 4), (3, 13), (1, 40), (1, 41), (2, 100), (1, 201),
+                                        (1, 300), (8, 64)])
+def test_linked_variants_match_transformers_on_both_sides_of_each_split(linked_engine, minilm_reference, batch, seq):
+    _check(linked_engine, minilm_reference, batch, seq)
+
+
+def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact: Path, minilm_tasks) -> None:
+    manifest = Manifest.read(linked_artifact)
+    assert {entry["workload"] for entry in manifest.dispatch.values()} == {t.workload for t in minilm_tasks.tasks}
+    dense = [e for e in manifest.dispatch.values() if e["tree"].get("var") == "batch * seq_len"]
+    assert dense and all(sorted(e["variants"]) == sorted(VARIANTS) and e["plan"] for e in dense)
+    assert sum(e["calls"] for e in dense) == 6 * 6  # q, k, v, attention output, intermediate, output per layer
+    assert all(not name.startswith(("reshape", "cast")) for name in manifest.dispatch)
+    assert len(list((linked_artifact / "plans").glob("*.plan.json"))) == len(minilm_tasks.tasks)
+
+
+def test_compiled_tree_chooses_what_the_mirror_chooses(linked_artifact: Path) -> None:
+    """The tree lowered into TIR exactly as the link pass lowers it, with leaves that write their
+    variant's index instead of computing, run at >= 50 shapes including every split +-1."""
+    manifest = Manifest.read(linked_artifact)
+    mirror = KernelDispatch(manifest.dispatch)
+    func = _marker_func()
+    output = _output_buffer(func)
+    for name, entry in manifest.dispatch.items():
+        if "var" not in entry["tree"]:
+            continue
+        index = {variant: i for i, variant in enumerate(entry["variants"])}
+
+        def leaf(variant: str, index=index) -> tirx.Stmt:
+            return tirx.BufferStore(output, tirx.const(float(index[variant]), "float32"), [tirx.const(0, "int64")])
+
+        lib = tvm.compile(func.with_body(lower_tree(func, entry["tree"], leaf)), tvm.target.Target("llvm"))
+        shapes = {(batch, seq) for seq in (1, 2, 3, 4, 5, 39, 40, 41, 100, 199, 200, 201, 511, 512)
+                  for batch in (1, 2, 3, 8)}
+        for _var, le in thresholds(entry["tree"]):
+            for rows in (le, le + 1):
+                shapes |= {(1, rows)} if rows <= 512 else set()
+        assert len(shapes) >= 50
+        for batch, seq in sorted(shapes):
+            out = tvm.runtime.tensor(np.full(1, -1, "float32"))
+            lib["marker"](tvm.runtime.tensor(np.zeros((batch * seq, 4), "float32")), out, batch, seq)
+            compiled = entry["variants"][int(out.numpy()[0])]
+            mirrored = dict(((op, v) for op, v, _ in mirror.variants(batch, seq)))[name]
+            expected = choose(entry["tree"], {"batch": batch, "seq_len": seq})
+            assert compiled == mirrored == expected, (name, batch, seq)
+
+
+def _marker_func() -> tirx.PrimFunc:
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def marker(a: T.handle, o: T.handle, batch: T.int64, seq_len: T.int64):
+        # batch and seq_len are scalar params, as in the model's fused operators
+        T.func_attr({"global_symbol": "marker"})
+        A = T.match_buffer(a, (batch * seq_len, 4), "float32")
+        O = T.match_buffer(o, (1,), "float32")
+        O[0] = A[0, 0] * T.float32(0)
+
+    return marker
+
+
+def _output_buffer(func: tirx.PrimFunc):
+    store = func.body  # the marker's whole body is one store to its output
+    assert isinstance(store, tirx.BufferStore), type(store)
+    return store.buffer
+
+
+def test_no_plans_builds_the_untuned_artifact(tmp_path: Path, cache_dir: Path, minilm_artifact: Path) -> None:
+    empty = tmp_path / "plans"
+    empty.mkdir()
+    same = compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(empty,)), cache_dir)
+    assert same == minilm_artifact
+    assert all(entry["variants"] == [DEFAULT_VARIANT] for entry in Manifest.read(same).dispatch.values())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tvm_version": "0.26.0"}, "tuned with TVM 0.26.0"),
+    ({"target": {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": "2"}}, "mcpu='skylake-avx512'"),
+    ({"workload": "0123456789abcdef"}, "foreign plan"),
+])
+def test_stale_and_foreign_plans_are_refused(change, message, minilm_tasks, tmp_path, cache_dir) -> None:
+    plan = dataclasses.replace(handmade_plan(minilm_tasks.tasks[0], minilm_tasks.target), **change)
+    plan.write(tmp_path / "bad.plan.json")
+    with pytest.raises(PlanError, match=message):
+        compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(tmp_path,)), cache_dir)
+
+
+def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: Path, cache_dir: Path,
+                                                                     minilm_reference) -> None:
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("5 9 9 17 33 33 33 64 120")
+    command = [sys.executable, "-m", "dietserve", "tune", "--model", "default", "--trials", "3",
+               "--max-batch", str(MAX_BATCH), "--lengths", str(lengths), "--db", str(tmp_path / "records.jsonl"),
+               "--out", str(tmp_path / "out"), "--cache-dir", str(cache_dir)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    artifact = Path(first.stdout.strip().splitlines()[-1])
+    plans = sorted((tmp_path / "out" / "plans").glob("*.plan.json"))
+    assert len(plans) == len(Manifest.read(artifact).dispatch) >= 6
+    plan = KernelPlan.read(plans[0])
+    assert plan.provenance["weights"] and plan.provenance["trials"] >= 1  # the observed lengths weighted it
+    engine = Engine(load_artifact(artifact))
+    for batch, seq in ((1, 9), (2, 33), (1, 300)):
+        _check(engine, minilm_reference, batch, seq)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.count("is up to date") == len(plans) + 1  # every plan, then the artifact
+    records = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
+
+
+def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_artifact: Path) -> None:
+    server = ServerProcess(linked_artifact, "--no-batching", model_name="tuned")
+    try:
+        with triton.InferenceServerClient(server.grpc_url) as client:
+            for seq in (2, 30, 100, 300):
+                ids = np.full((1, seq), 101, np.int64)
+                tensor = triton.InferInput("input_ids", [1, seq], "INT64")
+                tensor.set_data_from_numpy(ids)
+                client.infer("tuned", [tensor])
+        text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
+    finally:
+        server.stop()
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dietserve_kernel_dispatch_total":
+                counts[(sample.labels["operator"], sample.labels["variant"])] = sample.value
+    manifest = Manifest.read(linked_artifact)
+    dense = [name for name, e in manifest.dispatch.items() if e["tree"].get("var") == "batch * seq_len"]
+    for name in dense:
+        variants = {v: n for (op, v), n in counts.items() if op == name}
+        calls = manifest.dispatch[name]["calls"]
+        # one request per interval (2, 30, 100, 300 rows); warm-up runs may add to some counts
+        assert set(variants) == set(VARIANTS), (name, variants)
+        assert all(n >= calls and n % calls == 0 for n in variants.values()), (name, variants)
