@@ -13,9 +13,8 @@ from pathlib import Path
 from .kernels.microkernel import MicroKernel
 from .kernels.plan import DEFAULT_VARIANT, KernelPlan, read_plans
 from .kernels.tree import TreeError, choose, evaluate_text
-from .runtime.manifest import Manifest
+from .runtime.manifest import PLANS_DIR, Manifest
 
-PLANS_DIR = "plans"
 DEFAULT_KERNEL_TEXT = "default rule"
 _SHADES = ("C2", "C1", "C4", "C8", "C9", "C5", "C6", "C7")  # C0 and C3 draw the curves
 

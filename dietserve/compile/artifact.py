@@ -26,6 +26,7 @@ from ..runtime.manifest import (
     LIBRARY_FILE,
     MANIFEST_FILE,
     PARAMS_FILE,
+    PLANS_DIR,
     ArtifactError,
     Manifest,
     sha256_file,
@@ -36,7 +37,6 @@ from .target import TargetSpec, build_target, target_description, tvm_version
 
 Progress = Callable[[str], None]
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
-PLANS_DIR = "plans"  # inside an artifact: the kernel plans linked into it
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ __all__ = ["ArtifactError", "Manifest", "sha256_file", "write_text_atomic"]
 MANIFEST_FILE = "manifest.json"
 LIBRARY_FILE = "model.so"
 PARAMS_FILE = "params.safetensors"
+PLANS_DIR = "plans"  # the kernel plans linked into a tuned artifact
 FORMAT_VERSION = 2  # 2: dispatch entries per matmul operator with workload, plan, calls
 
 

@@ -97,6 +97,27 @@ def test_linked_variants_match_transformers_on_both_sides_of_each_split(linked_e
     _check(linked_engine, minilm_reference, batch, seq)
 
 
+def test_odd_sized_bert_with_linked_variants_matches_transformers(tmp_path: Path, cache_dir: Path) -> None:
+    """Hidden 48, intermediate 80, 4 heads of 12: no column count is a whole number of tiles."""
+    from dietserve.model.config import BertConfig
+    from dietserve.model.presets import materialize_random_bert
+
+    from .reference import reference_model
+
+    config = BertConfig(vocab_size=500, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=80, hidden_act="gelu", max_position_embeddings=256, type_vocab_size=2)
+    folder = materialize_random_bert(config, tmp_path / "odd-bert", seed=5, std=0.3)
+    request = CompileRequest(model=str(folder), max_batch=4)
+    tasks = tuning_tasks(request, cache_dir)
+    for task in tasks.tasks:
+        handmade_plan(task, tasks.target).write(plan_path(tmp_path / "plans", task.workload))
+    artifact = compile_artifact(dataclasses.replace(request, plans=(tmp_path / "plans",)), cache_dir)
+    assert any(len(e["variants"]) > 1 for e in Manifest.read(artifact).dispatch.values())
+    engine, reference = Engine(load_artifact(artifact)), reference_model(folder)
+    for batch, seq in ((1, 1), (1, 3), (2, 21), (1, 41), (4, 55), (1, 211)):
+        _check(engine, reference, batch, seq)
+
+
 def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact: Path, minilm_tasks) -> None:
     manifest = Manifest.read(linked_artifact)
     assert {entry["workload"] for entry in manifest.dispatch.values()} == {t.workload for t in minilm_tasks.tasks}
