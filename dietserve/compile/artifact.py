@@ -153,7 +153,8 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     executable.export_library(str(staging / LIBRARY_FILE))
     cuda_source_sha256 = None
     if request.target.kind == "cuda":
-        from .cuda import CudaToolchainError, compile_fatbin, find_cuda_source, source_digest
+        from ..kernels.cuda_source import find_cuda_source
+        from .cuda import CudaToolchainError, compile_fatbin, source_digest
 
         source = find_cuda_source(executable.mod)
         if source is None:
