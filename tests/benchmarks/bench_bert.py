@@ -1,10 +1,19 @@
-"""Latency per sequence length (batch 1) of our compiled artifact beside PyTorch eager and
-ONNX Runtime on the CPU, same thread count, measured interleaved in one run.
+"""Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
+OpenVINO on the CPU, same thread count, measured one backend after another per point in one run.
 
-    python tests/benchmarks/bench_bert.py [--model bert-base|default|DIR] [--threads N]
+    python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
+    python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
 
-Prints a table and a last line ``RESULT geomean_vs_torch=X geomean_vs_ort=Y`` where a ratio
-above 1 means our artifact is faster.
+With ``--tuned`` each model is first tuned with ``python -m dietserve tune`` (a real tuner
+process, records kept in the cache folder and reused by later runs) and its tuned artifact is
+measured beside the untuned one. Prints a table per model and batch, the variants per operator,
+the tuning time, a per-operator profile at one length, and a last line
+
+    RESULT geomean_tuned_vs_untuned=X min_tuned_vs_untuned=Y geomean_vs_ort=Z geomean_vs_openvino=V
+           geomean_vs_torch=W
+
+(one line) where ratios above 1 mean ours is faster; "ours" is the tuned artifact with
+``--tuned``, else the untuned one.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,111 +30,131 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bert_baselines  # noqa: E402
+from operator_profile import profile_operators  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
+from dietserve.kernels.plan import read_plans  # noqa: E402
 from dietserve.model.presets import resolve_model  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
+from dietserve.runtime.manifest import PLANS_DIR, Manifest  # noqa: E402
 
-DEFAULT_LENGTHS = [1, 2, 7, 16, 31, 64, 127, 128, 200, 256, 300, 384, 512]
+DEFAULT_LENGTHS = [1, 2, 7, 13, 31, 64, 97, 128, 191, 256, 311, 384, 449, 512]  # primes included
+POINT_BUDGET_S = 4.0  # per backend and point: fewer repeats for the slowest points (at least 3)
 
 
-def timed(fn, repeats: int) -> float:
+def say(message: str) -> None:
+    print(f"# {message}", file=sys.stderr, flush=True)
+
+
+def median_latency(fn, args, repeats: int) -> float:
+    time.sleep(0.2)  # lets the previous backend's spinning worker threads go idle
+    start = time.perf_counter()
+    fn(*args)  # warm up
+    once = time.perf_counter() - start
+    count = max(3, min(repeats, int(POINT_BUDGET_S / max(once, 1e-6))))
     samples = []
-    for _ in range(repeats):
+    for _ in range(count):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
-def export_onnx(model, path: Path) -> None:
+def tune(model: str, args: argparse.Namespace, max_batch: int) -> tuple[Path, float]:
+    """Tune with the real command; returns (artifact, tuning seconds as recorded in the plans)."""
+    out = args.cache_dir / "bench-tuned" / f"{model.replace('/', '_')}-t{args.trials}"
+    command = [sys.executable, "-m", "dietserve", "tune", "--model", model, "--trials", str(args.trials),
+               "--max-batch", str(max_batch), "--db", str(out / "records.jsonl"), "--out", str(out),
+               "--cache-dir", str(args.cache_dir)]
+    say(" ".join(command))
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    artifact = Path(done.stdout.strip().splitlines()[-1])
+    seconds = sum(plan.provenance.get("tuning_seconds", 0.0) for plan in read_plans([artifact / PLANS_DIR]))
+    return artifact, seconds
+
+
+def variants_per_operator(artifact: Path) -> str:
+    dispatch = Manifest.read(artifact).dispatch
+    return ", ".join(f"{name}: {'/'.join(entry['variants'])}" for name, entry in dispatch.items())
+
+
+def geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+
+
+def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
     import torch
+    from transformers import BertModel
 
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-            return out.last_hidden_state
-
-    example = torch.ones((1, 8), dtype=torch.int64)
-    axes = {0: "batch", 1: "seq"}
-    torch.onnx.export(
-        LastHiddenState(model).eval(), (example, example, torch.zeros_like(example)), str(path),
-        input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["last_hidden_state"],
-        dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes}, dynamo=False,
-    )
+    max_batch = max(args.batches)
+    untuned = Engine(load_artifact(compile_artifact(CompileRequest(model=model, max_batch=max_batch),
+                                                    args.cache_dir, progress=say)), threads=args.threads)
+    engines = {"untuned": untuned}
+    if args.tuned:
+        artifact, seconds = tune(model, args, max_batch)
+        engines["tuned"] = Engine(load_artifact(artifact), threads=args.threads)
+        print(f"# {model}: tuning {seconds:.0f} s ({args.trials} trials per operator); variants per operator: "
+              f"{variants_per_operator(artifact)}")
+    torch.set_num_threads(args.threads)
+    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
+    reference.eval()
+    with tempfile.TemporaryDirectory() as scratch:
+        onnx_path = Path(scratch) / "bert.onnx"
+        bert_baselines.export_onnx(reference, onnx_path)
+        backends = {**{name: engine.run for name, engine in engines.items()},
+                    "torch": bert_baselines.torch_eager(reference),
+                    "ort": bert_baselines.onnx_runtime(onnx_path, args.threads),
+                    "openvino": bert_baselines.openvino(onnx_path, args.threads)}
+    ours = "tuned" if args.tuned else "untuned"
+    rng = np.random.default_rng(0)
+    for batch in args.batches:
+        print(f"# model={model} batch={batch} threads={args.threads} (median ms)")
+        print(f"{'seq':>5} " + " ".join(f"{name:>9}" for name in backends)
+              + f" {'tun/unt':>8} {'vs_ort':>7} {'vs_ov':>7} {'vs_torch':>8}")
+        for seq in args.lengths:
+            ids = rng.integers(1000, untuned.vocab_size, (batch, seq)).astype(np.int64)
+            inputs = (ids, np.ones_like(ids), np.zeros_like(ids))
+            times = {name: median_latency(fn, inputs, args.repeats) for name, fn in backends.items()}
+            point = {"tuned_vs_untuned": times["untuned"] / times[ours], "vs_ort": times["ort"] / times[ours],
+                     "vs_openvino": times["openvino"] / times[ours], "vs_torch": times["torch"] / times[ours]}
+            for key, value in point.items():
+                ratios[key].append(value)
+            print(f"{seq:>5} " + " ".join(f"{t * 1e3:>9.2f}" for t in times.values())
+                  + f" {point['tuned_vs_untuned']:>8.2f} {point['vs_ort']:>7.2f} {point['vs_openvino']:>7.2f}"
+                  + f" {point['vs_torch']:>8.2f}", flush=True)
+    profile_at = args.profile_seq
+    for name, engine in engines.items():
+        rows = profile_operators(engine, 1, profile_at)
+        total = sum(seconds for _, seconds, _ in rows)
+        print(f"# {model} {name}: where the time goes at batch 1, seq {profile_at} ({total * 1e3:.2f} ms in kernels)")
+        for symbol, seconds, calls in rows[:10]:
+            print(f"#   {symbol:<40} {seconds * 1e3:8.3f} ms {100 * seconds / total:5.1f}%  x{calls}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="bert-base")
+    parser.add_argument("--models", default="bert-base,default", help="comma-separated: bert-base, default, DIR")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per point at most (at least 3)")
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
+    parser.add_argument("--tuned", action="store_true", help="tune each model and measure the tuned artifact too")
+    parser.add_argument("--trials", type=int, default=32, help="with --tuned: measurements per operator")
+    parser.add_argument("--profile-seq", type=int, default=128, help="sequence length of the per-operator profile")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dietserve")
     args = parser.parse_args()
-
-    import onnxruntime as ort
-    import torch
-    from transformers import BertModel
-
-    torch.set_num_threads(args.threads)
-
-    artifact = compile_artifact(CompileRequest(model=args.model, max_batch=1), args.cache_dir,
-                                progress=lambda m: print(f"# {m}", file=sys.stderr))
-    engine = Engine(load_artifact(artifact), threads=args.threads)
-    folder = resolve_model(args.model, args.cache_dir)
-    reference = BertModel.from_pretrained(str(folder)).eval()
-    with tempfile.TemporaryDirectory() as scratch:
-        onnx_path = Path(scratch) / "bert.onnx"
-        export_onnx(reference, onnx_path)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = args.threads
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-
-    print(f"# model={args.model} threads={args.threads} repeats={args.repeats} (median ms, batch 1)")
-    print(f"{'seq':>5} {'dietserve':>10} {'torch':>10} {'onnxrt':>10} {'vs_torch':>9} {'vs_ort':>8}")
-    vs_torch, vs_ort = [], []
-    rng = np.random.default_rng(0)
-    for seq in args.lengths:
-        ids = rng.integers(1000, engine.vocab_size, (1, seq)).astype(np.int64)
-        mask, types = np.ones_like(ids), np.zeros_like(ids)
-        tensors = {k: torch.from_numpy(v) for k, v in (("input_ids", ids), ("attention_mask", mask),
-                                                       ("token_type_ids", types))}
-        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-
-        def ours(ids=ids, mask=mask, types=types):
-            engine.run(ids, mask, types)
-
-        def eager(tensors=tensors):
-            with torch.inference_mode():
-                reference(**tensors)
-
-        def onnx(feeds=feeds):
-            session.run(None, feeds)
-
-        samples = {}
-        for name, fn in (("ours", ours), ("torch", eager), ("ort", onnx)):
-            # One backend at a time: each runtime's worker threads spin for a while after a
-            # call, and interleaving single calls would charge that spinning to the next one.
-            time.sleep(0.2)
-            fn()  # warm up
-            samples[name] = [timed(fn, 1) for _ in range(args.repeats)]
-        t_ours, t_torch, t_ort = (statistics.median(samples[k]) for k in ("ours", "torch", "ort"))
-        vs_torch.append(t_torch / t_ours)
-        vs_ort.append(t_ort / t_ours)
-        print(f"{seq:>5} {t_ours * 1e3:>10.2f} {t_torch * 1e3:>10.2f} {t_ort * 1e3:>10.2f} "
-              f"{vs_torch[-1]:>9.2f} {vs_ort[-1]:>8.2f}", flush=True)
-
-    def geomean(values: list[float]) -> float:
-        return float(np.exp(np.mean(np.log(values))))
-
-    print(f"RESULT geomean_vs_torch={geomean(vs_torch):.3f} geomean_vs_ort={geomean(vs_ort):.3f}")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    ratios: dict[str, list[float]] = {"tuned_vs_untuned": [], "vs_ort": [], "vs_openvino": [], "vs_torch": []}
+    for model in args.models.split(","):
+        bench_model(model, args, ratios)
+    print(f"RESULT geomean_tuned_vs_untuned={geomean(ratios['tuned_vs_untuned']):.3f} "
+          f"min_tuned_vs_untuned={min(ratios['tuned_vs_untuned']):.3f} "
+          f"geomean_vs_ort={geomean(ratios['vs_ort']):.3f} geomean_vs_openvino={geomean(ratios['vs_openvino']):.3f} "
+          f"geomean_vs_torch={geomean(ratios['vs_torch']):.3f}")
     return 0
 
 

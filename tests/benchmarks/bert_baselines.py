@@ -1,0 +1,65 @@
+"""The baselines users run BERT with on a CPU, each on the same checkpoint and thread count:
+PyTorch eager, ONNX Runtime and OpenVINO (CPU plugin, latency hint) on one ONNX export."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+Run = Callable[[np.ndarray, np.ndarray, np.ndarray], object]
+
+
+def export_onnx(model, path: Path) -> None:
+    import torch
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state
+
+    example = torch.ones((1, 8), dtype=torch.int64)
+    axes = {0: "batch", 1: "seq"}
+    torch.onnx.export(
+        LastHiddenState(model).eval(), (example, example, torch.zeros_like(example)), str(path),
+        input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["last_hidden_state"],
+        dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes}, dynamo=False,
+    )
+
+
+def torch_eager(model) -> Run:
+    import torch
+
+    def run(ids, mask, types):
+        with torch.inference_mode():
+            return model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         token_type_ids=torch.from_numpy(types)).last_hidden_state
+
+    return run
+
+
+def onnx_runtime(onnx_path: Path, threads: int) -> Run:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    return lambda ids, mask, types: session.run(None, {"input_ids": ids, "attention_mask": mask,
+                                                       "token_type_ids": types})
+
+
+def openvino(onnx_path: Path, threads: int) -> Run:
+    import openvino as ov
+
+    core = ov.Core()
+    compiled = core.compile_model(str(onnx_path), "CPU", {"PERFORMANCE_HINT": "LATENCY",
+                                                          "INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    return lambda ids, mask, types: request.infer({"input_ids": ids, "attention_mask": mask,
+                                                   "token_type_ids": types})
