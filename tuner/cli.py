@@ -178,6 +178,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
+    parser.add_argument("--number", type=int, default=2, help="runs per timed repeat")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tuner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,11 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--plan", help="where to write the dispatch plan (default: DB with .plan.json)")
     tune.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
     tune.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
-    tune.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
-    tune.add_argument("--number", type=int, default=2, help="runs per timed repeat")
-    tune.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
-    tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--verbose", action="store_true", help="log each failed candidate")
+    _add_measure_flags(tune)
     tune.set_defaults(run=cmd_tune)
     model_tasks = commands.add_parser("tune-tasks", help="tune a model's operators from a task file "
                                                          "(written by python -m dietserve tune)")
@@ -219,11 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_tasks.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
     model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
     model_tasks.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
-    model_tasks.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
-    model_tasks.add_argument("--number", type=int, default=2, help="runs per timed repeat")
-    model_tasks.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
-    model_tasks.add_argument("--seed", type=int, default=0)
-    model_tasks.add_argument("--verbose", action="store_true", help="log each failed candidate")
+    _add_measure_flags(model_tasks)
     model_tasks.set_defaults(run=cmd_tune_tasks)
     report = commands.add_parser("report", help="per-shape table and latency plot from a records database")
     report.add_argument("--db", required=True)

@@ -8,8 +8,10 @@ from pathlib import Path
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory and rename: never half-written."""
+    """Write via a temporary file in the same directory and rename: never half-written.
+    Creates the directory if needed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as stream:

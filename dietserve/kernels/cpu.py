@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 
 from .loops import loops_below, vectorize_tile
-from .matching import find_matmul, pad_to_tiles
+from .matching import find_matmul, pad_to_tiles, stage_result
 from .microkernel import MicroKernel
 
 
@@ -58,19 +58,9 @@ def apply_cpu(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = F
 
     # The padded result lives only in the tile's workspace; each mr x nr register tile
     # accumulates the whole reduction in registers before it is stored there.
-    if padded:
-        sch.set_scope(block, 0, "local")
-        writer = epilogue
-        sch.reverse_compute_at(writer, tile, preserve_unit_loops=True)
-    else:
-        writer = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(writer, tile, preserve_unit_loops=True)
-        if epilogue is not None:
-            try:
-                sch.reverse_compute_inline(epilogue)
-            except s_tir.ScheduleError:
-                sch.reverse_compute_at(epilogue, tile, preserve_unit_loops=True)
-                vectorize_tile(sch, sch.get_loops(epilogue)[-1], lanes)
+    writer, separate_epilogue = stage_result(sch, block, epilogue, padded, tile)
+    if separate_epilogue is not None:
+        vectorize_tile(sch, sch.get_loops(separate_epilogue)[-1], lanes)
     registers = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(registers, i_micro, preserve_unit_loops=True)
     vectorize_tile(sch, sch.get_loops(registers)[-1], lanes)

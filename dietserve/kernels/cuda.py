@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 
 from .loops import loops_below, static_extent
-from .matching import ScheduleMismatch, find_matmul, pad_to_tiles
+from .matching import ScheduleMismatch, find_matmul, pad_to_tiles, stage_result
 from .microkernel import MicroKernel
 
 __all__ = ["ScheduleMismatch", "apply_cuda"]
@@ -91,18 +91,7 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         sch.annotate(outermost, "pragma_unroll_explicit", 1)
 
     # The accumulator is the thread's tm x tn register tile; the epilogue writes real elements only.
-    if padded:
-        sch.set_scope(block, 0, "local")
-        sch.reverse_compute_at(epilogue, j_thread, preserve_unit_loops=True)
-        writer = epilogue
-    else:
-        writer = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(writer, j_thread, preserve_unit_loops=True)
-        if epilogue is not None:
-            try:
-                sch.reverse_compute_inline(epilogue)
-            except s_tir.ScheduleError:
-                sch.reverse_compute_at(epilogue, j_thread, preserve_unit_loops=True)
+    writer, _ = stage_result(sch, block, epilogue, padded, j_thread)
 
     # Operand tiles in shared memory, refilled by all threads at every reduction step.
     for index, operand in enumerate(operands):

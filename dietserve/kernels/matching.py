@@ -81,6 +81,26 @@ def pad_to_tiles(sch: s_tir.Schedule, block, epilogue, tiles: Sequence[int]):
     return True, epilogue
 
 
+def stage_result(sch: s_tir.Schedule, block, epilogue, padded: bool, at):
+    """Keep the matmul's result in a workspace local to loop ``at`` and write it back from there
+    (DietCode's local padding for the output). Returns (the write-back block, the epilogue if it
+    had to be placed as a block of its own, else None)."""
+    if padded:  # the padded result lives only in the workspace; the epilogue writes real elements
+        sch.set_scope(block, 0, "local")
+        sch.reverse_compute_at(epilogue, at, preserve_unit_loops=True)
+        return epilogue, None
+    writer = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(writer, at, preserve_unit_loops=True)
+    if epilogue is None:
+        return writer, None
+    try:
+        sch.reverse_compute_inline(epilogue)
+        return writer, None
+    except s_tir.ScheduleError:
+        sch.reverse_compute_at(epilogue, at, preserve_unit_loops=True)
+        return writer, epilogue
+
+
 # -- the operator's shape ------------------------------------------------------------------
 
 def symbolic_vars(func: tirx.PrimFunc) -> dict[str, tirx.Var]:

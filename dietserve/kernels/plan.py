@@ -96,10 +96,8 @@ class KernelPlan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def write(self, path: Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, self.to_json())
-        return path
+        return Path(path)
 
     @classmethod
     def from_dict(cls, raw: object, source: str = "plan") -> KernelPlan:

@@ -65,10 +65,8 @@ class TaskFile:
         return json.dumps(raw, indent=1, sort_keys=True)
 
     def write(self, path: Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, self.to_json())
-        return path
+        return Path(path)
 
     @classmethod
     def read(cls, path: Path) -> TaskFile:
