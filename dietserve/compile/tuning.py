@@ -19,8 +19,9 @@ from pathlib import Path
 
 import tvm
 
-from ..kernels.matching import is_dynamic_matmul, workload_key
+from ..kernels.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..kernels.tasks import TaskDescription, TaskFile, TuningError
+from ..kernels.tree import names_in
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint
 from ..model.presets import resolve_model
@@ -68,10 +69,16 @@ def read_lengths(path: Path) -> tuple[int, ...]:
     return tuple(lengths)
 
 
+# An operator whose rows do not depend on seq_len (the pooling sum has ``batch`` rows) is tuned
+# over the batch sizes at this length.
+POOLING_TUNE_LENGTH = 128
+
+
 def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int] = ()) -> TaskFile:
     """One task per distinct dynamic matmul-like workload of the model, varying ``seq_len`` over
     1..max length at batch 1 (dense layers see ``batch * seq_len`` rows, so batches reuse the
-    plan), weighted by ``lengths`` where given."""
+    plan), weighted by ``lengths`` where given; operators whose rows are ``batch`` alone vary
+    the batch instead."""
     folder = resolve_model(request.model, cache_dir, request.seed)
     checkpoint = Checkpoint.open(folder)
     target = build_target(request.target)
@@ -91,10 +98,15 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
         if key in tasks:  # the same operator under another name: its calls add up
             tasks[key] = dataclasses.replace(tasks[key], calls=tasks[key].calls + calls.get(gvar.name_hint, 0))
             continue
+        batch, seq_len = SHAPE_VARS
+        if seq_len in names_in(matmul_axes(func)["i"]):
+            vary, fixed, task_weights = {"var": seq_len, "values": values}, {batch: 1}, weights
+        else:
+            vary = {"var": batch, "values": list(range(1, request.max_batch + 1))}
+            fixed, task_weights = {seq_len: min(POOLING_TUNE_LENGTH, max_len)}, []
         tasks[key] = TaskDescription(
             workload=key, operator=gvar.name_hint, calls=calls.get(gvar.name_hint, 0),
-            func=tvm.ir.save_json(func), vary={"var": SHAPE_VARS[1], "values": values},
-            fixed={SHAPE_VARS[0]: 1}, weights=weights)
+            func=tvm.ir.save_json(func), vary=vary, fixed=fixed, weights=task_weights)
     model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
     return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
 

@@ -51,6 +51,14 @@ def evaluate_text(text: str, env: Mapping[str, object]):
     return walk(parsed)
 
 
+def names_in(text: str) -> set[str]:
+    """The var names a shape expression uses."""
+    try:
+        return {node.id for node in ast.walk(ast.parse(text, mode="eval")) if isinstance(node, ast.Name)}
+    except SyntaxError as err:
+        raise TreeError(f"shape expression {text!r} does not parse: {err.msg}") from err
+
+
 def check_tree(node: object, variants: Iterable[str], names: Iterable[str], depth: int = 0) -> None:
     """Raise TreeError unless ``node`` is a well-formed tree whose leaves name ``variants`` and
     whose expressions use only ``names``."""
