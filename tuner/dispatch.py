@@ -51,7 +51,9 @@ def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     allowed everywhere.
     """
     variants, n = cost.shape
-    prefix = np.concatenate([np.zeros((variants, 1)), np.cumsum(np.where(np.isinf(cost), 1e30, cost), axis=1)], 1)
+    # Forbidden entries count as 0 in the sums (a huge stand-in would swamp every later sum's
+    # precision); the ``forbidden`` counts exclude the intervals holding them.
+    prefix = np.concatenate([np.zeros((variants, 1)), np.cumsum(np.where(np.isinf(cost), 0.0, cost), axis=1)], 1)
     forbidden = np.concatenate([np.zeros((variants, 1)), np.cumsum(np.isinf(cost), axis=1)], axis=1)
     best = np.full((max_segments + 1, n + 1), np.inf)
     best[0, 0] = 0.0

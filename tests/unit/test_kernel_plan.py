@@ -1,0 +1,113 @@
+"""The kernel plan format (one module reads, writes and checks it) and the tuner's choice of
+intervals: malformed plans are refused with a message naming the problem; the interval
+segmentation is optimal (checked against brute force) and never uses a forbidden variant."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
+from tuner.dispatch import segment
+
+KERNEL = MicroKernel(tile=(("i", (4, 2)), ("j", (16, 1)), ("k", (1,))), vector=8).to_dict()
+TREE = {"var": "batch * seq_len", "le": 64, "then": {"variant": "v0"}, "else": {"variant": DEFAULT_VARIANT}}
+
+
+def plan(**changes) -> KernelPlan:
+    fields = dict(workload="00ff00ff00ff00ff", operator="fused_matmul_add", shape_vars=["batch", "seq_len"],
+                  axes={"b": "1", "i": "batch * seq_len", "j": "384", "k": "384"},
+                  target={"kind": "llvm", "mcpu": "znver3", "num-cores": "2"}, tvm_version="0.27.0",
+                  variants={"v0": KERNEL, DEFAULT_VARIANT: None}, tree=TREE,
+                  tuned_range={"var": "batch * seq_len", "min": 1, "max": 512})
+    fields.update(changes)
+    return KernelPlan(**fields)
+
+
+def test_plan_round_trips_through_its_file(tmp_path: Path) -> None:
+    original = plan()
+    path = original.write(plan_path(tmp_path / "plans", original.workload))
+    assert KernelPlan.read(path) == original and KernelPlan.read(path).digest() == original.digest()
+    assert original.kernel("v0") == MicroKernel.from_dict(KERNEL) and original.kernel(DEFAULT_VARIANT) is None
+    assert read_plans([tmp_path / "plans"]) == [original]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"variants": {}}, "lists no variants"),
+    ({"variants": {"v0": None, DEFAULT_VARIANT: None}}, "only variant 'default' may be null"),
+    ({"variants": {"v0": {"tile": "wide"}, DEFAULT_VARIANT: None}}, "is not a micro-kernel"),
+    ({"tree": {"variant": "v9"}}, "unknown variant 'v9'"),
+    ({"tree": {**TREE, "var": "tokens"}}, "names 'tokens'"),
+    ({"tree": {**TREE, "le": "64"}}, "integer le"),
+    ({"tree": {"variant": "v0"}}, r"variants \['default'\] are reached by no leaf"),
+    ({"version": 9}, "version 9"),
+    ({"format": "something-else"}, "not a kernel plan"),
+])
+def test_malformed_plans_are_refused_naming_the_problem(change, message) -> None:
+    with pytest.raises(PlanError, match=message):
+        plan(**change)
+
+
+def test_unreadable_and_incomplete_files_are_refused(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.plan.json"
+    broken.write_text('{"format": "dietserve.kernel-plan", "version": 1,')
+    with pytest.raises(PlanError, match="not valid JSON"):
+        KernelPlan.read(broken)
+    raw = json.loads(plan().to_json())
+    del raw["tree"]
+    broken.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="incomplete"):
+        KernelPlan.read(broken)
+    raw = {**json.loads(plan().to_json()), "surprise": 1}
+    broken.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="unknown fields"):
+        KernelPlan.read(broken)
+    with pytest.raises(PlanError, match="does not exist"):
+        read_plans([tmp_path / "missing"])
+
+
+def test_two_plans_for_one_workload_are_refused(tmp_path: Path) -> None:
+    plan().write(tmp_path / "a.plan.json")
+    dataclasses.replace(plan(), operator="other").write(tmp_path / "b.plan.json")
+    with pytest.raises(PlanError, match="two plans for workload"):
+        read_plans([tmp_path])
+
+
+@pytest.mark.parametrize("target, version, message", [
+    ({"kind": "llvm", "mcpu": "skylake"}, "0.27.0", "mcpu='znver3'"),
+    ({"kind": "cuda", "arch": "sm_90"}, "0.27.0", "kind='llvm'"),
+    ({"kind": "llvm", "mcpu": "znver3"}, "0.28.0", "TVM 0.27.0"),
+])
+def test_stale_plans_are_refused(target, version, message) -> None:
+    with pytest.raises(PlanError, match=message):
+        plan().check_target(target, version)
+    plan().check_target({"kind": "llvm", "mcpu": "znver3", "num-cores": "16"}, "0.27.0")  # cores may differ
+
+
+def _brute_force(cost: np.ndarray, max_segments: int) -> float:
+    variants, n = cost.shape
+    best = np.inf
+    for labels in itertools.product(range(variants), repeat=n):
+        runs = 1 + sum(a != b for a, b in itertools.pairwise(labels))
+        if runs <= max_segments:
+            best = min(best, sum(cost[v, s] for s, v in enumerate(labels)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segmentation_is_optimal_and_bounded(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    cost = rng.uniform(1, 10, size=(3, 7))
+    cost[1, rng.integers(0, 7)] = np.inf  # variant 1 measured slower than the untuned kernel there
+    for max_segments in (1, 2, 3):
+        labels = segment(cost, max_segments)
+        runs = 1 + sum(a != b for a, b in itertools.pairwise(labels))
+        total = sum(cost[v, s] for s, v in enumerate(labels))
+        assert runs <= max_segments and np.isfinite(total)
+        assert total == pytest.approx(_brute_force(cost, max_segments))
