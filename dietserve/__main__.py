@@ -59,7 +59,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     lengths = read_lengths(args.lengths) if args.lengths else ()
     request = TuneRequest(compile=_request(args), db=args.db, out=args.out, trials=args.trials,
-                          time_budget_s=args.time_budget, lengths=lengths)
+                          time_budget_s=args.time_budget, lengths=lengths, rpc_tracker=args.rpc_tracker,
+                          rpc_key=args.rpc_key)
     print(tune_model(request, args.cache_dir, progress=_say))
     return 0
 
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help="tuning records (appended; records already there are reused)")
     tune_parser.add_argument("--out", type=Path, required=True,
                              help="output folder: tasks.json, plans/, artifact/")
+    tune_parser.add_argument("--rpc-tracker", default=None,
+                             help="host:port of a TVM RPC tracker: measure on the devices registered with it "
+                                  "(e.g. GPU nodes; default: this machine)")
+    tune_parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
     tune_parser.set_defaults(run=cmd_tune)
 
     explain_parser = commands.add_parser("explain", help="which kernel variant each dynamic operator runs at a shape")

@@ -112,7 +112,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     from dietserve.kernels.tasks import TaskFile
 
     from .extract import spec_from_prim_func
-    from .measure.runner import LocalRunner, MeasureOptions
+    from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
     from .tune import TuneOptions, Tuner
 
     tasks = TaskFile.read(Path(args.tasks))
@@ -121,7 +121,9 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
     budget_each = args.time_budget / len(tasks.tasks) if args.time_budget else None
     started = time.monotonic()
-    with LocalRunner(measure) as runner:
+    runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
+    _say(f"measuring on {runner.describe()}")
+    with runner:
         for index, description in enumerate(tasks.tasks, 1):
             out = plan_path(Path(args.plans), description.workload)
             header = f"[{index}/{len(tasks.tasks)}] {description.operator} (x{description.calls} calls)"
@@ -223,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_tasks.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
     model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
     model_tasks.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
+    model_tasks.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
+    model_tasks.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
     _add_measure_flags(model_tasks)
     model_tasks.set_defaults(run=cmd_tune_tasks)
     report = commands.add_parser("report", help="per-shape table and latency plot from a records database")

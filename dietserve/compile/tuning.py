@@ -44,6 +44,8 @@ class TuneRequest:
     trials: int = 64  # measurements per operator
     time_budget_s: float | None = None  # for all operators together
     lengths: tuple[int, ...] = ()  # observed sequence lengths (weights); empty: uniform over 1..max
+    rpc_tracker: str | None = None  # host:port of a TVM RPC tracker: measure on its devices
+    rpc_key: str = "local"  # the device key registered with the tracker
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -111,12 +113,20 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
 
 
-def run_tuner(task_file: Path, request: TuneRequest, plans: Path) -> None:
-    """``python -m tuner tune-tasks`` in a child process; its progress goes to our stderr."""
+def tuner_command(task_file: Path, request: TuneRequest, plans: Path) -> list[str]:
+    """The tuner's own command line for this request (it runs as a child process)."""
     command = [sys.executable, "-m", "tuner", "tune-tasks", "--tasks", str(task_file), "--db", str(request.db),
                "--plans", str(plans), "--trials", str(request.trials)]
     if request.time_budget_s is not None:
         command += ["--time-budget", str(request.time_budget_s)]
+    if request.rpc_tracker:
+        command += ["--rpc-tracker", request.rpc_tracker, "--rpc-key", request.rpc_key]
+    return command
+
+
+def run_tuner(task_file: Path, request: TuneRequest, plans: Path) -> None:
+    """``python -m tuner tune-tasks`` in a child process; its progress goes to our stderr."""
+    command = tuner_command(task_file, request, plans)
     try:
         completed = subprocess.run(command, check=False)
     except OSError as err:

@@ -61,6 +61,20 @@ def _warm_up(model: ServedModel) -> None:
         engine.execute(ids, np.ones_like(ids), np.zeros_like(ids))
 
 
+def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls:
+        return None
+    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {address}")
+    return bound
+
+
 async def serve(
     config: ServerConfig,
     model_name: str,
@@ -92,13 +106,19 @@ async def serve(
             await health_servicer.set(service, status)
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    address = f"[{config.host}]" if ":" in config.host else config.host
-    port = server.add_insecure_port(f"{address}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind gRPC to {config.host}:{config.port}")
+    port = _bind(server, config.host, config.port, _credentials(config))
     await server.start()
+    health_server = None
+    ports = f"grpc={config.host}:{port}"
+    if config.health_port is not None:
+        # Probes only: the same health servicer, nothing else, without TLS.
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        ports += f" health={config.host}:{_bind(health_server, config.host, config.health_port, None)}"
+        await health_server.start()
     metrics_server, metrics_port = metrics.serve_http(config.host, config.metrics_port)
-    say(f"listening grpc={config.host}:{port} metrics={config.host}:{metrics_port}")
+    tls = " (TLS)" if config.tls else ""
+    say(f"listening {ports} metrics={config.host}:{metrics_port}{tls}")
 
     batcher = None
     try:
@@ -132,6 +152,8 @@ async def serve(
             await asyncio.sleep(config.drain_seconds)
         say("stopping: finishing in-flight requests")
         await server.stop(config.grace_seconds)
+        if health_server is not None:
+            await health_server.stop(0)
         if batcher is not None:
             await batcher.close()
         metrics_server.shutdown()

@@ -27,6 +27,9 @@ class ServerConfig:
     threads: int | None = None  # CPU threads for the kernels (llvm artifacts)
     drain_seconds: float = 0.0  # after SIGTERM: not ready but still serving, for load balancers
     grace_seconds: float = 30.0  # after draining: how long in-flight requests may take
+    tls_cert: Path | None = None  # PEM certificate chain: gRPC on --port speaks TLS
+    tls_key: Path | None = None  # PEM private key of tls_cert
+    health_port: int | None = None  # plaintext grpc.health.v1 only (Kubernetes probes cannot do TLS)
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,10 +44,21 @@ class ServerConfig:
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}"),
             (self.grace_seconds >= 0, f"--grace-seconds must be >= 0, got {self.grace_seconds}"),
+            ((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together"),
+            (self.health_port is None or 0 <= self.health_port <= 65535,
+             f"--health-port {self.health_port} is not a TCP port"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {path} is not a readable file")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +90,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="after SIGTERM, keep serving this long while reporting not-ready (default 0)")
     group.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
                        help=f"then wait this long for in-flight requests (default {defaults.grace_seconds})")
+    group.add_argument("--tls-cert", type=Path, default=None,
+                       help="PEM certificate (chain): serve gRPC over TLS on --port (with --tls-key)")
+    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    group.add_argument("--health-port", type=int, default=None,
+                       help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
+                            "probes, which cannot speak TLS; 0: any)")
 
 
 def config_from_args(args: argparse.Namespace, artifact: Path | None) -> ServerConfig:

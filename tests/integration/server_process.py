@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-LISTENING = re.compile(r"listening grpc=(\S+) metrics=(\S+)")
+LISTENING = re.compile(r"listening grpc=(\S+)(?: health=(\S+))? metrics=(\S+)")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,7 +29,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self._events: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read_log, daemon=True).start()
-        self.grpc_url, self.metrics_url = self._wait_for(LISTENING).groups()
+        self.grpc_url, self.health_url, self.metrics_url = self._wait_for(LISTENING).groups()
         self._wait_for(re.compile(r"ready: model"))
 
     def _read_log(self) -> None:

@@ -111,3 +111,16 @@ def test_segmentation_is_optimal_and_bounded(seed: int) -> None:
         total = sum(cost[v, s] for s, v in enumerate(labels))
         assert runs <= max_segments and np.isfinite(total)
         assert total == pytest.approx(_brute_force(cost, max_segments))
+
+
+def test_tune_hands_the_tuner_its_budget_and_rpc_tracker() -> None:
+    from dietserve.compile.artifact import CompileRequest
+    from dietserve.compile.tuning import TuneRequest, tuner_command
+    from tuner.cli import build_parser
+
+    request = TuneRequest(compile=CompileRequest(), db=Path("r.jsonl"), out=Path("out"), trials=7, time_budget_s=60,
+                          rpc_tracker="tracker:9190", rpc_key="gpu")
+    command = tuner_command(Path("tasks.json"), request, Path("plans"))
+    assert command[1:3] == ["-m", "tuner"]
+    args = build_parser().parse_args(command[3:])  # the tuner's real parser accepts every flag
+    assert (args.trials, args.time_budget, args.rpc_tracker, args.rpc_key) == (7, 60.0, "tracker:9190", "gpu")
