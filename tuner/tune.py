@@ -204,53 +204,43 @@ class Tuner:
             return float("inf")
         return self.task.flops(shape) / (throughput * adapt(self.task.axis_extents(shape), kernel, self.cores))
 
-    def measure_default(self, shape: dict) -> None:
-        """The untuned build's kernel on ``shape``: the bar every variant must clear there."""
-        job = {"recipe": self.task.spec.recipe, "target": self.task.target, "kernel": None,
-               "shapes": [shape], "check_shape": self.check_shape}
-        result = self.runner.run(job)
+    def _run_job(self, kernel: MicroKernel | None, shape: dict, job: dict) -> float | None:
+        """Run one measurement job and record it (append-only); returns the latency or None."""
+        result = self.runner.run({"recipe": self.task.spec.recipe, "target": self.task.target, "shapes": [shape],
+                                  "check_shape": self.check_shape, **job})
         self.trials += 1
         error = result.get("error")
-        latency = None if error else next(iter(result["latencies"].values()))
+        latency = None if error is not None else next(iter(result["latencies"].values()))
+        if error is not None:
+            self.failures += 1
+            self.log(f"{kernel or 'the default kernel'} failed on {shape}: {error}")
+        self.database.append(TuningRecord(
+            workload=self.task.workload, target=self.task.target_key,
+            kernel=DEFAULT_VARIANT if kernel is None else kernel.to_json(), shape=shape, latency_s=latency, error=error,
+            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "time": time.time(),
+                  "flops": self.task.flops(shape), "build_s": result.get("build_seconds"),
+                  "check_shape": self.check_shape},
+        ))
+        return latency
+
+    def measure_default(self, shape: dict) -> None:
+        """The untuned build's kernel on ``shape``: the bar every variant must clear there."""
+        latency = self._run_job(None, shape, {"kernel": None})
         if latency is not None:
             self.default_measured[_key(shape)] = latency
-        else:
-            self.failures += 1
-            self.log(f"the default kernel failed on {shape}: {error}")
-        self.database.append(TuningRecord(
-            workload=self.task.workload, target=self.task.target_key, kernel=DEFAULT_VARIANT, shape=shape,
-            latency_s=latency, error=error,
-            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "time": time.time(),
-                  "flops": self.task.flops(shape)},
-        ))
 
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
-        job = {"recipe": self.task.spec.recipe, "target": self.task.target, "kernel": kernel.to_json(),
-               "shapes": [shape], "check_shape": self.check_shape, "apply": self.options.apply,
-               "loop_partition": self.options.loop_partition}
+        job = {"kernel": kernel.to_json(), "apply": self.options.apply, "loop_partition": self.options.loop_partition}
         best = self.measured.get(_key(shape))
         if best:
             job["abandon_above_s"] = ABANDON_FACTOR * min(best.values())
-        result = self.runner.run(job)
-        self.trials += 1
-        latency = None
-        error = result.get("error")
-        if error is None:
-            latency = next(iter(result["latencies"].values()))
-            self.measured[_key(shape)][kernel] = latency
-            self._calibrated_cache = None
-            self.model.add(kernel, self.task.axis_extents(shape), self.task.flops(shape), latency)
-        else:
-            self.failures += 1
+        latency = self._run_job(kernel, shape, job)
+        if latency is None:
             self.failed.add(kernel)
-            self.log(f"candidate {kernel} failed on {shape}: {error}")
-        self.database.append(TuningRecord(
-            workload=self.task.workload, target=self.task.target_key, kernel=kernel.to_json(), shape=shape,
-            latency_s=latency, error=error,
-            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "time": time.time(),
-                  "flops": self.task.flops(shape),
-                  "build_s": result.get("build_seconds"), "check_shape": self.check_shape},
-        ))
+            return
+        self.measured[_key(shape)][kernel] = latency
+        self._calibrated_cache = None
+        self.model.add(kernel, self.task.axis_extents(shape), self.task.flops(shape), latency)
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> TuneResult:
