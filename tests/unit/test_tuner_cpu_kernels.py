@@ -12,7 +12,7 @@ from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.dispatch import dispatched_prim_func
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import KernelPlan
+from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
 from dietserve.kernels.tree import choose, interval_tree
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
 from tuner.space.cpu import cpu_space
@@ -121,5 +121,22 @@ def test_dispatched_function_branches_to_each_variant() -> None:
                  interval_tree("T", [1, 8, 9, 100, 101, 512], ["small", "small", "large", "large", "small", "small"]))
     lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in (1, 9, 100, 101, 300):
+        got, expected = run(lib, spec, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
+
+
+def test_every_length_of_a_small_operator_lands_on_a_correct_variant() -> None:
+    """T = 1..300 through a three-variant tree plus the default rule's kernel, each answer
+    against numpy: the boundaries (7|8, 40|41, 200|201) and the range past the last split."""
+    spec = dense(32, 24, "bias_gelu")
+    variants = {"a": KERNELS["1x1 tiles"], "b": KERNELS["prime 5x3 rows, 24-wide"],
+                "c": KERNELS["6x16 per register tile, 4x2 of them"]}
+    tree = interval_tree("T", [7, 40, 200, 256], ["a", "b", DEFAULT_VARIANT, "c"])
+    plan = KernelPlan(workload="w", operator="dense", shape_vars=["T"], axes={"b": "1", "i": "T", "j": "24", "k": "32"},
+                      target={"kind": "llvm"}, tvm_version=tvm.__version__,
+                      variants={**{n: k.to_dict() for n, k in variants.items()}, DEFAULT_VARIANT: None}, tree=tree,
+                      tuned_range={"var": "T", "min": 1, "max": 256})
+    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
+    for length in range(1, 301):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
