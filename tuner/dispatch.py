@@ -78,3 +78,24 @@ def segment(cost: np.ndarray, max_segments: int) -> list[int]:
         labels[start:end] = [int(v)] * (end - start)
         end, count = int(start), count - 1
     return labels
+
+
+def unverified_probes(plan, measured: dict, failed: set, default_measured: dict) -> list[tuple[MicroKernel, dict]]:
+    """(kernel, shape) at the first, middle and last shape of each micro-kernel's interval of
+    ``plan`` where that kernel or the default kernel has not been measured yet."""
+    rows = plan.shapes
+    probes = []
+    start = 0
+    for end in range(1, len(rows) + 1):
+        if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
+            continue
+        kernel = plan.kernel(rows[start]["variant"])
+        if kernel is not None:
+            for index in sorted({start, (start + end - 1) // 2, end - 1}):
+                shape = rows[index]["shape"]
+                key = tuple(sorted(shape.items()))
+                done = kernel in measured.get(key, {}) or kernel in failed
+                if not (done and key in default_measured):
+                    probes.append((kernel, shape))
+        start = end
+    return probes

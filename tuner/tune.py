@@ -33,7 +33,7 @@ from dietserve.kernels.tree import interval_tree
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import choose_variants, segment
+from .dispatch import choose_variants, segment, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .task import TuningTask
@@ -41,6 +41,7 @@ from .task import TuningTask
 TUNER_VERSION = 2
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
+VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
 
 
 @dataclass(frozen=True)
@@ -244,17 +245,29 @@ class Tuner:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> TuneResult:
+        """Search, then verify the plan's choices with what is left of the budget (a quarter is
+        kept for it), then search on with whatever verification did not need."""
         started = time.monotonic()
         bar = ProgressBar(self.options.trials, self.task.workload, stream=self.progress_stream)
-        while self.trials < self.options.trials:
+        budget = self.options.trials
+        self._search(budget - budget // 4, started, bar)
+        self.verify(budget, bar)
+        self._search(budget, started, bar)
+        self.verify(budget, bar)
+        bar.close(self.trials, self._status())
+        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
+        return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
+
+    def _search(self, until: int, started: float, bar: ProgressBar) -> None:
+        while self.trials < until:
             if self.options.time_budget_s is not None and time.monotonic() - started >= self.options.time_budget_s:
                 self.log(f"time budget of {self.options.time_budget_s:.0f} s reached after {self.trials} trials")
-                break
+                return
             shapes = self.choose_shapes()
             per_shape = max(1, self.options.candidates_per_round // len(shapes))
             for shape in shapes:
                 extents, flops = self.task.axis_extents(shape), self.task.flops(shape)
-                if _key(shape) not in self.default_measured and self.trials < self.options.trials:
+                if _key(shape) not in self.default_measured and self.trials < until:
                     self.measure_default(shape)
 
                 def score(kernels, extents=extents, flops=flops):
@@ -263,35 +276,76 @@ class Tuner:
                 exclude = set(self.measured.get(_key(shape), {})) | self.failed
                 seeds = sorted(self.calibrated(), key=lambda k, shape=shape: self.estimate(k, shape))[:16]
                 for kernel in self.search.propose(score, per_shape, exclude, seeds):
-                    if self.trials >= self.options.trials:
+                    if self.trials >= until:
                         break
                     self.measure(kernel, shape)
                     bar.update(self.trials, self._status())
             self.model.fit()
-        bar.close(self.trials, self._status())
-        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
-        return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
+
+    def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
+        """Measure each tuned interval's variant beside the default kernel at the interval's ends
+        and middle, then plan again, until every interval's choice rests on measurements there.
+
+        Between measured shapes a plan relies on predictions (f_microkernel x f_adapt), which a
+        small budget can get badly wrong (a serial kernel calibrated on short sequences looks fast
+        on long ones); a shape measured slower than the default kernel forbids that variant there.
+        Stops when ``budget`` trials have been made."""
+        for _round in range(VERIFY_ROUNDS):
+            try:
+                plan = self.plan()
+            except RuntimeError:  # nothing measured successfully: nothing to verify
+                return
+            probes = unverified_probes(plan, self.measured, self.failed, self.default_measured)
+            if not probes:
+                return
+            for kernel, shape in probes:
+                if self.trials < budget and _key(shape) not in self.default_measured:
+                    self.measure_default(shape)
+                if self.trials < budget and kernel not in self.measured.get(_key(shape), {}) \
+                        and kernel not in self.failed:
+                    self.measure(kernel, shape)
+                if bar is not None:
+                    bar.update(self.trials, self._status())
+                if self.trials >= budget:
+                    return
 
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
-    def default_estimate(self, shape: dict) -> float:
-        """The default kernel's latency: measured, else from its median measured throughput."""
-        measured = self.default_measured.get(_key(shape))
-        if measured is not None:
-            return measured
-        if not self.default_measured:
-            return float("inf")
-        throughput = statistics.median(self.task.flops(dict(key)) / latency
-                                       for key, latency in self.default_measured.items())
-        return self.task.flops(shape) / throughput
+    def measured_estimates(self) -> Callable[[MicroKernel | None, dict], float]:
+        """Plans rest on measurements: a variant's latency on a shape is its measured one, else
+        its throughput at the nearest shape (by log of the dispatch value) where it was measured,
+        times the shape's FLOPs; inf where it was never measured. The cost model only steers the
+        search: with a small budget its predictions far from the measured shapes can be badly
+        wrong (a serial kernel calibrated on short sequences looks fast on long ones)."""
+        points: dict[MicroKernel | None, list[tuple[float, float]]] = defaultdict(list)
+        for key, kernels in self.measured.items():
+            for kernel, latency in kernels.items():
+                points[kernel].append(self._point(dict(key), latency))
+        for key, latency in self.default_measured.items():
+            points[None].append(self._point(dict(key), latency))
+        tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
 
-    def variant_estimate(self, kernel: MicroKernel | None, shape: dict) -> float:
-        return self.default_estimate(shape) if kernel is None else self.estimate(kernel, shape)
+        def estimate(kernel: MicroKernel | None, shape: dict) -> float:
+            measured = (self.default_measured if kernel is None else self.measured.get(_key(shape), {}))
+            exact = measured.get(_key(shape)) if kernel is None else measured.get(kernel)
+            if exact is not None:
+                return exact
+            table = tables.get(kernel)
+            if table is None:
+                return float("inf")
+            log_value = math.log(self.task.dispatch_value(shape))
+            nearest = int(np.argmin(np.abs(table[:, 0] - log_value)))
+            return self.task.flops(shape) / table[nearest, 1]
+
+        return estimate
+
+    def _point(self, shape: dict, latency: float) -> tuple[float, float]:
+        return math.log(self.task.dispatch_value(shape)), self.task.flops(shape) / latency
 
     def plan(self, provenance: dict | None = None) -> KernelPlan:
-        candidates: list[MicroKernel | None] = list(self.calibrated())
+        candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
         if self.default_measured:
             candidates.append(None)
         if not candidates:
@@ -300,11 +354,12 @@ class Tuner:
         order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
-        variants, _, _ = choose_variants(candidates, shapes, weights, self.variant_estimate,
+        estimate = self.measured_estimates()
+        variants, _, _ = choose_variants(candidates, shapes, weights, estimate,
                                          self.options.max_variants)
         if None not in variants and self.default_measured:
             variants.append(None)  # always a candidate: the guard below may need it
-        cost = np.asarray([[w * self.variant_estimate(v, s) for s, w in zip(shapes, weights, strict=True)]
+        cost = np.asarray([[w * estimate(v, s) for s, w in zip(shapes, weights, strict=True)]
                            for v in variants])
         for column, shape in enumerate(shapes):
             untuned = self.default_measured.get(_key(shape))
@@ -323,8 +378,8 @@ class Tuner:
             measured = (_key(shape) in self.default_measured if variant is None
                         else variant in self.measured.get(_key(shape), {}))
             rows.append({"shape": shape, "value": value, "variant": names[v],
-                         "latency_s": self.variant_estimate(variant, shape), "measured": measured,
-                         "default_latency_s": self.default_estimate(shape),
+                         "latency_s": estimate(variant, shape), "measured": measured,
+                         "default_latency_s": estimate(None, shape),
                          "default_measured": _key(shape) in self.default_measured})
         func = self.task.spec.func
         return KernelPlan(

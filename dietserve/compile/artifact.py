@@ -16,12 +16,12 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
+from ..kernels.host import LLVM_TO_CPUINFO
 from ..kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
 from ..runtime.cuda_kernels import FATBIN_FILE
-from ..runtime.host import LLVM_TO_CPUINFO
 from ..runtime.manifest import (
     LIBRARY_FILE,
     MANIFEST_FILE,

@@ -10,8 +10,8 @@ import tvm
 from safetensors.numpy import load_file
 from tvm.runtime.vm import VirtualMachine
 
+from ..kernels.host import cpu_flags, missing_cpu_flags
 from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
-from .host import cpu_flags, missing_cpu_flags
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
+from ..kernels.host import configure_cpu_threads
 from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
-from .host import configure_cpu_threads
 
 
 class InputError(ValueError):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.runtime.host import cpu_flags, missing_cpu_flags
+from dietserve.kernels.host import cpu_flags, missing_cpu_flags
 from dietserve.runtime.manifest import MANIFEST_FILE, ArtifactError, Manifest, write_text_atomic
 
 

@@ -48,7 +48,7 @@ def _freeze(value):
 class _Session:
     """Where the compiled candidate runs: this process's device, or a remote one over TVM RPC."""
 
-    def __init__(self, device_config: dict, target_kind: str):
+    def __init__(self, device_config: dict, target_kind: str, threads: int | None):
         self.config = device_config
         self.remote = None
         self.uploads = 0
@@ -63,6 +63,13 @@ class _Session:
             import tvm
 
             self.device = tvm.cuda(0) if target_kind == "cuda" else tvm.cpu(0)
+            if target_kind == "llvm":
+                # Time kernels on as many threads as the served model runs them on (the engine
+                # sizes the pool the same way); TVM's default pool has half the cores on x86,
+                # which made serial kernels look as fast as parallel ones.
+                from dietserve.kernels.host import configure_cpu_threads
+
+                configure_cpu_threads(threads)
 
     def load(self, executable):
         if self.remote is None:
@@ -86,12 +93,12 @@ class _Session:
 _SESSIONS: dict[tuple, _Session] = {}
 
 
-def _session(device_config: dict, target_kind: str) -> _Session:
+def _session(device_config: dict, target_kind: str, threads: int | None = None) -> _Session:
     """One session per device for the worker's life: an RPC session is requested from the
     tracker once, not per candidate (a failed job drops it, see ``measure``)."""
-    key = (tuple(sorted(device_config.items())), target_kind)
+    key = (tuple(sorted(device_config.items())), target_kind, threads)
     if key not in _SESSIONS:
-        _SESSIONS[key] = _Session(device_config, target_kind)
+        _SESSIONS[key] = _Session(device_config, target_kind, threads)
     return _SESSIONS[key]
 
 
@@ -126,7 +133,8 @@ def _measure(job: dict, started: float) -> dict:
         scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
     executable = tvm.compile(scheduled, target)
     built = time.perf_counter()
-    session = _session(job["device"], target_kind)
+    cores = job["target"].get("num-cores")
+    session = _session(job["device"], target_kind, int(cores) if cores else None)
     module = session.load(executable)
     function = module["main"]
 
