@@ -87,6 +87,12 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",")]
     where = resolve_target(args.target)
     target, space, cores = where.target, where.space, where.cores
+    if args.target == "llvm":
+        # TVM kernels timed here get every core, as the served model's do (TVM's default pool has
+        # half the cores on x86: earlier runs timed every TVM kernel on one core of two).
+        from dietserve.kernels.host import configure_cpu_threads
+
+        configure_cpu_threads(cores)
     device = "cuda" if args.target == "cuda" else "cpu"
     vs_torch, vs_ms, ours_tuning, ms_tuning = [], [], 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
