@@ -11,8 +11,6 @@ from dietserve.kernels.matching import evaluate, matmul_axes, matmul_extents
 
 from .ops import OperatorSpec
 
-Shape = dict[str, int]
-
 
 @dataclass(frozen=True)
 class ShapeVar:
@@ -78,7 +76,7 @@ class TuningTask:
     def target_kind(self) -> str:
         return self.target["kind"]
 
-    def shapes(self) -> list[Shape]:
+    def shapes(self) -> list[dict[str, int]]:
         return [dict(instance) for instance in self.instances]
 
     def varying(self) -> str:

@@ -14,7 +14,7 @@ from tvm.s_tir import dlight
 from tvm.target import Target
 
 from .loops import float_lanes, is_llvm, loop_extent, parallelize_and_vectorize, vectorize_tile
-from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
+from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate, pad_to_tiles
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12
@@ -50,15 +50,19 @@ class CPUMatmul(dlight.ScheduleRule):
 
         # Schedule: pad to whole tiles, tile, keep each tile in registers, parallel tiles.
         lanes = float_lanes(target)
-        *batch, i, j, _ = sch.get_loops(block)
+        *_, i, j, _ = sch.get_loops(block)
         rows, cols = loop_extent(sch, i), loop_extent(sch, j)
         mr, nr = choose_tile(rows, cols, lanes)
+        # Pad the rows and columns to whole tiles so the register tile carries no bound checks.
+        # Unlike the micro-kernels' local padding, the padded inputs are whole buffers here (cheap
+        # next to the matmul, except for attention's seq x seq operand), copied in parallel.
         try:
-            padded = self._pad_to_tiles(sch, block, len(batch), rows, cols, (mr, nr), lanes)
-        except s_tir.ScheduleError:
+            padded, epilogue = pad_to_tiles(sch, block, epilogue, (mr, nr, 1))
+        except ScheduleMismatch:
             return None  # not an einsum: tiles could not be padded, so not ours
-        if padded is not None:
-            epilogue = padded
+        if padded:
+            for producer in sch.get_producers(block):
+                parallelize_and_vectorize(sch, producer, lanes)
         *batch, i, j, k = sch.get_loops(block)
         i_outer, i_inner = sch.split(i, [None, mr])
         j_outer, j_inner = sch.split(j, [None, nr])
@@ -80,26 +84,3 @@ class CPUMatmul(dlight.ScheduleRule):
         for writer in writers:
             vectorize_tile(sch, sch.get_loops(writer)[-1], lanes)
         return sch
-
-    @staticmethod
-    def _pad_to_tiles(sch, block, n_batch, rows, cols, tile, lanes):
-        """Pad the iteration space to whole tiles (``pad_einsum``) so the register tile carries
-        no bound checks. Unlike DietCode's local padding, which pads inside each tile's local
-        workspace, the inputs are copied into whole padded buffers (cheap next to the matmul,
-        except for attention's seq x seq operand); the epilogue reads the padded result and
-        writes only the real rows and columns. Returns the epilogue block, or None if no
-        padding was needed."""
-        mr, nr = tile
-        pad_rows = rows is None or rows % mr != 0
-        pad_cols = cols is None or cols % nr != 0
-        if not (pad_rows or pad_cols):
-            return None
-        sch.pad_einsum(block, [1] * n_batch + [mr if pad_rows else 1, nr if pad_cols else 1, 1])
-        for producer in sch.get_producers(block):
-            parallelize_and_vectorize(sch, producer, lanes)
-        (unpad,) = sch.get_consumers(block)
-        consumers = sch.get_consumers(unpad)
-        if not consumers:
-            return unpad
-        sch.compute_inline(unpad)
-        return consumers[0]
