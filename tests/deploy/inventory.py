@@ -189,3 +189,19 @@ def deploy_section() -> str:
     start = text.index("## Deploy on Kubernetes")
     end = text.find("\n## ", start + 1)
     return text[start:] if end < 0 else text[start:end]
+
+
+# --- the wire contract -------------------------------------------------------------------------
+# Read from protos/ rather than imported from dietserve.server._proto: the generated messages share
+# the `inference` protobuf package with tritonclient's, and one test process cannot load both.
+PROTO = REPO / "protos" / "open_inference.proto"
+
+
+@functools.cache
+def inference_service() -> tuple[str, frozenset[str]]:
+    """(the gRPC service's full name, its RPC names), as the server registers them."""
+    text = PROTO.read_text()
+    package = re.search(r"^package\s+([\w.]+);", text, re.M).group(1)
+    service = re.search(r"^service\s+(\w+)\s*\{(.*?)^\}", text, re.M | re.S)
+    methods = frozenset(re.findall(r"^\s*rpc\s+(\w+)\s*\(", service.group(2), re.M))
+    return f"{package}.{service.group(1)}", methods

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import yaml
 
-from .inventory import find, rendered
+from .inventory import find, inference_service, rendered
 from .promql import (
     METRIC,
     TARGET_LABELS,
@@ -57,9 +57,7 @@ def test_every_label_in_promql_is_one_the_series_carry(where: str, expression: s
 
 @pytest.mark.parametrize(("where", "expression"), NAMED_QUERIES, ids=IDS)
 def test_label_values_are_ones_the_server_writes(where: str, expression: str) -> None:
-    from dietserve.server._proto import open_inference_pb2
-
-    methods = {m.name for m in open_inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    _, methods = inference_service()
     codes = {code.name for code in grpc.StatusCode}
     for metric, label, operator, value in label_values(expression):
         if operator in {"=", "!="} and label == "code":

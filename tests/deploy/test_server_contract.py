@@ -24,6 +24,7 @@ from .inventory import (
     every_applied_resource,
     every_container,
     find,
+    inference_service,
     pod_spec,
     rendered,
     resource_id,
@@ -109,10 +110,9 @@ def test_server_ports_match_the_container_ports_and_the_probes(source: str, reso
 
 @pytest.mark.parametrize(("source", "resource", "container"), SERVERS, ids=[s for s, _, _ in SERVERS])
 def test_probes_ask_the_health_service_names_the_server_sets(source: str, resource: dict, container: dict) -> None:
-    from dietserve.server.app import SERVICE_NAME
-
-    assert container["startupProbe"]["grpc"]["service"] == SERVICE_NAME
-    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    service_name, _ = inference_service()
+    assert container["startupProbe"]["grpc"]["service"] == service_name
+    assert container["readinessProbe"]["grpc"]["service"] == service_name
     assert container["livenessProbe"]["grpc"]["service"] == ""
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "loading and warm-up get 10 minutes"
