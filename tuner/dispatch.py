@@ -8,6 +8,8 @@ slower there than the untuned kernel.
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -99,3 +101,43 @@ def unverified_probes(plan, measured: dict, failed: set, default_measured: dict)
                     probes.append((kernel, shape))
         start = end
     return probes
+
+
+def nearest_measured_estimates(task, measured: dict, default_measured: dict) -> Estimate:
+    """Plans rest on measurements: a variant's latency on a shape is its measured one, else its
+    throughput at the nearest shape (by log of the dispatch value) where it was measured, times
+    the shape's FLOPs; inf where it was never measured. The cost model only steers the search:
+    with a small budget its predictions far from the measured shapes can be badly wrong (a
+    serial kernel calibrated on short sequences looks fast on long ones).
+
+    ``measured``: shape key -> {kernel: latency}; ``default_measured``: shape key -> latency."""
+
+    def point(key: tuple, latency: float) -> tuple[float, float]:
+        shape = dict(key)
+        return math.log(task.dispatch_value(shape)), task.flops(shape) / latency
+
+    points: dict[Variant, list[tuple[float, float]]] = defaultdict(list)
+    for key, kernels in measured.items():
+        for kernel, latency in kernels.items():
+            points[kernel].append(point(key, latency))
+    for key, latency in default_measured.items():
+        points[None].append(point(key, latency))
+    tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
+
+    def estimate(kernel: Variant, shape: dict) -> float:
+        key = tuple(sorted(shape.items()))
+        exact = default_measured.get(key) if kernel is None else measured.get(key, {}).get(kernel)
+        if exact is not None:
+            return exact
+        table = tables.get(kernel)
+        if table is None:
+            return float("inf")
+        nearest = int(np.argmin(np.abs(table[:, 0] - math.log(task.dispatch_value(shape)))))
+        return task.flops(shape) / table[nearest, 1]
+
+    return estimate
+
+
+def plan_target(target: dict) -> dict:
+    """The target as manifests describe it (strings; the host left out)."""
+    return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}

@@ -33,7 +33,7 @@ from dietserve.kernels.tree import interval_tree
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import choose_variants, segment, unverified_probes
+from .dispatch import choose_variants, nearest_measured_estimates, plan_target, segment, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .task import TuningTask
@@ -313,37 +313,6 @@ class Tuner:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
-    def measured_estimates(self) -> Callable[[MicroKernel | None, dict], float]:
-        """Plans rest on measurements: a variant's latency on a shape is its measured one, else
-        its throughput at the nearest shape (by log of the dispatch value) where it was measured,
-        times the shape's FLOPs; inf where it was never measured. The cost model only steers the
-        search: with a small budget its predictions far from the measured shapes can be badly
-        wrong (a serial kernel calibrated on short sequences looks fast on long ones)."""
-        points: dict[MicroKernel | None, list[tuple[float, float]]] = defaultdict(list)
-        for key, kernels in self.measured.items():
-            for kernel, latency in kernels.items():
-                points[kernel].append(self._point(dict(key), latency))
-        for key, latency in self.default_measured.items():
-            points[None].append(self._point(dict(key), latency))
-        tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
-
-        def estimate(kernel: MicroKernel | None, shape: dict) -> float:
-            measured = (self.default_measured if kernel is None else self.measured.get(_key(shape), {}))
-            exact = measured.get(_key(shape)) if kernel is None else measured.get(kernel)
-            if exact is not None:
-                return exact
-            table = tables.get(kernel)
-            if table is None:
-                return float("inf")
-            log_value = math.log(self.task.dispatch_value(shape))
-            nearest = int(np.argmin(np.abs(table[:, 0] - log_value)))
-            return self.task.flops(shape) / table[nearest, 1]
-
-        return estimate
-
-    def _point(self, shape: dict, latency: float) -> tuple[float, float]:
-        return math.log(self.task.dispatch_value(shape)), self.task.flops(shape) / latency
-
     def plan(self, provenance: dict | None = None) -> KernelPlan:
         candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
         if self.default_measured:
@@ -354,7 +323,7 @@ class Tuner:
         order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
-        estimate = self.measured_estimates()
+        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured)
         variants, _, _ = choose_variants(candidates, shapes, weights, estimate,
                                          self.options.max_variants)
         if None not in variants and self.default_measured:
@@ -387,7 +356,7 @@ class Tuner:
             operator=self.task.spec.name,
             shape_vars=sorted(self.task.spec.shape_vars),
             axes=self.task.axes,
-            target=_plan_target(self.task.target),
+            target=plan_target(self.task.target),
             tvm_version=str(tvm.__version__),
             variants={names[v]: (None if variants[v] is None else variants[v].to_dict()) for v in used},
             tree=tree,
@@ -398,8 +367,3 @@ class Tuner:
                         "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0},
                         **(provenance or {})},
         )
-
-
-def _plan_target(target: dict) -> dict:
-    """The target as manifests describe it (strings; the host left out)."""
-    return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}
