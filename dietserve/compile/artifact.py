@@ -33,6 +33,7 @@ from ..runtime.manifest import (
     write_text_atomic,
 )
 from .passes.link_kernels import target_fields as link_target_fields
+from .passes.pack_weights import TRANSFORM_PARAMS_SUFFIX
 from .target import TargetSpec, build_target, target_description, tvm_version
 
 Progress = Callable[[str], None]
@@ -147,8 +148,15 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     tuned = f" with {len(plans)} tuned kernel plan(s)" if plans else ""
     progress(f"compiling {name} for {json.dumps(target_description(target))}{tuned} (this takes a minute)")
     operators: dict[str, dict] = {}
+    functions: set[str] = set()
+
+    def inspect(scheduled) -> None:
+        operators.update(linked_operators(scheduled))
+        functions.update(gvar.name_hint for gvar in scheduled.get_global_vars())
+
     executable = compile_module(mod, target, link_passes=[link_tuned_kernels(plans, target, tvm_version())],
-                                inspect_scheduled=lambda scheduled: operators.update(linked_operators(scheduled)))
+                                inspect_scheduled=inspect)
+    transform_params = f"forward{TRANSFORM_PARAMS_SUFFIX}"
     foreign_plans(plans, operators)
     executable.export_library(str(staging / LIBRARY_FILE))
     cuda_source_sha256 = None
@@ -186,6 +194,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         cuda_arch=request.target.arch if request.target.kind == "cuda" else None,
         cuda_source_sha256=cuda_source_sha256,
         dispatch=dispatch_table(operators, plans),
+        transform_params=transform_params if transform_params in functions else None,
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
 

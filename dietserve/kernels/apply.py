@@ -7,8 +7,10 @@ from tvm import tirx
 from tvm.target import Target
 
 from .cpu import apply_cpu
+from .cpu_packed import apply_cpu_packed
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
+from .packing import packed_form
 
 
 def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
@@ -18,6 +20,8 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
+        if kernel.pack:
+            return apply_cpu_packed(packed_form(func, kernel.pack), kernel)
         return apply_cpu(func, kernel, loop_partition=loop_partition)
     raise ValueError(f"no micro-kernel schedules for target kind {target_kind!r} (llvm or cuda)")
 

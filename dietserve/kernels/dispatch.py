@@ -11,6 +11,7 @@ from tvm.target import Target
 
 from .apply import apply_variant
 from .matching import symbolic_vars
+from .packing import packed_form
 from .plan import KernelPlan
 from .tree import evaluate_text, fold
 
@@ -35,6 +36,10 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
     # Each leaf gets its own freshly scheduled copy: a variant reached by two leaves must not
     # share loop vars between them (the simplifier binds each var's range once per function).
     # Every variant is scheduled from ``func``, so they share its params and buffers.
+    # A packed plan's variants all read the one packed weight: pack first, schedule from that.
+    if plan.pack:
+        func = packed_form(func, plan.pack)
+
     def leaf(name: str) -> tirx.Stmt:
         return apply_variant(func, plan.kernel(name), target, loop_partition).body
 

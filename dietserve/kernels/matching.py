@@ -60,12 +60,13 @@ def is_multiply_accumulate(block) -> bool:
 
 
 def pad_to_tiles(sch: s_tir.Schedule, block, epilogue, tiles: Sequence[int]):
-    """Pad the matmul's (i, j, k) to multiples of ``tiles`` where an axis is symbolic or not
-    a whole number of tiles. Returns (padded?, the block writing the real output): the
+    """Pad the matmul's innermost loops (i, j, k; or packed i, jo, ji, k) to multiples of
+    ``tiles`` where an axis is symbolic or not a whole number of tiles. Returns (padded?, the block writing the real output): the
     un-pad copy is folded into the epilogue, or becomes the write-back itself."""
-    *batch, i, j, k = sch.get_loops(block)
+    loops = sch.get_loops(block)
+    batch, tiled = loops[: len(loops) - len(tiles)], loops[len(loops) - len(tiles) :]
     padding = []
-    for loop, tile in zip((i, j, k), tiles, strict=True):
+    for loop, tile in zip(tiled, tiles, strict=True):
         extent = static_extent(sch.get(loop).extent)
         padding.append(1 if extent is not None and extent % tile == 0 else tile)
     if all(p == 1 for p in padding):

@@ -20,6 +20,9 @@ class MicroKernel:
     vector: int = 1  # innermost vector width in elements
     cache_scopes: tuple[str, ...] = ("local",)  # where operands/accumulators are staged
     threads: int = 0  # CPU: 0 = one task per tile over every core, 1 = serial (tiny shapes skip the wake-up)
+    # CPU: panel width of the packed weight the kernel reads (``packing.py``); 0 = unpacked.
+    # A packed kernel's j tile is (panel, panels per register tile, register tiles per task).
+    pack: int = 0
 
     def __post_init__(self) -> None:
         for axis, sizes in self.tile:
@@ -60,9 +63,12 @@ class MicroKernel:
             vector=raw["vector"],
             cache_scopes=tuple(raw["cache_scopes"]),
             threads=raw.get("threads", 0),
+            pack=raw.get("pack", 0),
         )
 
     def __str__(self) -> str:
         tiles = " ".join(f"{axis}={'x'.join(map(str, sizes))}" for axis, sizes in self.tile)
         serial = " serial" if self.threads == 1 else ""
-        return f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}{serial})"
+        packed = f" packed={self.pack}" if self.pack else ""
+        return (f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}"
+                f"{serial}{packed})")

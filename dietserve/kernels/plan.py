@@ -10,7 +10,9 @@ A plan file (JSON, one per tuned workload):
     axes                 the matmul's axes as shape text, e.g. {"b": "1", "i": "batch * seq_len", ...}
     target               {"kind", "mcpu" | "arch", "num-cores"} as in the artifact manifest
     tvm_version          the TVM the kernels were built and measured with
-    variants             name -> micro-kernel (MicroKernel fields) or null for the default rule
+    variants             name -> micro-kernel (MicroKernel fields) or null for the default rule;
+                         packed-weight kernels (``pack`` > 0) all share one panel width, and
+                         then the plan has no default variant (it reads the unpacked weight)
     tree                 decision tree over shape text (dietserve.kernels.tree)
     tuned_range          {"var": text, "min": int, "max": int}: shapes above max take the tree's
                          last interval, a variant that is correct for every shape
@@ -74,6 +76,10 @@ class KernelPlan:
                     MicroKernel.from_dict(kernel)
                 except (KeyError, TypeError, ValueError) as err:
                     raise PlanError(f"plan of {self.operator}: variant {name!r} is not a micro-kernel: {err}") from err
+        packs = {0 if kernel is None else kernel.get("pack", 0) for kernel in self.variants.values()}
+        if len(packs) > 1:
+            raise PlanError(f"plan of {self.operator}: variants read the weight in different layouts (panel "
+                            f"widths {sorted(packs)}; 0 = unpacked); one packing per operator")
         try:
             check_tree(self.tree, self.variants, self.shape_vars)
         except TreeError as err:
@@ -88,6 +94,12 @@ class KernelPlan:
         """The variant's micro-kernel; None for the default rule's kernel."""
         raw = self.variants[name]
         return None if raw is None else MicroKernel.from_dict(raw)
+
+    @property
+    def pack(self) -> int:
+        """Panel width every variant's packed weight has; 0 when the weight stays unpacked."""
+        kernel = next(iter(self.variants.values()))
+        return 0 if kernel is None else int(kernel.get("pack", 0))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

@@ -21,7 +21,7 @@ class LoadedArtifact:
     manifest: Manifest
     device: tvm.runtime.Device
     vm: VirtualMachine
-    params: list  # tvm tensors on ``device``, in the function's argument order
+    params: list  # tvm tensors on ``device``, in ``forward``'s argument order (packed if it packs)
 
 
 def verify_files(directory: Path, manifest: Manifest) -> None:
@@ -83,4 +83,7 @@ def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact
         if tensor is None or list(tensor.shape) != list(shape):
             raise ArtifactError(f"{PARAMS_FILE} in {directory} lacks {name} with shape {shape}")
         params.append(tvm.runtime.tensor(np.ascontiguousarray(tensor), device))
+    if manifest.transform_params is not None:
+        # Pack the weights the kernels read in panels, once; the stored layout is then dropped.
+        params = list(vm[manifest.transform_params](params))  # takes the parameters as one tuple
     return LoadedArtifact(directory, manifest, device, vm, params)

@@ -15,7 +15,8 @@ MANIFEST_FILE = "manifest.json"
 LIBRARY_FILE = "model.so"
 PARAMS_FILE = "params.safetensors"
 PLANS_DIR = "plans"  # the kernel plans linked into a tuned artifact
-FORMAT_VERSION = 2  # 2: dispatch entries per matmul operator with workload, plan, calls
+# 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights
+FORMAT_VERSION = 3
 
 
 class ArtifactError(RuntimeError):
@@ -41,6 +42,9 @@ class Manifest:
     # dynamic operator -> {"symbolic": [vars], "variants": [names], "tree": decision tree}; see
     # dietserve/runtime/dispatch.py. Untuned artifacts have one variant per operator, "default".
     dispatch: dict = field(default_factory=dict)
+    # The library function that lays the parameters out for ``forward`` (packed weights), run
+    # once at load: forward(*inputs, *transform_params(parameters)). None: parameters as stored.
+    transform_params: str | None = None
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 

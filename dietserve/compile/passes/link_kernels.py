@@ -5,6 +5,8 @@ artifact can list the operators that have kernels, tuned or not). Those whose ke
 replaced by one PrimFunc holding every variant of the plan, branching on the operator's own
 shape expressions (``dietserve.kernels.dispatch``), marked scheduled so the default rules leave
 them alone. Matching is by structure (the workload key), never by the function's name.
+A plan whose kernels read packed weights also gets its weight argument packed, once, at load
+(``pack_weights.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from tvm.target import Target
 
 from ...kernels.dispatch import dispatched_prim_func
 from ...kernels.matching import is_dynamic_matmul, workload_key
+from ...kernels.packing import packed_panel, weight_param
 from ...kernels.plan import KernelPlan, PlanError
+from .pack_weights import pack_weight_arguments
 
 WORKLOAD_ATTR, PLAN_ATTR = "dietserve.workload", "dietserve.plan"  # in matching.NAMING_ATTRS
 
@@ -31,7 +35,7 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
 
     @tvm.transform.module_pass(opt_level=0, name="LinkTunedKernels")
     def link(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updated = {}
+        updated, packed = {}, {}
         for gvar, func in mod.functions_items():
             if not is_dynamic_matmul(func):
                 continue
@@ -42,9 +46,11 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
                 continue
             dispatched = dispatched_prim_func(func, plan, target)
             updated[gvar] = dispatched.with_attr(WORKLOAD_ATTR, key).with_attr(PLAN_ATTR, plan.digest())
+            if plan.pack:
+                packed[gvar.name_hint] = (weight_param(func)[0], plan.pack)
         for gvar, func in updated.items():
             mod[gvar] = func
-        return mod
+        return pack_weight_arguments(mod, packed)
 
     return link
 
@@ -70,8 +76,9 @@ def target_fields(target: Target) -> dict:
 
 
 def linked_operators(mod: tvm.IRModule) -> dict[str, dict]:
-    """PrimFunc name -> {workload, plan digest or None, calls} for every tagged operator of a
-    (scheduled) module; ``calls`` counts the Relax call sites, so one per layer."""
+    """PrimFunc name -> {workload, plan digest or None, calls, packed_panel} for every tagged
+    operator of a (scheduled) module; ``calls`` counts the Relax call sites, so one per layer;
+    ``packed_panel`` is the weight's panel width (0: unpacked)."""
     calls = call_counts(mod)
     found = {}
     for gvar, func in mod.functions_items():
@@ -79,7 +86,8 @@ def linked_operators(mod: tvm.IRModule) -> dict[str, dict]:
             plan = func.attrs[PLAN_ATTR] if PLAN_ATTR in func.attrs else None
             found[gvar.name_hint] = {"workload": str(func.attrs[WORKLOAD_ATTR]),
                                      "plan": None if plan is None else str(plan),
-                                     "calls": calls.get(gvar.name_hint, 0)}
+                                     "calls": calls.get(gvar.name_hint, 0),
+                                     "packed_panel": packed_panel(func)}
     return dict(sorted(found.items()))
 
 

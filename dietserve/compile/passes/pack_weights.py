@@ -1,0 +1,70 @@
+"""Feed packed weights to the kernels that read them, packing each weight once at load time.
+
+The link pass replaces an operator with kernels that read its weight in panels
+(``kernels/packing.py``). Here every call site of such a kernel gets
+``R.layout_transform(weight, panel map)`` on that argument, and ``LiftTransformParams`` moves
+those transforms out of ``forward`` into ``forward_transform_params``: the runtime runs it once
+when it loads the artifact (a few ms a weight), and every request streams packed panels. Layers
+that share a weight share its packed copy; numerics are unchanged (a permutation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import tvm
+from tvm import relax
+from tvm.relax.expr import _update_type
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ...kernels.packing import index_map
+
+TRANSFORM_PARAMS_SUFFIX = "_transform_params"  # LiftTransformParams' naming
+
+
+def pack_weight_arguments(mod: tvm.IRModule, packed: Mapping[str, tuple[int, int]]) -> tvm.IRModule:
+    """``packed``: PrimFunc name -> (param index of its weight, panel width). Returns ``mod``
+    with each such argument packed at the call site and the packing lifted out of the
+    functions that take parameters (``num_input`` marks where inputs end)."""
+    if not packed:
+        return mod
+    # The kernels' signatures changed: re-add them under fresh GlobalVars, which carry the new
+    # parameter types (a GlobalVar keeps the type it was first given).
+    callees = {name: tvm.ir.GlobalVar(name) for name in packed}
+    for name, gvar in callees.items():
+        _update_type(gvar, mod[name].ty)
+    functions = {callees.get(gvar.name_hint, gvar): func for gvar, func in mod.functions_items()}
+    mod = tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+    updated = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            updated[gvar] = _PackArguments(mod, packed, callees).visit_expr(func)
+    for gvar, func in updated.items():
+        mod[gvar] = func
+    return tvm.transform.Sequential([
+        relax.transform.LiftTransformParams(),
+        relax.transform.LegalizeOps(),  # the lifted layout_transform is still a high-level op
+        relax.transform.DeadCodeElimination(),
+    ])(mod)
+
+
+@mutator
+class _PackArguments(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, packed: Mapping[str, tuple[int, int]], callees: Mapping):
+        super().__init__(mod)
+        self.packed = packed
+        self.callees = callees
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if getattr(call.op, "name", None) != "relax.call_tir" or not isinstance(call.args[0], tvm.ir.GlobalVar):
+            return call
+        entry = self.packed.get(call.args[0].name_hint)
+        if entry is None:
+            return call
+        param, panel = entry
+        arguments = list(call.args[1].fields)
+        arguments[param] = self.builder_.emit(relax.op.layout_transform(arguments[param], index_map(panel)))
+        callee = self.callees[call.args[0].name_hint]
+        return relax.Call(call.op, [callee, relax.Tuple(arguments), *call.args[2:]], call.attrs,
+                          call.ty_args, call.span)
