@@ -36,6 +36,7 @@ from .database.records import RecordDatabase, TuningRecord
 from .dispatch import choose_variants, nearest_measured_estimates, plan_target, segment, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
+from .space import task_space
 from .task import TuningTask
 
 TUNER_VERSION = 2
@@ -98,7 +99,8 @@ class Tuner:
         self.progress_stream = progress_stream
         self.cores = cores
         self.model = CostModel(cores, options.seed)
-        self.search = EvolutionarySearch(space, seed=options.seed)
+        self.space = task_space(space, task.spec.func)
+        self.search = EvolutionarySearch(self.space, seed=options.seed)
         self.rng = random.Random(options.seed)
         self.shapes = task.shapes()
         self.weights = list(task.weights)
@@ -314,6 +316,9 @@ class Tuner:
         return f"| {measured} shapes measured | {self.failures} failed"
 
     def plan(self, provenance: dict | None = None) -> KernelPlan:
+        """The best plan over the measurements. Variants of one plan read the weight in one
+        layout, so each packing (and the unpacked layout, with the default kernel) is planned
+        on its own and the one with the least weighted latency wins."""
         candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
         if self.default_measured:
             candidates.append(None)
@@ -324,9 +329,24 @@ class Tuner:
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured)
-        variants, _, _ = choose_variants(candidates, shapes, weights, estimate,
-                                         self.options.max_variants)
-        if None not in variants and self.default_measured:
+        layouts = sorted({0 if k is None else k.pack for k in candidates})
+        options = []
+        for layout in layouts:
+            group = [k for k in candidates if (0 if k is None else k.pack) == layout]
+            try:
+                variants, labels, total = self._segmented(group, shapes, weights, estimate)
+            except ValueError:  # some shape has no variant of this layout allowed
+                continue
+            options.append((total, layout, variants, labels))
+        if not options:
+            raise RuntimeError(f"no layout of {self.task.workload} has a variant allowed on every shape")
+        _total, _layout, variants, labels = min(options, key=lambda option: option[0])
+        return self._plan_from(variants, labels, shapes, weights, estimate, provenance)
+
+    def _segmented(self, candidates, shapes, weights, estimate):
+        """(variants, per-shape label, weighted total) for one layout's candidates."""
+        variants, _, _ = choose_variants(candidates, shapes, weights, estimate, self.options.max_variants)
+        if None in candidates and None not in variants:
             variants.append(None)  # always a candidate: the guard below may need it
         cost = np.asarray([[w * estimate(v, s) for s, w in zip(shapes, weights, strict=True)]
                            for v in variants])
@@ -337,6 +357,10 @@ class Tuner:
                 if untuned is not None and measured is not None and measured > untuned:
                     cost[row, column] = np.inf  # measured slower than the untuned kernel here
         labels = segment(cost, self.options.max_intervals)
+        total = float(sum(cost[label, column] for column, label in enumerate(labels)))
+        return variants, labels, total
+
+    def _plan_from(self, variants, labels, shapes, weights, estimate, provenance) -> KernelPlan:
         used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
         names = {v: DEFAULT_VARIANT if variants[v] is None else f"v{rank}" for rank, v in enumerate(used)}
         values = [self.task.dispatch_value(s) for s in shapes]

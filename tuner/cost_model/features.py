@@ -15,7 +15,7 @@ import numpy as np
 from dietserve.kernels.microkernel import MicroKernel
 
 AXES = ("i", "j", "k")
-LEVELS = 2
+LEVELS = 3  # packed CPU kernels tile j three ways (panel, panels per register tile, per task)
 SCOPES = ("local", "shared", "B.local")
 
 
@@ -34,6 +34,7 @@ def kernel_features(kernel: MicroKernel) -> list[float]:
         float(kernel.unroll),
         float(kernel.vector),
         float(kernel.threads == 1),
+        float(kernel.pack),
     ]
     features += [float(scope in kernel.cache_scopes) for scope in SCOPES]
     return features

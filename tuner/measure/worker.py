@@ -35,6 +35,20 @@ def _inputs(recipe: tuple, shape_key: tuple) -> list[np.ndarray]:
 
 
 @lru_cache(maxsize=8)
+def _kernel_inputs(recipe: tuple, shape_key: tuple, pack: int) -> list[np.ndarray]:
+    """The inputs as a kernel reads them: the weight in panels of ``pack`` (0: as they are)."""
+    inputs = _inputs(recipe, shape_key)
+    if not pack:
+        return inputs
+    from dietserve.kernels.packing import pack_array, weight_param
+
+    spec = _spec(recipe)
+    param = weight_param(spec.func)[0]
+    index = param - sum(1 for position, _ in spec.scalar_params if position < param)
+    return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
+
+
+@lru_cache(maxsize=8)
 def _expected(recipe: tuple, shape_key: tuple) -> np.ndarray:
     return _spec(recipe).expected(dict(shape_key), _inputs(recipe, shape_key))
 
@@ -126,11 +140,13 @@ def _measure(job: dict, started: float) -> dict:
     host = job["target"].get("host")
     device_target = {key: value for key, value in job["target"].items() if key != "host"}
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    pack = 0
     if job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
         scheduled = apply_default(spec.func, target)
     else:
         kernel = MicroKernel.from_json(job["kernel"])
         scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
+        pack = kernel.pack
     executable = tvm.compile(scheduled, target)
     built = time.perf_counter()
     cores = job["target"].get("num-cores")
@@ -140,7 +156,7 @@ def _measure(job: dict, started: float) -> dict:
 
     # Correctness first: on the sample shape, against the independent reference.
     check_key = tuple(sorted(job["check_shape"].items()))
-    inputs = _inputs(recipe, check_key)
+    inputs = _kernel_inputs(recipe, check_key, pack)
     expected = _expected(recipe, check_key)
     output = session.tensor(np.full(expected.shape, np.nan, "float32"))
     function(*spec.call_arguments(dict(check_key), [session.tensor(x) for x in inputs], output))
@@ -155,7 +171,7 @@ def _measure(job: dict, started: float) -> dict:
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
-        arrays = _inputs(recipe, key)
+        arrays = _kernel_inputs(recipe, key, pack)
         output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
         args = spec.call_arguments(shape, [session.tensor(x) for x in arrays], output)
         warm_up = time.perf_counter()

@@ -20,12 +20,13 @@ Score = Callable[[list[MicroKernel]], np.ndarray]  # higher is better
 
 
 def _knobs(kernel: MicroKernel) -> tuple:
-    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes, kernel.threads)
+    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes, kernel.threads, kernel.pack)
 
 
 def _rebuild(knobs: tuple) -> MicroKernel:
-    *tile, unroll, vector, scopes, threads = knobs
-    return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes, threads=threads)
+    *tile, unroll, vector, scopes, threads, pack = knobs
+    return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes, threads=threads,
+                       pack=pack)
 
 
 class EvolutionarySearch:

@@ -1,4 +1,9 @@
-"""The CPU micro-kernel space, from the register file and caches (never from a shape).
+"""The CPU micro-kernel spaces, from the register file and caches (never from a shape).
+
+Two spaces. Operators with a constant weight (dense layers) get the packed-weight GEMM kernels
+(``packed_cpu_space``, ``dietserve/kernels/cpu_packed.py``): the packing is chosen first (the
+panel width, from the vector width) and every kernel of a plan shares it. Operators without
+one (attention's batched products) get the locally padded kernels (``cpu_space``):
 
 A CPU micro-kernel computes an ``mr x nr`` register tile (``nr`` a whole number of vectors)
 over the full reduction, ``ti x tj`` such tiles per parallel task (the cache tile, whose packed
@@ -20,6 +25,7 @@ from dietserve.kernels.microkernel import MicroKernel
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
+PACKED_PANEL_DEPTH = 768  # a weight panel's depth the L2 rule sizes tasks for (a hidden size)
 
 
 def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
@@ -44,5 +50,35 @@ def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
                     vector=lanes,
                     cache_scopes=("local", "B.local") if pack_b else ("local",),
                     threads=threads,
+                ))
+    return kernels
+
+
+def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
+    """Packed-weight GEMM kernels. Rules, from the hardware:
+    - panel ``P`` = 2 or 3 vectors (the B panel a register tile row streams);
+    - register tile ``mr x pk*P``: ``mr * v`` accumulators + the B vectors held (``v`` when a
+      row reuses them, 1 when ``mr = 1``) + 1 broadcast <= registers, ``v = pk*P / lanes``;
+      ``mr = 1`` with wide tiles is the small-T regime (weight streaming, panels split across
+      cores); tall tiles are the large-T regime (2-D tiles over T x N);
+    - a task's panels (``nb`` of them, ``PACKED_PANEL_DEPTH`` deep) fit in 3/4 of L2, so the
+      panels stay cached while the task runs down all its row tiles;
+    - threads: every core, or serial for shapes too small to wake the others.
+    """
+    lanes = hw.lanes(8 * DTYPE_BYTES)
+    kernels = []
+    for panel_vectors, pk in itertools.product((2, 3), (1, 2, 4)):
+        panel = panel_vectors * lanes
+        vectors = pk * panel_vectors
+        for mr in range(1, 17):
+            held = vectors if mr > 1 else 1
+            if mr * vectors + held + 1 > hw.vector_registers:
+                break
+            for groups, threads in itertools.product((1, 2, 4, 8), (0, 1) if hw.cores > 1 else (0,)):
+                if pk * groups * panel * PACKED_PANEL_DEPTH * DTYPE_BYTES > hw.l2_bytes * 3 // 4:
+                    continue
+                kernels.append(MicroKernel(
+                    tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (1,))),
+                    vector=lanes, threads=threads, pack=panel,
                 ))
     return kernels
