@@ -39,7 +39,7 @@ bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch, ONNX Runtim
 bench-serve: $(TEST_STAMP) $(PROTO_STAMP) ## gRPC load test: throughput, p50/p99, batching on vs off, server overhead
 	$(PY) tests/benchmarks/bench_serve.py
 
-bench-kernels: $(TEST_STAMP) ## tuned kernels vs PyTorch, numpy, TVM default and per-shape MetaSchedule (long)
+bench-kernels: $(TEST_STAMP) ## tuned kernels vs PyTorch, numpy, the default rule, MetaSchedule and the ceiling (long)
 	$(PY) tests/benchmarks/bench_kernels.py $(BENCH_FLAGS)
 
 compile-default: $(RUNTIME_STAMP) ## compile the default model for this CPU into the cache

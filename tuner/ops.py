@@ -17,6 +17,8 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from dietserve.kernels.gelu import gelu_expr
+
 Shape = Mapping[str, int]
 
 
@@ -66,11 +68,12 @@ def numpy_gelu(x: np.ndarray) -> np.ndarray:
     return (0.5 * x * (1.0 + _erf(x.astype(np.float64) / math.sqrt(2.0)))).astype(x.dtype)
 
 
-EPILOGUES = ("none", "bias", "bias_gelu")
+EPILOGUES = ("none", "bias", "bias_gelu", "bias_residual")
 
 
 def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
-    """``Y[T, N] = X[T, K] @ W[K, N] (+ bias[N]) (-> GELU)`` with T symbolic."""
+    """``Y[T, N] = X[T, K] @ W[K, N] (+ bias[N]) (-> GELU | + residual[T, N])`` with T symbolic:
+    BERT's dense layers (QKV and intermediate; output projections add the residual)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"dense epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if k < 1 or n < 1:
@@ -86,20 +89,26 @@ def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
             bias = te.placeholder((n,), "float32", name="bias")
             y = te.compute((rows, n), lambda i, j: y[i, j] + bias[j], name="add_bias")
             tensors.append(bias)
-            if epilogue == "bias_gelu":
-                y = te.compute((rows, n), lambda i, j: 0.5 * y[i, j] * (1.0 + tirx.erf(y[i, j] * 0.7071067811865476)),
-                               name="gelu")
+            if epilogue == "bias_gelu":  # the model's GELU (exact erf, vectorised)
+                y = te.compute((rows, n), lambda i, j: gelu_expr(y[i, j]), name="gelu")
+            if epilogue == "bias_residual":
+                residual = te.placeholder((rows, n), "float32", name="residual")
+                y = te.compute((rows, n), lambda i, j: y[i, j] + residual[i, j], name="add_residual")
+                tensors.append(residual)
         return _prim_func([*tensors, y])
 
-    def reference(x, w, bias=None):
+    def reference(x, w, bias=None, residual=None):
         y = x @ w
         if bias is not None:
             y = y + bias
+        if residual is not None:
+            y = y + residual
         return numpy_gelu(y) if epilogue == "bias_gelu" else y
 
     def input_shapes(shape: Shape):
         shapes = [(shape["T"], k), (k, n)]
-        return shapes + ([(n,)] if epilogue != "none" else [])
+        shapes += [(n,)] if epilogue != "none" else []
+        return shapes + ([(shape["T"], n)] if epilogue == "bias_residual" else [])
 
     suffix = "" if epilogue == "none" else f"_{epilogue}"
     return OperatorSpec(

@@ -60,9 +60,10 @@ def is_multiply_accumulate(block) -> bool:
 
 
 def pad_to_tiles(sch: s_tir.Schedule, block, epilogue, tiles: Sequence[int]):
-    """Pad the matmul's innermost loops (i, j, k; or packed i, jo, ji, k) to multiples of
-    ``tiles`` where an axis is symbolic or not a whole number of tiles. Returns (padded?, the block writing the real output): the
-    un-pad copy is folded into the epilogue, or becomes the write-back itself."""
+    """Pad the matmul's innermost loops (i, j, k; or packed i, jo, ji, k) to multiples
+    of ``tiles`` where an axis is symbolic or not a whole number of tiles. Returns (padded?,
+    the block writing the real output): the un-pad copy is folded into the epilogue, or
+    becomes the write-back itself."""
     loops = sch.get_loops(block)
     batch, tiled = loops[: len(loops) - len(tiles)], loops[len(loops) - len(tiles) :]
     padding = []

@@ -1,14 +1,19 @@
 """BERT-base's dynamic operators across sequence lengths: our DietCode-tuned kernels (one tuning
-run per operator covering every T in 1..512) beside PyTorch, numpy, TVM's untuned default and
-MetaSchedule tuned per static shape on 8 sampled T with the same total trial budget.
+run per operator covering every T in 1..512) beside PyTorch (oneDNN / MKL), numpy (OpenBLAS),
+the model's default CPU rule (what linking a plan replaces) and MetaSchedule tuned per static
+shape (64 trials on each of 6 T by default), with the machine's ceiling measured in the same run
+(numpy sgemm on 2048^3, and a read-only pass over a weight-sized array for T = 1).
 
-    python tests/benchmarks/bench_kernels.py [--trials 64] [--ops dense_768x3072,attention_scores]
+    python tests/benchmarks/bench_kernels.py [--trials 64] [--ms-trials 64] [--ms-lengths 1,64,512]
+                                             [--ops dense_768x3072,attention_scores]
                                              [--target llvm|cuda] [--skip-metaschedule]
 
-Per operator it prints a table of latency per T and ratios (>1: ours faster); the last line is
-``RESULT geomean_vs_torch=X min_vs_torch=Y geomean_vs_metaschedule=Z tuning_time_ratio=W``:
-torch and MetaSchedule latency over ours (geomean over every operator and T, min over them),
-and MetaSchedule's tuning wall time over ours. Not a test: run it on an idle machine.
+Per operator it prints the plan's variants and a table of latency, GFLOP/s and % of the sgemm
+ceiling per T with ratios (>1: ours faster); the last line is ``RESULT geomean_vs_torch=X
+min_vs_torch=Y geomean_vs_metaschedule=Z tuning_time_ratio=W ceiling_pct_t64plus=P``: torch and
+MetaSchedule latency over ours (geomean over every operator and T, min over them), MetaSchedule's
+tuning wall time over ours, and the geomean % of the sgemm ceiling the dense layers reach at
+T >= 64. Not a test: run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ from tuner.task import ShapeVar, TuningTask  # noqa: E402
 from tuner.tune import TuneOptions, Tuner  # noqa: E402
 
 LENGTHS = [1, 2, 7, 13, 31, 64, 97, 127, 128, 129, 200, 257, 300, 384, 449, 512]  # 16, with primes
-METASCHEDULE_LENGTHS = [1, 13, 64, 128, 200, 300, 449, 512]
-OPERATORS = {
-    "dense_768x768": lambda: dense(768, 768, "bias"),
-    "dense_768x3072": lambda: dense(768, 3072, "bias_gelu"),
-    "dense_3072x768": lambda: dense(3072, 768, "bias"),
+METASCHEDULE_LENGTHS = [1, 13, 64, 128, 300, 512]
+OPERATORS = {  # BERT-base's dynamic operators, with the epilogues the model fuses into them
+    "dense_768x768": lambda: dense(768, 768, "bias"),  # query, key, value
+    "dense_768x768_residual": lambda: dense(768, 768, "bias_residual"),  # attention output
+    "dense_768x3072": lambda: dense(768, 3072, "bias_gelu"),  # intermediate
+    "dense_3072x768": lambda: dense(3072, 768, "bias_residual"),  # output
     "attention_scores": lambda: attention_scores(12, 64),
     "attention_context": lambda: attention_context(12, 64),
 }
@@ -65,7 +71,7 @@ def time_ours(spec, plan, target: dict, length: int) -> float:
     tvm_target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
     lib = tvm.compile(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
     device = tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
-    args, inputs = baselines.tvm_arguments(spec, {"T": length}, device)
+    args, inputs = baselines.tvm_arguments_packed(spec, {"T": length}, device, plan.pack)
     lib["main"](*args)
     baselines.check_against_reference(spec, args[-1].numpy(), inputs)
     return baselines.time_tvm_module(lib, args, device, repeat=15, time_cap_s=10)
@@ -75,26 +81,39 @@ def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
 
 
+def _cell(value: float | None, fmt: str, width: int) -> str:
+    return f"{value:{width}{fmt}}" if value is not None and math.isfinite(value) else f"{'-':>{width}}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=64, help="trials per operator, ours and MetaSchedule's")
+    parser.add_argument("--trials", type=int, default=64, help="our trials per operator (all of T in 1..512)")
+    parser.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's trials per static shape")
+    parser.add_argument("--ms-lengths", default=",".join(map(str, METASCHEDULE_LENGTHS)),
+                        help="the static T MetaSchedule tunes")
     parser.add_argument("--ops", default=",".join(OPERATORS), help=f"comma-separated subset of {list(OPERATORS)}")
     parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--skip-metaschedule", action="store_true")
-    parser.add_argument("--skip-default", action="store_true", help="skip TVM's untuned default (slow on llvm)")
+    parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
+    ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
     where = resolve_target(args.target)
     target, space, cores = where.target, where.space, where.cores
-    if args.target == "llvm":
+    on_cpu = args.target == "llvm"
+    if on_cpu:
         # TVM kernels timed here get every core, as the served model's do (TVM's default pool has
         # half the cores on x86: earlier runs timed every TVM kernel on one core of two).
         from dietserve.kernels.host import configure_cpu_threads
 
         configure_cpu_threads(cores)
     device = "cuda" if args.target == "cuda" else "cpu"
-    vs_torch, vs_ms, ours_tuning, ms_tuning = [], [], 0.0, 0.0
+    sgemm, stream = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
+    _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, read-only weight pass {stream:.1f} GB/s")
+    vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points = [], [], 0.0, 0.0, []
+    streaming = []
+    results = []
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
         for op in args.ops.split(","):
             spec = OPERATORS[op]()
@@ -103,41 +122,72 @@ def main() -> int:
             ours_tuning += tuned.wall_s
             ms_latency, ms_wall = {}, float("nan")
             if not args.skip_metaschedule:
-                _log(f"{spec.name}: MetaSchedule, {args.trials} trials over {len(METASCHEDULE_LENGTHS)} static T")
+                _log(f"{spec.name}: MetaSchedule, {args.ms_trials} trials on each of {len(ms_lengths)} static T")
                 ms_latency, ms_wall = baselines.tune_metaschedule(
-                    spec, METASCHEDULE_LENGTHS, target, args.trials, Path(scratch) / f"ms-{op}")
+                    spec, ms_lengths, target, args.ms_trials, Path(scratch) / f"ms-{op}")
                 ms_tuning += ms_wall
-            print(f"\n{spec.name} on {args.target}: ours tuned in {tuned.wall_s:.0f} s ({tuned.trials} trials, "
-                  f"{len(tuned.plan.variants)} variants); MetaSchedule {ms_wall:.0f} s for {len(ms_latency)} shapes")
-            print(f"{'T':>5} {'ours ms':>9} {'torch ms':>9} {'numpy ms':>9} {'default ms':>11} {'MS ms':>9} "
-                  f"{'vs torch':>9} {'vs numpy':>9} {'vs default':>11} {'vs MS':>7}")
+            rows = []
             for length in lengths:
                 ours = time_ours(spec, tuned.plan, target, length)
                 # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a
                 # call can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
                 torch_s = baselines.time_torch(spec, {"T": length}, device=device)
-                if device == "cpu":
+                if on_cpu:
                     torch_s = min(torch_s, baselines.time_torch(spec, {"T": length}, threads=1))
                     torch.set_num_threads(len(os.sched_getaffinity(0)))
-                numpy_s = baselines.time_numpy(spec, {"T": length}) if device == "cpu" else float("nan")
-                default_s = (float("nan") if args.skip_default else
-                             baselines.time_tvm_default(spec, {"T": length}, target, time_cap_s=6))
+                numpy_s = baselines.time_numpy(spec, {"T": length}) if on_cpu else float("nan")
+                default_s = (float("nan") if args.skip_default or not on_cpu else
+                             baselines.time_default_rule(spec, {"T": length}, target))
                 ms_s = ms_latency.get(length)
+                gflops = spec.flops({"T": length}) / ours / 1e9
                 vs_torch.append(torch_s / ours)
                 if ms_s:
                     vs_ms.append(ms_s / ours)
-                ms_text = f"{ms_s * 1e3:9.3f}" if ms_s else f"{'-':>9}"
-                ms_ratio = f"{ms_s / ours:7.2f}" if ms_s else f"{'-':>7}"
-                print(f"{length:5d} {ours * 1e3:9.3f} {torch_s * 1e3:9.3f} {numpy_s * 1e3:9.3f} "
-                      f"{default_s * 1e3:11.3f} {ms_text} {torch_s / ours:9.2f} {numpy_s / ours:9.2f} "
-                      f"{default_s / ours:11.1f} {ms_ratio}", flush=True)
+                if spec.kind == "dense" and length >= 64:
+                    ceiling_points.append(gflops / sgemm)
+                if spec.kind == "dense" and length == 1:
+                    streaming.append((spec.name, 4 * math.prod(random_shape(spec)) / ours / 1e9))
+                rows.append((length, ours, gflops, torch_s, numpy_s, default_s, ms_s))
+            results.append((spec, tuned, ms_wall, len(ms_latency), rows))
+            _print_table(spec, tuned, ms_wall, len(ms_latency), args.ms_trials, rows, sgemm, args.target)
+    sgemm_end, stream_end = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
+    _log(f"ceiling at end: numpy sgemm {sgemm_end:.1f} GFLOP/s, read-only pass {stream_end:.1f} GB/s")
     ratio = ms_tuning / ours_tuning if ms_tuning else float("nan")
-    print(f"\ntuning wall time: ours {ours_tuning:.0f} s (every T in 1..512), MetaSchedule {ms_tuning:.0f} s "
-          f"({len(METASCHEDULE_LENGTHS)} static T per operator; covering all {len(lengths)} benchmark T would "
-          f"take ~{ms_tuning * len(lengths) / len(METASCHEDULE_LENGTHS):.0f} s)")
+    print(f"\nceiling (same run, start / end): numpy sgemm 2048^3 {sgemm:.1f} / {sgemm_end:.1f} GFLOP/s; "
+          f"read-only pass over a 768x3072 weight {stream:.1f} / {stream_end:.1f} GB/s")
+    for name, rate in streaming:
+        print(f"T=1 weight streaming, {name}: {rate:.1f} GB/s = {rate / max(stream, stream_end):.2f} of the "
+              f"read-only pass")
+    print(f"tuning wall time: ours {ours_tuning:.0f} s ({args.trials} trials per operator, every T in 1..512), "
+          f"MetaSchedule {ms_tuning:.0f} s ({args.ms_trials} trials on each of {len(ms_lengths)} static T per "
+          f"operator)")
+    ceiling_pct = 100 * geomean(ceiling_points) * sgemm / max(sgemm, sgemm_end) if ceiling_points else float("nan")
     print(f"RESULT geomean_vs_torch={geomean(vs_torch):.3f} min_vs_torch={min(vs_torch):.3f} "
-          f"geomean_vs_metaschedule={geomean(vs_ms):.3f} tuning_time_ratio={ratio:.2f}")
+          f"geomean_vs_metaschedule={geomean(vs_ms):.3f} tuning_time_ratio={ratio:.2f} "
+          f"ceiling_pct_t64plus={ceiling_pct:.1f}")
     return 0
+
+
+def random_shape(spec) -> tuple[int, int]:
+    """(K, N) of a dense operator's weight."""
+    return spec.input_shapes({"T": 1})[1]
+
+
+def _print_table(spec, tuned, ms_wall, ms_shapes, ms_trials, rows, sgemm, target) -> None:
+    packed = f", weights packed in panels of {tuned.plan.pack}" if tuned.plan.pack else ""
+    print(f"\n{spec.name} on {target}: ours tuned in {tuned.wall_s:.0f} s ({tuned.trials} trials, "
+          f"{len(tuned.plan.variants)} variants{packed}); MetaSchedule {ms_wall:.0f} s for {ms_shapes} shapes, "
+          f"{ms_trials} trials each")
+    for name in tuned.plan.variants:
+        print(f"  {name}: {tuned.plan.kernel(name) or 'default rule'}")
+    print(f"{'T':>5} {'ours ms':>9} {'GFLOP/s':>8} {'%ceil':>6} {'torch ms':>9} {'numpy ms':>9} {'default ms':>11} "
+          f"{'MS ms':>9} {'vs torch':>9} {'vs numpy':>9} {'vs default':>11} {'vs MS':>7}")
+    for length, ours, gflops, torch_s, numpy_s, default_s, ms_s in rows:
+        print(f"{length:5d} {ours * 1e3:9.3f} {gflops:8.1f} {100 * gflops / sgemm:6.1f} {torch_s * 1e3:9.3f} "
+              f"{_cell(numpy_s * 1e3, '.3f', 9)} {_cell(default_s * 1e3, '.3f', 11)} "
+              f"{_cell(ms_s * 1e3 if ms_s else None, '.3f', 9)} {torch_s / ours:9.2f} "
+              f"{_cell(numpy_s / ours, '.2f', 9)} {_cell(default_s / ours, '.2f', 11)} "
+              f"{_cell(ms_s / ours if ms_s else None, '.2f', 7)}", flush=True)
 
 
 if __name__ == "__main__":

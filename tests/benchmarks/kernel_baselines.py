@@ -113,7 +113,7 @@ def dense_epilogue(spec: OperatorSpec) -> str:
     epilogue = getattr(spec, "epilogue", None)
     if epilogue is not None:
         return str(epilogue)
-    match = re.fullmatch(r"dense(?:_(bias_gelu|bias))?\[.*\]", spec.name)
+    match = re.fullmatch(r"dense(?:_(bias_gelu|bias_residual|bias))?\[.*\]", spec.name)
     if match is None:
         raise ValueError(f"cannot read a dense epilogue from operator name {spec.name!r}")
     return match.group(1) or "none"
@@ -131,6 +131,8 @@ def numpy_computation(spec: OperatorSpec) -> Callable[..., np.ndarray]:
         return np.matmul
     if epilogue == "bias":
         return lambda x, w, bias: x @ w + bias
+    if epilogue == "bias_residual":
+        return lambda x, w, bias, residual: x @ w + bias + residual
 
     from scipy.special import erf
 
@@ -154,6 +156,8 @@ def torch_computation(spec: OperatorSpec) -> Callable[..., Any]:
         return torch.matmul
     if epilogue == "bias":
         return lambda x, w, bias: torch.addmm(bias, x, w)
+    if epilogue == "bias_residual":
+        return lambda x, w, bias, residual: torch.addmm(bias, x, w).add_(residual)
     return lambda x, w, bias: torch.nn.functional.gelu(torch.addmm(bias, x, w), approximate="none")
 
 
@@ -232,6 +236,74 @@ def tvm_arguments(spec: OperatorSpec, shape: ShapeLike, device: tvm.runtime.Devi
     return [tvm.runtime.tensor(a, device) for a in inputs] + [output], inputs
 
 
+def tvm_arguments_packed(spec: OperatorSpec, shape: ShapeLike, device: tvm.runtime.Device, pack: int,
+                         seed: int = 0) -> tuple[list[Any], list[np.ndarray]]:
+    """``tvm_arguments`` with the weight in panels of ``pack`` (0: as it is), as a packed
+    kernel reads it in the model (packed once at load, so not timed)."""
+    from dietserve.kernels.packing import pack_array, weight_param
+
+    args, inputs = tvm_arguments(spec, shape, device, seed)
+    if pack:
+        index = weight_param(spec.func)[0]
+        args[index] = tvm.runtime.tensor(pack_array(inputs[index], pack), device)
+    return args, inputs
+
+
+_DEFAULT_RULE_CACHE: dict[tuple[str, str], tvm.runtime.Module] = {}
+
+
+def time_default_rule(spec: OperatorSpec, shape: ShapeLike, target: TargetLike, repeats: int = 7, *,
+                      time_cap_s: float | None = 10.0, seed: int = 0) -> float:
+    """Median seconds of the model's own default schedule for the operator (the CPU matmul rule
+    an untuned artifact runs, symbolic in T: what linking a plan replaces)."""
+    from dietserve.kernels.apply import apply_default
+
+    target = _as_target(target)
+    key = (spec.name, str(target))
+    if key not in _DEFAULT_RULE_CACHE:
+        _DEFAULT_RULE_CACHE[key] = tvm.compile(apply_default(spec.func, target), target=target).jit()
+    device = _device_for(target)
+    args, _ = tvm_arguments(spec, shape, device, seed)
+    return time_tvm_module(_DEFAULT_RULE_CACHE[key], args, device, repeat=repeats, time_cap_s=time_cap_s)
+
+
+def machine_ceiling(target: TargetLike, repeats: int = 5) -> tuple[float, float]:
+    """(sgemm GFLOP/s of numpy's BLAS on 2048^3, read GB/s of a parallel read-only pass over a
+    BERT-base weight-sized array in TVM): the compute and weight-streaming ceilings of this
+    machine, measured in the same run as the kernels they judge."""
+    rng = np.random.default_rng(0)
+    a, b = rng.random((2048, 2048), dtype=np.float32), rng.random((2048, 2048), dtype=np.float32)
+    time.sleep(0.2)
+    sgemm = 2 * 2048**3 / median_seconds(lambda: a @ b, repeats, warmup=1, number=1) / 1e9
+    stream = _stream_function(_as_target(target))
+    weight = tvm.runtime.tensor(rng.random((128, 192, 4, 24), dtype=np.float32))  # 768 x 3072 floats
+    out = tvm.runtime.tensor(np.zeros((128, 4, 24), np.float32))
+    time.sleep(0.2)
+    seconds = median_seconds(lambda: stream(weight, out), repeats * 4, warmup=3)
+    return sgemm, weight.numpy().nbytes / seconds / 1e9
+
+
+def _stream_function(target: Target):
+    """Sum each 24-wide panel over its rows, panels in parallel, 4 partial sums per lane (so
+    the adds do not serialize): a read-only pass at the memory system's rate."""
+    from tvm import te
+
+    w = te.placeholder((128, 192, 4, 24), "float32", name="w")
+    r = te.reduce_axis((0, 192), name="r")
+    out = te.compute((128, 4, 24), lambda p, q, j: te.sum(w[p, r, q, j], axis=r), name="panel_sum")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([w, out]).with_attr("global_symbol", "main"))
+    block = sch.get_sblock("panel_sum")
+    p, q, j, r = sch.get_loops(block)
+    sch.reorder(p, r, q, j)
+    sch.parallel(p)
+    outer, lanes = sch.split(j, [None, 8])
+    sch.vectorize(lanes)
+    sch.unroll(outer)
+    sch.unroll(q)
+    sch.cache_write(block, 0, "local")
+    return tvm.compile(sch.mod, target=target).jit()["main"]
+
+
 def compile_tvm_default(spec: OperatorSpec, shape: ShapeLike, target: TargetLike) -> tvm.runtime.Module:
     """The static-shape operator as TVM builds it with no tuning: unscheduled (serial, scalar)
     loops on llvm; on cuda, dlight's default GPU rules (Matmul, GEMV, then Fallback)."""
@@ -285,11 +357,12 @@ def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequ
     return error
 
 
-def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: TargetLike, total_trials: int,
+def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: TargetLike, trials: int,
                       work_dir: str | Path, *, repeats: int = 7, time_cap_s: float | None = 20.0, seed: int = 0,
                       build_timeout_s: float = 60.0, run_timeout_s: float = 60.0,
                       verify: bool = True) -> tuple[dict[int, float | None], float]:
-    """MetaSchedule on each static shape with ``total_trials // len(shapes)`` trials each.
+    """MetaSchedule on each static shape with ``trials`` trials each (what its users give it:
+    it tunes one static shape at a time).
 
     Returns (latency in seconds of the best schedule per T, total tuning wall seconds). The wall
     time covers ``tune_tir`` only (search, builds, measurements), not compiling and timing the
@@ -310,7 +383,6 @@ def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: T
     target = _as_target(target)
     device = _device_for(target)
     lengths = [_as_shape(shape)["T"] for shape in shapes]
-    trials = max(1, total_trials // max(1, len(lengths)))
     # One build worker: two cores are shared with the runner and the search itself.
     builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=build_timeout_s, f_build=_fast_build_function())
     runner = ms.runner.LocalRunner(timeout_sec=run_timeout_s)
@@ -355,7 +427,7 @@ def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: T
 
 
 __all__ = [
-    "check_against_reference", "compile_tvm_default", "dense_epilogue", "median_seconds", "numpy_computation",
-    "time_numpy", "time_torch", "time_tvm_default", "time_tvm_module", "torch_computation", "tune_metaschedule",
-    "tvm_arguments",
+    "check_against_reference", "compile_tvm_default", "dense_epilogue", "machine_ceiling", "median_seconds",
+    "numpy_computation", "time_default_rule", "time_numpy", "time_torch", "time_tvm_default", "time_tvm_module",
+    "torch_computation", "tune_metaschedule", "tvm_arguments", "tvm_arguments_packed",
 ]

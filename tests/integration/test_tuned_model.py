@@ -118,6 +118,49 @@ def test_odd_sized_bert_with_linked_variants_matches_transformers(tmp_path: Path
         _check(engine, reference, batch, seq)
 
 
+def packed(mr: int, panel_vectors: int, pk: int, groups: int) -> dict:
+    panel = panel_vectors * LANES
+    return MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (1,))), vector=LANES,
+                       pack=panel).to_dict()
+
+
+# Packed-weight GEMM kernels: the small-T regime (one row, 4 panels per register tile) and two
+# 2-D tilings, all reading the weight in panels of 3 vectors, split at row counts 2 | 60.
+PACKED_VARIANTS = {"stream": packed(1, 3, 4, 1), "tile4": packed(4, 3, 1, 2), "tile2": packed(2, 3, 2, 1)}
+PACKED_SPLITS = [(2, "stream"), (60, "tile2"), (4096, "tile4")]
+
+
+def test_packed_weight_kernels_match_transformers_and_pack_once_at_load(minilm_tasks, minilm_reference,
+                                                                       tmp_path: Path, cache_dir: Path) -> None:
+    from dietserve.kernels.matching import matmul_axes
+    from dietserve.kernels.packing import weight_param
+
+    folder = tmp_path / "packed-plans"
+    dense = [task for task in minilm_tasks.tasks if weight_param(tvm.ir.load_json(task.func)) is not None]
+    assert len(dense) == 4  # q/k/v, attention output, intermediate, output
+    for task in dense:
+        axes = matmul_axes(tvm.ir.load_json(task.func))
+        KernelPlan(workload=task.workload, operator=task.operator, shape_vars=["batch", "seq_len"], axes=axes,
+                   target=minilm_tasks.target, tvm_version=str(tvm.__version__), variants=PACKED_VARIANTS,
+                   tree=interval_tree(axes["i"], [v for v, _ in PACKED_SPLITS], [n for _, n in PACKED_SPLITS]),
+                   tuned_range={"var": axes["i"], "min": 1, "max": 512},
+                   provenance={"model": {"name": "test"}}).write(plan_path(folder, task.workload))
+    artifact = compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(folder,)), cache_dir)
+    manifest = Manifest.read(artifact)
+    assert manifest.transform_params == "forward_transform_params"
+    panels = {entry["packed_panel"] for entry in manifest.dispatch.values() if entry["plan"]}
+    assert panels == {3 * LANES}
+    loaded = load_artifact(artifact)
+    stored = {name: shape for name, shape in manifest.parameters}
+    packed_shapes = [list(p.shape) for p in loaded.params if len(p.shape) == 3]
+    assert len(packed_shapes) == 6 * 6  # every layer's six dense weights, packed once at load
+    assert all(shape[2] == 3 * LANES for shape in packed_shapes)
+    assert len(loaded.params) < len(stored) + 1  # the unpacked copies are not kept besides
+    engine = Engine(loaded)
+    for batch, seq in ((1, 1), (1, 2), (1, 3), (3, 13), (1, 60), (1, 61), (2, 100), (8, 64)):
+        _check(engine, minilm_reference, batch, seq)
+
+
 def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact: Path, minilm_tasks) -> None:
     manifest = Manifest.read(linked_artifact)
     assert {entry["workload"] for entry in manifest.dispatch.values()} == {t.workload for t in minilm_tasks.tasks}

@@ -1,7 +1,7 @@
 """Micro-kernel search space: built from hardware limits, not from any one shape."""
 
-from dietserve.kernels.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.cpu_packed import packed_tile
+from dietserve.kernels.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.packing import weight_param
 

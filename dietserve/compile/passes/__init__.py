@@ -2,5 +2,6 @@
 
 from .fast_softmax import FastSoftmax
 from .link_kernels import foreign_plans, link_tuned_kernels, linked_operators
+from .vector_gelu import VectorGelu
 
-__all__ = ["FastSoftmax", "foreign_plans", "link_tuned_kernels", "linked_operators"]
+__all__ = ["FastSoftmax", "VectorGelu", "foreign_plans", "link_tuned_kernels", "linked_operators"]

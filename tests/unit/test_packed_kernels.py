@@ -1,0 +1,132 @@
+"""Packed-weight GEMM micro-kernels: every kernel of the space matches numpy at every length
+(with each epilogue BERT has), the weight packing is one map on both sides, the inner loop of
+the large-T kernel is straight FMA code on registers, and the space picks packing only where
+the weight allows it."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+
+from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.cpu_packed import packed_tile
+from dietserve.kernels.hardware import CPU_PRESETS
+from dietserve.kernels.matching import ScheduleMismatch
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.packing import Packing, pack_array, pack_prim_func, weight_param
+from tuner.ops import attention_scores, dense, random_inputs
+from tuner.space import task_space
+from tuner.space.cpu import cpu_space, packed_cpu_space
+
+SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+AVX2 = CPU_PRESETS["avx2"]
+K, N = 96, 144  # N = 6 panels of 24 = 9 of 16: several task widths fit, not a power of two
+
+
+def run(function, spec, kernel: MicroKernel, length: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = {"T": length}
+    inputs = random_inputs(spec, shape, seed=length)
+    arguments = [pack_array(x, kernel.pack) if i == 1 else x for i, x in enumerate(inputs)]
+    out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+    function(*[tvm.runtime.tensor(x) for x in arguments], out)
+    return out.numpy(), spec.reference(*inputs)
+
+
+def fitting_space(spec) -> list[MicroKernel]:
+    return task_space(cpu_space(AVX2) + packed_cpu_space(AVX2), spec.func)
+
+
+def test_every_packed_kernel_matches_numpy_at_every_length() -> None:
+    spec = dense(K, N, "bias")
+    kernels = fitting_space(spec)
+    assert kernels and all(k.pack for k in kernels)
+    assert {packed_tile(k)[0] for k in kernels} == {1, 2, 3, 4, 5, 6}  # every register-tile height
+    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    for index, kernel in enumerate(kernels):
+        for length in SHAPES:
+            got, expected = run(functions[f"k{index}"], spec, kernel, length)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{kernel} T={length}")
+
+
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual", "none"])
+@pytest.mark.parametrize("tile", [(1, 24, 4, 1), (4, 24, 1, 2), (6, 16, 1, 3), (3, 16, 2, 1)])
+def test_packed_kernels_apply_bert_epilogues(epilogue: str, tile: tuple) -> None:
+    mr, panel, pk, groups = tile
+    spec = dense(K, 192, epilogue)  # 8 panels of 24, 12 of 16
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (1,))), vector=8, pack=panel)
+    if epilogue == "none":  # the matmul's own result is the output: nothing to stage packing through
+        with pytest.raises(ScheduleMismatch, match="epilogue"):
+            apply_kernel(spec.func, kernel, "llvm")
+        return
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    for length in SHAPES:
+        got, expected = run(function, spec, kernel, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{epilogue} T={length}")
+
+
+def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
+    spec = dense(K, N, "bias")
+    assert weight_param(spec.func) == (1, K, N)
+    packed = pack_prim_func(spec.func, Packing(1, 24))
+    assert [int(d) for d in packed.params[1].ty.shape] == [N // 24, K, 24]
+    weight = np.arange(K * N, dtype=np.float32).reshape(K, N)
+    panels = pack_array(weight, 24)
+    for k, n in [(0, 0), (5, 23), (5, 24), (K - 1, N - 1)]:
+        assert panels[n // 24, k, n % 24] == weight[k, n]
+    with pytest.raises(ValueError, match="panels"):
+        pack_array(weight[:, :100], 24)
+
+
+def test_packing_needs_a_static_weight_whose_columns_fill_the_tasks() -> None:
+    space = cpu_space(AVX2) + packed_cpu_space(AVX2)
+    odd = task_space(space, dense(96, 37, "bias").func)
+    assert odd and not any(k.pack for k in odd)  # 37 columns: no panel width fits, unpacked kernels
+    attention = task_space(space, attention_scores(12, 64).func)
+    assert attention and not any(k.pack for k in attention)  # no weight: nothing to pack
+    assert weight_param(attention_scores(12, 64).func) is None
+    bert = task_space(space, dense(768, 3072, "bias_gelu").func)
+    assert bert and all(k.pack and 3072 % (k.pack * packed_tile(k)[3]) == 0 for k in bert)
+
+
+def test_packed_space_follows_the_register_file() -> None:
+    for hardware in CPU_PRESETS.values():
+        lanes = hardware.lanes()
+        for kernel in packed_cpu_space(hardware):
+            mr, panel, pk, _ = packed_tile(kernel)
+            vectors = pk * panel // lanes
+            assert panel % lanes == 0
+            assert mr * vectors + (vectors if mr > 1 else 1) + 1 <= hardware.vector_registers
+    avx512 = {packed_tile(k)[:3] for k in packed_cpu_space(CPU_PRESETS["avx512"])}
+    assert (14, 32, 1) in avx512 and (9, 48, 1) in avx512  # 32 registers: taller tiles than AVX2's
+
+
+def fma_loops(asm: str) -> list[tuple[int, int, int, int]]:
+    """(FMAs, vector loads, broadcasts, stack references) of each loop body with >= 8 FMAs."""
+    loops = []
+    for block in re.split(r"\n(?=\.LBB)", asm):
+        body = block.split("\tj", 1)[0] if "\tj" in block else block
+        fmas = len(re.findall(r"vfmadd\d+ps\s+[^\n]*%ymm", body))
+        if fmas >= 8:
+            loops.append((fmas, len(re.findall(r"vmov[au]ps\s+-?\d*\(", body)) + len(re.findall(
+                r"vfmadd\d+ps\s+-?\d*\(%", body)), len(re.findall(r"vbroadcastss", body)),
+                len(re.findall(r"\(%rsp\)|\(%rbp\)", body))))
+    return loops
+
+
+def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
+    spec = dense(768, 3072, "bias_gelu")
+    kernel = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 4)), ("k", (1,))), vector=8, pack=24)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA
+    asm = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
+    loops = fma_loops(asm)
+    assert loops, "no FMA loop in the generated code"
+    fmas, loads, broadcasts, stack = max(loops)
+    # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step, fed by 3 panel loads and
+    # 4 broadcasts, nothing spilled; the loop body has no compare besides the loop's own.
+    assert fmas % 12 == 0 and stack == 0, loops
+    assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
