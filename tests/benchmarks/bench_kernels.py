@@ -24,6 +24,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -65,16 +67,32 @@ def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: 
     return result
 
 
-def time_ours(spec, plan, target: dict, length: int) -> float:
+def compile_ours(spec, plan, target: dict):
     host = target.get("host")
     device_target = {k: v for k, v in target.items() if k != "host"}
     tvm_target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
+    return tvm.compile(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
+
+
+def time_ours(spec, plan, lib, target: dict, length: int) -> float:
     device = tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
     args, inputs = baselines.tvm_arguments_packed(spec, {"T": length}, device, plan.pack)
     lib["main"](*args)
     baselines.check_against_reference(spec, args[-1].numpy(), inputs)
     return baselines.time_tvm_module(lib, args, device, repeat=15, time_cap_s=10)
+
+
+def interleaved(timers: dict, rounds: int, pause_s: float = 0.2) -> dict:
+    """Median over ``rounds`` of each timer, run in turn, each after a pause: another library's
+    spinning worker threads (OpenMP, OpenBLAS, TVM's pool) steal the cores for a while after
+    its last call, and the shared machine drifts, so no method gets a quiet or a noisy spell
+    to itself."""
+    samples = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            time.sleep(pause_s)
+            samples[name].append(timer())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def geomean(values: list[float]) -> float:
@@ -96,6 +114,7 @@ def main() -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--skip-metaschedule", action="store_true")
     parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per T (median reported)")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
     ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
@@ -127,17 +146,20 @@ def main() -> int:
                     spec, ms_lengths, target, args.ms_trials, Path(scratch) / f"ms-{op}")
                 ms_tuning += ms_wall
             rows = []
+            lib = compile_ours(spec, tuned.plan, target)
             for length in lengths:
-                ours = time_ours(spec, tuned.plan, target, length)
-                # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a
-                # call can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
-                torch_s = baselines.time_torch(spec, {"T": length}, device=device)
+                shape = {"T": length}
+                # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a call
+                # can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
+                timers = {"ours": partial(time_ours, spec, tuned.plan, lib, target, length),
+                          "torch": partial(_best_torch, spec, shape, device)}
                 if on_cpu:
-                    torch_s = min(torch_s, baselines.time_torch(spec, {"T": length}, threads=1))
-                    torch.set_num_threads(len(os.sched_getaffinity(0)))
-                numpy_s = baselines.time_numpy(spec, {"T": length}) if on_cpu else float("nan")
-                default_s = (float("nan") if args.skip_default or not on_cpu else
-                             baselines.time_default_rule(spec, {"T": length}, target))
+                    timers["numpy"] = partial(baselines.time_numpy, spec, shape)
+                    if not args.skip_default:
+                        timers["default"] = partial(baselines.time_default_rule, spec, shape, target)
+                times = interleaved(timers, args.rounds)
+                ours, torch_s = times["ours"], times["torch"]
+                numpy_s, default_s = times.get("numpy", float("nan")), times.get("default", float("nan"))
                 ms_s = ms_latency.get(length)
                 gflops = spec.flops({"T": length}) / ours / 1e9
                 vs_torch.append(torch_s / ours)
@@ -166,6 +188,14 @@ def main() -> int:
           f"geomean_vs_metaschedule={geomean(vs_ms):.3f} tuning_time_ratio={ratio:.2f} "
           f"ceiling_pct_t64plus={ceiling_pct:.1f}")
     return 0
+
+
+def _best_torch(spec, shape: dict, device: str) -> float:
+    best = baselines.time_torch(spec, shape, device=device)
+    if device == "cpu":
+        best = min(best, baselines.time_torch(spec, shape, threads=1))
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    return best
 
 
 def random_shape(spec) -> tuple[int, int]:
