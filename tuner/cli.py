@@ -44,6 +44,7 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
+    from .space import task_space
     from .tune import TuneOptions, Tuner
 
     spec = _spec(args)
@@ -56,7 +57,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
-         f"{len(where.space)} micro-kernels for {where.hardware.name}, {args.trials} trials, "
+         f"{len(task_space(where.space, spec.func))} micro-kernels for {where.hardware.name}, {args.trials} trials, "
          f"measuring on {runner.describe()}")
     with runner:
         log = _say if args.verbose else lambda _message: None

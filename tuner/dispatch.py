@@ -35,7 +35,7 @@ def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights:
         if not remaining:
             break
         pick = min(remaining, key=total_with)
-        if chosen and total_with(pick) >= sum(w * b for w, b in zip(weights, best, strict=True)) * 0.995:
+        if chosen and total_with(pick) >= sum(w * b for w, b in zip(weights, best, strict=True)) * 0.999:
             break  # another variant would not pay for its code size
         chosen.append(pick)
         best = [min(b, table[pick][s]) for s, b in enumerate(best)]
@@ -103,25 +103,31 @@ def unverified_probes(plan, measured: dict, failed: set, default_measured: dict)
     return probes
 
 
-def nearest_measured_estimates(task, measured: dict, default_measured: dict) -> Estimate:
+def nearest_measured_estimates(task, measured: dict, default_measured: dict, cores: int = 1) -> Estimate:
     """Plans rest on measurements: a variant's latency on a shape is its measured one, else its
-    throughput at the nearest shape (by log of the dispatch value) where it was measured, times
-    the shape's FLOPs; inf where it was never measured. The cost model only steers the search:
-    with a small budget its predictions far from the measured shapes can be badly wrong (a
-    serial kernel calibrated on short sequences looks fast on long ones).
+    throughput at the nearest shape (by log of the dispatch value) where it was measured,
+    carried over by f_adapt (the padding waste and core occupancy of both shapes), times the
+    shape's FLOPs; inf where it was never measured. The learned cost model only steers the
+    search: with a small budget its predictions far from the measured shapes can be badly wrong
+    (a serial kernel calibrated on short sequences looks fast on long ones), and without f_adapt
+    a 6-row tile measured at T=63 would look as fast per FLOP at T=1, where 5 of its 6 rows pad.
 
     ``measured``: shape key -> {kernel: latency}; ``default_measured``: shape key -> latency."""
+    from .cost_model.model import adapt
 
-    def point(key: tuple, latency: float) -> tuple[float, float]:
+    def factor(kernel: Variant, shape: dict) -> float:
+        return 1.0 if kernel is None else adapt(task.axis_extents(shape), kernel, cores)
+
+    def point(kernel: Variant, key: tuple, latency: float) -> tuple[float, float]:
         shape = dict(key)
-        return math.log(task.dispatch_value(shape)), task.flops(shape) / latency
+        return math.log(task.dispatch_value(shape)), task.flops(shape) / latency / factor(kernel, shape)
 
     points: dict[Variant, list[tuple[float, float]]] = defaultdict(list)
     for key, kernels in measured.items():
         for kernel, latency in kernels.items():
-            points[kernel].append(point(key, latency))
+            points[kernel].append(point(kernel, key, latency))
     for key, latency in default_measured.items():
-        points[None].append(point(key, latency))
+        points[None].append(point(None, key, latency))
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
 
     def estimate(kernel: Variant, shape: dict) -> float:
@@ -133,7 +139,7 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict) -> 
         if table is None:
             return float("inf")
         nearest = int(np.argmin(np.abs(table[:, 0] - math.log(task.dispatch_value(shape)))))
-        return task.flops(shape) / table[nearest, 1]
+        return task.flops(shape) / (table[nearest, 1] * factor(kernel, shape))
 
     return estimate
 

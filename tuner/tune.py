@@ -170,6 +170,12 @@ class Tuner:
                 rest = priorities.copy()
                 rest[picks] = 0
                 picks += self._sample(rest, count - len(picks))
+        smallest = min(range(len(self.shapes)), key=lambda i: self.task.dispatch_value(self.shapes[i]))
+        if self.weights[smallest] > 0 and not self.measured.get(_key(self.shapes[smallest])) \
+                and smallest not in picks and count > 1:
+            # The smallest shape is a regime of its own (weight streaming, no row reuse) that
+            # FLOP-weighted picks would reach last: search it from the start.
+            picks[-1] = smallest
         return [self.shapes[i] for i in picks]
 
     def _sample(self, scale: np.ndarray, count: int) -> list[int]:
@@ -328,13 +334,21 @@ class Tuner:
         order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
-        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured)
+        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
+        # Plans minimise the weighted slowdown against the best candidate at each shape, not the
+        # weighted latency: every request length counts in proportion to its weight, so a
+        # variant that makes short sequences 1.7x faster is kept even though they add little time.
+        best = {_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
+
+        def slowdown(variant, shape):
+            return estimate(variant, shape) / best[_key(shape)]
+
         layouts = sorted({0 if k is None else k.pack for k in candidates})
         options = []
         for layout in layouts:
             group = [k for k in candidates if (0 if k is None else k.pack) == layout]
             try:
-                variants, labels, total = self._segmented(group, shapes, weights, estimate)
+                variants, labels, total = self._segmented(group, shapes, weights, slowdown)
             except ValueError:  # some shape has no variant of this layout allowed
                 continue
             options.append((total, layout, variants, labels))
@@ -344,7 +358,8 @@ class Tuner:
         return self._plan_from(variants, labels, shapes, weights, estimate, provenance)
 
     def _segmented(self, candidates, shapes, weights, estimate):
-        """(variants, per-shape label, weighted total) for one layout's candidates."""
+        """(variants, per-shape label, weighted total of ``estimate``) for one layout's
+        candidates."""
         variants, _, _ = choose_variants(candidates, shapes, weights, estimate, self.options.max_variants)
         if None in candidates and None not in variants:
             variants.append(None)  # always a candidate: the guard below may need it

@@ -19,17 +19,32 @@ LEVELS = 3  # packed CPU kernels tile j three ways (panel, panels per register t
 SCOPES = ("local", "shared", "B.local")
 
 
+def register_tile(kernel: MicroKernel) -> tuple[int, int]:
+    """Rows and columns of the tile one thread keeps in registers (a packed kernel's spans
+    ``pk`` panels)."""
+    columns = kernel.tile_sizes("j")
+    width = columns[0] * columns[1] if kernel.pack else columns[0]
+    return kernel.tile_sizes("i")[0], width
+
+
+def register_intensity(kernel: MicroKernel) -> float:
+    """Multiply-adds per element loaded into registers in one reduction step of the register
+    tile, ``mr * nr / (mr + nr)``: what bounds an inner loop's FLOP rate by its loads."""
+    rows, columns = register_tile(kernel)
+    return rows * columns / (rows + columns)
+
+
 def kernel_features(kernel: MicroKernel) -> list[float]:
     features = []
     for axis in AXES:
         sizes = list(kernel.tile_sizes(axis))[:LEVELS]
         sizes += [1] * (LEVELS - len(sizes))
         features += [math.log2(size) for size in sizes]
-    inner_i, inner_j = kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0]
+    inner_i, inner_j = register_tile(kernel)
     features += [
         math.log2(inner_i * inner_j),
         math.log2(kernel.tile_of("i") * kernel.tile_of("j")),
-        inner_i * inner_j / (inner_i + inner_j),
+        register_intensity(kernel),
         math.log2(kernel.tile_of("i") * kernel.tile_of("j") / (inner_i * inner_j)),
         float(kernel.unroll),
         float(kernel.vector),

@@ -16,7 +16,7 @@ import numpy as np
 from dietserve.kernels.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
-from .features import feature_matrix
+from .features import feature_matrix, register_intensity
 
 MIN_SAMPLES = 8  # below this the model predicts nothing and the search explores at random
 
@@ -58,9 +58,12 @@ class CostModel:
         self._booster = xgboost.train(params, data, num_boost_round=120)
 
     def kernel_throughput(self, kernels: list[MicroKernel]) -> np.ndarray:
-        """f_microkernel: predicted shape-independent FLOP/s (ones if untrained)."""
+        """f_microkernel: predicted shape-independent FLOP/s. Untrained, a prior from the
+        hardware's side of the kernel: proportional to its register tile's FMAs per loaded
+        element (so the first proposals are tiles that can reach the FMA rate, and f_adapt
+        still sends small shapes to small tiles)."""
         if self._booster is None:
-            return np.ones(len(kernels))
+            return np.asarray([register_intensity(kernel) for kernel in kernels], dtype=np.float64)
         import xgboost
 
         predicted = self._booster.predict(xgboost.DMatrix(feature_matrix(kernels)))
