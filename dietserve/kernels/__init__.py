@@ -2,8 +2,11 @@
 
 - ``microkernel``, ``hardware``: a micro-kernel as data and the hardware limits it must fit;
 - ``matching``: which PrimFuncs are matmul-like operators, their shapes as text, workload keys;
-- ``loops``, ``cpu``, ``cuda``, ``default_cpu``, ``apply``: schedules (micro-kernels with local
-  padding, and the default CPU matmul rule an untuned build uses);
+- ``loops``, ``cpu``, ``cpu_packed``, ``cuda``, ``default_cpu``, ``apply``: schedules
+  (micro-kernels with local padding, the packed-weight CPU GEMM kernels, and the default CPU
+  matmul rule an untuned build uses);
+- ``packing``: a dense layer's weight laid out in panels (PrimFunc side and data side);
+- ``gelu``: the exact-erf GELU whose erf vectorises;
 - ``tree``, ``plan``: the dispatch tree and the kernel plan format (pure Python, read by the server);
 - ``dispatch``: a plan compiled into one branching PrimFunc;
 - ``host``: this machine's CPU (flags, LLVM name).
