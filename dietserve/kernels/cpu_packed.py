@@ -52,9 +52,21 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     i, jo, ji, k = sch.get_loops(block)
     io, ii = sch.split(i, [None, mr])
     joo, jom, jok = sch.split(jo, [None, nb // pk, pk])
-    sch.reorder(joo, io, jom, k, jok, ii, ji)
-    writer, separate_epilogue = stage_result(sch, block, epilogue, padded, jom)
-    task = sch.fuse(joo, io)
+    depth = int(sch.get(k).extent)
+    kc = kernel.tile_sizes("k")[0]
+    if 1 < kc < depth:
+        if depth % kc:
+            raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
+        # BLIS order: a kc-deep block of the task's panels stays in L2 while every row tile
+        # passes over it; the task's partial sums (rows x panels) live in its local workspace.
+        ko, k = sch.split(k, [None, kc])
+        sch.reorder(joo, ko, io, jom, k, jok, ii, ji)
+        writer, separate_epilogue = stage_result(sch, block, epilogue, padded, joo)
+        task, reduce_at = joo, ko
+    else:
+        sch.reorder(joo, io, jom, k, jok, ii, ji)
+        writer, separate_epilogue = stage_result(sch, block, epilogue, padded, jom)
+        task, reduce_at = sch.fuse(joo, io), k
     if kernel.threads != 1:
         sch.parallel(task)  # before decompose_reduction: after it the dataflow is not compact
     vectors, lane = sch.split(ji, [None, lanes])
@@ -62,7 +74,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     sch.unroll(vectors)
     sch.unroll(ii)
     sch.unroll(jok)
-    init = sch.decompose_reduction(block, k)
+    init = sch.decompose_reduction(block, reduce_at)
     init_loops = sch.get_loops(init)
     vectorize_tile(sch, init_loops[-1], lanes)
     for loop in init_loops[-4:-1]:

@@ -69,6 +69,21 @@ def test_packed_kernels_apply_bert_epilogues(epilogue: str, tile: tuple) -> None
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{epilogue} T={length}")
 
 
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual"])
+@pytest.mark.parametrize("tile", [(4, 24, 1, 2, 256), (1, 16, 2, 1, 128), (6, 16, 1, 3, 256)])
+def test_reduction_blocked_kernels_match_numpy(epilogue: str, tile: tuple) -> None:
+    """kc-deep blocks with the task's partial sums kept across blocks (BLIS order)."""
+    mr, panel, pk, groups, kc = tile
+    spec = dense(512, 96, epilogue)
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    for length in SHAPES:
+        got, expected = run(function, spec, kernel, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{epilogue} T={length}")
+    with pytest.raises(ScheduleMismatch, match="blocks"):
+        apply_kernel(dense(500, 96, epilogue).func, kernel, "llvm")  # 500 is no whole number of blocks
+
+
 def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
     spec = dense(K, N, "bias")
     assert weight_param(spec.func) == (1, K, N)
@@ -91,6 +106,9 @@ def test_packing_needs_a_static_weight_whose_columns_fill_the_tasks() -> None:
     assert weight_param(attention_scores(12, 64).func) is None
     bert = task_space(space, dense(768, 3072, "bias_gelu").func)
     assert bert and all(k.pack and 3072 % (k.pack * packed_tile(k)[3]) == 0 for k in bert)
+    blocks = {k.tile_sizes("k")[0] for k in bert}
+    assert blocks == {1, 256, 384}  # 768 deep: unblocked, or whole blocks shorter than it
+    assert {k.tile_sizes("k")[0] for k in task_space(space, dense(3072, 768, "bias").func)} == {1, 256, 384, 768}
 
 
 def test_packed_space_follows_the_register_file() -> None:

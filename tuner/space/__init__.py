@@ -8,14 +8,20 @@ from dietserve.kernels.packing import weight_param
 
 def task_space(space: list[MicroKernel], func) -> list[MicroKernel]:
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
-    task width divides its weight's columns when it has a weight and some fit (packing first),
-    else the kernels that read operands as they are."""
+    task width divides its weight's columns and whose reduction block divides its depth, when it
+    has a weight and some fit (packing first), else the kernels that read operands as they are."""
     weight = weight_param(func)
     packed = []
     if weight is not None:
-        columns = weight[2]
-        packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0]
+        _, depth, columns = weight
+        packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
+                  and _blocks_fit(k.tile_sizes("k")[0], depth)]
     return packed or [k for k in space if not k.pack]
+
+
+def _blocks_fit(kc: int, depth: int) -> bool:
+    """A reduction block that splits the weight's depth into whole blocks (1: not blocked)."""
+    return kc == 1 or (kc < depth and depth % kc == 0)
 
 
 __all__ = ["CPU_PRESETS", "GPU_PRESETS", "CpuHardware", "GpuHardware", "MicroKernel", "detect_cpu", "task_space"]

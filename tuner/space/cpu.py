@@ -26,6 +26,10 @@ from dietserve.kernels.microkernel import MicroKernel
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
 PACKED_PANEL_DEPTH = 768  # a weight panel's depth the L2 rule sizes tasks for (a hidden size)
+# Reduction blocks of the packed kernels: 1 = the whole reduction per register tile; else
+# kc-deep blocks of the task's panels stay in L2 while every row tile passes over them (for
+# weights too deep for L2: BERT's 3072 -> 768 layer).
+REDUCTION_BLOCKS = (1, 256, 384, 768)
 
 
 def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
@@ -61,8 +65,9 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
       row reuses them, 1 when ``mr = 1``) + 1 broadcast <= registers, ``v = pk*P / lanes``;
       ``mr = 1`` with wide tiles is the small-T regime (weight streaming, panels split across
       cores); tall tiles are the large-T regime (2-D tiles over T x N);
-    - a task's panels (``nb`` of them, ``PACKED_PANEL_DEPTH`` deep) fit in 3/4 of L2, so the
-      panels stay cached while the task runs down all its row tiles;
+    - a task's panels (``nb`` of them, ``PACKED_PANEL_DEPTH`` deep, or ``kc`` deep when the
+      reduction is blocked) fit in 3/4 of L2, so they stay cached while the task runs down all
+      its row tiles;
     - threads: every core, or serial for shapes too small to wake the others.
     """
     lanes = hw.lanes(8 * DTYPE_BYTES)
@@ -74,11 +79,13 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
             held = vectors if mr > 1 else 1
             if mr * vectors + held + 1 > hw.vector_registers:
                 break
-            for groups, threads in itertools.product((1, 2, 4, 8), (0, 1) if hw.cores > 1 else (0,)):
-                if pk * groups * panel * PACKED_PANEL_DEPTH * DTYPE_BYTES > hw.l2_bytes * 3 // 4:
+            for groups, kc, threads in itertools.product((1, 2, 4, 8), REDUCTION_BLOCKS,
+                                                         (0, 1) if hw.cores > 1 else (0,)):
+                depth = PACKED_PANEL_DEPTH if kc == 1 else kc
+                if pk * groups * panel * depth * DTYPE_BYTES > hw.l2_bytes * 3 // 4:
                     continue
                 kernels.append(MicroKernel(
-                    tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (1,))),
+                    tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))),
                     vector=lanes, threads=threads, pack=panel,
                 ))
     return kernels
