@@ -44,6 +44,55 @@ def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights:
     return [kernels[c] for c in chosen], assignment, latency
 
 
+def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
+                 estimate: Estimate, measured: dict, default_measured: dict, max_variants: int,
+                 max_intervals: int) -> tuple[list[Variant], list[int]]:
+    """(variants, per-shape variant index) of the best plan. Variants of one plan read the
+    weight in one layout, so each packing (and the unpacked layout, with the default kernel) is
+    planned on its own and the layout with the least weighted slowdown wins.
+
+    Plans minimise the weighted slowdown against the best candidate at each shape, not the
+    weighted latency: every request length counts in proportion to its weight, so a variant
+    that makes short sequences 1.7x faster is kept though they add little time.
+    ``measured``/``default_measured`` as for ``nearest_measured_estimates``."""
+    best = {shape_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
+
+    def slowdown(variant: Variant, shape: dict) -> float:
+        return estimate(variant, shape) / best[shape_key(shape)]
+
+    options = []
+    for layout in sorted({_layout(k) for k in candidates}):
+        group = [k for k in candidates if _layout(k) == layout]
+        variants, _, _ = choose_variants(group, shapes, weights, slowdown, max_variants)
+        if None in group and None not in variants:
+            variants.append(None)  # always a candidate: the guard below may need it
+        cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
+        for column, shape in enumerate(shapes):
+            untuned = default_measured.get(shape_key(shape))
+            for row, variant in enumerate(variants):
+                timed = None if variant is None else measured.get(shape_key(shape), {}).get(variant)
+                if untuned is not None and timed is not None and timed > untuned:
+                    cost[row, column] = np.inf  # measured slower than the untuned kernel here
+        try:
+            labels = segment(cost, max_intervals)
+        except ValueError:  # some shape has no variant of this layout allowed
+            continue
+        options.append((float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels))
+    if not options:
+        raise RuntimeError("no weight layout has a variant allowed on every shape")
+    _total, variants, labels = min(options, key=lambda option: option[0])
+    return variants, labels
+
+
+def _layout(variant: Variant) -> int:
+    return 0 if variant is None else variant.pack
+
+
+def shape_key(shape: dict) -> tuple:
+    """A shape as a hashable key (sorted (var, value) pairs), as measurements are indexed."""
+    return tuple(sorted(shape.items()))
+
+
 def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     """Label each of ``n`` ordered shapes with one of ``V`` variants so that the labels form at
     most ``max_segments`` intervals and the summed ``cost[v, s]`` is least (dynamic programming).
@@ -95,7 +144,7 @@ def unverified_probes(plan, measured: dict, failed: set, default_measured: dict)
         if kernel is not None:
             for index in sorted({start, (start + end - 1) // 2, end - 1}):
                 shape = rows[index]["shape"]
-                key = tuple(sorted(shape.items()))
+                key = shape_key(shape)
                 done = kernel in measured.get(key, {}) or kernel in failed
                 if not (done and key in default_measured):
                     probes.append((kernel, shape))
@@ -131,7 +180,7 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
 
     def estimate(kernel: Variant, shape: dict) -> float:
-        key = tuple(sorted(shape.items()))
+        key = shape_key(shape)
         exact = default_measured.get(key) if kernel is None else measured.get(key, {}).get(kernel)
         if exact is not None:
             return exact

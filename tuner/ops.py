@@ -185,6 +185,18 @@ def random_inputs(spec: OperatorSpec, shape: Shape, seed: int = 0) -> list[np.nd
     return [rng.uniform(-1, 1, size).astype("float32") for size in spec.input_shapes(shape)]
 
 
+def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> list[np.ndarray]:
+    """``inputs`` as a kernel reads them: the weight in panels of ``pack`` (0: as they are).
+    Inputs leave out the PrimFunc's scalar params, so the weight's position shifts past them."""
+    if not pack:
+        return inputs
+    from dietserve.kernels.packing import pack_array, weight_param
+
+    param = weight_param(spec.func)[0]
+    index = param - sum(1 for position, _ in spec.scalar_params if position < param)
+    return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
+
+
 def structural_key(func: tirx.PrimFunc) -> str:
     import tvm_ffi
 
@@ -192,4 +204,4 @@ def structural_key(func: tirx.PrimFunc) -> str:
 
 
 __all__ = ["EPILOGUES", "OperatorSpec", "attention_context", "attention_scores", "dense", "from_recipe",
-           "random_inputs", "structural_key"]
+           "kernel_inputs", "random_inputs", "structural_key"]

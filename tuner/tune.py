@@ -33,7 +33,7 @@ from dietserve.kernels.tree import interval_tree
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import choose_variants, nearest_measured_estimates, plan_target, segment, unverified_probes
+from .dispatch import nearest_measured_estimates, plan_layouts, plan_target, shape_key, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
@@ -74,10 +74,6 @@ class TuneResult:
     wall_s: float
 
 
-def _key(shape: dict) -> tuple:
-    return tuple(sorted(shape.items()))
-
-
 def check_shape_for(task: TuningTask) -> dict:
     """A small shape whose var is prime, so no tile divides it: padding paths are exercised."""
     var = task.varying()
@@ -116,7 +112,7 @@ class Tuner:
 
     def _reuse_records(self) -> None:
         """Measurements already in the database for this workload and target, on our shapes."""
-        ours = {_key(shape) for shape in self.shapes}
+        ours = {shape_key(shape) for shape in self.shapes}
         for record in self.database.records():
             if record.workload != self.task.workload or record.target != self.task.target_key:
                 continue
@@ -136,7 +132,7 @@ class Tuner:
 
     # -- priorities ------------------------------------------------------------------------
     def _best_latency(self, shape: dict) -> float:
-        measured = self.measured.get(_key(shape))
+        measured = self.measured.get(shape_key(shape))
         if measured:
             return min(measured.values())
         return self._predicted_best(shape)
@@ -163,7 +159,7 @@ class Tuner:
             # weight, so small shapes (cheap, but served as often) get kernels of their own
             # rather than extrapolations from kernels sized for large ones.
             first = int(np.argmax(priorities))
-            unmeasured = np.asarray([0.0 if self.measured.get(_key(s)) else w for s, w in self._weighted()])
+            unmeasured = np.asarray([0.0 if self.measured.get(shape_key(s)) else w for s, w in self._weighted()])
             unmeasured[first] = 0
             picks = [first] + self._sample(unmeasured, count - 1)
             if len(picks) < count:
@@ -171,7 +167,7 @@ class Tuner:
                 rest[picks] = 0
                 picks += self._sample(rest, count - len(picks))
         smallest = min(range(len(self.shapes)), key=lambda i: self.task.dispatch_value(self.shapes[i]))
-        if self.weights[smallest] > 0 and not self.measured.get(_key(self.shapes[smallest])) \
+        if self.weights[smallest] > 0 and not self.measured.get(shape_key(self.shapes[smallest])) \
                 and smallest not in picks and count > 1:
             # The smallest shape is a regime of its own (weight streaming, no row reuse) that
             # FLOP-weighted picks would reach last: search it from the start.
@@ -205,7 +201,7 @@ class Tuner:
         return {kernel: statistics.median(values) for kernel, values in samples.items()}
 
     def estimate(self, kernel: MicroKernel, shape: dict) -> float:
-        measured = self.measured.get(_key(shape), {}).get(kernel)
+        measured = self.measured.get(shape_key(shape), {}).get(kernel)
         if measured is not None:
             return measured
         throughput = self.calibrated().get(kernel)
@@ -236,18 +232,18 @@ class Tuner:
         """The untuned build's kernel on ``shape``: the bar every variant must clear there."""
         latency = self._run_job(None, shape, {"kernel": None})
         if latency is not None:
-            self.default_measured[_key(shape)] = latency
+            self.default_measured[shape_key(shape)] = latency
 
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
         job = {"kernel": kernel.to_json(), "apply": self.options.apply, "loop_partition": self.options.loop_partition}
-        best = self.measured.get(_key(shape))
+        best = self.measured.get(shape_key(shape))
         if best:
             job["abandon_above_s"] = ABANDON_FACTOR * min(best.values())
         latency = self._run_job(kernel, shape, job)
         if latency is None:
             self.failed.add(kernel)
             return
-        self.measured[_key(shape)][kernel] = latency
+        self.measured[shape_key(shape)][kernel] = latency
         self._calibrated_cache = None
         self.model.add(kernel, self.task.axis_extents(shape), self.task.flops(shape), latency)
 
@@ -275,13 +271,13 @@ class Tuner:
             per_shape = max(1, self.options.candidates_per_round // len(shapes))
             for shape in shapes:
                 extents, flops = self.task.axis_extents(shape), self.task.flops(shape)
-                if _key(shape) not in self.default_measured and self.trials < until:
+                if shape_key(shape) not in self.default_measured and self.trials < until:
                     self.measure_default(shape)
 
                 def score(kernels, extents=extents, flops=flops):
                     return -self.model.predict_latency(kernels, extents, flops)
 
-                exclude = set(self.measured.get(_key(shape), {})) | self.failed
+                exclude = set(self.measured.get(shape_key(shape), {})) | self.failed
                 seeds = sorted(self.calibrated(), key=lambda k, shape=shape: self.estimate(k, shape))[:16]
                 for kernel in self.search.propose(score, per_shape, exclude, seeds):
                     if self.trials >= until:
@@ -307,9 +303,9 @@ class Tuner:
             if not probes:
                 return
             for kernel, shape in probes:
-                if self.trials < budget and _key(shape) not in self.default_measured:
+                if self.trials < budget and shape_key(shape) not in self.default_measured:
                     self.measure_default(shape)
-                if self.trials < budget and kernel not in self.measured.get(_key(shape), {}) \
+                if self.trials < budget and kernel not in self.measured.get(shape_key(shape), {}) \
                         and kernel not in self.failed:
                     self.measure(kernel, shape)
                 if bar is not None:
@@ -322,9 +318,8 @@ class Tuner:
         return f"| {measured} shapes measured | {self.failures} failed"
 
     def plan(self, provenance: dict | None = None) -> KernelPlan:
-        """The best plan over the measurements. Variants of one plan read the weight in one
-        layout, so each packing (and the unpacked layout, with the default kernel) is planned
-        on its own and the one with the least weighted latency wins."""
+        """The best plan over the measurements (``dispatch.plan_layouts``: one weight layout per
+        plan, least weighted slowdown)."""
         candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
         if self.default_measured:
             candidates.append(None)
@@ -335,45 +330,9 @@ class Tuner:
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
-        # Plans minimise the weighted slowdown against the best candidate at each shape, not the
-        # weighted latency: every request length counts in proportion to its weight, so a
-        # variant that makes short sequences 1.7x faster is kept even though they add little time.
-        best = {_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
-
-        def slowdown(variant, shape):
-            return estimate(variant, shape) / best[_key(shape)]
-
-        layouts = sorted({0 if k is None else k.pack for k in candidates})
-        options = []
-        for layout in layouts:
-            group = [k for k in candidates if (0 if k is None else k.pack) == layout]
-            try:
-                variants, labels, total = self._segmented(group, shapes, weights, slowdown)
-            except ValueError:  # some shape has no variant of this layout allowed
-                continue
-            options.append((total, layout, variants, labels))
-        if not options:
-            raise RuntimeError(f"no layout of {self.task.workload} has a variant allowed on every shape")
-        _total, _layout, variants, labels = min(options, key=lambda option: option[0])
+        variants, labels = plan_layouts(candidates, shapes, weights, estimate, self.measured, self.default_measured,
+                                        self.options.max_variants, self.options.max_intervals)
         return self._plan_from(variants, labels, shapes, weights, estimate, provenance)
-
-    def _segmented(self, candidates, shapes, weights, estimate):
-        """(variants, per-shape label, weighted total of ``estimate``) for one layout's
-        candidates."""
-        variants, _, _ = choose_variants(candidates, shapes, weights, estimate, self.options.max_variants)
-        if None in candidates and None not in variants:
-            variants.append(None)  # always a candidate: the guard below may need it
-        cost = np.asarray([[w * estimate(v, s) for s, w in zip(shapes, weights, strict=True)]
-                           for v in variants])
-        for column, shape in enumerate(shapes):
-            untuned = self.default_measured.get(_key(shape))
-            for row, variant in enumerate(variants):
-                measured = None if variant is None else self.measured.get(_key(shape), {}).get(variant)
-                if untuned is not None and measured is not None and measured > untuned:
-                    cost[row, column] = np.inf  # measured slower than the untuned kernel here
-        labels = segment(cost, self.options.max_intervals)
-        total = float(sum(cost[label, column] for column, label in enumerate(labels)))
-        return variants, labels, total
 
     def _plan_from(self, variants, labels, shapes, weights, estimate, provenance) -> KernelPlan:
         used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
@@ -383,12 +342,12 @@ class Tuner:
         rows = []
         for shape, value, v in zip(shapes, values, labels, strict=True):
             variant = variants[v]
-            measured = (_key(shape) in self.default_measured if variant is None
-                        else variant in self.measured.get(_key(shape), {}))
+            measured = (shape_key(shape) in self.default_measured if variant is None
+                        else variant in self.measured.get(shape_key(shape), {}))
             rows.append({"shape": shape, "value": value, "variant": names[v],
                          "latency_s": estimate(variant, shape), "measured": measured,
                          "default_latency_s": estimate(None, shape),
-                         "default_measured": _key(shape) in self.default_measured})
+                         "default_measured": shape_key(shape) in self.default_measured})
         func = self.task.spec.func
         return KernelPlan(
             workload=workload_key(func),

@@ -9,28 +9,11 @@ the data side (``pack_array``, and ``index_map`` for Relax's ``layout_transform`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import tvm
 from tvm import s_tir, tirx
 
 from .matching import ScheduleMismatch, find_matmul
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Which PrimFunc parameter is packed, and the panel width (a multiple of the vector)."""
-
-    param: int  # index into the PrimFunc's params
-    panel: int
-
-    def to_dict(self) -> dict:
-        return {"param": self.param, "panel": self.panel}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> Packing:
-        return cls(param=int(raw["param"]), panel=int(raw["panel"]))
 
 
 def index_map(panel: int):
@@ -90,24 +73,20 @@ def packed_form(func: tirx.PrimFunc, panel: int) -> tirx.PrimFunc:
         return func
     if have:
         raise ScheduleMismatch(f"the weight is packed in panels of {have}, the kernel reads panels of {panel}")
-    found = weight_param(func)
-    if found is None:
-        raise ScheduleMismatch("no static [K, N] weight parameter to pack")
-    return pack_prim_func(func, Packing(found[0], panel))
+    return pack_prim_func(func, panel)
 
 
-def pack_prim_func(func: tirx.PrimFunc, packing: Packing) -> tirx.PrimFunc:
-    """``func`` rewritten to read its weight parameter in the packed layout."""
+def pack_prim_func(func: tirx.PrimFunc, panel: int) -> tirx.PrimFunc:
+    """``func`` rewritten to read its weight parameter (``weight_param``) in panels of ``panel``."""
     sch = s_tir.Schedule(func)
     found = _weight_read(sch, func)
-    if found is None or found[2] != packing.param:
-        raise ScheduleMismatch(f"parameter {packing.param} is not a static [K, N] matmul weight")
+    if found is None:
+        raise ScheduleMismatch("no static [K, N] weight parameter to pack")
     block, read, _, _, n = found
-    if n % packing.panel:
-        raise ScheduleMismatch(f"N={n} is not a multiple of the panel width {packing.panel}")
+    if n % panel:
+        raise ScheduleMismatch(f"N={n} is not a multiple of the panel width {panel}")
     if any(param.same_as(sch.get(block).writes[0].source) for param in func.params):
         raise ScheduleMismatch("packing needs an epilogue after the matmul (its result is the output)")
-    panel = packing.panel
     # The weight, the matmul's result and its iteration space all in panel form, so the block is
     # again an einsum, C[i, jo, ji] += X[i, k] * Wp[jo, k, ji], which the schedules can pad.
     sch.transform_block_layout(block, lambda i, j, k: (i, j // panel, j % panel, k))

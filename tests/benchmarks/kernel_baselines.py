@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm.target import Target
 
-from tuner.ops import OperatorSpec, random_inputs
+from tuner.ops import OperatorSpec, kernel_inputs, random_inputs
 
 ShapeLike = Mapping[str, int] | int
 TargetLike = Target | Mapping[str, Any]
@@ -240,13 +240,10 @@ def tvm_arguments_packed(spec: OperatorSpec, shape: ShapeLike, device: tvm.runti
                          seed: int = 0) -> tuple[list[Any], list[np.ndarray]]:
     """``tvm_arguments`` with the weight in panels of ``pack`` (0: as it is), as a packed
     kernel reads it in the model (packed once at load, so not timed)."""
-    from dietserve.kernels.packing import pack_array, weight_param
-
-    args, inputs = tvm_arguments(spec, shape, device, seed)
-    if pack:
-        index = weight_param(spec.func)[0]
-        args[index] = tvm.runtime.tensor(pack_array(inputs[index], pack), device)
-    return args, inputs
+    shape = _as_shape(shape)
+    inputs = random_inputs(spec, shape, seed)
+    output = tvm.runtime.empty(spec.output_shape(shape), "float32", device)
+    return [tvm.runtime.tensor(a, device) for a in kernel_inputs(spec, inputs, pack)] + [output], inputs
 
 
 _DEFAULT_RULE_CACHE: dict[tuple[str, str], tvm.runtime.Module] = {}

@@ -16,7 +16,7 @@ from dietserve.kernels.cpu_packed import packed_tile
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.matching import ScheduleMismatch
 from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packing import Packing, pack_array, pack_prim_func, weight_param
+from dietserve.kernels.packing import pack_array, pack_prim_func, weight_param
 from tuner.ops import attention_scores, dense, random_inputs
 from tuner.space import task_space
 from tuner.space.cpu import cpu_space, packed_cpu_space
@@ -87,7 +87,7 @@ def test_reduction_blocked_kernels_match_numpy(epilogue: str, tile: tuple) -> No
 def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
     spec = dense(K, N, "bias")
     assert weight_param(spec.func) == (1, K, N)
-    packed = pack_prim_func(spec.func, Packing(1, 24))
+    packed = pack_prim_func(spec.func, 24)
     assert [int(d) for d in packed.params[1].ty.shape] == [N // 24, K, 24]
     weight = np.arange(K * N, dtype=np.float32).reshape(K, N)
     panels = pack_array(weight, 24)

@@ -36,16 +36,9 @@ def _inputs(recipe: tuple, shape_key: tuple) -> list[np.ndarray]:
 
 @lru_cache(maxsize=8)
 def _kernel_inputs(recipe: tuple, shape_key: tuple, pack: int) -> list[np.ndarray]:
-    """The inputs as a kernel reads them: the weight in panels of ``pack`` (0: as they are)."""
-    inputs = _inputs(recipe, shape_key)
-    if not pack:
-        return inputs
-    from dietserve.kernels.packing import pack_array, weight_param
+    from ..ops import kernel_inputs
 
-    spec = _spec(recipe)
-    param = weight_param(spec.func)[0]
-    index = param - sum(1 for position, _ in spec.scalar_params if position < param)
-    return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
+    return kernel_inputs(_spec(recipe), _inputs(recipe, shape_key), pack)
 
 
 @lru_cache(maxsize=8)
