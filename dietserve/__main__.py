@@ -126,11 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .model.tokenizer import TextTokenizer
         from .runtime.artifact import load_artifact
         from .runtime.engine import Engine
-        from .server.model import ServedModel
 
         _say(f"loading {directory}")
         engine = Engine(load_artifact(directory), threads=config.threads)
-        return ServedModel(model_name, engine, TextTokenizer.from_folder(directory, engine.max_seq_len))
+        return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
 
     try:
         from .server.app import serve

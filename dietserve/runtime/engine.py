@@ -14,10 +14,7 @@ import tvm
 from ..kernels.host import configure_cpu_threads
 from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
-
-
-class InputError(ValueError):
-    """A request's tensors are malformed; the message names what is wrong."""
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -61,6 +58,15 @@ class Engine:
         self._positions = np.arange(self.max_seq_len, dtype=np.int64)
         self._lock = threading.Lock()
 
+    def check_shape(self, batch: int, seq: int) -> None:
+        """Refuses an input_ids shape the artifact cannot run (before any data is decoded)."""
+        if batch == 0 or seq == 0:
+            raise InputError(f"input_ids is empty (shape {[batch, seq]})")
+        if batch > self.max_batch:
+            raise InputError(f"batch of {batch} exceeds the artifact's maximum of {self.max_batch}")
+        if seq > self.max_seq_len:
+            raise InputError(f"sequence length {seq} exceeds the model's maximum of {self.max_seq_len}")
+
     def validate(
         self,
         input_ids: object,
@@ -68,13 +74,7 @@ class Engine:
         token_type_ids: object | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = _as_ids("input_ids", input_ids, None)
-        batch, seq = ids.shape
-        if batch == 0 or seq == 0:
-            raise InputError(f"input_ids is empty (shape {[batch, seq]})")
-        if batch > self.max_batch:
-            raise InputError(f"batch of {batch} exceeds the artifact's maximum of {self.max_batch}")
-        if seq > self.max_seq_len:
-            raise InputError(f"sequence length {seq} exceeds the model's maximum of {self.max_seq_len}")
+        self.check_shape(*ids.shape)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
             raise InputError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 
@@ -16,22 +17,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ..model.tokenizer import TextTokenizer
+from ..runtime.batcher import BatchRun, DynamicBatcher
+from ..runtime.engine import Engine
 from ._proto import open_inference_pb2 as pb
-from ._proto import open_inference_pb2_grpc as pb_grpc
-from .batcher import BatchRun, DynamicBatcher
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .model import ServedModel
-from .servicer import InferenceServicer, ServingState
+from .model import TEXT_MODEL_SUFFIX, ServedModel
+from .servicer import InferenceServicer, ServingState, inference_handlers
+from .status import ServingInterceptor
 
 log = logging.getLogger("dietserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-# (batch, seq_len) run once before reporting ready: first-touch of weights, thread pool start.
-WARMUP_SHAPES = ((1, 8), (4, 64))
+# Room for a reply's framing beyond its tensors, which --max-response-bytes bounds.
+REPLY_OVERHEAD_BYTES = 64 << 10
 
 
-def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[BatchRun], None]:
+def _record_batch(metrics: ServerMetrics) -> Callable[[BatchRun], None]:
     dispatch_counters = {}  # labels() costs microseconds; a model has dozens of dynamic operators
 
     def record(run: BatchRun) -> None:
@@ -41,30 +44,39 @@ def _record_batch(metrics: ServerMetrics, model: ServedModel) -> Callable[[Batch
         metrics.computed_tokens.inc(computed)
         metrics.padding_tokens.inc(computed - run.real_tokens)
         metrics.padding_ratio.observe((computed - run.real_tokens) / computed)
+        for length in run.row_lengths:
+            metrics.sequence_length.observe(length)
         for operator, variant, executions in run.variants:
             counter = dispatch_counters.get((operator, variant))
             if counter is None:
                 counter = dispatch_counters[(operator, variant)] = metrics.kernel_dispatch.labels(operator, variant)
             counter.inc(executions)
-        model.statistics.record_execution(run.rows, run.compute_seconds)
 
     return record
 
 
-def _warm_up(model: ServedModel) -> None:
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _warm_up(engine: Engine) -> int:
+    """Runs the smallest and the largest shape the artifact accepts (first touch of the weights
+    and of every planned buffer, thread pool start); returns the resident bytes afterwards."""
     import numpy as np
 
-    engine = model.engine
-    for batch, seq in WARMUP_SHAPES:
-        batch, seq = min(batch, engine.max_batch), min(seq, engine.max_seq_len)
-        ids = np.ones((batch, seq), np.int64)
+    for batch, seq in ((1, 8), (engine.max_batch, engine.max_seq_len)):
+        ids = np.ones((batch, min(seq, engine.max_seq_len)), np.int64)
         engine.execute(ids, np.ones_like(ids), np.zeros_like(ids))
+    return resident_bytes()
 
 
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls:
         return None
-    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+    client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
@@ -78,28 +90,34 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
 async def serve(
     config: ServerConfig,
     model_name: str,
-    load_model: Callable[[], ServedModel],
+    load_model: Callable[[], tuple[Engine, TextTokenizer]],
     say: Callable[[str], None],
     stop: asyncio.Event | None = None,
 ) -> int:
-    """Runs until ``stop`` is set (SIGTERM and SIGINT set it). ``say`` reports progress; the
-    line ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports."""
+    """Serves ``model_name`` (token ids) and ``model_name-text`` (text) until ``stop`` is set
+    (SIGTERM and SIGINT set it). ``say`` reports progress; the line
+    ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = ServerMetrics()
-    state = ServingState(config=config, metrics=metrics, model_name=model_name)
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.max_request_bytes),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),
-    ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    text_name = model_name + TEXT_MODEL_SUFFIX
+    state = ServingState(config=config, metrics=metrics, model_names=(model_name, text_name))
+    server = grpc.aio.server(
+        interceptors=[ServingInterceptor(metrics, config.max_concurrent_rpcs)],
+        options=[
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_send_message_length", config.max_response_bytes + REPLY_OVERHEAD_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+    server.add_generic_rpc_handlers((inference_handlers(InferenceServicer(state)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server)
 
     async def set_health(status) -> None:
         for service in ("", SERVICE_NAME):  # "" is the whole server, as Kubernetes probes ask
@@ -116,32 +134,45 @@ async def serve(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         ports += f" health={config.host}:{_bind(health_server, config.host, config.health_port, None)}"
         await health_server.start()
-    metrics_server, metrics_port = metrics.serve_http(config.host, config.metrics_port)
-    tls = " (TLS)" if config.tls else ""
-    say(f"listening {ports} metrics={config.host}:{metrics_port}{tls}")
+    metrics_server, metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
+    tls = (" (mutual TLS)" if config.tls_client_ca else " (TLS)") if config.tls else ""
+    say(f"listening {ports} metrics={config.metrics_host}:{metrics_port}{tls}")
+
+    def execution_stopped(err: BaseException) -> None:
+        if isinstance(err, asyncio.CancelledError) or stop.is_set():
+            return
+        log.error("model execution stopped; reporting NOT_SERVING")
+        state.ready = False
+        metrics.ready.set(0)
+        loop.create_task(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     batcher = None
     try:
-        model = await loop.run_in_executor(None, load_model)
-        await loop.run_in_executor(None, _warm_up, model)
+        engine, tokenizer = await loop.run_in_executor(None, load_model)
+        settled = await loop.run_in_executor(None, _warm_up, engine)
+        metrics.settled_memory.set(settled)
         batcher = DynamicBatcher(
-            model.engine,
+            engine,
             batching=config.batching,
             max_batch_size=config.max_batch_size,
             max_queue_delay_s=config.max_queue_delay_ms / 1000,
             bucket_ratio=config.bucket_ratio,
             max_queue_rows=config.max_queue_rows,
             on_queue_change=metrics.queued_rows.set,
-            on_batch=_record_batch(metrics, model),
+            on_batch=_record_batch(metrics),
+            on_stopped=execution_stopped,
         )
         batcher.start()
-        state.model, state.batcher = model, batcher
+        state.batcher = batcher
+        state.models = {model_name: ServedModel(model_name, engine),
+                        text_name: ServedModel(text_name, engine, tokenizer)}
         state.ready = True
         metrics.ready.set(1)
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
-        say(f"ready: model '{model_name}' ({batching})")
+        say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {batching}; "
+            f"{settled / 2**20:.0f} MiB resident after warm-up")
         await stop.wait()
     finally:
         state.ready = False
@@ -156,6 +187,7 @@ async def serve(
             await health_server.stop(0)
         if batcher is not None:
             await batcher.close()
+        state.decode_pool.shutdown(wait=False, cancel_futures=True)
         metrics_server.shutdown()
         say("stopped")
     return 0

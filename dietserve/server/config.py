@@ -15,8 +15,9 @@ class ConfigError(ValueError):
 class ServerConfig:
     artifact: Path | None  # None until the CLI has compiled one
     model_name: str | None = None  # default: the artifact's model name
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # gRPC
     port: int = 8001  # 0 picks a free port
+    metrics_host: str = "127.0.0.1"  # /metrics is for the scraper, not the clients
     metrics_port: int = 8002  # 0 picks a free port
     batching: bool = True
     max_batch_size: int = 8  # rows per model execution when batching
@@ -24,12 +25,16 @@ class ServerConfig:
     bucket_ratio: float = 1.5  # sequence-length buckets grow by this factor: bounds padding waste
     max_queue_rows: int = 256  # rows waiting to run; beyond this requests get RESOURCE_EXHAUSTED
     max_request_bytes: int = 16 << 20
+    max_response_bytes: int = 64 << 20  # bert-base's largest answer (8 x 512 tokens) is 12.6 MB
+    max_concurrent_rpcs: int = 256  # RPCs handled at once, health checks aside
     threads: int | None = None  # CPU threads for the kernels (llvm artifacts)
     drain_seconds: float = 0.0  # after SIGTERM: not ready but still serving, for load balancers
     grace_seconds: float = 30.0  # after draining: how long in-flight requests may take
     tls_cert: Path | None = None  # PEM certificate chain: gRPC on --port speaks TLS
     tls_key: Path | None = None  # PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed
     health_port: int | None = None  # plaintext grpc.health.v1 only (Kubernetes probes cannot do TLS)
+    reflection: bool = True  # gRPC server reflection (grpcurl, Postman); off where the API should not be listed
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,6 +46,11 @@ class ServerConfig:
             (self.max_queue_rows >= 1, f"--max-queue-rows must be at least 1, got {self.max_queue_rows}"),
             (self.max_request_bytes >= 1024,
              f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}"),
+            (self.max_response_bytes >= 1024,
+             f"--max-response-bytes must be at least 1024, got {self.max_response_bytes}"),
+            (self.max_concurrent_rpcs >= 1,
+             f"--max-concurrent-rpcs must be at least 1, got {self.max_concurrent_rpcs}"),
+            (self.tls_client_ca is None or self.tls_cert is not None, "--tls-client-ca needs --tls-cert and --tls-key"),
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}"),
             (self.grace_seconds >= 0, f"--grace-seconds must be >= 0, got {self.grace_seconds}"),
@@ -51,7 +61,7 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        for name in ("tls_cert", "tls_key"):
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {path} is not a readable file")
@@ -66,10 +76,16 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--model-name", default=None, help="name clients use (default: the artifact's model name)")
     group.add_argument("--host", default=defaults.host,
-                       help=f"address to bind gRPC and metrics to (default {defaults.host}; 0.0.0.0 in a pod)")
+                       help=f"address to bind gRPC to (default {defaults.host}; 0.0.0.0 in a pod)")
     group.add_argument("--port", type=int, default=defaults.port, help=f"gRPC port (default {defaults.port}; 0: any)")
+    group.add_argument("--metrics-host", default=defaults.metrics_host,
+                       help=f"address to bind /metrics to (default {defaults.metrics_host}; the pod IP or 0.0.0.0 "
+                            "where Prometheus scrapes it)")
     group.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                        help=f"Prometheus /metrics HTTP port (default {defaults.metrics_port}; 0: any)")
+    group.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=defaults.reflection,
+                       help="gRPC server reflection, which lists the services to tools such as grpcurl "
+                            "(default on)")
     group.add_argument("--no-batching", dest="batching", action="store_false",
                        help="run every request alone (default: dynamic batching)")
     group.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
@@ -84,6 +100,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"rows allowed to wait; more get RESOURCE_EXHAUSTED (default {defaults.max_queue_rows})")
     group.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                        help=f"largest request message (default {defaults.max_request_bytes})")
+    group.add_argument("--max-response-bytes", type=int, default=defaults.max_response_bytes,
+                       help="largest answer; a request whose answer would be larger gets RESOURCE_EXHAUSTED before "
+                            f"it runs (default {defaults.max_response_bytes})")
+    group.add_argument("--max-concurrent-rpcs", type=int, default=defaults.max_concurrent_rpcs,
+                       help="RPCs handled at once, health checks aside; more get RESOURCE_EXHAUSTED "
+                            f"(default {defaults.max_concurrent_rpcs})")
     group.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the kernels (default: every CPU this process may use)")
     group.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds,
@@ -93,6 +115,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", type=Path, default=None,
                        help="PEM certificate (chain): serve gRPC over TLS on --port (with --tls-key)")
     group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    group.add_argument("--tls-client-ca", type=Path, default=None,
+                       help="mutual TLS: PEM CA certificate(s); only clients with a certificate it signed are served")
     group.add_argument("--health-port", type=int, default=None,
                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
                             "probes, which cannot speak TLS; 0: any)")

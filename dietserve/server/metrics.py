@@ -6,7 +6,7 @@ sub-millisecond buckets because a short request's server overhead is tens of mic
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 DURATION_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
@@ -22,8 +22,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("dietserve_requests", "gRPC requests by method and status code",
-                                ["method", "code"], registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        self.requests = Counter(
+            "dietserve_requests",
+            "gRPC calls by method and status code: every service (health, reflection), refusals by the "
+            "concurrency cap and unknown methods included; messages over the size limit never reach the server",
+            ["method", "code"], registry=r)
         self.request_duration = Histogram(
             "dietserve_request_duration_seconds", "ModelInfer time in the server, from receipt to response",
             buckets=DURATION_BUCKETS, registry=r)
@@ -35,8 +39,9 @@ class ServerMetrics:
             buckets=DURATION_BUCKETS, registry=r)
         self.batch_size = Histogram("dietserve_batch_size", "rows per model execution",
                                     buckets=SIZE_BUCKETS, registry=r)
-        self.sequence_length = Histogram("dietserve_request_sequence_length", "tokens per row of a request",
-                                         buckets=LENGTH_BUCKETS, registry=r)
+        self.sequence_length = Histogram(
+            "dietserve_request_sequence_length", "tokens of each computed row of a request, padding excluded",
+            buckets=LENGTH_BUCKETS, registry=r)
         self.padding_ratio = Histogram(
             "dietserve_batch_padding_ratio", "share of a batch's computed tokens that are padding",
             buckets=RATIO_BUCKETS, registry=r)
@@ -51,6 +56,11 @@ class ServerMetrics:
             "operator executions (call sites x batches) by dynamic operator and the variant its compiled tree chose",
             ["operator", "variant"], registry=r)
         self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.settled_memory = Gauge(
+            "dietserve_settled_memory_bytes",
+            "resident memory after warming up at the artifact's largest shape: every buffer the model needs "
+            "is then allocated, so process_resident_memory_bytes should stay near this",
+            registry=r)
 
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
         """Starts /metrics in a daemon thread; returns (server, bound port)."""

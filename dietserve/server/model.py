@@ -1,18 +1,24 @@
-"""The served model: an engine and tokenizer, its v2 metadata and Triton config and statistics."""
+"""A served model: the engine it runs on, whether it takes text, its v2 metadata, Triton config
+and statistics. One engine serves two models, ``NAME`` (token ids) and ``NAME-text`` (text,
+tokenized by the server), so that each model's config lists only inputs a client must send, as
+Triton's clients (perf_analyzer among them) expect."""
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from ..model.tokenizer import TextTokenizer
+from ..runtime.batcher import BatchRun
 from ..runtime.engine import Engine
+from ..runtime.request import OUTPUTS
 from ._proto import open_inference_pb2 as pb
-from .requests import ID_INPUTS, OUTPUTS, TEXT_INPUT
+from .codec import ID_INPUTS, TEXT_INPUT
 
 PLATFORM = "dietserve_tvm"
 VERSION = "1"
+TEXT_MODEL_SUFFIX = "-text"
 
 
 @dataclass
@@ -40,6 +46,8 @@ class ModelStatistics:
     queue: _Duration = field(default_factory=_Duration)
     compute_infer: _Duration = field(default_factory=_Duration)
     by_batch_size: dict = field(default_factory=lambda: defaultdict(_Duration))
+    # A batch's answers are handled one after another, so a short memory recognises its repeats.
+    _recent_runs: deque = field(default_factory=lambda: deque(maxlen=64))
 
     def record_request(self, ok: bool, rows: int, seconds: float, queue_seconds: float | None) -> None:
         (self.success if ok else self.fail).add(seconds)
@@ -49,14 +57,20 @@ class ModelStatistics:
         if queue_seconds is not None:
             self.queue.add(queue_seconds)
 
-    def record_execution(self, rows: int, seconds: float) -> None:
+    def record_execution(self, run: BatchRun) -> None:
+        """Counts a model execution once however many of this model's requests it carried."""
+        if any(seen is run for seen in self._recent_runs):
+            return
+        self._recent_runs.append(run)
         self.execution_count += 1
-        self.compute_infer.add(seconds)
-        self.by_batch_size[rows].add(seconds)
+        self.compute_infer.add(run.compute_seconds)
+        self.by_batch_size[run.rows].add(run.compute_seconds)
 
 
 class ServedModel:
-    def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer):
+    """``tokenizer``: the text model's; None for the ids model."""
+
+    def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer | None = None):
         self.name = name
         self.version = VERSION
         self.engine = engine
@@ -65,15 +79,22 @@ class ServedModel:
         manifest = engine.artifact.manifest
         self.target_kind = manifest.target.get("kind", "llvm")
 
+    @property
+    def takes_text(self) -> bool:
+        return self.tokenizer is not None
+
     def metadata(self) -> pb.ModelMetadataResponse:
         hidden = self.engine.hidden_size
         tensor = pb.ModelMetadataResponse.TensorMetadata
+        if self.takes_text:
+            inputs = [tensor(name=TEXT_INPUT, datatype="BYTES", shape=[-1])]
+        else:
+            inputs = [tensor(name=name, datatype="INT64", shape=[-1, -1]) for name in ID_INPUTS]
         return pb.ModelMetadataResponse(
             name=self.name,
             versions=[self.version],
             platform=PLATFORM,
-            inputs=[tensor(name=name, datatype="INT64", shape=[-1, -1]) for name in ID_INPUTS]
-            + [tensor(name=TEXT_INPUT, datatype="BYTES", shape=[-1])],
+            inputs=inputs,
             outputs=[
                 tensor(name=OUTPUTS[0], datatype="FP32", shape=[-1, -1, hidden]),
                 tensor(name=OUTPUTS[1], datatype="FP32", shape=[-1, hidden]),
@@ -83,17 +104,19 @@ class ServedModel:
     def config(self, batching: bool, max_queue_delay_ms: float, buckets: list[int]) -> pb.ModelConfig:
         """Triton's model configuration; dims exclude the batch dimension (max_batch_size > 0)."""
         hidden = self.engine.hidden_size
-        ids = [pb.ModelInput(name=name, data_type=pb.TYPE_INT64, dims=[-1], optional=name != "input_ids")
-               for name in ID_INPUTS]
-        text = pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[1],
-                             reshape=pb.ModelTensorReshape(shape=[]), optional=True)
+        if self.takes_text:
+            inputs = [pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[1],
+                                    reshape=pb.ModelTensorReshape(shape=[]))]
+        else:
+            inputs = [pb.ModelInput(name=name, data_type=pb.TYPE_INT64, dims=[-1], optional=name != "input_ids")
+                      for name in ID_INPUTS]
         manifest = self.engine.artifact.manifest
         config = pb.ModelConfig(
             name=self.name,
             platform=PLATFORM,
             backend="dietserve",
             max_batch_size=self.engine.max_batch,
-            input=[*ids, text],
+            input=inputs,
             output=[
                 pb.ModelOutput(name=OUTPUTS[0], data_type=pb.TYPE_FP32, dims=[-1, hidden]),
                 pb.ModelOutput(name=OUTPUTS[1], data_type=pb.TYPE_FP32, dims=[hidden]),

@@ -1,165 +1,185 @@
 """The GRPCInferenceService: v2 health, metadata and inference, plus Triton's extensions.
 
-Every failure becomes a gRPC status whose message names the problem; unexpected errors are
-logged here with their traceback and reach the client only as INTERNAL with a reference.
+A thin adapter: each method looks up the model, decodes with ``codec``, calls the batcher and
+encodes the answer. Errors are raised as ``runtime.errors`` types; ``status.py`` maps them.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import time
-import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
 from .. import __version__
+from ..runtime.batcher import DynamicBatcher
+from ..runtime.errors import NotReady, ReplyTooLarge, UnknownModel
+from . import codec
 from ._proto import open_inference_pb2 as pb
 from ._proto import open_inference_pb2_grpc as pb_grpc
-from .batcher import DynamicBatcher, QueueFull
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .model import ServedModel
-from .requests import parse_request
-from .tensors import RequestError, add_output
-
-log = logging.getLogger("dietserve.server")
+from .model import VERSION, ServedModel
 
 SERVER_NAME = "dietserve"
 EXTENSIONS = ["model_configuration", "statistics", "parameters"]
+DECODE_THREADS = 2  # tokenizing and large tensors; bounded so decoding cannot starve the kernels
 
 
 @dataclass
 class ServingState:
-    """What the servicer serves; ``model`` and ``batcher`` are set once loading finishes."""
+    """What the servicer serves; ``models`` and ``batcher`` are set once loading finishes."""
 
     config: ServerConfig
     metrics: ServerMetrics
-    model_name: str
-    model: ServedModel | None = None
+    model_names: tuple[str, ...]  # known from the start, so requests during loading get UNAVAILABLE
+    models: dict[str, ServedModel] = field(default_factory=dict)
     batcher: DynamicBatcher | None = None
     ready: bool = False
+    decode_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dietserve-decode"))
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state: ServingState):
         self.state = state
 
-    # ------------------------------------------------------------------ helpers
-
-    def _model(self, name: str, version: str) -> ServedModel | None:
-        """The model a request names, or a RequestError: NOT_FOUND, or UNAVAILABLE while loading."""
-        if name != self.state.model_name:
-            raise RequestError(f"unknown model '{name}'; this server serves '{self.state.model_name}'",
-                               grpc.StatusCode.NOT_FOUND)
-        if version not in ("", "1"):
-            raise RequestError(f"model '{name}' has no version '{version}' (versions: 1)", grpc.StatusCode.NOT_FOUND)
-        return self.state.model
+    def _check_name(self, name: str, version: str) -> None:
+        if name not in self.state.model_names:
+            served = ", ".join(f"'{n}'" for n in self.state.model_names)
+            raise UnknownModel(f"unknown model '{name}'; this server serves {served}")
+        if version not in ("", VERSION):
+            raise UnknownModel(f"model '{name}' has no version '{version}' (versions: {VERSION})")
 
     def _loaded(self, name: str, version: str) -> ServedModel:
-        model = self._model(name, version)
+        self._check_name(name, version)
+        model = self.state.models.get(name)
         if model is None:
-            raise RequestError(f"model '{name}' is still loading", grpc.StatusCode.UNAVAILABLE)
+            raise NotReady(f"model '{name}' is still loading")
         return model
-
-    async def _answer(self, method: str, context: grpc.aio.ServicerContext, build):
-        """Runs ``build()``; turns RequestError into the status it names."""
-        try:
-            response = build()
-        except RequestError as err:
-            self.state.metrics.requests.labels(method, err.code.name).inc()
-            await context.abort(err.code, str(err))
-        self.state.metrics.requests.labels(method, "OK").inc()
-        return response
 
     # ------------------------------------------------------------------ health and metadata
 
     async def ServerLive(self, request, context):
-        return await self._answer("ServerLive", context, lambda: pb.ServerLiveResponse(live=True))
+        return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return await self._answer("ServerReady", context, lambda: pb.ServerReadyResponse(ready=self.state.ready))
+        return pb.ServerReadyResponse(ready=self.state.ready)
 
     async def ModelReady(self, request, context):
-        def build():
-            self._model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.state.ready)
-
-        return await self._answer("ModelReady", context, build)
+        self._check_name(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.state.ready)
 
     async def ServerMetadata(self, request, context):
-        return await self._answer("ServerMetadata", context, lambda: pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS))
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request, context):
-        return await self._answer("ModelMetadata", context,
-                                  lambda: self._loaded(request.name, request.version).metadata())
+        return self._loaded(request.name, request.version).metadata()
 
     async def ModelConfig(self, request, context):
-        def build():
-            model = self._loaded(request.name, request.version)
-            config = self.state.config
-            buckets = self.state.batcher.edges if self.state.batcher is not None else []
-            return pb.ModelConfigResponse(config=model.config(config.batching, config.max_queue_delay_ms, buckets))
-
-        return await self._answer("ModelConfig", context, build)
+        model = self._loaded(request.name, request.version)
+        config = self.state.config
+        buckets = self.state.batcher.edges if self.state.batcher is not None else []
+        return pb.ModelConfigResponse(config=model.config(config.batching, config.max_queue_delay_ms, buckets))
 
     async def ModelStatistics(self, request, context):
-        def build():
-            if request.name:
-                models = [self._loaded(request.name, request.version)]
-            else:
-                models = [self.state.model] if self.state.model is not None else []
-            return pb.ModelStatisticsResponse(model_stats=[model.statistics_proto() for model in models])
-
-        return await self._answer("ModelStatistics", context, build)
+        if request.name:
+            models = [self._loaded(request.name, request.version)]
+        else:
+            models = list(self.state.models.values())
+        return pb.ModelStatisticsResponse(model_stats=[model.statistics_proto() for model in models])
 
     async def RepositoryIndex(self, request, context):
-        def build():
-            state = "READY" if self.state.ready else ("LOADING" if self.state.model is None else "UNAVAILABLE")
-            if request.ready and state != "READY":
-                return pb.RepositoryIndexResponse()
-            entry = pb.RepositoryIndexResponse.ModelIndex(name=self.state.model_name, version="1", state=state)
-            return pb.RepositoryIndexResponse(models=[entry])
-
-        return await self._answer("RepositoryIndex", context, build)
+        if self.state.ready:
+            state = "READY"
+        else:
+            state = "LOADING" if not self.state.models else "UNAVAILABLE"
+        if request.ready and state != "READY":
+            return pb.RepositoryIndexResponse()
+        return pb.RepositoryIndexResponse(models=[
+            pb.RepositoryIndexResponse.ModelIndex(name=name, version=VERSION, state=state)
+            for name in self.state.model_names])
 
     # ------------------------------------------------------------------ inference
 
-    async def ModelInfer(self, request, context):
-        metrics = self.state.metrics
+    def _parse(self, message: bytes) -> tuple[pb.ModelInferRequest, ServedModel]:
+        request = codec.parse_infer_request(message)
+        model = self._loaded(request.model_name, request.model_version)
+        if self.state.batcher is None:
+            raise NotReady(f"model '{model.name}' is still loading")
+        codec.check_shapes(request, model.engine, model.takes_text)
+        return request, model
+
+    def _decode(self, message: bytes, deadline: float | None):
+        request, model = self._parse(message)
+        return request, model, codec.decode(request, model.engine, model.tokenizer, deadline)
+
+    async def _receive(self, message: bytes, context):
+        """(request, model, encoder request); large messages are parsed and decoded on a worker
+        thread, and text is tokenized there, so the event loop stays free for other calls."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        pool, loop = self.state.decode_pool, asyncio.get_running_loop()
+        if len(message) > codec.INLINE_MESSAGE_BYTES:
+            return await loop.run_in_executor(pool, self._decode, message, deadline)
+        request, model = self._parse(message)
+        if model.takes_text and len(message) > codec.INLINE_TEXT_BYTES:
+            encoder_request = await loop.run_in_executor(
+                pool, codec.decode, request, model.engine, model.tokenizer, deadline)
+        else:
+            encoder_request = codec.decode(request, model.engine, model.tokenizer, deadline)
+        return request, model, encoder_request
+
+    async def ModelInfer(self, message: bytes, context):
+        """Registered with the message undecoded (see :func:`inference_handlers`)."""
+        state, metrics = self.state, self.state.metrics
         started = time.perf_counter()
         metrics.inflight.inc()
-        code, message, rows, queue_seconds, model = grpc.StatusCode.OK, "", 0, None, None
-        response = None
+        ok, rows, queue_seconds, model = False, 0, None, None
         try:
-            model = self._loaded(request.model_name, request.model_version)
-            parsed = parse_request(request, model.engine, model.tokenizer)
-            rows = parsed.rows
-            metrics.sequence_length.observe(parsed.seq_len)
-            try:
-                result = await self.state.batcher.submit(parsed)
-            except QueueFull as err:
-                raise RequestError(str(err), grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+            request, model, encoder_request = await self._receive(message, context)
+            rows = encoder_request.rows
+            reply = encoder_request.reply_bytes(model.engine.hidden_size)
+            if reply > state.config.max_response_bytes:
+                raise ReplyTooLarge(
+                    f"the answer would be {reply} bytes, over this server's limit of {state.config.max_response_bytes} "
+                    "(--max-response-bytes); request fewer rows or only sentence_embedding")
+            result = await state.batcher.submit(encoder_request)
             queue_seconds = result.queue_seconds
+            model.statistics.record_execution(result.run)
             response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
-            for name in parsed.outputs:
-                add_output(response, name, getattr(result.output, name))
-        except RequestError as err:
-            code, message = err.code, str(err)
-        except Exception:  # noqa: BLE001 - the client gets INTERNAL, the log gets the traceback
-            reference = uuid.uuid4().hex[:12]
-            log.exception("ModelInfer failed (reference %s)", reference)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error (reference {reference} in the server log)"
+            for name in encoder_request.outputs:
+                codec.add_output(response, name, getattr(result.output, name))
+            ok = True
+            return response
         finally:
             metrics.inflight.dec()
-        elapsed = time.perf_counter() - started
-        metrics.requests.labels("ModelInfer", code.name).inc()
-        metrics.request_duration.observe(elapsed)
-        if queue_seconds is not None:
-            metrics.queue_duration.observe(queue_seconds)
-        if model is not None:
-            model.statistics.record_request(code == grpc.StatusCode.OK, rows, elapsed, queue_seconds)
-        if code != grpc.StatusCode.OK:
-            await context.abort(code, message)
-        return response
+            elapsed = time.perf_counter() - started
+            metrics.request_duration.observe(elapsed)
+            if queue_seconds is not None:
+                metrics.queue_duration.observe(queue_seconds)
+            if model is not None:
+                model.statistics.record_request(ok, rows, elapsed, queue_seconds)
+
+
+# Methods registered without a request deserializer: their handler parses the message itself,
+# because parsing a 16 MiB request takes tens of milliseconds that must not block the event loop.
+RAW_REQUEST_METHODS = ("ModelInfer",)
+
+
+def inference_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The GRPCInferenceService's handlers, as the generated registration builds them, except
+    for :data:`RAW_REQUEST_METHODS`."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request_type, response_type = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=None if method.name in RAW_REQUEST_METHODS else request_type.FromString,
+            response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+

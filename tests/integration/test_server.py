@@ -24,6 +24,7 @@ from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 MODEL = "minilm"
+TEXT_MODEL = "minilm-text"
 SENTENCES = ["A man is eating food.", "The new movie is awesome and everyone should see it twice.", "Hi"]
 ATOL = 1e-4  # batching pads rows: masked positions add exact zeros, summation order may differ
 
@@ -31,7 +32,7 @@ ATOL = 1e-4  # batching pads rows: masked positions add exact zeros, summation o
 @pytest.fixture(scope="module")
 def server(minilm_artifact: Path):
     process = ServerProcess(minilm_artifact, "--max-queue-delay-ms", "5", "--max-request-bytes", str(1 << 20),
-                            model_name=MODEL)
+                            "--max-response-bytes", str(1 << 20), model_name=MODEL)
     yield process
     process.stop()
 
@@ -77,24 +78,32 @@ def infer_ok_count(server: ServerProcess) -> float:
 
 
 def test_health_and_metadata(client, minilm_engine):
-    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready(MODEL) and client.is_model_ready(TEXT_MODEL)
     server_metadata = client.get_server_metadata()
     assert server_metadata.name == "dietserve" and "model_configuration" in server_metadata.extensions
+    hidden = minilm_engine.hidden_size
+    outputs = {"last_hidden_state": [-1, -1, hidden], "sentence_embedding": [-1, hidden]}
     metadata = client.get_model_metadata(MODEL)
     assert metadata.name == MODEL and list(metadata.versions) == ["1"]
     assert {t.name: (t.datatype, list(t.shape)) for t in metadata.inputs} == {
         "input_ids": ("INT64", [-1, -1]), "attention_mask": ("INT64", [-1, -1]),
-        "token_type_ids": ("INT64", [-1, -1]), "text": ("BYTES", [-1])}
-    hidden = minilm_engine.hidden_size
-    assert {t.name: list(t.shape) for t in metadata.outputs} == {
-        "last_hidden_state": [-1, -1, hidden], "sentence_embedding": [-1, hidden]}
+        "token_type_ids": ("INT64", [-1, -1])}
+    assert {t.name: list(t.shape) for t in metadata.outputs} == outputs
+    text_metadata = client.get_model_metadata(TEXT_MODEL)
+    assert {t.name: (t.datatype, list(t.shape)) for t in text_metadata.inputs} == {"text": ("BYTES", [-1])}
+    assert {t.name: list(t.shape) for t in text_metadata.outputs} == outputs
+    # Each config lists only what a client sends (perf_analyzer sends every listed input).
     config = client.get_model_config(MODEL).config
     assert config.name == MODEL and config.max_batch_size == minilm_engine.max_batch
-    assert [i.name for i in config.input] == ["input_ids", "attention_mask", "token_type_ids", "text"]
+    assert [(i.name, i.optional) for i in config.input] == [
+        ("input_ids", False), ("attention_mask", True), ("token_type_ids", True)]
     assert config.dynamic_batching.max_queue_delay_microseconds == 5000
     assert config.parameters["max_sequence_length"].string_value == str(minilm_engine.max_seq_len)
+    text_config = client.get_model_config(TEXT_MODEL).config
+    assert [(i.name, i.data_type, list(i.dims)) for i in text_config.input] == [("text", 13, [1])]  # TYPE_STRING
     index = client.get_model_repository_index()
-    assert [(m.name, m.state) for m in index.models] == [(MODEL, "READY")]
+    assert [(m.name, m.state) for m in index.models] == [(MODEL, "READY"), (TEXT_MODEL, "READY")]
 
 
 def test_grpc_health_serving_after_warm_up(server):
@@ -141,7 +150,7 @@ def test_infer_int32_ids_and_unknown_parameters(client, tokenizer, minilm_engine
 def test_infer_text_matches_the_engine_and_honours_requested_outputs(client, tokenizer, minilm_engine):
     text = triton.InferInput("text", [len(SENTENCES)], "BYTES")
     text.set_data_from_numpy(np.array([s.encode() for s in SENTENCES], dtype=object))
-    result = client.infer(MODEL, [text], outputs=[triton.InferRequestedOutput("sentence_embedding")])
+    result = client.infer(TEXT_MODEL, [text], outputs=[triton.InferRequestedOutput("sentence_embedding")])
     encoded = tokenizer.encode(SENTENCES)
     expected = minilm_engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     np.testing.assert_allclose(result.as_numpy("sentence_embedding"), expected.sentence_embedding, atol=ATOL)
@@ -206,8 +215,8 @@ BAD_REQUESTS = {
     "mismatched shapes": (_request(("input_ids", "INT64", [1, 4], _ids([1, 4])),
                                    ("attention_mask", "INT64", [1, 5], _ids([1, 5], 1))),
                           grpc.StatusCode.INVALID_ARGUMENT, "attention_mask has shape [1, 5]"),
-    "missing input": (_request(("attention_mask", "INT64", [1, 4], _ids([1, 4], 1))),
-                      grpc.StatusCode.INVALID_ARGUMENT, "missing input input_ids"),
+    "missing input": (_request(("attention_mask", "INT64", [1, 4], _ids([1, 4], 1))), grpc.StatusCode.INVALID_ARGUMENT,
+                      "missing input input_ids (INT64 [batch, seq]): got attention_mask"),
     "no inputs": (_request(), grpc.StatusCode.INVALID_ARGUMENT, "missing input"),
     "token out of vocabulary": (_request(("input_ids", "INT64", [1, 3], _ids([1, 3], 999_999))),
                                 grpc.StatusCode.INVALID_ARGUMENT, "token id 999999"),
@@ -228,17 +237,34 @@ BAD_REQUESTS = {
                       grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'pixels'"),
     "unknown output": (_request(("input_ids", "INT64", [1, 4], _ids([1, 4])), outputs=["logits"]),
                        grpc.StatusCode.INVALID_ARGUMENT, "unknown output 'logits'"),
-    "text and ids": (_request(("text", "BYTES", [1], _text(b"hi")), ("input_ids", "INT64", [1, 4], _ids([1, 4]))),
-                     grpc.StatusCode.INVALID_ARGUMENT, "either text or input_ids"),
-    "text not utf-8": (_request(("text", "BYTES", [1], _text(b"\xff\xfe"))),
+    "text to the ids model": (_request(("text", "BYTES", [1], _text(b"hi"))),
+                              grpc.StatusCode.INVALID_ARGUMENT, "send text to the model's -text twin"),
+    "ids to the text model": (_request(("input_ids", "INT64", [1, 4], _ids([1, 4])), model=TEXT_MODEL),
+                              grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'input_ids'"),
+    "text not utf-8": (_request(("text", "BYTES", [1], _text(b"\xff\xfe")), model=TEXT_MODEL),
                        grpc.StatusCode.INVALID_ARGUMENT, "not UTF-8"),
-    "text wrong dtype": (_request(("text", "INT64", [1], _ids([1]))),
+    "text wrong dtype": (_request(("text", "INT64", [1], _ids([1])), model=TEXT_MODEL),
                          grpc.StatusCode.INVALID_ARGUMENT, "expected BYTES"),
-    "empty text batch": (_request(("text", "BYTES", [0], b"")), grpc.StatusCode.INVALID_ARGUMENT, "empty batch"),
+    "empty text batch": (_request(("text", "BYTES", [0], b""), model=TEXT_MODEL),
+                         grpc.StatusCode.INVALID_ARGUMENT, "empty batch"),
+    "text batch too large": (_request(("text", "BYTES", [9], _text(*[b"a"] * 9)), model=TEXT_MODEL),
+                             grpc.StatusCode.INVALID_ARGUMENT, "batch of 9 texts exceeds"),
+    "text with too many elements": (_request(("text", "BYTES", [1], _text(b"a", b"b")), model=TEXT_MODEL),
+                                    grpc.StatusCode.INVALID_ARGUMENT, "holds more than 1 BYTES elements"),
+    "huge dimension": (_request(("input_ids", "INT64", [1, 1 << 40], _ids([1, 4]))),
+                       grpc.StatusCode.INVALID_ARGUMENT, f"sequence length {1 << 40} exceeds"),
+    "huge batch": (_request(("input_ids", "INT64", [1 << 62, 4], _ids([1, 4]))),
+                   grpc.StatusCode.INVALID_ARGUMENT, f"batch of {1 << 62} exceeds"),
+    "negative dimension": (_request(("input_ids", "INT64", [-3, 4], _ids([1, 4]))),
+                           grpc.StatusCode.INVALID_ARGUMENT, "negative dimension in shape [-3, 4]"),
+    "too many dimensions": (_request(("input_ids", "INT64", [1] * 40 + [4], _ids([1, 4]))),
+                            grpc.StatusCode.INVALID_ARGUMENT, "must be 2-D"),
+    "reply over the send limit": (_request(("input_ids", "INT64", [8, 128], _ids([8, 128]))),
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED, "over this server's limit of 1048576"),
     "oversized message": (_request(("input_ids", "INT64", [1, 200_000], _ids([1, 200_000]))),
                           grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
     "unknown model": (_request(("input_ids", "INT64", [1, 4], _ids([1, 4])), model="gpt-7"),
-                      grpc.StatusCode.NOT_FOUND, "unknown model 'gpt-7'"),
+                      grpc.StatusCode.NOT_FOUND, "unknown model 'gpt-7'; this server serves 'minilm', 'minilm-text'"),
 }
 
 
@@ -269,11 +295,22 @@ def test_metrics_count_the_requests(server, client):
     before = metrics(server)
     ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "ModelInfer"))), 0.0)
     bad = before.get(("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer"))), 0.0)
+    health_ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "Check"))), 0.0)
+    unknown = before.get(("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "Nonsense"))), 0.0)
+    rows_before = before.get(("dietserve_request_sequence_length_count", ()), 0.0)
     for length in (3, 17, 40):
         client.infer(MODEL, [ids_input(np.full((2, length), 2000, dtype=np.int64))])
     with pytest.raises(triton.InferenceServerException):
         client.infer(MODEL, [ids_input(np.full((1, 4), 2000, dtype=np.float32), datatype="FP32")])
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            channel.unary_unary("/inference.GRPCInferenceService/Nonsense")(b"", timeout=10)
     after = metrics(server)
+    assert after[("dietserve_requests_total", (("code", "OK"), ("method", "Check")))] == health_ok + 1
+    assert after[("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "Nonsense")))] == unknown + 1
+    assert after[("dietserve_request_sequence_length_count", ())] == rows_before + 6  # per row, not per request
+    assert after[("process_resident_memory_bytes", ())] > 0 and after[("dietserve_settled_memory_bytes", ())] > 0
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == ok + 3
     assert after[("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer")))] == bad + 1
     assert after[("dietserve_request_duration_seconds_count", ())] >= ok + bad + 4

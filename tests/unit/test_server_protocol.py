@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import threading
+import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from google.protobuf import descriptor_pb2
 from tritonclient.grpc import model_config_pb2, service_pb2
 
+from dietserve.runtime.batcher import DynamicBatcher, Job, bucket_edges, pad_rows
 from dietserve.runtime.dispatch import KernelDispatch
 from dietserve.runtime.engine import EncoderOutput
+from dietserve.runtime.errors import Expired, InputError, NotReady, Overloaded
 from dietserve.runtime.manifest import ArtifactError
-from dietserve.server.batcher import DynamicBatcher, Job, bucket_edges, pad_rows
+from dietserve.runtime.request import EncoderRequest
+from dietserve.server.codec import decode_input, decode_inputs
 from dietserve.server.config import ConfigError, ServerConfig
 from dietserve.server.protogen import VIRTUAL_ROOT, generate
-from dietserve.server.requests import EncoderRequest
-from dietserve.server.tensors import RequestError, decode_input, decode_inputs
 
 PROTOS = Path(__file__).resolve().parents[2] / "protos"
 
@@ -137,10 +139,9 @@ def test_decode_bytes_raw_and_typed():
     (_tensor("x", "INT32", [2]), None, "holds 0 INT32 values"),
 ])
 def test_decode_errors_name_the_problem(tensor, raw, message):
-    with pytest.raises(RequestError) as raised:
+    with pytest.raises(InputError) as raised:
         decode_input(tensor, raw)
     assert message in str(raised.value)
-    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_raw_contents_must_cover_every_input():
@@ -148,7 +149,7 @@ def test_raw_contents_must_cover_every_input():
     request.inputs.add(name="a", datatype="INT64", shape=[1])
     request.inputs.add(name="b", datatype="INT64", shape=[1])
     request.raw_input_contents.append(np.int64(1).tobytes())
-    with pytest.raises(RequestError, match="1 entries for 2 inputs"):
+    with pytest.raises(InputError, match="1 entries for 2 inputs"):
         decode_inputs(request)
 
 
@@ -219,24 +220,184 @@ def test_batcher_groups_one_bucket_and_splits_results():
     assert padded.real_tokens == 15 and padded.rows * padded.seq_len == 21
 
 
-def test_batcher_refuses_when_the_queue_is_full():
-    from dietserve.server.batcher import QueueFull
+class _GatedEngine(_RecordingEngine):
+    """Each execution waits until the test opens the gate, so the engine can be held busy."""
 
-    engine = _RecordingEngine()
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.running = threading.Event()
+
+    def execute(self, ids, mask, types):
+        self.running.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return super().execute(ids, mask, types)
+
+
+def _request(rows: int, seq: int, value: int = 1, deadline: float | None = None) -> EncoderRequest:
+    ids = np.full((rows, seq), value, np.int64)
+    return EncoderRequest(ids, np.ones_like(ids), np.zeros_like(ids), ("sentence_embedding",), deadline)
+
+
+def _batcher(engine, **settings) -> DynamicBatcher:
+    defaults = dict(batching=True, max_batch_size=8, max_queue_delay_s=0.05, bucket_ratio=1.25, max_queue_rows=64)
+    return DynamicBatcher(engine, **{**defaults, **settings})
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+def test_batcher_refuses_when_the_queue_is_full():
+    engine = _GatedEngine()
 
     async def scenario():
-        batcher = DynamicBatcher(engine, batching=True, max_batch_size=8, max_queue_delay_s=0.2,
-                                 bucket_ratio=1.25, max_queue_rows=2)
+        batcher = _batcher(engine, max_queue_rows=2)
         batcher.start()
-        ids = np.ones((2, 4), np.int64)
-        first = asyncio.ensure_future(batcher.submit(EncoderRequest(ids, ids, ids * 0, ())))
-        await asyncio.sleep(0.01)
-        with pytest.raises(QueueFull, match="queue full"):
-            await batcher.submit(EncoderRequest(ids, ids, ids * 0, ()))
-        await first
+        running = asyncio.ensure_future(batcher.submit(_request(2, 4)))  # the engine takes it at once
+        await _until(engine.running.is_set)
+        queued = asyncio.ensure_future(batcher.submit(_request(2, 4)))  # waits: 2 rows, the limit
+        await _until(lambda: batcher.queued_rows == 2)
+        with pytest.raises(Overloaded, match="queue full: 2 rows are waiting"):
+            await batcher.submit(_request(1, 4))
+        engine.gate.set()
+        await asyncio.gather(running, queued)
         await batcher.close()
 
     asyncio.run(scenario())
+
+
+def test_idle_engine_runs_a_lone_request_without_the_queue_delay():
+    engine = _RecordingEngine()
+
+    async def scenario():
+        batcher = _batcher(engine, max_queue_delay_s=2.0)
+        batcher.start()
+        started = time.monotonic()
+        result = await batcher.submit(_request(1, 5))
+        elapsed = time.monotonic() - started
+        await batcher.close()
+        return result, elapsed
+
+    result, elapsed = asyncio.run(scenario())
+    assert elapsed < 0.5, f"a lone request waited {elapsed:.3f} s of the 2 s delay"
+    assert result.queue_seconds < 0.5
+
+
+def test_requests_arriving_while_busy_batch_by_bucket():
+    engine = _GatedEngine()
+
+    async def scenario():
+        batcher = _batcher(engine)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(_request(1, 30)))
+        await _until(engine.running.is_set)
+        waiting = [asyncio.ensure_future(batcher.submit(_request(1, n, n))) for n in (3, 5, 7, 60)]
+        await _until(lambda: batcher.queued_rows == 4)
+        engine.gate.set()
+        results = await asyncio.gather(first, *waiting)
+        await batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert engine.calls == [(1, 30), (3, 7), (1, 60)]  # 3, 5, 7 share a bucket; 60 has its own
+    for n, result in zip((3, 5, 7, 60), results[1:], strict=True):
+        np.testing.assert_array_equal(result.output.sentence_embedding[:, 0], [n * n])
+
+
+def test_a_cancelled_request_leaves_the_queue_and_is_not_computed():
+    engine = _GatedEngine()
+
+    async def scenario():
+        batcher = _batcher(engine)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(_request(1, 4)))
+        await _until(engine.running.is_set)
+        abandoned = asyncio.ensure_future(batcher.submit(_request(3, 4, 2)))
+        await _until(lambda: batcher.queued_rows == 3)
+        abandoned.cancel()
+        await _until(lambda: batcher.queued_rows == 0)
+        engine.gate.set()
+        await first
+        later = await batcher.submit(_request(1, 4, 3))
+        await batcher.close()
+        return batcher, later
+
+    batcher, later = asyncio.run(scenario())
+    assert engine.calls == [(1, 4), (1, 4)] and batcher.withdrawn == 1
+    assert later.output.sentence_embedding[0, 0] == 12
+
+
+def test_a_request_past_its_deadline_is_answered_expired_not_computed():
+    engine = _GatedEngine()
+
+    async def scenario():
+        batcher = _batcher(engine)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(_request(1, 4)))
+        await _until(engine.running.is_set)
+        late = asyncio.ensure_future(batcher.submit(_request(2, 4, deadline=time.monotonic() + 0.05)))
+        await asyncio.sleep(0.1)
+        engine.gate.set()
+        await first
+        with pytest.raises(Expired, match="deadline passed after"):
+            await late
+        await batcher.close()
+        return batcher
+
+    batcher = asyncio.run(scenario())
+    assert engine.calls == [(1, 4)] and batcher.expired == 1
+
+
+def test_a_failing_batch_callback_does_not_stop_execution():
+    engine = _RecordingEngine()
+    calls = []
+
+    def failing(run):
+        calls.append(run)
+        raise RuntimeError("injected: metrics backend is down")
+
+    async def scenario():
+        batcher = _batcher(engine, on_batch=failing)
+        batcher.start()
+        results = [await batcher.submit(_request(1, n, n)) for n in (2, 3, 4)]
+        await batcher.close()
+        return batcher, results
+
+    batcher, results = asyncio.run(scenario())
+    assert len(calls) == 3 and batcher.stopped is None
+    assert [r.output.sentence_embedding[0, 0] for r in results] == [4, 9, 16]
+
+
+def test_a_broken_scheduler_fails_waiting_requests_and_reports_it():
+    engine = _GatedEngine()
+    stopped = []
+
+    async def scenario():
+        batcher = _batcher(engine, on_stopped=stopped.append)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(_request(1, 4)))
+        await _until(engine.running.is_set)
+        queued = asyncio.ensure_future(batcher.submit(_request(1, 4)))
+        await _until(lambda: batcher.queued_rows == 1)
+
+        def broken(bucket):
+            raise RuntimeError("injected scheduler bug")
+
+        batcher._take = broken
+        engine.gate.set()
+        await first
+        with pytest.raises(NotReady, match="execution has stopped"):
+            await queued
+        with pytest.raises(NotReady, match="execution has stopped"):
+            await batcher.submit(_request(1, 4))
+        await batcher.close()
+
+    asyncio.run(scenario())
+    assert len(stopped) == 1 and "injected scheduler bug" in str(stopped[0])
 
 
 # ---------------------------------------------------------------------------- dispatch, config

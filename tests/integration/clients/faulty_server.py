@@ -1,6 +1,9 @@
-"""A real dietserve server whose engine fails on one token id, to show what an unexpected error
-looks like to a client. Fault injection is the only way to provoke one: validated requests do not
-fail inside the VM.
+"""A real dietserve server with two injected faults, to show what unexpected errors look like
+from outside. Fault injection is the only way to provoke them: validated requests do not fail
+inside the VM, and recording a batch's metrics does not fail either.
+
+- The engine raises on one token id (the client must get INTERNAL with a reference).
+- Recording every batch's metrics raises (the answers must still go out, the server stay up).
 
     python faulty_server.py ARTIFACT FAULT_TOKEN_ID
 """
@@ -12,15 +15,21 @@ from pathlib import Path
 from dietserve.model.tokenizer import TextTokenizer
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.server.app import serve
+from dietserve.server import app
 from dietserve.server.config import ServerConfig
-from dietserve.server.model import ServedModel
+
+
+def failing_batch_recorder(metrics):
+    def record(run):
+        raise RuntimeError("injected fault: recording the batch failed")
+
+    return record
 
 
 def main(artifact: Path, fault_token: int) -> int:
     config = ServerConfig(artifact=artifact, port=0, metrics_port=0)
 
-    def load_model() -> ServedModel:
+    def load_model():
         engine = Engine(load_artifact(artifact))
         execute = engine.execute
 
@@ -30,10 +39,11 @@ def main(artifact: Path, fault_token: int) -> int:
             return execute(ids, mask, types)
 
         engine.execute = faulty
-        return ServedModel("minilm", engine, TextTokenizer.from_folder(artifact, engine.max_seq_len))
+        return engine, TextTokenizer.from_folder(artifact, engine.max_seq_len)
 
-    return asyncio.run(serve(config, "minilm", load_model, lambda m: print(f"[dietserve] {m}", file=sys.stderr,
-                                                                          flush=True)))
+    app._record_batch = failing_batch_recorder
+    return asyncio.run(app.serve(config, "minilm", load_model,
+                                 lambda m: print(f"[dietserve] {m}", file=sys.stderr, flush=True)))
 
 
 if __name__ == "__main__":

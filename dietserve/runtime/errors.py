@@ -1,0 +1,35 @@
+"""What can go wrong with a request, in transport-free terms.
+
+The server maps each class to a status in one place (``server/status.py``); the engine, the
+batcher and the codec raise them with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """A request the server answers with an error; the message is for the client."""
+
+
+class InputError(ServingError, ValueError):
+    """A request's tensors are malformed or out of the model's range."""
+
+
+class UnknownModel(ServingError):
+    """The request names a model or version this server does not serve."""
+
+
+class NotReady(ServingError):
+    """The model is loading, the server is shutting down, or execution has stopped."""
+
+
+class Overloaded(ServingError):
+    """Too many requests are waiting or in flight; retrying later can succeed."""
+
+
+class ReplyTooLarge(ServingError):
+    """The answer would exceed the server's reply size limit."""
+
+
+class Expired(ServingError):
+    """The request's deadline passed before it could run."""

@@ -1,0 +1,115 @@
+"""Every RPC passes here: the error -> status mapping, the concurrency cap, and the count of
+RPCs by method and status code (health and reflection included).
+
+Handlers raise the transport-free errors of ``runtime/errors.py``; this module alone turns them
+into gRPC statuses. Anything else is a bug: logged with its traceback, answered INTERNAL with a
+reference the operator can find in the log, never with the traceback itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import uuid
+
+import grpc
+
+from ..runtime.errors import Expired, InputError, NotReady, Overloaded, ReplyTooLarge, ServingError, UnknownModel
+from .metrics import ServerMetrics
+
+log = logging.getLogger("dietserve.server")
+
+STATUS_OF_ERROR: dict[type[ServingError], grpc.StatusCode] = {
+    InputError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownModel: grpc.StatusCode.NOT_FOUND,
+    NotReady: grpc.StatusCode.UNAVAILABLE,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Expired: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Probes must answer however busy the server is: they are never refused by the cap.
+UNCAPPED_SERVICES = ("/grpc.health.v1.Health/",)
+
+
+def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client gets for ``err``."""
+    for error_type, code in STATUS_OF_ERROR.items():
+        if isinstance(err, error_type):
+            return code, str(err)
+    reference = uuid.uuid4().hex[:12]
+    log.error("unexpected error (reference %s)", reference, exc_info=err)
+    return grpc.StatusCode.INTERNAL, f"internal error (reference {reference} in the server log)"
+
+
+class ServingInterceptor(grpc.aio.ServerInterceptor):
+    """``max_concurrent_rpcs``: RPCs handled at once (health checks aside); more are refused with
+    RESOURCE_EXHAUSTED before their message is read."""
+
+    def __init__(self, metrics: ServerMetrics, max_concurrent_rpcs: int):
+        self.metrics = metrics
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.active = 0
+        self._counters: dict[tuple[str, str], object] = {}  # labels() costs microseconds per call
+
+    def count(self, method: str, code: grpc.StatusCode) -> None:
+        counter = self._counters.get((method, code.name))
+        if counter is None:
+            counter = self._counters[(method, code.name)] = self.metrics.requests.labels(method, code.name)
+        counter.inc()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        full_method = handler_call_details.method
+        method = full_method.rsplit("/", 1)[-1]
+        if handler is None:  # gRPC answers UNIMPLEMENTED
+            self.count(method, grpc.StatusCode.UNIMPLEMENTED)
+            return None
+        capped = not full_method.startswith(UNCAPPED_SERVICES)
+        for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                           ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                           ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                           ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(self._wrap(behavior, method, capped), request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
+        return handler
+
+    def _wrap(self, behavior, method: str, capped: bool):
+        if inspect.isasyncgenfunction(behavior):
+            async def streaming(request, context):
+                async with self._track(method, context, capped):
+                    async for response in behavior(request, context):
+                        yield response
+            return streaming
+
+        async def handle(request, context):
+            async with self._track(method, context, capped):
+                return await behavior(request, context)
+        return handle
+
+    @contextlib.asynccontextmanager
+    async def _track(self, method: str, context: grpc.aio.ServicerContext, capped: bool):
+        if capped and self.active >= self.max_concurrent_rpcs:
+            self.count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server busy: {self.active} RPCs in progress (limit {self.max_concurrent_rpcs}); "
+                                "retry later")
+        self.active += capped
+        code = None
+        try:
+            yield
+        except grpc.aio.AbortError:
+            code = context.code()
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status here
+            code, message = status_of(err)
+            await context.abort(code, message)
+        finally:
+            self.active -= capped
+            self.count(method, code or context.code() or grpc.StatusCode.OK)
