@@ -15,6 +15,7 @@ from ..kernels.host import configure_cpu_threads
 from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
 from .errors import InputError
+from .memory import PoolBound
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class Engine:
         self._forward = artifact.vm["forward"]
         self._positions = np.arange(self.max_seq_len, dtype=np.int64)
         self._lock = threading.Lock()
+        self.pool_bound: PoolBound | None = None
+
+    def bound_memory(self, limit_bytes: int) -> None:
+        """Releases the VM's pooled buffers whenever resident memory passes ``limit_bytes`` after
+        an execution (see ``memory.py``); CPU artifacts only, where the pool is host memory."""
+        if self.threads is not None:
+            self.pool_bound = PoolBound(limit_bytes)
 
     def check_shape(self, batch: int, seq: int) -> None:
         """Refuses an input_ids shape the artifact cannot run (before any data is decoded)."""
@@ -109,4 +117,8 @@ class Engine:
         inputs = [tvm.runtime.tensor(array, device) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
         with self._lock:
             hidden, pooled = self._forward(*inputs, *self.artifact.params)
-            return EncoderOutput(hidden.numpy(), pooled.numpy())
+            output = EncoderOutput(hidden.numpy(), pooled.numpy())
+            del hidden, pooled  # back to the pool before it is measured
+            if self.pool_bound is not None:
+                self.pool_bound.check()
+            return output

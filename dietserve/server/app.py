@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from ..model.tokenizer import TextTokenizer
 from ..runtime.batcher import BatchRun, DynamicBatcher
 from ..runtime.engine import Engine
+from ..runtime.memory import resident_bytes
 from ._proto import open_inference_pb2 as pb
 from .config import ServerConfig
 from .metrics import ServerMetrics
@@ -32,6 +32,9 @@ log = logging.getLogger("dietserve.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Room for a reply's framing beyond its tensors, which --max-response-bytes bounds.
 REPLY_OVERHEAD_BYTES = 64 << 10
+# Resident memory may exceed the figure after warm-up by this share before the VM's pooled
+# buffers are released (runtime/memory.py).
+MEMORY_SLACK = 0.05
 
 
 def _record_batch(metrics: ServerMetrics) -> Callable[[BatchRun], None]:
@@ -53,11 +56,6 @@ def _record_batch(metrics: ServerMetrics) -> Callable[[BatchRun], None]:
             counter.inc(executions)
 
     return record
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _warm_up(engine: Engine) -> int:
@@ -150,7 +148,11 @@ async def serve(
     try:
         engine, tokenizer = await loop.run_in_executor(None, load_model)
         settled = await loop.run_in_executor(None, _warm_up, engine)
+        engine.bound_memory(int(settled * (1 + MEMORY_SLACK)))
         metrics.settled_memory.set(settled)
+        if engine.pool_bound is not None:
+            metrics.memory_limit.set(engine.pool_bound.limit_bytes)
+            metrics.pool_releases.set_function(lambda: engine.pool_bound.releases)
         batcher = DynamicBatcher(
             engine,
             batching=config.batching,

@@ -61,6 +61,12 @@ class ServerMetrics:
             "resident memory after warming up at the artifact's largest shape: every buffer the model needs "
             "is then allocated, so process_resident_memory_bytes should stay near this",
             registry=r)
+        self.memory_limit = Gauge(
+            "dietserve_memory_limit_bytes",
+            "resident memory past which the VM's pooled buffers are released after a batch (settled + 5%)",
+            registry=r)
+        self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
+                                   registry=r)
 
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
         """Starts /metrics in a daemon thread; returns (server, bound port)."""

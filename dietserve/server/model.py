@@ -49,13 +49,17 @@ class ModelStatistics:
     # A batch's answers are handled one after another, so a short memory recognises its repeats.
     _recent_runs: deque = field(default_factory=lambda: deque(maxlen=64))
 
-    def record_request(self, ok: bool, rows: int, seconds: float, queue_seconds: float | None) -> None:
+    def record_request(self, ok: bool, rows: int, seconds: float, queue_seconds: float | None,
+                       compute_seconds: float | None) -> None:
+        """As Triton counts: per request, each request charged its whole batch's compute."""
         (self.success if ok else self.fail).add(seconds)
         if ok:
             self.inference_count += rows
             self.last_inference_ms = int(time.time() * 1000)
         if queue_seconds is not None:
             self.queue.add(queue_seconds)
+        if compute_seconds is not None:
+            self.compute_infer.add(compute_seconds)
 
     def record_execution(self, run: BatchRun) -> None:
         """Counts a model execution once however many of this model's requests it carried."""
@@ -63,7 +67,6 @@ class ModelStatistics:
             return
         self._recent_runs.append(run)
         self.execution_count += 1
-        self.compute_infer.add(run.compute_seconds)
         self.by_batch_size[run.rows].add(run.compute_seconds)
 
 
@@ -150,7 +153,11 @@ class ServedModel:
             execution_count=s.execution_count,
             inference_stats=pb.InferStatistics(
                 success=s.success.proto(), fail=s.fail.proto(), queue=s.queue.proto(),
+                # Tensor conversion in and out is part of compute_infer; the counts must match,
+                # as perf_analyzer checks.
+                compute_input=pb.StatisticDuration(count=s.compute_infer.count),
                 compute_infer=s.compute_infer.proto(),
+                compute_output=pb.StatisticDuration(count=s.compute_infer.count),
             ),
             batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())
                          for size, d in sorted(s.by_batch_size.items())],

@@ -137,7 +137,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         state, metrics = self.state, self.state.metrics
         started = time.perf_counter()
         metrics.inflight.inc()
-        ok, rows, queue_seconds, model = False, 0, None, None
+        ok, rows, queue_seconds, compute_seconds, model = False, 0, None, None, None
         try:
             request, model, encoder_request = await self._receive(message, context)
             rows = encoder_request.rows
@@ -147,7 +147,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     f"the answer would be {reply} bytes, over this server's limit of {state.config.max_response_bytes} "
                     "(--max-response-bytes); request fewer rows or only sentence_embedding")
             result = await state.batcher.submit(encoder_request)
-            queue_seconds = result.queue_seconds
+            queue_seconds, compute_seconds = result.queue_seconds, result.run.compute_seconds
             model.statistics.record_execution(result.run)
             response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
             for name in encoder_request.outputs:
@@ -161,7 +161,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if queue_seconds is not None:
                 metrics.queue_duration.observe(queue_seconds)
             if model is not None:
-                model.statistics.record_request(ok, rows, elapsed, queue_seconds)
+                model.statistics.record_request(ok, rows, elapsed, queue_seconds, compute_seconds)
 
 
 # Methods registered without a request deserializer: their handler parses the message itself,

@@ -100,6 +100,7 @@ def test_server_ports_match_the_container_ports_and_the_probes(source: str, reso
     assert config.port == grpc_port == ServerConfig(artifact=None).port
     if "metrics" in ports:
         assert config.metrics_port == ports["metrics"] == ServerConfig(artifact=None).metrics_port
+        assert config.metrics_host == "0.0.0.0", "Prometheus scrapes the pod IP: /metrics must listen beyond loopback"
     # With TLS the probes use the plaintext health port; without it, health is on the gRPC port.
     health_port = config.health_port if config.tls else config.port
     if config.tls:

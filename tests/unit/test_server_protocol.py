@@ -439,6 +439,8 @@ def test_dispatch_rejects_malformed_tables(table, message):
     ({"port": 70000}, "--port"), ({"max_batch_size": 0}, "--max-batch-size"),
     ({"bucket_ratio": 1.0}, "--bucket-ratio"), ({"max_queue_rows": 0}, "--max-queue-rows"),
     ({"max_queue_delay_ms": -1}, "--max-queue-delay-ms"), ({"grace_seconds": -1}, "--grace-seconds"),
+    ({"max_concurrent_rpcs": 0}, "--max-concurrent-rpcs"), ({"max_response_bytes": 10}, "--max-response-bytes"),
+    ({"tls_client_ca": Path("ca.pem")}, "--tls-client-ca needs --tls-cert"),
 ])
 def test_config_rejects_out_of_range_settings(change, message):
     with pytest.raises(ConfigError, match=message):
