@@ -240,7 +240,7 @@ class DynamicBatcher:
             return True
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self._execute, jobs)
+            run = await loop.run_in_executor(self._executor, self._execute, jobs, loop)
         except Exception as err:  # noqa: BLE001 - delivered to each waiting request
             for job in jobs:
                 if not job.future.done():
@@ -248,14 +248,20 @@ class DynamicBatcher:
             return True
         finally:
             self._last_batch_jobs, self._last_batch_end = len(jobs), time.monotonic()
+        loop.call_soon(self._record, run)  # after the callers have their answers
+        return True
+
+    def _record(self, run: BatchRun) -> None:
+        try:
+            self._on_batch(run)
+        except Exception:  # noqa: BLE001 - bookkeeping must not stop execution
+            log.exception("recording a batch failed; serving continues")
+
+    @staticmethod
+    def _deliver(jobs: list[Job], results: list[JobResult]) -> None:
         for job, result in zip(jobs, results, strict=True):
             if not job.future.done():  # the caller may have gone away meanwhile
                 job.future.set_result(result)
-        try:
-            self._on_batch(results[0].run)  # after the answers: metrics must not delay them
-        except Exception:  # noqa: BLE001 - bookkeeping must not stop execution
-            log.exception("recording a batch failed; serving continues")
-        return True
 
     async def _gather(self, bucket: int) -> None:
         """Waits for batch-mates while the engine counts as busy (see the module docstring)."""
@@ -277,7 +283,9 @@ class DynamicBatcher:
             if not self._queues[bucket]:  # its jobs were withdrawn
                 return
 
-    def _execute(self, jobs: list[Job]) -> list[JobResult]:
+    def _execute(self, jobs: list[Job], loop: asyncio.AbstractEventLoop) -> BatchRun:
+        """Runs on the execution thread; hands the answers to the loop directly, one loop
+        iteration sooner than through the scheduler."""
         started = time.monotonic()
         seq_len = max(job.request.seq_len for job in jobs)
         ids, mask, types = pad_rows(jobs, seq_len)
@@ -299,4 +307,5 @@ class DynamicBatcher:
             results.append(JobResult(EncoderOutput(hidden, output.sentence_embedding[start:stop]),
                                      started - job.enqueued, run))
             start = stop
-        return results
+        loop.call_soon_threadsafe(self._deliver, jobs, results)
+        return run

@@ -90,7 +90,7 @@ class Engine:
             mask = np.ones_like(ids)
         else:
             mask = _as_ids("attention_mask", attention_mask, ids.shape)
-            if not np.isin(mask, (0, 1)).all():
+            if mask.min() < 0 or mask.max() > 1:
                 raise InputError("attention_mask may hold only 0 and 1")
         if token_type_ids is None:
             types = np.zeros_like(ids)

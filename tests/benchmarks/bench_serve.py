@@ -1,19 +1,29 @@
 """Closed-loop gRPC load on loopback against a real ``python -m dietserve serve`` process.
 
     python tests/benchmarks/bench_serve.py [--model default|bert-base|DIR] [--seconds 12]
-                                           [--concurrency 1 8] [--max-batch-size 8]
+                                           [--concurrency 1 8] [--max-batch-size 8] [--skip-perf-analyzer]
 
 Sequence lengths follow real text: passages of 1-3 consecutive sentences from the Python
 standard library's docstrings, tokenized by the model's own tokenizer (short queries and longer
 passages, as an embedding service sees). Each client sends its next request as soon as the last
 one is answered. For batching off and on, and each concurrency, the table shows throughput and
-p50/p99 latency; then the server's overhead: median latency of one fixed request through gRPC
-(batching off, one client) minus the median of the same request run directly on the VM, measured
-in interleaved blocks. Last line:
+p50/p99 latency. Then:
 
-    RESULT throughput_rps=X p50_ms=Y p99_ms=Z overhead_p50_us=W
+- the server's overhead: median latency of one fixed request through gRPC (batching off, one
+  client) minus the median of the same request run directly on the VM, beside the median of an
+  empty RPC (ServerLive) on the same channel, measured in interleaved blocks; and where the
+  overhead goes, from the server's own statistics (queue = hand-off to the execution thread,
+  compute, the rest of the handler) and the transport (client latency minus server latency);
+- Triton's perf_analyzer (tests/benchmarks/perf_analyzer.py) against the ids model at
+  concurrency 1, 4 and 16 with the same real passages as its input data, its summary quoted.
 
-(throughput and latency: batching on at the highest concurrency).
+Last line:
+
+    RESULT throughput_rps=X p50_ms=Y p99_ms=Z overhead_p50_us=W empty_rpc_p50_us=E batching_gain_8=G
+           lone_request_ratio=L
+
+(throughput and latency: batching on at the highest concurrency; batching_gain_8: throughput on
+/ off at 8 clients; lone_request_ratio: p50 on / off at 1 client.)
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import pkgutil
 import re
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,7 +63,7 @@ def real_passages(count: int, seed: int) -> list[str]:
     for module_info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
         if module_info.name.startswith("_") or module_info.name in ("antigravity", "this", "idlelib", "tkinter"):
             continue
-        if not hasattr(module_info.module_finder, "path") or "site-packages" in str(module_info.module_finder.path):
+        if module_info.name not in sys.stdlib_module_names:  # never import (run) a script beside this one
             continue
         try:
             module = importlib.import_module(module_info.name)
@@ -75,8 +86,8 @@ def real_passages(count: int, seed: int) -> list[str]:
     return passages
 
 
-def request_for(ids: np.ndarray) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name=MODEL)
+def request_for(ids: np.ndarray, model: str = MODEL) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model)
     request.inputs.add(name="input_ids", datatype="INT64", shape=ids.shape)
     request.raw_input_contents.append(np.ascontiguousarray(ids, dtype="<i8").tobytes())
     request.outputs.add(name="sentence_embedding")
@@ -122,12 +133,21 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q))
 
 
+def _server_totals(stub) -> dict[str, float]:
+    stats = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL), timeout=60).model_stats[0]
+    inference = stats.inference_stats
+    return {"count": inference.success.count, "request": inference.success.ns, "queue": inference.queue.ns,
+            "compute": inference.compute_infer.ns}
+
+
 def overhead(url: str, engine: Engine, ids: np.ndarray, blocks: int = 7, per_block: int = 40):
     """Median seconds of one request run directly on the VM, of the same request through gRPC,
-    and of an empty RPC (ServerLive: the transport's floor), interleaved in blocks."""
+    and of an empty RPC (ServerLive: the transport's floor), interleaved in blocks; and the
+    server's mean split of the served requests (seconds: request, queue, compute)."""
     request = request_for(ids)
     mask, types = np.ones_like(ids), np.zeros_like(ids)
     direct, served, empty = [], [], []
+    split = {"count": 0, "request": 0, "queue": 0, "compute": 0}
     with grpc.insecure_channel(url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(5):  # warm both paths
@@ -138,17 +158,47 @@ def overhead(url: str, engine: Engine, ids: np.ndarray, blocks: int = 7, per_blo
                 start = time.perf_counter()
                 engine.execute(ids, mask, types)
                 direct.append(time.perf_counter() - start)
-            time.sleep(0.2)
+            time.sleep(0.2)  # let this process's kernel threads stop spinning
+            before = _server_totals(stub)
             for _ in range(per_block):
                 start = time.perf_counter()
                 stub.ModelInfer(request, timeout=60)
                 served.append(time.perf_counter() - start)
+            after = _server_totals(stub)
+            for key in split:
+                split[key] += after[key] - before[key]
             for _ in range(per_block):
                 start = time.perf_counter()
                 stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=60)
                 empty.append(time.perf_counter() - start)
             time.sleep(0.2)
-    return statistics.median(direct), statistics.median(served), statistics.median(empty)
+    server_split = {key: split[key] / split["count"] / 1e9 for key in ("request", "queue", "compute")}
+    return statistics.median(direct), statistics.median(served), statistics.median(empty), server_split
+
+
+def perf_analyzer_runs(url: str, encoded: list[np.ndarray], cache_dir: Path, concurrencies=(1, 4, 16)) -> None:
+    """Triton's perf_analyzer against the ids model, its own summary lines quoted."""
+    from tests.benchmarks.perf_analyzer import (
+        PerfAnalyzerError,
+        ensure_perf_analyzer,
+        run_perf_analyzer,
+        write_input_data,
+    )
+
+    try:
+        run_sh = ensure_perf_analyzer(cache_dir)
+    except PerfAnalyzerError as err:
+        print(f"\nperf_analyzer unavailable, skipped: {err}")
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        data = Path(scratch) / "input.json"
+        write_input_data(data, encoded)
+        for concurrency in concurrencies:
+            lines, rps, p50, p99 = run_perf_analyzer(run_sh, url, MODEL, concurrency, data)
+            print(f"\nperf_analyzer, concurrency {concurrency}: {rps:.1f} infer/s, p50 {p50 / 1e3:.2f} ms, "
+                  f"p99 {p99 / 1e3:.2f} ms; its summary:")
+            for line in lines:
+                print(f"    | {line}")
 
 
 def main() -> int:
@@ -161,6 +211,7 @@ def main() -> int:
     parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
     parser.add_argument("--bucket-ratio", type=float, default=None, help="server default if not given")
     parser.add_argument("--requests", type=int, default=400, help="distinct requests in the rotation")
+    parser.add_argument("--skip-perf-analyzer", action="store_true")
     args = parser.parse_args()
 
     artifact = compile_artifact(CompileRequest(model=args.model, max_batch=max(16, args.max_batch_size)),
@@ -176,7 +227,7 @@ def main() -> int:
           f"{max(lengths)}; {engine.threads} CPU threads")
 
     rows, results = [], {}
-    overhead_us = None
+    overhead_us = empty_us = None
     for batching in (False, True):
         flags = ["--max-batch-size", str(args.max_batch_size), "--max-queue-delay-ms", str(args.max_queue_delay_ms)]
         if not batching:
@@ -187,11 +238,16 @@ def main() -> int:
         try:
             if not batching:
                 median_ids = encoded[int(np.argsort(lengths)[len(lengths) // 2])]
-                direct, served, empty = overhead(server.grpc_url, engine, median_ids)
-                overhead_us = (served - direct) * 1e6
+                direct, served, empty, split = overhead(server.grpc_url, engine, median_ids)
+                overhead_us, empty_us = (served - direct) * 1e6, empty * 1e6
+                rest = split["request"] - split["queue"] - split["compute"]
                 print(f"overhead at seq {median_ids.shape[1]}: direct VM {direct * 1e3:.3f} ms, "
-                      f"gRPC {served * 1e3:.3f} ms, server overhead {overhead_us:.0f} us "
-                      f"(an empty RPC, ServerLive, takes {empty * 1e6:.0f} us on this channel)")
+                      f"gRPC {served * 1e3:.3f} ms, server overhead {overhead_us:.0f} us; an empty RPC "
+                      f"(ServerLive) takes {empty_us:.0f} us on this channel")
+                print(f"  server's own split (means): compute {split['compute'] * 1e6:.0f} us (direct VM "
+                      f"{direct * 1e6:.0f}), hand-off to the execution thread {split['queue'] * 1e6:.0f} us, "
+                      f"rest of the handler {rest * 1e6:.0f} us; transport and client "
+                      f"{(served - split['request']) * 1e6:.0f} us")
             for concurrency in args.concurrency:
                 closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
                 rps, latencies = closed_loop(server.grpc_url, requests, concurrency, args.seconds)
@@ -199,18 +255,24 @@ def main() -> int:
                 rows.append((("on" if batching else "off"), concurrency, rps, percentile(latencies, 50) * 1e3,
                              percentile(latencies, 99) * 1e3, len(latencies)))
                 time.sleep(0.5)
+            if batching and not args.skip_perf_analyzer:
+                perf_analyzer_runs(server.grpc_url, encoded, args.cache_dir / "perf_analyzer")
         finally:
             server.stop()
 
     print(f"\n{'batching':>8} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
     for batching, concurrency, rps, p50, p99, count in rows:
         print(f"{batching:>8} {concurrency:>7} {rps:8.1f} {p50:8.2f} {p99:8.2f} {count:8d}")
-    top = max(args.concurrency)
+    top, low = max(args.concurrency), min(args.concurrency)
     on_rps, on_latencies = results[(True, top)]
-    off_rps = results[(False, top)][0]
-    print(f"\nbatching on / off throughput at {top} clients: {on_rps / off_rps:.2f}x")
+    gain = on_rps / results[(False, top)][0]
+    lone = percentile(results[(True, low)][1], 50) / percentile(results[(False, low)][1], 50)
+    print(f"\nbatching on / off throughput at {top} clients: {gain:.2f}x (goal >= 1.2x); p50 on / off at {low} "
+          f"client(s): {lone:.3f} (goal <= 1.05); overhead p50 {overhead_us:.0f} us vs empty RPC {empty_us:.0f} us "
+          f"(goal <= empty + 200 us)")
     print(f"RESULT throughput_rps={on_rps:.1f} p50_ms={percentile(on_latencies, 50) * 1e3:.2f} "
-          f"p99_ms={percentile(on_latencies, 99) * 1e3:.2f} overhead_p50_us={overhead_us:.0f}")
+          f"p99_ms={percentile(on_latencies, 99) * 1e3:.2f} overhead_p50_us={overhead_us:.0f} "
+          f"empty_rpc_p50_us={empty_us:.0f} batching_gain_{top}={gain:.2f} lone_request_ratio={lone:.3f}")
     return 0
 
 

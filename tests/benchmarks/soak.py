@@ -3,8 +3,8 @@
     python tests/benchmarks/soak.py [--requests 10000] [--concurrency 16] [--model default]
 
 About half the requests go to the ids model (real passages tokenized, then cut or repeated to the drawn
-length), half to the text model (runs of real prose long enough to reach it); each has 1-4 rows,
-each row's length drawn uniformly from 1..512 tokens. Request i is a pure function of (seed, i),
+length), half to the text model (runs of real prose long enough to reach it); each has 1..--max-rows rows
+(default 1), each row's length drawn uniformly from 1..512 tokens. Request i is a pure function of (seed, i),
 so every ``--check-every``-th answer is compared, after the load, with a direct ``Engine.run``
 on the same rows (the text rows tokenized by the same TextTokenizer). The server's resident
 memory (VmRSS) is read after ``--warmup`` requests and then periodically. Last line:
@@ -64,18 +64,19 @@ class Traffic:
     tokens_per_word: float
     max_len: int
     seed: int
+    max_rows: int
 
     @classmethod
-    def build(cls, tokenizer: TextTokenizer, max_len: int, seed: int, count: int = 1000) -> Traffic:
+    def build(cls, tokenizer: TextTokenizer, max_len: int, seed: int, max_rows: int, count: int = 1000) -> Traffic:
         texts = real_passages(count, seed)
         passages = [tokenizer.encode([text]).input_ids[0] for text in texts]
         words = " ".join(texts).split()
         tokens_per_word = sum(len(p) - 2 for p in passages) / len(words)
-        return cls(passages, words, tokens_per_word, max_len, seed)
+        return cls(passages, words, tokens_per_word, max_len, seed, max_rows)
 
     def request(self, index: int) -> Request:
         rng = np.random.default_rng([self.seed, index])
-        lengths = rng.integers(1, self.max_len + 1, size=int(rng.integers(1, 5)))
+        lengths = rng.integers(1, self.max_len + 1, size=int(rng.integers(1, self.max_rows + 1)))
         return self._ids(rng, lengths) if rng.random() < 0.5 else self._text(rng, lengths)
 
     def _ids(self, rng: np.random.Generator, lengths: np.ndarray) -> Request:
@@ -97,8 +98,7 @@ class Traffic:
 
 def to_wire(request: Request, index: int) -> service_pb2.ModelInferRequest:
     if request.kind == "ids":
-        message = request_for(request.ids)  # input_ids, asking for sentence_embedding only
-        message.model_name = MODEL
+        message = request_for(request.ids, MODEL)  # input_ids, asking for sentence_embedding only
         message.inputs.add(name="attention_mask", datatype="INT64", shape=request.mask.shape)
         message.raw_input_contents.append(np.ascontiguousarray(request.mask, dtype="<i8").tobytes())
         return message
@@ -221,13 +221,16 @@ def main() -> int:
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-rows", type=int, default=1,
+                        help="rows per request drawn from 1..N (default 1: 10,000 requests of up to 512 tokens "
+                             "take ~15 min on 2 cores with the untuned MiniLM)")
     args = parser.parse_args()
 
     artifact = compile_artifact(CompileRequest(model=args.model, max_batch=max(16, args.max_batch_size)),
                                 args.cache_dir, progress=lambda m: print(f"# {m}", file=sys.stderr))
     engine = Engine(load_artifact(artifact))
     tokenizer = TextTokenizer.from_folder(artifact, engine.max_seq_len)
-    traffic = Traffic.build(tokenizer, engine.max_seq_len, args.seed)
+    traffic = Traffic.build(tokenizer, engine.max_seq_len, args.seed, args.max_rows)
     warmup = min(args.warmup, args.requests // 2)
     print(f"model {args.model}: {args.requests} requests at concurrency {args.concurrency}, ids to {MODEL!r} "
           f"and text to {TEXT_MODEL!r}; RSS from request {warmup}, every {args.check_every}th answer checked")
