@@ -25,6 +25,8 @@ from ..kernels.tree import names_in
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint
 from ..model.presets import resolve_model
+from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
+from ..runtime.traffic import Traffic, TrafficError, observed_lengths
 from .artifact import CompileRequest, compile_artifact, model_display_name
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
@@ -55,14 +57,20 @@ class TuneRequest:
 
 
 def read_lengths(path: Path) -> tuple[int, ...]:
-    """Observed sequence lengths: whitespace-separated integers, or JSON ``{"length": count}``."""
+    """Observed sequence lengths: whitespace-separated integers, JSON ``{"length": count}``, or a
+    server's traffic file (``runtime/traffic.py``: decayed rows per executed shape)."""
     text = Path(path).read_text()
     try:
         if text.lstrip().startswith("{"):
             counts = json.loads(text)
-            lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
+            if isinstance(counts, dict) and counts.get("format") == TRAFFIC_FORMAT:
+                lengths = list(observed_lengths(Traffic.from_dict(counts, str(path))))
+            else:
+                lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
         else:
             lengths = [int(token) for token in text.split()]
+    except TrafficError:
+        raise
     except (ValueError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: lengths must be integers, one per observation, or JSON {{length: count}}: "
                          f"{err}") from err

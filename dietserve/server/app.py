@@ -26,6 +26,7 @@ from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
 from .servicer import InferenceServicer, ServingState, inference_handlers
 from .status import ServingInterceptor
+from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
 
@@ -37,10 +38,11 @@ REPLY_OVERHEAD_BYTES = 64 << 10
 MEMORY_SLACK = 0.05
 
 
-def _record_batch(metrics: ServerMetrics) -> Callable[[BatchRun], None]:
+def _record_batch(metrics: ServerMetrics, traffic: TrafficLog) -> Callable[[BatchRun], None]:
     dispatch_counters = {}  # labels() costs microseconds; a model has dozens of dynamic operators
 
     def record(run: BatchRun) -> None:
+        traffic.record(run)
         computed = run.rows * run.seq_len
         metrics.compute_duration.observe(run.compute_seconds)
         metrics.batch_size.observe(run.rows)
@@ -100,6 +102,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = ServerMetrics()
+    traffic = TrafficLog(config.traffic_file, config.traffic_half_life_seconds, metrics)
     text_name = model_name + TEXT_MODEL_SUFFIX
     state = ServingState(config=config, metrics=metrics, model_names=(model_name, text_name))
     server = grpc.aio.server(
@@ -144,7 +147,7 @@ async def serve(
         metrics.ready.set(0)
         loop.create_task(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    batcher = None
+    batcher = saver = None
     try:
         engine, tokenizer = await loop.run_in_executor(None, load_model)
         settled = await loop.run_in_executor(None, _warm_up, engine)
@@ -161,7 +164,7 @@ async def serve(
             bucket_ratio=config.bucket_ratio,
             max_queue_rows=config.max_queue_rows,
             on_queue_change=metrics.queued_rows.set,
-            on_batch=_record_batch(metrics),
+            on_batch=_record_batch(metrics, traffic),
             on_stopped=execution_stopped,
         )
         batcher.start()
@@ -173,6 +176,7 @@ async def serve(
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
+        saver = loop.create_task(traffic.keep_saving(config.traffic_save_seconds), name="dietserve-traffic")
         say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {batching}; "
             f"{settled / 2**20:.0f} MiB resident after warm-up")
         await stop.wait()
@@ -189,6 +193,12 @@ async def serve(
             await health_server.stop(0)
         if batcher is not None:
             await batcher.close()
+        if saver is not None:
+            saver.cancel()
+        try:
+            await traffic.save()
+        except OSError as err:
+            log.error("cannot write the traffic file %s: %s", config.traffic_file, err)
         state.decode_pool.shutdown(wait=False, cancel_futures=True)
         metrics_server.shutdown()
         say("stopped")

@@ -34,6 +34,9 @@ class ServerConfig:
     tls_key: Path | None = None  # PEM private key of tls_cert
     tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed
     health_port: int | None = None  # plaintext grpc.health.v1 only (Kubernetes probes cannot do TLS)
+    traffic_file: Path | None = None  # executed shapes, decayed, for `dietserve tune --lengths` (runtime/traffic.py)
+    traffic_half_life_seconds: float = 3600.0
+    traffic_save_seconds: float = 60.0
     reflection: bool = True  # gRPC server reflection (grpcurl, Postman); off where the API should not be listed
 
     def __post_init__(self) -> None:
@@ -51,6 +54,10 @@ class ServerConfig:
             (self.max_concurrent_rpcs >= 1,
              f"--max-concurrent-rpcs must be at least 1, got {self.max_concurrent_rpcs}"),
             (self.tls_client_ca is None or self.tls_cert is not None, "--tls-client-ca needs --tls-cert and --tls-key"),
+            (self.traffic_half_life_seconds > 0,
+             f"--traffic-half-life-seconds must be positive, got {self.traffic_half_life_seconds}"),
+            (self.traffic_save_seconds > 0,
+             f"--traffic-save-seconds must be positive, got {self.traffic_save_seconds}"),
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}"),
             (self.grace_seconds >= 0, f"--grace-seconds must be >= 0, got {self.grace_seconds}"),
@@ -117,6 +124,15 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     group.add_argument("--tls-client-ca", type=Path, default=None,
                        help="mutual TLS: PEM CA certificate(s); only clients with a certificate it signed are served")
+    group.add_argument("--traffic-file", type=Path, default=None,
+                       help="record the executed shapes, decayed, in this file (written atomically every "
+                            "--traffic-save-seconds and at exit; read back at start); `dietserve tune --lengths "
+                            "FILE` tunes for that mix")
+    group.add_argument("--traffic-half-life-seconds", type=float, default=defaults.traffic_half_life_seconds,
+                       help="an execution's weight halves after this long "
+                            f"(default {defaults.traffic_half_life_seconds:g})")
+    group.add_argument("--traffic-save-seconds", type=float, default=defaults.traffic_save_seconds,
+                       help=f"how often the traffic file is written (default {defaults.traffic_save_seconds:g})")
     group.add_argument("--health-port", type=int, default=None,
                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
                             "probes, which cannot speak TLS; 0: any)")

@@ -65,6 +65,13 @@ class ServerMetrics:
             "dietserve_memory_limit_bytes",
             "resident memory past which the VM's pooled buffers are released after a batch (settled + 5%)",
             registry=r)
+        self.traffic_rows = Gauge(
+            "dietserve_traffic_rows",
+            "executed rows at or below each sequence length, each execution's weight halving every "
+            "--traffic-half-life-seconds (what re-tuning weights shapes by)",
+            ["le"], registry=r)
+        self.traffic_file_resets = Counter(
+            "dietserve_traffic_file_resets", "unreadable traffic files set aside at start", registry=r)
         self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
                                    registry=r)
 

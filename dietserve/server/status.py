@@ -29,6 +29,7 @@ STATUS_OF_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Expired: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+UNKNOWN_METHOD = "unknown"
 # Probes must answer however busy the server is: they are never refused by the cap.
 UNCAPPED_SERVICES = ("/grpc.health.v1.Health/",)
 
@@ -52,6 +53,7 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.active = 0
         self._counters: dict[tuple[str, str], object] = {}  # labels() costs microseconds per call
+        self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, wrapped)
 
     def count(self, method: str, code: grpc.StatusCode) -> None:
         counter = self._counters.get((method, code.name))
@@ -64,9 +66,17 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
         full_method = handler_call_details.method
         method = full_method.rsplit("/", 1)[-1]
         if handler is None:  # gRPC answers UNIMPLEMENTED
-            self.count(method, grpc.StatusCode.UNIMPLEMENTED)
+            # One label for every unknown name: a client must not be able to mint label values.
+            self.count(UNKNOWN_METHOD, grpc.StatusCode.UNIMPLEMENTED)
             return None
-        capped = not full_method.startswith(UNCAPPED_SERVICES)
+        cached = self._wrapped.get(full_method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrapped_handler(handler, method, not full_method.startswith(UNCAPPED_SERVICES))
+        self._wrapped[full_method] = (handler, wrapped)
+        return wrapped
+
+    def _wrapped_handler(self, handler, method: str, capped: bool):
         for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
                            ("unary_stream", grpc.unary_stream_rpc_method_handler),
                            ("stream_unary", grpc.stream_unary_rpc_method_handler),

@@ -296,7 +296,7 @@ def test_metrics_count_the_requests(server, client):
     ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "ModelInfer"))), 0.0)
     bad = before.get(("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer"))), 0.0)
     health_ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "Check"))), 0.0)
-    unknown = before.get(("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "Nonsense"))), 0.0)
+    unknown = before.get(("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown"))), 0.0)
     rows_before = before.get(("dietserve_request_sequence_length_count", ()), 0.0)
     for length in (3, 17, 40):
         client.infer(MODEL, [ids_input(np.full((2, length), 2000, dtype=np.int64))])
@@ -308,7 +308,7 @@ def test_metrics_count_the_requests(server, client):
             channel.unary_unary("/inference.GRPCInferenceService/Nonsense")(b"", timeout=10)
     after = metrics(server)
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "Check")))] == health_ok + 1
-    assert after[("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "Nonsense")))] == unknown + 1
+    assert after[("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown")))] == unknown + 1
     assert after[("dietserve_request_sequence_length_count", ())] == rows_before + 6  # per row, not per request
     assert after[("process_resident_memory_bytes", ())] > 0 and after[("dietserve_settled_memory_bytes", ())] > 0
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == ok + 3

@@ -1,0 +1,107 @@
+"""The shapes a server really executes, decayed over time: what the tuner re-weights shapes by.
+
+Each model execution adds 1 to the weight of its shape (batch rows, sequence length); all
+weights halve every ``half_life_seconds``, so the mix follows the traffic. The file (JSON,
+written whole or not at all) is the one format for this concept: the server writes it, and
+``dietserve tune --lengths FILE`` reads it through :func:`observed_lengths`.
+
+    {"format": "dietserve.traffic", "version": 1, "half_life_seconds": 3600.0,
+     "as_of": 1763860000.0, "shapes": [[rows, seq_len, weight], ...]}
+
+``weight`` is decayed to ``as_of`` (Unix seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..kernels.atomic_io import write_text_atomic
+
+FORMAT = "dietserve.traffic"
+VERSION = 1
+NEGLIGIBLE_WEIGHT = 1e-3  # a shape decayed below this is forgotten: the file stays bounded
+OBSERVATIONS_FOR_TUNING = 10_000
+
+
+class TrafficError(ValueError):
+    """A traffic file that cannot be read; the message names the file and the problem."""
+
+
+@dataclass
+class Traffic:
+    half_life_seconds: float
+    as_of: float
+    weights: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.half_life_seconds > 0:
+            raise TrafficError(f"half-life must be positive, got {self.half_life_seconds}")
+
+    def decay_to(self, now: float) -> None:
+        if now <= self.as_of:
+            return
+        factor = 0.5 ** ((now - self.as_of) / self.half_life_seconds)
+        self.weights = {shape: w * factor for shape, w in self.weights.items() if w * factor >= NEGLIGIBLE_WEIGHT}
+        self.as_of = now
+
+    def record(self, rows: int, seq_len: int, now: float) -> None:
+        self.decay_to(now)
+        self.weights[(rows, seq_len)] = self.weights.get((rows, seq_len), 0.0) + 1.0
+
+    def row_weights(self) -> dict[int, float]:
+        """Sequence length -> decayed rows executed at that length."""
+        by_length: dict[int, float] = {}
+        for (rows, seq_len), weight in self.weights.items():
+            by_length[seq_len] = by_length.get(seq_len, 0.0) + rows * weight
+        return by_length
+
+    def to_json(self) -> str:
+        shapes = [[rows, seq, round(w, 6)] for (rows, seq), w in sorted(self.weights.items())]
+        return json.dumps({"format": FORMAT, "version": VERSION, "half_life_seconds": self.half_life_seconds,
+                           "as_of": self.as_of, "shapes": shapes})
+
+    def save(self, path: Path) -> None:
+        write_text_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: Path) -> Traffic:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise TrafficError(f"traffic file {path} is unreadable: {err}") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> Traffic:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise TrafficError(f"{where} is not a dietserve traffic file (no \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise TrafficError(f"{where} has traffic format version {data.get('version')}; this is {VERSION}")
+        try:
+            half_life, as_of = float(data["half_life_seconds"]), float(data["as_of"])
+            weights = {}
+            for rows, seq, weight in data["shapes"]:
+                if int(rows) < 1 or int(seq) < 1 or not (math.isfinite(float(weight)) and float(weight) >= 0):
+                    raise ValueError(f"bad shape entry {[rows, seq, weight]}")
+                weights[(int(rows), int(seq))] = float(weight)
+        except (KeyError, TypeError, ValueError) as err:
+            raise TrafficError(f"{where} is malformed: {err}") from None
+        if not math.isfinite(as_of):
+            raise TrafficError(f"{where} is malformed: as_of {as_of}")
+        return cls(half_life, as_of, weights)
+
+
+def observed_lengths(traffic: Traffic, total: int = OBSERVATIONS_FOR_TUNING) -> tuple[int, ...]:
+    """The mix as the tuner takes it (one sequence length per observed row): each length
+    repeated in proportion to its decayed rows, ``total`` in all (lengths too rare to round to one
+    observation are dropped)."""
+    by_length = traffic.row_weights()
+    scale = total / sum(by_length.values()) if by_length else 0.0
+    lengths = []
+    for seq_len, weight in sorted(by_length.items()):
+        lengths.extend([seq_len] * round(weight * scale))
+    return tuple(lengths)

@@ -1,0 +1,55 @@
+"""The traffic record: decay, the file format and its checks, and the lengths the tuner reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dietserve.compile.tuning import read_lengths
+from dietserve.runtime.traffic import Traffic, TrafficError, observed_lengths
+
+
+def test_weights_halve_every_half_life_and_tiny_ones_are_forgotten():
+    traffic = Traffic(half_life_seconds=10.0, as_of=1000.0)
+    for _ in range(4):
+        traffic.record(2, 37, now=1000.0)
+    traffic.record(1, 300, now=1010.0)  # one half-life later
+    assert traffic.weights == {(2, 37): pytest.approx(2.0), (1, 300): pytest.approx(1.0)}
+    assert traffic.row_weights() == {37: pytest.approx(4.0), 300: pytest.approx(1.0)}
+    traffic.decay_to(1010.0 + 10.0 * 12)  # 2 / 4096 and 1 / 4096 are below the threshold
+    assert traffic.weights == {}
+
+
+def test_the_file_round_trips_and_is_what_tune_reads(tmp_path):
+    traffic = Traffic(half_life_seconds=60.0, as_of=0.0)
+    for seq, count in ((16, 30), (128, 10)):
+        for _ in range(count):
+            traffic.record(1, seq, now=0.0)
+    traffic.record(4, 128, now=0.0)  # 4 rows at 128
+    path = tmp_path / "traffic.json"
+    traffic.save(path)
+    again = Traffic.load(path)
+    assert again.weights == traffic.weights and again.half_life_seconds == 60.0
+    lengths = read_lengths(path)
+    assert len(lengths) == 10_000
+    assert lengths.count(16) == pytest.approx(10_000 * 30 / 44, abs=1)
+    assert lengths.count(128) == pytest.approx(10_000 * 14 / 44, abs=1)
+    assert observed_lengths(Traffic(1.0, 0.0)) == ()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "unreadable"),
+    (json.dumps({"format": "something else"}), "not a dietserve traffic file"),
+    (json.dumps({"format": "dietserve.traffic", "version": 9}), "version 9"),
+    (json.dumps({"format": "dietserve.traffic", "version": 1, "half_life_seconds": 5, "as_of": 0,
+                 "shapes": [[0, 5, 1.0]]}), "bad shape entry"),
+    (json.dumps({"format": "dietserve.traffic", "version": 1, "as_of": 0, "shapes": []}), "malformed"),
+    (json.dumps({"format": "dietserve.traffic", "version": 1, "half_life_seconds": 5, "as_of": 0,
+                 "shapes": [[1, 5, "NaN"]]}), "bad shape entry"),
+])
+def test_unreadable_files_name_the_problem(tmp_path, content, message):
+    path = tmp_path / "traffic.json"
+    path.write_text(content)
+    with pytest.raises(TrafficError, match=message):
+        Traffic.load(path)
