@@ -4,7 +4,9 @@
     python -m dietserve tune --model default --trials 64 --db records.jsonl --out DIR
     python -m dietserve explain --artifact DIR --seq 37 [--batch 4] [--plot FILE.png]
     python -m dietserve embed "a sentence" "another sentence" --similarity
-    python -m dietserve serve [--artifact DIR] [--port 8001] [--metrics-port 8002]
+    python -m dietserve serve [--artifact DIR | --artifact-store STORE] [--port 8001] [--metrics-port 8002]
+    python -m dietserve publish ARTIFACT --store STORE
+    python -m dietserve rollback --store STORE
 """
 
 from __future__ import annotations
@@ -113,7 +115,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args, args.artifact)  # checks the flags before a long compile
-    if args.artifact is not None:
+    hot_swap = None
+    if args.artifact_store is not None:
+        from .runtime.versions import VersionStore
+
+        if args.artifact is not None:
+            raise SystemExit("error: give --artifact or --artifact-store, not both")
+        store = VersionStore(args.artifact_store)
+        version = store.to_serve()
+        directory = store.path(version)
+        config = dataclasses.replace(config, artifact=directory)
+    elif args.artifact is not None:
         directory = args.artifact
     else:
         from .compile.artifact import compile_artifact
@@ -122,20 +134,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, artifact=directory)
     model_name = config.model_name or Manifest.read(directory).model_name
 
-    def load_model():
-        from .model.tokenizer import TextTokenizer
+    def load_engine(path):
         from .runtime.artifact import load_artifact
         from .runtime.engine import Engine
 
+        return Engine(load_artifact(path), threads=config.threads)
+
+    def load_model():
+        from .model.tokenizer import TextTokenizer
+
         _say(f"loading {directory}")
-        engine = Engine(load_artifact(directory), threads=config.threads)
+        engine = load_engine(directory)
         return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
 
     try:
         from .server.app import serve
+        from .server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
-    return asyncio.run(serve(config, model_name, load_model, _say))
+    if args.artifact_store is not None:
+        hot_swap = HotSwap(store, version, load_engine, args.watch_seconds)
+    return asyncio.run(serve(config, model_name, load_model, _say, hot_swap=hot_swap))
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from .runtime.versions import VersionStore
+
+    version = VersionStore(args.store).publish(args.artifact, keep=args.keep)
+    print(f"published {args.artifact} as version {version} of {args.store}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from .runtime.versions import VersionStore
+
+    store = VersionStore(args.store)
+    serving = store.to_serve()
+    target = store.rollback()
+    print(f"{args.store}: version {serving} and later rejected; servers return to version {target}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +230,24 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve the model over the KServe v2 / Triton gRPC protocol (compiles on first use)")
     _add_build_flags(serve_parser)
     serve_parser.add_argument("--artifact", type=Path, default=None, help="serve this compiled artifact directory")
+    serve_parser.add_argument("--artifact-store", type=Path, default=None,
+                              help="serve the current version of this version store and swap in newer ones "
+                                   "after checking them (see `publish`, `rollback`)")
+    serve_parser.add_argument("--watch-seconds", type=float, default=5.0,
+                              help="how often the version store is checked for a new version (default 5)")
     add_server_flags(serve_parser)
     serve_parser.set_defaults(run=cmd_serve)
+
+    publish_parser = commands.add_parser("publish", help="add an artifact to a version store as its next version")
+    publish_parser.add_argument("artifact", type=Path, help="compiled artifact directory")
+    publish_parser.add_argument("--store", type=Path, required=True, help="version store directory")
+    publish_parser.add_argument("--keep", type=int, default=5, help="versions to keep (default 5)")
+    publish_parser.set_defaults(run=cmd_publish)
+
+    rollback_parser = commands.add_parser(
+        "rollback", help="point a version store back at the version before the served one; servers follow")
+    rollback_parser.add_argument("--store", type=Path, required=True, help="version store directory")
+    rollback_parser.set_defaults(run=cmd_rollback)
     return parser
 
 

@@ -158,6 +158,11 @@ class DynamicBatcher:
             self._withdraw(job)
             raise
 
+    async def run_between_batches(self, function, *args):
+        """Runs ``function(*args)`` on the execution thread between two batches (a hot swap's
+        checks: one model run at a time, so no request waits behind more than one)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
     async def close(self) -> None:
         """Runs what is queued, then stops."""
         self._closing = True
@@ -286,17 +291,18 @@ class DynamicBatcher:
     def _execute(self, jobs: list[Job], loop: asyncio.AbstractEventLoop) -> BatchRun:
         """Runs on the execution thread; hands the answers to the loop directly, one loop
         iteration sooner than through the scheduler."""
+        engine = self.engine  # a hot swap replaces it between batches, never during one
         started = time.monotonic()
         seq_len = max(job.request.seq_len for job in jobs)
         ids, mask, types = pad_rows(jobs, seq_len)
-        output = self.engine.execute(ids, mask, types)
+        output = engine.execute(ids, mask, types)
         compute = time.monotonic() - started
         run = BatchRun(
             rows=ids.shape[0],
             seq_len=seq_len,
             real_tokens=int(mask.sum()),
             compute_seconds=compute,
-            variants=self.engine.dispatch.variants(ids.shape[0], seq_len),
+            variants=engine.dispatch.variants(ids.shape[0], seq_len),
             row_lengths=tuple(int(n) for n in mask.sum(axis=1)),
         )
         results, start = [], 0

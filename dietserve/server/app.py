@@ -26,6 +26,7 @@ from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
 from .servicer import InferenceServicer, ServingState, inference_handlers
 from .status import ServingInterceptor
+from .swap import HotSwap, Swapper
 from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
@@ -93,6 +94,7 @@ async def serve(
     load_model: Callable[[], tuple[Engine, TextTokenizer]],
     say: Callable[[str], None],
     stop: asyncio.Event | None = None,
+    hot_swap: HotSwap | None = None,
 ) -> int:
     """Serves ``model_name`` (token ids) and ``model_name-text`` (text) until ``stop`` is set
     (SIGTERM and SIGINT set it). ``say`` reports progress; the line
@@ -147,7 +149,7 @@ async def serve(
         metrics.ready.set(0)
         loop.create_task(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    batcher = saver = None
+    batcher = saver = watcher = None
     try:
         engine, tokenizer = await loop.run_in_executor(None, load_model)
         settled = await loop.run_in_executor(None, _warm_up, engine)
@@ -171,13 +173,20 @@ async def serve(
         state.batcher = batcher
         state.models = {model_name: ServedModel(model_name, engine),
                         text_name: ServedModel(text_name, engine, tokenizer)}
+        if hot_swap is not None:
+            hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
+            for model in state.models.values():
+                model.version = str(hot_swap.version)
+            swapper = Swapper(hot_swap, batcher, state.models, metrics, traffic, say)
+            watcher = loop.create_task(swapper.watch(), name="dietserve-versions")
         state.ready = True
         metrics.ready.set(1)
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
         saver = loop.create_task(traffic.keep_saving(config.traffic_save_seconds), name="dietserve-traffic")
-        say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {batching}; "
+        served = f"version {hot_swap.version} of {hot_swap.store.root}; " if hot_swap is not None else ""
+        say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {served}{batching}; "
             f"{settled / 2**20:.0f} MiB resident after warm-up")
         await stop.wait()
     finally:
@@ -191,6 +200,8 @@ async def serve(
         await server.stop(config.grace_seconds)
         if health_server is not None:
             await health_server.stop(0)
+        if watcher is not None:
+            watcher.cancel()
         if batcher is not None:
             await batcher.close()
         if saver is not None:

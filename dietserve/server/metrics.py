@@ -72,6 +72,15 @@ class ServerMetrics:
             ["le"], registry=r)
         self.traffic_file_resets = Counter(
             "dietserve_traffic_file_resets", "unreadable traffic files set aside at start", registry=r)
+        self.artifact_version = Gauge(
+            "dietserve_artifact_version_info", "1 for the artifact version being served (hot swap; label: version)",
+            ["version"], registry=r)
+        self.swaps = Counter("dietserve_swaps", "versions checked and swapped in", registry=r)
+        self.swap_failures = Counter(
+            "dietserve_swap_failures", "candidate versions refused: unloadable, incompatible or answering "
+            "differently", registry=r)
+        self.swap_duration = Gauge("dietserve_last_swap_duration_seconds",
+                                   "load + checks + swap of the last version swapped in", registry=r)
         self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
                                    registry=r)
 

@@ -138,6 +138,7 @@ class ServedModel:
             "target": manifest.target.get("kind", ""),
             "dynamic_operators": ",".join(self.engine.dispatch.operators),
             "cache_key": manifest.cache_key,
+            "artifact_version": self.version,
         }
         for key, value in parameters.items():
             config.parameters[key].string_value = value

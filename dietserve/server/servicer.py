@@ -50,8 +50,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if name not in self.state.model_names:
             served = ", ".join(f"'{n}'" for n in self.state.model_names)
             raise UnknownModel(f"unknown model '{name}'; this server serves {served}")
-        if version not in ("", VERSION):
-            raise UnknownModel(f"model '{name}' has no version '{version}' (versions: {VERSION})")
+        model = self.state.models.get(name)
+        served_version = model.version if model is not None else VERSION
+        if version not in ("", served_version):
+            raise UnknownModel(f"model '{name}' has no version '{version}' (serving version {served_version})")
 
     def _loaded(self, name: str, version: str) -> ServedModel:
         self._check_name(name, version)
@@ -98,8 +100,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             state = "LOADING" if not self.state.models else "UNAVAILABLE"
         if request.ready and state != "READY":
             return pb.RepositoryIndexResponse()
+        versions = {name: model.version for name, model in self.state.models.items()}
         return pb.RepositoryIndexResponse(models=[
-            pb.RepositoryIndexResponse.ModelIndex(name=name, version=VERSION, state=state)
+            pb.RepositoryIndexResponse.ModelIndex(name=name, version=versions.get(name, VERSION), state=state)
             for name in self.state.model_names])
 
     # ------------------------------------------------------------------ inference

@@ -20,9 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, *flags: str, model_name: str = "minilm", command: list[str] | None = None):
+    def __init__(self, artifact: Path | None, *flags: str, model_name: str = "minilm",
+                 command: list[str] | None = None):
+        """``artifact`` None: the flags name what to serve (``--artifact-store``)."""
         self.model_name = model_name
-        command = command or [sys.executable, "-m", "dietserve", "serve", "--artifact", str(artifact),
+        source = ["--artifact", str(artifact)] if artifact is not None else []
+        command = command or [sys.executable, "-m", "dietserve", "serve", *source,
                               "--model-name", model_name, "--port", "0", "--metrics-port", "0", *flags]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,120 @@
+"""Artifact versions for hot swaps: the one place that reads and writes a version store.
+
+    STORE/versions/000001/      an artifact directory (manifest.json, model.so, ...)
+    STORE/versions/000002/
+    STORE/versions/000003/REJECTED   present: a server refused it (the file says why)
+    STORE/current               the number of the version a server verified and serves
+
+A version appears whole or not at all: it is copied into a hidden temporary directory of the
+store and renamed to the next number. ``current`` is replaced atomically. A server serves
+``current`` (or, when there is none, the newest version not rejected), and adopts a newer
+version only after checking it against the one it serves; a rollback points ``current`` back
+and rejects the versions after it. The newest ``keep`` versions are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..kernels.atomic_io import write_text_atomic
+from .manifest import MANIFEST_FILE, ArtifactError
+
+VERSIONS_DIR = "versions"
+CURRENT_FILE = "current"
+REJECTED_FILE = "REJECTED"
+DEFAULT_KEEP = 5
+
+
+class VersionStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.versions_dir = self.root / VERSIONS_DIR
+
+    def path(self, version: int) -> Path:
+        return self.versions_dir / f"{version:06d}"
+
+    def versions(self) -> list[int]:
+        """Every complete version, oldest first (temporary directories are not versions)."""
+        if not self.versions_dir.is_dir():
+            return []
+        return sorted(int(entry.name) for entry in self.versions_dir.iterdir()
+                      if entry.name.isdigit() and (entry / MANIFEST_FILE).is_file())
+
+    def rejected(self, version: int) -> str | None:
+        marker = self.path(version) / REJECTED_FILE
+        return marker.read_text() if marker.is_file() else None
+
+    def current(self) -> int | None:
+        """The version a server verified last (``current``), if it still exists."""
+        try:
+            version = int((self.root / CURRENT_FILE).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        return version if version in self.versions() else None
+
+    def to_serve(self) -> int:
+        """``current``, else the newest version not rejected."""
+        current = self.current()
+        if current is not None:
+            return current
+        candidates = [v for v in self.versions() if self.rejected(v) is None]
+        if not candidates:
+            raise ArtifactError(f"version store {self.root} holds no usable version")
+        return candidates[-1]
+
+    def newer_candidate(self, than: int) -> int | None:
+        """The newest version after ``than`` that is not rejected."""
+        candidates = [v for v in self.versions() if v > than and self.rejected(v) is None]
+        return candidates[-1] if candidates else None
+
+    def set_current(self, version: int) -> None:
+        write_text_atomic(self.root / CURRENT_FILE, f"{version}\n")
+
+    def reject(self, version: int, reason: str) -> None:
+        write_text_atomic(self.path(version) / REJECTED_FILE, reason.rstrip() + "\n")
+
+    def publish(self, artifact: Path, keep: int = DEFAULT_KEEP) -> int:
+        """Copies ``artifact`` in as the next version; returns its number."""
+        if not (Path(artifact) / MANIFEST_FILE).is_file():
+            raise ArtifactError(f"{artifact} is not an artifact: {MANIFEST_FILE} is missing")
+        self.versions_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=self.versions_dir))
+        try:
+            shutil.copytree(artifact, staging, dirs_exist_ok=True)
+            (staging / REJECTED_FILE).unlink(missing_ok=True)
+            while True:
+                version = (self.versions()[-1] if self.versions() else 0) + 1
+                try:
+                    os.rename(staging, self.path(version))  # fails if another publisher took the number
+                    break
+                except OSError:
+                    if not self.path(version).exists():
+                        raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.prune(keep)
+        return version
+
+    def rollback(self) -> int:
+        """Points ``current`` at the version before it and rejects the versions after that one."""
+        serving = self.to_serve()
+        older = [v for v in self.versions() if v < serving and self.rejected(v) is None]
+        if not older:
+            raise ArtifactError(f"version store {self.root}: nothing to roll back to before version {serving}")
+        target = older[-1]
+        for version in self.versions():
+            if version > target:
+                self.reject(version, f"rolled back to version {target}")
+        self.set_current(target)
+        return target
+
+    def prune(self, keep: int) -> None:
+        """Deletes all but the newest ``keep`` versions, never the current one."""
+        current = self.current()
+        for version in self.versions()[:-keep]:
+            if version != current:
+                shutil.rmtree(self.path(version), ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Hot swap: a server serving from a version store (``runtime/versions.py``) adopts a newer
+version, or the one a rollback points at, without a failed or slowed request.
+
+The candidate is loaded on a background thread, warmed up and checked on the execution thread
+one model run at a time between batches. The check runs sample inputs through both versions: the
+artifact's smallest shapes and the heaviest shape of the recorded traffic. It compares their
+answers. Only then does the batcher take the new engine for its next batch. A candidate that
+fails to load, is incompatible or answers differently is marked rejected in the store,
+counted and logged, and the current version stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime.batcher import DynamicBatcher
+from ..runtime.engine import Engine
+from ..runtime.versions import VersionStore
+from .metrics import ServerMetrics
+from .traffic_log import TrafficLog
+
+log = logging.getLogger("dietserve.server")
+
+VERIFY_ATOL = 1e-3  # kernels may sum in another order; a wrong kernel is off by far more
+SAMPLE_SHAPES = ((1, 16), (4, 64))
+
+
+@dataclass
+class HotSwap:
+    store: VersionStore
+    version: int  # the version being served
+    load_engine: Callable[[Path], Engine]
+    watch_seconds: float = 5.0
+
+
+def _incompatibility(current: Engine, candidate: Engine) -> str | None:
+    a, b = current.artifact.manifest, candidate.artifact.manifest
+    for what, mine, theirs in (("model", a.model_config, b.model_config), ("maximum batch", a.max_batch, b.max_batch),
+                               ("maximum sequence length", a.max_seq_len, b.max_seq_len),
+                               ("target", a.target.get("kind"), b.target.get("kind"))):
+        if mine != theirs:
+            return f"its {what} differs from the served version's ({theirs} vs {mine})"
+    return None
+
+
+def sample_inputs(engine: Engine, traffic: TrafficLog) -> list[np.ndarray]:
+    shapes = [(min(b, engine.max_batch), min(s, engine.max_seq_len)) for b, s in SAMPLE_SHAPES]
+    if traffic.traffic.weights:
+        heaviest = max(traffic.traffic.weights.items(), key=lambda item: item[0][0] * item[0][1] * item[1])[0]
+        shapes.append(heaviest)
+    rng = np.random.default_rng(0)
+    return [rng.integers(1000, min(engine.vocab_size, 20000), size=shape) for shape in shapes]
+
+
+def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
+    """Runs one sample through both; the difference if they disagree."""
+    inputs = (ids, np.ones_like(ids), np.zeros_like(ids))
+    want, got = current.execute(*inputs), candidate.execute(*inputs)
+    for name in ("last_hidden_state", "sentence_embedding"):
+        a, b = getattr(want, name), getattr(got, name)
+        if not np.isfinite(b).all():
+            return f"{name} at shape {list(ids.shape)} is not finite"
+        error = float(np.abs(a - b).max())
+        if error > VERIFY_ATOL:
+            return f"{name} at shape {list(ids.shape)} differs by up to {error:.3g} (allowed {VERIFY_ATOL})"
+    return None
+
+
+class Swapper:
+    def __init__(self, swap: HotSwap, batcher: DynamicBatcher, models: dict, metrics: ServerMetrics,
+                 traffic: TrafficLog, say: Callable[[str], None]):
+        self.swap, self.batcher, self.models = swap, batcher, models
+        self.metrics, self.traffic, self.say = metrics, traffic, say
+        metrics.artifact_version.labels(str(swap.version)).set(1)
+
+    def candidate(self) -> int | None:
+        store, serving = self.swap.store, self.swap.version
+        current = store.current()
+        if current is not None and current != serving and store.rejected(current) is None:
+            return current  # a rollback, or another server's verified choice
+        return store.newer_candidate(serving)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.swap.watch_seconds)
+            try:
+                await self.try_swap()
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one candidate
+                log.exception("checking the version store failed; serving goes on")
+
+    async def try_swap(self) -> bool:
+        version = self.candidate()
+        if version is None:
+            return False
+        started = time.monotonic()
+        store, loop = self.swap.store, asyncio.get_running_loop()
+        current = self.batcher.engine
+        self.say(f"version {version}: loading from {store.path(version)}")
+        try:
+            candidate = await loop.run_in_executor(None, self.swap.load_engine, store.path(version))
+        except Exception as err:  # noqa: BLE001 - any load failure rejects the candidate
+            return self._refuse(version, f"cannot be loaded: {err}")
+        problem = _incompatibility(current, candidate)
+        for ids in [] if problem else sample_inputs(current, self.traffic):
+            problem = await self.batcher.run_between_batches(compare, current, candidate, ids)
+            if problem:
+                break
+        if problem:
+            return self._refuse(version, problem)
+        if current.pool_bound is not None:
+            candidate.bound_memory(current.pool_bound.limit_bytes)
+        self.batcher.engine = candidate  # the next batch runs on it
+        for model in self.models.values():
+            model.engine, model.version = candidate, str(version)
+        store.set_current(version)
+        self.metrics.artifact_version.remove(str(self.swap.version))
+        self.metrics.artifact_version.labels(str(version)).set(1)
+        self.swap.version = version
+        self.metrics.swaps.inc()
+        self.metrics.swap_duration.set(time.monotonic() - started)
+        self.say(f"version {version}: checked against the served version and swapped in "
+                 f"({time.monotonic() - started:.1f} s)")
+        return True
+
+    def _refuse(self, version: int, reason: str) -> bool:
+        self.swap.store.reject(version, reason)
+        self.metrics.swap_failures.inc()
+        log.error("version %d not swapped in: %s; version %d stays", version, reason, self.swap.version)
+        return False

@@ -1,0 +1,136 @@
+"""Hot swap against a real server serving a version store while a client keeps sending
+requests: a newer version is checked and swapped in, a version that answers differently is
+refused and marked, a restarted server serves the last verified version, and a rollback brings
+the servers back, all without one failed or wrong answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from safetensors.numpy import load_file, save_file
+
+from dietserve.runtime.manifest import MANIFEST_FILE, PARAMS_FILE, sha256_file
+from dietserve.runtime.versions import VersionStore
+
+from .server_process import REPO_ROOT, ServerProcess
+from .test_server import metrics
+
+pytestmark = pytest.mark.slow
+MODEL = "swap"
+ATOL = 1e-4
+
+
+def _tampered_copy(artifact: Path, folder: Path) -> Path:
+    """A well-formed artifact (its manifest's hashes match) whose answers are wrong."""
+    shutil.copytree(artifact, folder)
+    params = load_file(str(folder / PARAMS_FILE))
+    name = next(n for n in sorted(params) if n.endswith("weight") and params[n].ndim == 2 and "encoder" in n)
+    params[name] = params[name] * 1.5
+    save_file(params, str(folder / PARAMS_FILE))
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    manifest["files"][PARAMS_FILE] = sha256_file(folder / PARAMS_FILE)
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return folder
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dietserve", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+class SteadyClient:
+    """Sends requests of varied lengths back to back and checks every answer."""
+
+    def __init__(self, server: ServerProcess, engine):
+        rng = np.random.default_rng(11)
+        self.cases = [rng.integers(1000, 5000, size=(1, int(n))) for n in rng.integers(4, 120, size=12)]
+        self.expected = [engine.run(ids).sentence_embedding for ids in self.cases]
+        self.url, self.answers, self.failures = server.grpc_url, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with triton.InferenceServerClient(self.url) as client:
+            index = 0
+            while not self._stop.is_set():
+                ids = self.cases[index % len(self.cases)]
+                tensor = triton.InferInput("input_ids", list(ids.shape), "INT64")
+                tensor.set_data_from_numpy(ids)
+                try:
+                    got = client.infer(MODEL, [tensor], client_timeout=60).as_numpy("sentence_embedding")
+                    if not np.allclose(got, self.expected[index % len(self.cases)], atol=ATOL):
+                        self.failures.append(f"wrong answer for case {index % len(self.cases)}")
+                except triton.InferenceServerException as err:
+                    self.failures.append(str(err))
+                self.answers += 1
+                index += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _served_version(server: ServerProcess) -> str:
+    with triton.InferenceServerClient(server.grpc_url) as client:
+        versions = list(client.get_model_metadata(MODEL).versions)
+        config = client.get_model_config(MODEL).config
+    assert versions == [config.parameters["artifact_version"].string_value]
+    return versions[0]
+
+
+def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_artifact, minilm_engine, tmp_path):
+    store_dir = tmp_path / "store"
+    store = VersionStore(store_dir)
+    assert "as version 1" in _cli("publish", str(minilm_artifact), "--store", str(store_dir))
+    flags = ("--artifact-store", str(store_dir), "--watch-seconds", "0.3")
+    server = ServerProcess(None, *flags, model_name=MODEL)
+    client = SteadyClient(server, minilm_engine)
+    try:
+        assert _served_version(server) == "1" and store.current() == 1
+        # A newer version with the same numbers (a recompile) is checked and swapped in.
+        store.publish(minilm_artifact)
+        _wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2")
+        assert _served_version(server) == "2" and store.current() == 2
+        assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
+        # A version whose answers differ is refused; version 2 stays.
+        store.publish(_tampered_copy(minilm_artifact, tmp_path / "tampered"))
+        _wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal")
+        assert _served_version(server) == "2" and "differs by up to" in store.rejected(3)
+        served_before_restart = client.answers
+    finally:
+        client.stop()
+        server.stop()
+    assert client.failures == [] and served_before_restart > 10
+    assert "version 3 not swapped in" in server.log()
+
+    restarted = ServerProcess(None, *flags, model_name=MODEL)
+    client = SteadyClient(restarted, minilm_engine)
+    try:
+        assert _served_version(restarted) == "2"  # the last verified version, not the refused one
+        assert "version 1" in _cli("rollback", "--store", str(store_dir))
+        _wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1")
+        time.sleep(1.0)
+    finally:
+        client.stop()
+        restarted.stop()
+    assert client.failures == [] and client.answers > 10
+    assert store.current() == 1 and store.rejected(2)
