@@ -7,6 +7,7 @@
     python -m dietserve serve [--artifact DIR | --artifact-store STORE] [--port 8001] [--metrics-port 8002]
     python -m dietserve publish ARTIFACT --store STORE
     python -m dietserve rollback --store STORE
+    python -m dietserve retune --store STORE --traffic TRAFFIC.json [--trials 64]
 """
 
 from __future__ import annotations
@@ -152,9 +153,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
+    retune = None
     if args.artifact_store is not None:
         hot_swap = HotSwap(store, version, load_engine, args.watch_seconds)
-    return asyncio.run(serve(config, model_name, load_model, _say, hot_swap=hot_swap))
+        if args.retune:
+            retune = _retune_settings(args)
+    elif args.retune:
+        raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
+    return asyncio.run(serve(config, model_name, load_model, _say, hot_swap=hot_swap, retune=retune))
+
+
+def _build_argv(args: argparse.Namespace) -> list[str]:
+    """The build flags of ``args`` again, for a child command that must build the same model."""
+    argv = ["--model", str(args.model), "--target", args.target, "--arch", args.arch, "--max-batch",
+            str(args.max_batch), "--seed", str(args.seed), "--cache-dir", str(args.cache_dir)]
+    if args.mcpu:
+        argv += ["--mcpu", args.mcpu]
+    if args.num_cores:
+        argv += ["--num-cores", str(args.num_cores)]
+    return argv
+
+
+def _retune_settings(args: argparse.Namespace):
+    from .server.retune import RetuneSettings
+
+    def command(store: Path, traffic: Path) -> list[str]:
+        argv = [sys.executable, "-m", "dietserve", "retune", "--store", str(store), "--traffic", str(traffic),
+                "--db", str(args.retune_db or store / "records.jsonl"), "--trials", str(args.retune_trials),
+                "--time-budget", str(args.retune_time_budget), *_build_argv(args)]
+        return argv
+
+    cpus = frozenset(int(c) for c in args.retune_cpus.split(",")) if args.retune_cpus else frozenset()
+    return RetuneSettings(command=command, drift_threshold=args.retune_drift, min_rows=args.retune_min_rows,
+                          min_interval_seconds=args.retune_min_interval, check_seconds=args.retune_check_seconds,
+                          time_budget_seconds=args.retune_time_budget, cpus=cpus, nice=args.retune_nice)
+
+
+def cmd_retune(args: argparse.Namespace) -> int:
+    from .compile.tuning import TuneRequest, read_lengths, tune_model
+    from .runtime.versions import VersionStore
+
+    lengths = read_lengths(args.traffic)
+    out = args.work or args.store / "retune" / "work"
+    request = TuneRequest(compile=_request(args), db=args.db or args.store / "records.jsonl", out=out,
+                          trials=args.trials, time_budget_s=args.time_budget, lengths=lengths)
+    artifact = tune_model(request, args.cache_dir, progress=_say)
+    version = VersionStore(args.store).publish(artifact, tuned_for=args.traffic)
+    print(f"published version {version} of {args.store}, tuned for {args.traffic}")
+    return 0
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -235,8 +281,42 @@ def build_parser() -> argparse.ArgumentParser:
                                    "after checking them (see `publish`, `rollback`)")
     serve_parser.add_argument("--watch-seconds", type=float, default=5.0,
                               help="how often the version store is checked for a new version (default 5)")
+    retune_group = serve_parser.add_argument_group("re-tuning (with --artifact-store)")
+    retune_group.add_argument("--retune", action="store_true",
+                              help="re-tune in a background process when the traffic drifts from the mix the "
+                                   "served kernels were tuned for (give the build flags the versions were built with)")
+    retune_group.add_argument("--retune-drift", type=float, default=0.3,
+                              help="total variation distance between the mixes that starts a run (default 0.3)")
+    retune_group.add_argument("--retune-min-rows", type=int, default=200,
+                              help="recorded rows needed before drift counts (default 200)")
+    retune_group.add_argument("--retune-min-interval", type=float, default=3600.0,
+                              help="seconds between the starts of two runs (default 3600)")
+    retune_group.add_argument("--retune-check-seconds", type=float, default=30.0,
+                              help="how often drift is checked (default 30)")
+    retune_group.add_argument("--retune-trials", type=int, default=64, help="measurements per operator (default 64)")
+    retune_group.add_argument("--retune-time-budget", type=float, default=3600.0,
+                              help="seconds a run may tune for (default 3600)")
+    retune_group.add_argument("--retune-cpus", default=None,
+                              help="comma-separated CPU numbers the job may use (default: all)")
+    retune_group.add_argument("--retune-nice", type=int, default=10, help="the job's niceness (default 10)")
+    retune_group.add_argument("--retune-db", type=Path, default=None,
+                              help="tuning records, reused across runs (default STORE/records.jsonl)")
     add_server_flags(serve_parser)
     serve_parser.set_defaults(run=cmd_serve)
+
+    retune_parser = commands.add_parser(
+        "retune", help="tune for a recorded traffic mix and publish the result as a store's next version")
+    _add_build_flags(retune_parser)
+    retune_parser.add_argument("--store", type=Path, required=True, help="version store directory")
+    retune_parser.add_argument("--traffic", type=Path, required=True,
+                               help="traffic file (serve --traffic-file) or lengths file to tune for")
+    retune_parser.add_argument("--db", type=Path, default=None,
+                               help="tuning records, reused (default STORE/records.jsonl)")
+    retune_parser.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
+    retune_parser.add_argument("--time-budget", type=float, default=None, help="seconds for all operators")
+    retune_parser.add_argument("--work", type=Path, default=None,
+                               help="folder for tasks and plans (default STORE/retune/work)")
+    retune_parser.set_defaults(run=cmd_retune)
 
     publish_parser = commands.add_parser("publish", help="add an artifact to a version store as its next version")
     publish_parser.add_argument("artifact", type=Path, help="compiled artifact directory")

@@ -105,3 +105,19 @@ def observed_lengths(traffic: Traffic, total: int = OBSERVATIONS_FOR_TUNING) -> 
     for seq_len, weight in sorted(by_length.items()):
         lengths.extend([seq_len] * round(weight * scale))
     return tuple(lengths)
+
+
+def mix_distance(observed: dict[int, float], reference: dict[int, float], edges: list[int]) -> float:
+    """Total variation distance (0: same mix, 1: disjoint) between two sequence-length mixes
+    (length -> weight), over the buckets ``edges`` (upper bounds, ascending)."""
+    import bisect
+
+    def shares(mix: dict[int, float]) -> list[float]:
+        counts = [0.0] * len(edges)
+        for length, weight in mix.items():
+            counts[min(bisect.bisect_left(edges, length), len(edges) - 1)] += weight
+        total = sum(counts)
+        return [c / total for c in counts] if total > 0 else counts
+
+    a, b = shares(observed), shares(reference)
+    return 0.5 * sum(abs(x - y) for x, y in zip(a, b, strict=True))

@@ -2,6 +2,7 @@
 
     STORE/versions/000001/      an artifact directory (manifest.json, model.so, ...)
     STORE/versions/000002/
+    STORE/versions/000002/tuned_for.json   the traffic its kernels were tuned for (optional)
     STORE/versions/000003/REJECTED   present: a server refused it (the file says why)
     STORE/current               the number of the version a server verified and serves
 
@@ -25,6 +26,7 @@ from .manifest import MANIFEST_FILE, ArtifactError
 VERSIONS_DIR = "versions"
 CURRENT_FILE = "current"
 REJECTED_FILE = "REJECTED"
+TUNED_FOR_FILE = "tuned_for.json"  # the traffic (runtime/traffic.py) a version's kernels were tuned for
 DEFAULT_KEEP = 5
 
 
@@ -76,8 +78,13 @@ class VersionStore:
     def reject(self, version: int, reason: str) -> None:
         write_text_atomic(self.path(version) / REJECTED_FILE, reason.rstrip() + "\n")
 
-    def publish(self, artifact: Path, keep: int = DEFAULT_KEEP) -> int:
-        """Copies ``artifact`` in as the next version; returns its number."""
+    def tuned_for(self, version: int) -> Path | None:
+        path = self.path(version) / TUNED_FOR_FILE
+        return path if path.is_file() else None
+
+    def publish(self, artifact: Path, keep: int = DEFAULT_KEEP, tuned_for: Path | None = None) -> int:
+        """Copies ``artifact`` in as the next version, with the traffic file its kernels were
+        tuned for if given; returns its number."""
         if not (Path(artifact) / MANIFEST_FILE).is_file():
             raise ArtifactError(f"{artifact} is not an artifact: {MANIFEST_FILE} is missing")
         self.versions_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +92,8 @@ class VersionStore:
         try:
             shutil.copytree(artifact, staging, dirs_exist_ok=True)
             (staging / REJECTED_FILE).unlink(missing_ok=True)
+            if tuned_for is not None:
+                shutil.copyfile(tuned_for, staging / TUNED_FOR_FILE)
             while True:
                 version = (self.versions()[-1] if self.versions() else 0) + 1
                 try:

@@ -17,16 +17,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..model.tokenizer import TextTokenizer
-from ..runtime.batcher import BatchRun, DynamicBatcher
+from ..runtime.batcher import BatchRun, DynamicBatcher, bucket_edges
 from ..runtime.engine import Engine
 from ..runtime.memory import resident_bytes
 from ._proto import open_inference_pb2 as pb
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
+from .retune import RetunePolicy, RetuneSettings
 from .servicer import InferenceServicer, ServingState, inference_handlers
 from .status import ServingInterceptor
-from .swap import HotSwap, Swapper
+from .swap import HotSwap, MeasuredGain, Swapper
 from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
@@ -37,13 +38,15 @@ REPLY_OVERHEAD_BYTES = 64 << 10
 # Resident memory may exceed the figure after warm-up by this share before the VM's pooled
 # buffers are released (runtime/memory.py).
 MEMORY_SLACK = 0.05
+RETUNE_BUCKET_RATIO = 1.5  # length buckets over which traffic drift is measured
 
 
-def _record_batch(metrics: ServerMetrics, traffic: TrafficLog) -> Callable[[BatchRun], None]:
+def _record_batch(metrics: ServerMetrics, traffic: TrafficLog, gain: MeasuredGain) -> Callable[[BatchRun], None]:
     dispatch_counters = {}  # labels() costs microseconds; a model has dozens of dynamic operators
 
     def record(run: BatchRun) -> None:
         traffic.record(run)
+        gain.record(run.rows, run.seq_len, run.compute_seconds)
         computed = run.rows * run.seq_len
         metrics.compute_duration.observe(run.compute_seconds)
         metrics.batch_size.observe(run.rows)
@@ -95,6 +98,7 @@ async def serve(
     say: Callable[[str], None],
     stop: asyncio.Event | None = None,
     hot_swap: HotSwap | None = None,
+    retune: RetuneSettings | None = None,
 ) -> int:
     """Serves ``model_name`` (token ids) and ``model_name-text`` (text) until ``stop`` is set
     (SIGTERM and SIGINT set it). ``say`` reports progress; the line
@@ -105,6 +109,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     metrics = ServerMetrics()
     traffic = TrafficLog(config.traffic_file, config.traffic_half_life_seconds, metrics)
+    gain = MeasuredGain(metrics)
     text_name = model_name + TEXT_MODEL_SUFFIX
     state = ServingState(config=config, metrics=metrics, model_names=(model_name, text_name))
     server = grpc.aio.server(
@@ -149,7 +154,7 @@ async def serve(
         metrics.ready.set(0)
         loop.create_task(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
-    batcher = saver = watcher = None
+    batcher = saver = watcher = policy = policy_task = None
     try:
         engine, tokenizer = await loop.run_in_executor(None, load_model)
         settled = await loop.run_in_executor(None, _warm_up, engine)
@@ -166,7 +171,7 @@ async def serve(
             bucket_ratio=config.bucket_ratio,
             max_queue_rows=config.max_queue_rows,
             on_queue_change=metrics.queued_rows.set,
-            on_batch=_record_batch(metrics, traffic),
+            on_batch=_record_batch(metrics, traffic, gain),
             on_stopped=execution_stopped,
         )
         batcher.start()
@@ -177,14 +182,19 @@ async def serve(
             hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
             for model in state.models.values():
                 model.version = str(hot_swap.version)
-            swapper = Swapper(hot_swap, batcher, state.models, metrics, traffic, say)
+            swapper = Swapper(hot_swap, batcher, state.models, metrics, traffic, gain, say)
             watcher = loop.create_task(swapper.watch(), name="dietserve-versions")
+            if retune is not None:
+                edges = bucket_edges(engine.max_seq_len, RETUNE_BUCKET_RATIO)
+                policy = RetunePolicy(retune, hot_swap, traffic, edges, engine.max_seq_len, metrics, say)
+                policy_task = loop.create_task(policy.watch(), name="dietserve-retune")
         state.ready = True
         metrics.ready.set(1)
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
-        saver = loop.create_task(traffic.keep_saving(config.traffic_save_seconds), name="dietserve-traffic")
+        saver = loop.create_task(traffic.keep_saving(config.traffic_save_seconds, gain.publish),
+                                 name="dietserve-traffic")
         served = f"version {hot_swap.version} of {hot_swap.store.root}; " if hot_swap is not None else ""
         say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {served}{batching}; "
             f"{settled / 2**20:.0f} MiB resident after warm-up")
@@ -200,8 +210,11 @@ async def serve(
         await server.stop(config.grace_seconds)
         if health_server is not None:
             await health_server.stop(0)
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, policy_task):
+            if task is not None:
+                task.cancel()
+        if policy is not None:
+            policy.stop()
         if batcher is not None:
             await batcher.close()
         if saver is not None:

@@ -79,8 +79,19 @@ class ServerMetrics:
         self.swap_failures = Counter(
             "dietserve_swap_failures", "candidate versions refused: unloadable, incompatible or answering "
             "differently", registry=r)
+        self.measured_gain = Gauge(
+            "dietserve_swap_measured_gain", "compute time per shape before / after the last swap, weighted by the "
+            "executions since, over shapes executed on both sides (above 1: faster)", registry=r)
         self.swap_duration = Gauge("dietserve_last_swap_duration_seconds",
                                    "load + checks + swap of the last version swapped in", registry=r)
+        self.traffic_drift = Gauge(
+            "dietserve_traffic_drift", "total variation distance between the recorded sequence-length mix and "
+            "the one the served kernels were tuned for (re-tuning starts above --retune-drift)", registry=r)
+        self.retune_runs = Counter("dietserve_retune_runs", "re-tuning jobs finished, by outcome", ["outcome"],
+                                   registry=r)
+        self.retune_duration = Gauge("dietserve_last_retune_duration_seconds", "wall time of the last re-tuning job",
+                                     registry=r)
+        self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", registry=r)
         self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
                                    registry=r)
 

@@ -73,10 +73,37 @@ def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
     return None
 
 
+class MeasuredGain:
+    """Compute time per executed shape before and after the last swap: the gain a swap brought on
+    the traffic that actually came (mean time before / after, weighted by executions after, over
+    the shapes seen on both sides)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.before: dict[tuple[int, int], tuple[int, float]] = {}
+        self.after: dict[tuple[int, int], tuple[int, float]] = {}
+
+    def record(self, rows: int, seq_len: int, seconds: float) -> None:
+        count, total = self.after.get((rows, seq_len), (0, 0.0))
+        self.after[(rows, seq_len)] = (count + 1, total + seconds)
+
+    def swapped(self) -> None:
+        self.before, self.after = self.after, {}
+
+    def publish(self) -> None:
+        common = [shape for shape in self.after if shape in self.before]
+        if not common:
+            return
+        weight = sum(self.after[shape][0] for shape in common)
+        gain = sum(self.after[shape][0] * (self.before[shape][1] / self.before[shape][0])
+                   / (self.after[shape][1] / self.after[shape][0]) for shape in common) / weight
+        self.metrics.measured_gain.set(gain)
+
+
 class Swapper:
     def __init__(self, swap: HotSwap, batcher: DynamicBatcher, models: dict, metrics: ServerMetrics,
-                 traffic: TrafficLog, say: Callable[[str], None]):
-        self.swap, self.batcher, self.models = swap, batcher, models
+                 traffic: TrafficLog, gain: MeasuredGain, say: Callable[[str], None]):
+        self.swap, self.batcher, self.models, self.gain = swap, batcher, models, gain
         self.metrics, self.traffic, self.say = metrics, traffic, say
         metrics.artifact_version.labels(str(swap.version)).set(1)
 
@@ -117,6 +144,7 @@ class Swapper:
         if current.pool_bound is not None:
             candidate.bound_memory(current.pool_bound.limit_bytes)
         self.batcher.engine = candidate  # the next batch runs on it
+        self.gain.swapped()
         for model in self.models.values():
             model.engine, model.version = candidate, str(version)
         store.set_current(version)

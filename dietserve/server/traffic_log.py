@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..kernels.atomic_io import write_text_atomic
@@ -57,10 +58,12 @@ class TrafficLog:
         text = self.traffic.to_json()  # on the loop: no record can interleave
         await asyncio.get_running_loop().run_in_executor(None, write_text_atomic, self.path, text)
 
-    async def keep_saving(self, every_seconds: float) -> None:
+    async def keep_saving(self, every_seconds: float, also: Callable[[], None] = lambda: None) -> None:
+        """Publishes and saves every ``every_seconds``; ``also`` publishes what else is periodic."""
         while True:
             await asyncio.sleep(every_seconds)
             self.publish()
+            also()
             try:
                 await self.save()
             except OSError as err:  # a full or read-only disk must not stop serving

@@ -172,7 +172,10 @@ def overhead(url: str, engine: Engine, ids: np.ndarray, blocks: int = 7, per_blo
                 stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=60)
                 empty.append(time.perf_counter() - start)
             time.sleep(0.2)
+    # The server reports sums, so its split is in means; the client's mean goes beside them.
     server_split = {key: split[key] / split["count"] / 1e9 for key in ("request", "queue", "compute")}
+    server_split["client_mean"] = statistics.fmean(served)
+    server_split["direct_mean"] = statistics.fmean(direct)
     return statistics.median(direct), statistics.median(served), statistics.median(empty), server_split
 
 
@@ -244,10 +247,10 @@ def main() -> int:
                 print(f"overhead at seq {median_ids.shape[1]}: direct VM {direct * 1e3:.3f} ms, "
                       f"gRPC {served * 1e3:.3f} ms, server overhead {overhead_us:.0f} us; an empty RPC "
                       f"(ServerLive) takes {empty_us:.0f} us on this channel")
-                print(f"  server's own split (means): compute {split['compute'] * 1e6:.0f} us (direct VM "
-                      f"{direct * 1e6:.0f}), hand-off to the execution thread {split['queue'] * 1e6:.0f} us, "
-                      f"rest of the handler {rest * 1e6:.0f} us; transport and client "
-                      f"{(served - split['request']) * 1e6:.0f} us")
+                print(f"  means: client {split['client_mean'] * 1e6:.0f} us = server {split['request'] * 1e6:.0f} us "
+                      f"(compute {split['compute'] * 1e6:.0f} us vs {split['direct_mean'] * 1e6:.0f} us direct, "
+                      f"hand-off to the execution thread {split['queue'] * 1e6:.0f} us, rest of the handler "
+                      f"{rest * 1e6:.0f} us) + transport {(split['client_mean'] - split['request']) * 1e6:.0f} us")
             for concurrency in args.concurrency:
                 closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
                 rps, latencies = closed_loop(server.grpc_url, requests, concurrency, args.seconds)

@@ -19,7 +19,7 @@ from dietserve.server import app
 from dietserve.server.config import ServerConfig
 
 
-def failing_batch_recorder(metrics, traffic):
+def failing_batch_recorder(metrics, traffic, gain):
     def record(run):
         raise RuntimeError("injected fault: recording the batch failed")
 

@@ -1,0 +1,124 @@
+"""When to re-tune: the server compares the traffic it records with the mix the served version's
+kernels were tuned for, and when they have drifted apart, runs the re-tuning job
+(``python -m dietserve retune``) as a separate, lower-priority OS process. The job tunes for the
+recorded traffic and publishes a new version to the store; the hot swap (``swap.py``) checks it
+and swaps it in. The server never imports the tuner: the job runs it as its own process.
+
+Drift is the total variation distance between the two sequence-length mixes over the batcher's
+length buckets: the share of traffic that would have to move to another bucket to match the mix
+the kernels were tuned for (a version without a recorded mix was tuned for every length equally).
+A run starts when drift >= ``drift_threshold``, at least ``min_rows`` rows have been recorded,
+no run is going, and ``min_interval_seconds`` have passed since the last one started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..runtime.traffic import Traffic, TrafficError, mix_distance
+from .metrics import ServerMetrics
+from .swap import HotSwap
+from .traffic_log import TrafficLog
+
+log = logging.getLogger("dietserve.server")
+
+RETUNE_DIR = "retune"  # in the store: traffic snapshots and the jobs' logs
+
+
+@dataclass
+class RetuneSettings:
+    command: Callable[[Path, Path], list[str]]  # (store, traffic snapshot) -> argv of the job
+    drift_threshold: float = 0.3
+    min_rows: int = 200
+    min_interval_seconds: float = 3600.0
+    check_seconds: float = 30.0
+    time_budget_seconds: float = 3600.0  # the job is killed after this (plus a minute to compile)
+    cpus: frozenset[int] = field(default_factory=frozenset)  # empty: every CPU
+    nice: int = 10
+
+
+class RetunePolicy:
+    def __init__(self, settings: RetuneSettings, hot_swap: HotSwap, traffic: TrafficLog, edges: list[int],
+                 max_seq_len: int, metrics: ServerMetrics, say: Callable[[str], None]):
+        self.settings, self.hot_swap, self.traffic = settings, hot_swap, traffic
+        self.edges, self.max_seq_len, self.metrics, self.say = edges, max_seq_len, metrics, say
+        self.process: subprocess.Popen | None = None
+        self._started = float("-inf")
+
+    def tuned_for(self) -> dict[int, float]:
+        path = self.hot_swap.store.tuned_for(self.hot_swap.version)
+        if path is not None:
+            try:
+                return Traffic.load(path).row_weights()
+            except TrafficError as err:
+                log.error("%s; taking the version as tuned for every length equally", err)
+        return {length: 1.0 for length in range(1, self.max_seq_len + 1)}
+
+    def drift(self) -> float:
+        return mix_distance(self.traffic.traffic.row_weights(), self.tuned_for(), self.edges)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.check_seconds)
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the policy must outlive any one failure
+                log.exception("the re-tuning policy failed a check; serving goes on")
+
+    def step(self) -> None:
+        now = time.monotonic()
+        if self.process is not None:
+            self._follow(now)
+            return
+        drift = self.drift()
+        self.metrics.traffic_drift.set(drift)
+        rows = sum(self.traffic.traffic.row_weights().values())
+        if (drift >= self.settings.drift_threshold and rows >= self.settings.min_rows
+                and now - self._started >= self.settings.min_interval_seconds):
+            self.start(f"drift {drift:.2f} >= {self.settings.drift_threshold}")
+
+    def start(self, reason: str) -> None:
+        folder = self.hot_swap.store.root / RETUNE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        snapshot = folder / f"traffic-{stamp}.json"
+        self.traffic.traffic.save(snapshot)
+        log_path = folder / f"job-{stamp}.log"
+        with log_path.open("w") as job_log:
+            self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
+                                            stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Before the job has started any thread or process of its own (Python takes longer to start).
+        os.setpriority(os.PRIO_PROCESS, self.process.pid, self.settings.nice)
+        if self.settings.cpus:
+            os.sched_setaffinity(self.process.pid, self.settings.cpus)
+        self._started = time.monotonic()
+        self.metrics.retune_running.set(1)
+        cpus = ",".join(map(str, sorted(self.settings.cpus))) or "all"
+        self.say(f"re-tuning ({reason}): pid {self.process.pid}, CPUs {cpus}, nice {self.settings.nice}, "
+                 f"log {log_path}")
+
+    def _follow(self, now: float) -> None:
+        code = self.process.poll()
+        elapsed = now - self._started
+        if code is None:
+            if elapsed > self.settings.time_budget_seconds + 60:
+                self.process.kill()
+                self.say(f"re-tuning job {self.process.pid} ran past its budget; killed")
+            return
+        outcome = "published" if code == 0 else "failed"
+        self.metrics.retune_runs.labels(outcome).inc()
+        self.metrics.retune_duration.set(elapsed)
+        self.metrics.retune_running.set(0)
+        self.say(f"re-tuning job {self.process.pid} {outcome} (exit {code}) after {elapsed:.0f} s")
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
