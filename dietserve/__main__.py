@@ -181,6 +181,8 @@ def _retune_settings(args: argparse.Namespace):
         argv = [sys.executable, "-m", "dietserve", "retune", "--store", str(store), "--traffic", str(traffic),
                 "--db", str(args.retune_db or store / "records.jsonl"), "--trials", str(args.retune_trials),
                 "--time-budget", str(args.retune_time_budget), *_build_argv(args)]
+        if args.retune_rpc_tracker:  # measure on a dedicated device, not beside serving
+            argv += ["--rpc-tracker", args.retune_rpc_tracker, "--rpc-key", args.retune_rpc_key]
         return argv
 
     cpus = frozenset(int(c) for c in args.retune_cpus.split(",")) if args.retune_cpus else frozenset()
@@ -196,7 +198,8 @@ def cmd_retune(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.traffic)
     out = args.work or args.store / "retune" / "work"
     request = TuneRequest(compile=_request(args), db=args.db or args.store / "records.jsonl", out=out,
-                          trials=args.trials, time_budget_s=args.time_budget, lengths=lengths)
+                          trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
+                          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     artifact = tune_model(request, args.cache_dir, progress=_say)
     version = VersionStore(args.store).publish(artifact, tuned_for=args.traffic)
     print(f"published version {version} of {args.store}, tuned for {args.traffic}")
@@ -299,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     retune_group.add_argument("--retune-cpus", default=None,
                               help="comma-separated CPU numbers the job may use (default: all)")
     retune_group.add_argument("--retune-nice", type=int, default=10, help="the job's niceness (default 10)")
+    retune_group.add_argument("--retune-rpc-tracker", default=None,
+                              help="host:port of a TVM RPC tracker: the job measures on its devices (a dedicated "
+                                   "GPU) instead of this machine")
+    retune_group.add_argument("--retune-rpc-key", default="local", help="device key registered with the tracker")
     retune_group.add_argument("--retune-db", type=Path, default=None,
                               help="tuning records, reused across runs (default STORE/records.jsonl)")
     add_server_flags(serve_parser)
@@ -314,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                                help="tuning records, reused (default STORE/records.jsonl)")
     retune_parser.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
     retune_parser.add_argument("--time-budget", type=float, default=None, help="seconds for all operators")
+    retune_parser.add_argument("--rpc-tracker", default=None, help="host:port of a TVM RPC tracker to measure on")
+    retune_parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
     retune_parser.add_argument("--work", type=Path, default=None,
                                help="folder for tasks and plans (default STORE/retune/work)")
     retune_parser.set_defaults(run=cmd_retune)

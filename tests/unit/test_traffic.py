@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dietserve.compile.tuning import read_lengths
-from dietserve.runtime.traffic import Traffic, TrafficError, observed_lengths
+from dietserve.runtime.traffic import Traffic, TrafficError, mix_distance, observed_lengths
 
 
 def test_weights_halve_every_half_life_and_tiny_ones_are_forgotten():
@@ -53,3 +53,11 @@ def test_unreadable_files_name_the_problem(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(TrafficError, match=message):
         Traffic.load(path)
+
+
+def test_drift_is_the_share_of_traffic_in_other_buckets():
+    edges = [8, 16, 32, 512]
+    assert mix_distance({5: 10.0}, {7: 3.0}, edges) == 0.0  # same bucket
+    assert mix_distance({5: 1.0}, {300: 1.0}, edges) == 1.0  # disjoint
+    assert mix_distance({5: 3.0, 300: 1.0}, {5: 1.0, 300: 1.0}, edges) == pytest.approx(0.25)
+    assert mix_distance({1000: 1.0}, {400: 1.0}, edges) == 0.0  # past the last edge: the last bucket
