@@ -192,7 +192,9 @@ def _retune_settings(args: argparse.Namespace):
 
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from .compile.tuning import TuneRequest, read_lengths, tune_model
+    import time
+
+    from .compile.tuning import PLANS_DIR, TuneRequest, read_lengths, tune_model
     from .runtime.versions import VersionStore
 
     lengths = read_lengths(args.traffic)
@@ -200,16 +202,43 @@ def cmd_retune(args: argparse.Namespace) -> int:
     request = TuneRequest(compile=_request(args), db=args.db or args.store / "records.jsonl", out=out,
                           trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
                           rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+    started = time.monotonic()
     artifact = tune_model(request, args.cache_dir, progress=_say)
-    version = VersionStore(args.store).publish(artifact, tuned_for=args.traffic)
-    print(f"published version {version} of {args.store}, tuned for {args.traffic}")
+    store = VersionStore(args.store)
+    summary = {"seconds": round(time.monotonic() - started, 1), "trials": args.trials,
+               "predicted_gain": _predicted_gain(store, out / PLANS_DIR, artifact, args.traffic)}
+    version = store.publish(artifact, tuned_for=args.traffic, plans=out / PLANS_DIR, retune_summary=summary)
+    gain = summary["predicted_gain"]
+    print(f"published version {version} of {args.store}, tuned for {args.traffic}"
+          + (f"; predicted gain {gain:.2f}x over the served version" if gain else ""))
     return 0
+
+
+def _predicted_gain(store, new_plans: Path, artifact: Path, traffic_file: Path) -> float | None:
+    """The plans' own latencies, weighted by the traffic: served version's / the new ones'."""
+    from .compile.tuning import predicted_gain
+    from .kernels.plan import PLAN_SUFFIX, read_plans
+    from .runtime.manifest import ArtifactError, Manifest
+    from .runtime.traffic import Traffic, TrafficError
+    from .runtime.versions import PLANS_DIR
+
+    try:
+        traffic = Traffic.load(traffic_file)
+        served = store.path(store.to_serve()) / PLANS_DIR
+    except (TrafficError, ArtifactError):
+        return None
+    if not served.is_dir():
+        return None
+    calls = {name: int(entry.get("calls", 1)) for name, entry in Manifest.read(artifact).dispatch.items()}
+    return predicted_gain(read_plans(sorted(served.glob(f"*{PLAN_SUFFIX}"))),
+                          read_plans(sorted(new_plans.glob(f"*{PLAN_SUFFIX}"))), traffic, calls)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from .runtime.versions import VersionStore
 
-    version = VersionStore(args.store).publish(args.artifact, keep=args.keep)
+    version = VersionStore(args.store).publish(args.artifact, keep=args.keep, tuned_for=args.tuned_for,
+                                               plans=args.plans)
     print(f"published {args.artifact} as version {version} of {args.store}")
     return 0
 
@@ -331,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     publish_parser.add_argument("artifact", type=Path, help="compiled artifact directory")
     publish_parser.add_argument("--store", type=Path, required=True, help="version store directory")
     publish_parser.add_argument("--keep", type=int, default=5, help="versions to keep (default 5)")
+    publish_parser.add_argument("--tuned-for", type=Path, default=None,
+                                help="the traffic file (or lengths) its kernels were tuned for: drift is measured "
+                                     "against it")
+    publish_parser.add_argument("--plans", type=Path, default=None,
+                                help="its kernel plans (`tune`'s OUT/plans): a later re-tune predicts its gain "
+                                     "against them")
     publish_parser.set_defaults(run=cmd_publish)
 
     rollback_parser = commands.add_parser(

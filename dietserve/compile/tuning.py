@@ -13,13 +13,14 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
 
 from ..kernels.matching import is_dynamic_matmul, matmul_axes, workload_key
+from ..kernels.plan import KernelPlan, predicted_latency
 from ..kernels.tasks import TaskDescription, TaskFile, TuningError
 from ..kernels.tree import names_in
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
@@ -158,3 +159,24 @@ def tune_model(request: TuneRequest, cache_dir: Path, progress: Progress = lambd
     run_tuner(task_file, request, plans)
     linked = dataclasses.replace(request.compile, plans=(plans,))
     return compile_artifact(linked, cache_dir, out / ARTIFACT_DIR, progress=progress)
+
+
+def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: Traffic,
+                   calls: Mapping[str, int]) -> float | None:
+    """Weighted kernel time of the served plans / of the newly tuned ones over the recorded
+    traffic (each operator counted once per call site): above 1, the new kernels should be faster.
+    Compares only the workloads both have; None when there is nothing to compare."""
+    old = {plan.workload: plan for plan in served}
+    totals = [0.0, 0.0]
+    for plan in tuned:
+        if plan.workload not in old:
+            continue
+        for (rows, seq_len), weight in traffic.weights.items():
+            shape = {"batch": rows, "seq_len": seq_len}
+            before, after = predicted_latency(old[plan.workload], shape), predicted_latency(plan, shape)
+            if before is None or after is None:
+                continue
+            totals[0] += weight * calls.get(plan.operator, 1) * before
+            totals[1] += weight * calls.get(plan.operator, 1) * after
+    return totals[0] / totals[1] if totals[1] > 0 else None
+

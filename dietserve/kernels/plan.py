@@ -171,3 +171,18 @@ def read_plans(paths: Iterable[Path]) -> list[KernelPlan]:
                 raise PlanError(f"two plans for workload {plan.workload}: {plans[plan.workload][1]} and {file}")
             plans[plan.workload] = (plan, file)
     return [plan for plan, _ in sorted(plans.values(), key=lambda item: item[0].workload)]
+
+
+def predicted_latency(plan: KernelPlan, shape: Mapping[str, int]) -> float | None:
+    """Seconds the plan's kernel takes at ``shape``, from the tuned shape nearest along the tuned
+    range's variable (measured where possible), scaled by the ratio of the values (rows), since a
+    dense kernel's time grows with its rows. None if the plan records no latencies."""
+    from .tree import evaluate_text
+
+    entries = [entry for entry in plan.shapes if entry.get("latency_s") and entry.get("value")]
+    if not entries:
+        return None
+    value = int(evaluate_text(plan.tuned_range["var"], shape))
+    nearest = min(entries, key=lambda e: (abs(e["value"] - value), not e.get("measured", False)))
+    return nearest["latency_s"] * value / nearest["value"]
+

@@ -3,6 +3,7 @@
     STORE/versions/000001/      an artifact directory (manifest.json, model.so, ...)
     STORE/versions/000002/
     STORE/versions/000002/tuned_for.json   the traffic its kernels were tuned for (optional)
+    STORE/versions/000002/plans/, retune.json   its kernel plans, the re-tune's prediction (optional)
     STORE/versions/000003/REJECTED   present: a server refused it (the file says why)
     STORE/current               the number of the version a server verified and serves
 
@@ -15,6 +16,7 @@ and rejects the versions after it. The newest ``keep`` versions are kept.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -27,6 +29,8 @@ VERSIONS_DIR = "versions"
 CURRENT_FILE = "current"
 REJECTED_FILE = "REJECTED"
 TUNED_FOR_FILE = "tuned_for.json"  # the traffic (runtime/traffic.py) a version's kernels were tuned for
+PLANS_DIR = "plans"  # the kernel plans linked into it, when it came from tuning
+RETUNE_FILE = "retune.json"  # what the re-tuning job that made it predicted: {"predicted_gain": x, ...}
 DEFAULT_KEEP = 5
 
 
@@ -82,9 +86,18 @@ class VersionStore:
         path = self.path(version) / TUNED_FOR_FILE
         return path if path.is_file() else None
 
-    def publish(self, artifact: Path, keep: int = DEFAULT_KEEP, tuned_for: Path | None = None) -> int:
+    def retune_summary(self, version: int) -> dict:
+        path = self.path(version) / RETUNE_FILE
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return summary if isinstance(summary, dict) else {}
+
+    def publish(self, artifact: Path, keep: int = DEFAULT_KEEP, tuned_for: Path | None = None,
+                plans: Path | None = None, retune_summary: dict | None = None) -> int:
         """Copies ``artifact`` in as the next version, with the traffic file its kernels were
-        tuned for if given; returns its number."""
+        tuned for, their plans and the re-tuning job's summary where given; returns its number."""
         if not (Path(artifact) / MANIFEST_FILE).is_file():
             raise ArtifactError(f"{artifact} is not an artifact: {MANIFEST_FILE} is missing")
         self.versions_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +107,10 @@ class VersionStore:
             (staging / REJECTED_FILE).unlink(missing_ok=True)
             if tuned_for is not None:
                 shutil.copyfile(tuned_for, staging / TUNED_FOR_FILE)
+            if plans is not None:
+                shutil.copytree(plans, staging / PLANS_DIR, dirs_exist_ok=True)
+            if retune_summary is not None:
+                (staging / RETUNE_FILE).write_text(json.dumps(retune_summary))
             while True:
                 version = (self.versions()[-1] if self.versions() else 0) + 1
                 try:

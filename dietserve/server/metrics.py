@@ -82,6 +82,9 @@ class ServerMetrics:
         self.measured_gain = Gauge(
             "dietserve_swap_measured_gain", "compute time per shape before / after the last swap, weighted by the "
             "executions since, over shapes executed on both sides (above 1: faster)", registry=r)
+        self.predicted_gain = Gauge(
+            "dietserve_swap_predicted_gain", "what the re-tuning job that made the swapped-in version predicted: the "
+            "plans' kernel time over the recorded traffic, served version / new", registry=r)
         self.swap_duration = Gauge("dietserve_last_swap_duration_seconds",
                                    "load + checks + swap of the last version swapped in", registry=r)
         self.traffic_drift = Gauge(

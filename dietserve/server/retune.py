@@ -8,7 +8,8 @@ Drift is the total variation distance between the two sequence-length mixes over
 length buckets: the share of traffic that would have to move to another bucket to match the mix
 the kernels were tuned for (a version without a recorded mix was tuned for every length equally).
 A run starts when drift >= ``drift_threshold``, at least ``min_rows`` rows have been recorded,
-no run is going, and ``min_interval_seconds`` have passed since the last one started.
+no run is going, no published version is waiting for its swap, and ``min_interval_seconds``
+have passed since the last one started.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class RetunePolicy:
         if self.process is not None:
             self._follow(now)
             return
+        if self.hot_swap.store.newer_candidate(self.hot_swap.version) is not None:
+            return  # a published version waits for its check and swap: measure drift against it then
         drift = self.drift()
         self.metrics.traffic_drift.set(drift)
         rows = sum(self.traffic.traffic.row_weights().values())

@@ -153,6 +153,9 @@ class Swapper:
         self.swap.version = version
         self.metrics.swaps.inc()
         self.metrics.swap_duration.set(time.monotonic() - started)
+        predicted = store.retune_summary(version).get("predicted_gain")
+        if isinstance(predicted, (int, float)):
+            self.metrics.predicted_gain.set(predicted)
         self.say(f"version {version}: checked against the served version and swapped in "
                  f"({time.monotonic() - started:.1f} s)")
         return True

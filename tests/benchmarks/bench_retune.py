@@ -114,7 +114,7 @@ def main() -> int:
         if tuned.returncode != 0:
             raise SystemExit(tuned.stderr[-3000:])
         VersionStore(work / "store").publish(Path(tuned.stdout.strip().splitlines()[-1]),
-                                             tuned_for=work / "short.json")
+                                             tuned_for=work / "short.json", plans=work / "short" / "plans")
         server = TimedServer(None, "--artifact-store", str(work / "store"), "--no-batching", "--watch-seconds", "1",
                              "--traffic-file", str(work / "traffic.json"), "--traffic-save-seconds", "1",
                              "--retune", "--retune-min-rows", "100", "--retune-min-interval", "0",

@@ -56,7 +56,8 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     store = VersionStore(store_dir)
-    store.publish(Path(tuned.stdout.strip().splitlines()[-1]), tuned_for=tmp_path / "short.json")
+    store.publish(Path(tuned.stdout.strip().splitlines()[-1]), tuned_for=tmp_path / "short.json",
+                  plans=tmp_path / "short" / "plans")
 
     server = ServerProcess(None, "--artifact-store", str(store_dir), "--no-batching", "--watch-seconds", "0.5",
                            "--traffic-file", str(tmp_path / "traffic.json"), "--traffic-save-seconds", "0.5",
@@ -109,3 +110,6 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
     print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences, {after * 1e3:.1f} ms after re-tuning")
     assert after < 0.9 * before, f"re-tuned {after * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
     assert samples[("dietserve_swap_measured_gain", ())] > 1.1  # the server's own view of the same shapes
+    # The job's prediction from the plans' own latencies over the recorded traffic.
+    assert store.retune_summary(2)["predicted_gain"] > 1.1
+    assert samples[("dietserve_swap_predicted_gain", ())] == store.retune_summary(2)["predicted_gain"]

@@ -124,3 +124,32 @@ def test_tune_hands_the_tuner_its_budget_and_rpc_tracker() -> None:
     assert command[1:3] == ["-m", "tuner"]
     args = build_parser().parse_args(command[3:])  # the tuner's real parser accepts every flag
     assert (args.trials, args.time_budget, args.rpc_tracker, args.rpc_key) == (7, 60.0, "tracker:9190", "gpu")
+
+
+def _timed(latencies: dict[int, float], **changes) -> KernelPlan:
+    shapes = [{"value": v, "variant": "v0", "latency_s": t, "measured": True, "default_latency_s": t,
+               "shape": {"batch": 1, "seq_len": v}} for v, t in latencies.items()]
+    return plan(shapes=shapes, **changes)
+
+
+def test_predicted_latency_takes_the_nearest_tuned_shape_scaled_by_rows() -> None:
+    from dietserve.kernels.plan import predicted_latency
+
+    timed = _timed({16: 1e-4, 256: 1e-3})
+    assert predicted_latency(timed, {"batch": 1, "seq_len": 16}) == pytest.approx(1e-4)
+    assert predicted_latency(timed, {"batch": 2, "seq_len": 200}) == pytest.approx(1e-3 * 400 / 256)
+    assert predicted_latency(timed, {"batch": 1, "seq_len": 8}) == pytest.approx(1e-4 / 2)
+    assert predicted_latency(plan(), {"batch": 1, "seq_len": 8}) is None
+
+
+def test_predicted_gain_weighs_the_plans_by_the_traffic_and_the_call_sites() -> None:
+    from dietserve.compile.tuning import predicted_gain
+    from dietserve.runtime.traffic import Traffic
+
+    traffic = Traffic(60.0, 0.0)
+    for _ in range(3):
+        traffic.record(1, 256, now=0.0)
+    served, tuned = _timed({16: 1e-4, 256: 3e-3}), _timed({16: 2e-4, 256: 1e-3})
+    other = _timed({256: 1.0}, workload="11ee11ee11ee11ee")  # only in the new plans: not compared
+    assert predicted_gain([served], [tuned, other], traffic, {"fused_matmul_add": 6}) == pytest.approx(3.0)
+    assert predicted_gain([served], [other], traffic, {}) is None
