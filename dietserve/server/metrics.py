@@ -58,8 +58,8 @@ class ServerMetrics:
         self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
         self.settled_memory = Gauge(
             "dietserve_settled_memory_bytes",
-            "resident memory after warming up at the artifact's largest shape: every buffer the model needs "
-            "is then allocated, so process_resident_memory_bytes should stay near this",
+            "resident memory after warming up at the largest batch the server forms (--max-batch-size rows of the "
+            "longest sequence): process_resident_memory_bytes should stay near this",
             registry=r)
         self.memory_limit = Gauge(
             "dietserve_memory_limit_bytes",
