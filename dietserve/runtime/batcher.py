@@ -297,13 +297,14 @@ class DynamicBatcher:
         ids, mask, types = pad_rows(jobs, seq_len)
         output = engine.execute(ids, mask, types)
         compute = time.monotonic() - started
+        row_lengths = tuple(int(n) for n in mask.sum(axis=1))
         run = BatchRun(
             rows=ids.shape[0],
             seq_len=seq_len,
-            real_tokens=int(mask.sum()),
+            real_tokens=sum(row_lengths),
             compute_seconds=compute,
             variants=engine.dispatch.variants(ids.shape[0], seq_len),
-            row_lengths=tuple(int(n) for n in mask.sum(axis=1)),
+            row_lengths=row_lengths,
         )
         results, start = [], 0
         for job in jobs:

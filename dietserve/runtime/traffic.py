@@ -13,9 +13,9 @@ written whole or not at all) is the one format for this concept: the server writ
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.atomic_io import write_text_atomic
@@ -30,26 +30,38 @@ class TrafficError(ValueError):
     """A traffic file that cannot be read; the message names the file and the problem."""
 
 
-@dataclass
 class Traffic:
-    half_life_seconds: float
-    as_of: float
-    weights: dict[tuple[int, int], float] = field(default_factory=dict)
+    """``weights``: shape -> executions, decayed to the latest time recorded or decayed to."""
 
-    def __post_init__(self) -> None:
-        if not self.half_life_seconds > 0:
-            raise TrafficError(f"half-life must be positive, got {self.half_life_seconds}")
+    def __init__(self, half_life_seconds: float, as_of: float, weights: dict[tuple[int, int], float] | None = None):
+        if not half_life_seconds > 0:
+            raise TrafficError(f"half-life must be positive, got {half_life_seconds}")
+        self.half_life_seconds = half_life_seconds
+        self.as_of = as_of
+        self._latest = as_of
+        # Kept as of ``as_of``: an execution at a later time t counts 2^((t - as_of) / half-life)
+        # there, so recording is O(1) and only reads decay the whole table.
+        self._weights = dict(weights or {})
+
+    @property
+    def weights(self) -> dict[tuple[int, int], float]:
+        self.decay_to(self._latest)
+        return self._weights
 
     def decay_to(self, now: float) -> None:
+        self._latest = max(self._latest, now)
         if now <= self.as_of:
             return
         factor = 0.5 ** ((now - self.as_of) / self.half_life_seconds)
-        self.weights = {shape: w * factor for shape, w in self.weights.items() if w * factor >= NEGLIGIBLE_WEIGHT}
+        self._weights = {shape: w * factor for shape, w in self._weights.items() if w * factor >= NEGLIGIBLE_WEIGHT}
         self.as_of = now
 
     def record(self, rows: int, seq_len: int, now: float) -> None:
-        self.decay_to(now)
-        self.weights[(rows, seq_len)] = self.weights.get((rows, seq_len), 0.0) + 1.0
+        if now - self.as_of > 32 * self.half_life_seconds:  # keep the scale factor far from overflow
+            self.decay_to(now)
+        self._latest = max(self._latest, now)
+        scale = 2.0 ** ((now - self.as_of) / self.half_life_seconds)
+        self._weights[(rows, seq_len)] = self._weights.get((rows, seq_len), 0.0) + scale
 
     def row_weights(self) -> dict[int, float]:
         """Sequence length -> decayed rows executed at that length."""
@@ -110,7 +122,6 @@ def observed_lengths(traffic: Traffic, total: int = OBSERVATIONS_FOR_TUNING) -> 
 def mix_distance(observed: dict[int, float], reference: dict[int, float], edges: list[int]) -> float:
     """Total variation distance (0: same mix, 1: disjoint) between two sequence-length mixes
     (length -> weight), over the buckets ``edges`` (upper bounds, ascending)."""
-    import bisect
 
     def shares(mix: dict[int, float]) -> list[float]:
         counts = [0.0] * len(edges)

@@ -112,7 +112,7 @@ class VersionStore:
             if retune_summary is not None:
                 (staging / RETUNE_FILE).write_text(json.dumps(retune_summary))
             while True:
-                version = (self.versions()[-1] if self.versions() else 0) + 1
+                version = max(self.versions(), default=0) + 1
                 try:
                     os.rename(staging, self.path(version))  # fails if another publisher took the number
                     break

@@ -52,18 +52,23 @@ class RetunePolicy:
         self.edges, self.max_seq_len, self.metrics, self.say = edges, max_seq_len, metrics, say
         self.process: subprocess.Popen | None = None
         self._started = float("-inf")
+        self._tuned_for: tuple[int, dict[int, float]] | None = None  # (version, its mix), read once
 
     def tuned_for(self) -> dict[int, float]:
-        path = self.hot_swap.store.tuned_for(self.hot_swap.version)
-        if path is not None:
-            try:
-                return Traffic.load(path).row_weights()
-            except TrafficError as err:
-                log.error("%s; taking the version as tuned for every length equally", err)
-        return {length: 1.0 for length in range(1, self.max_seq_len + 1)}
+        version = self.hot_swap.version
+        if self._tuned_for is None or self._tuned_for[0] != version:
+            mix = {length: 1.0 for length in range(1, self.max_seq_len + 1)}
+            path = self.hot_swap.store.tuned_for(version)
+            if path is not None:
+                try:
+                    mix = Traffic.load(path).row_weights()
+                except TrafficError as err:
+                    log.error("%s; taking the version as tuned for every length equally", err)
+            self._tuned_for = (version, mix)
+        return self._tuned_for[1]
 
-    def drift(self) -> float:
-        return mix_distance(self.traffic.traffic.row_weights(), self.tuned_for(), self.edges)
+    def drift(self, observed: dict[int, float]) -> float:
+        return mix_distance(observed, self.tuned_for(), self.edges)
 
     async def watch(self) -> None:
         while True:
@@ -80,10 +85,12 @@ class RetunePolicy:
             return
         if self.hot_swap.store.newer_candidate(self.hot_swap.version) is not None:
             return  # a published version waits for its check and swap: measure drift against it then
-        drift = self.drift()
+        observed = self.traffic.traffic.row_weights()
+        drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
-        rows = sum(self.traffic.traffic.row_weights().values())
-        if (drift >= self.settings.drift_threshold and rows >= self.settings.min_rows
+        rows = sum(observed.values())
+        # Weights are floats rescaled on each decay: allow for their rounding at the boundary.
+        if (drift >= self.settings.drift_threshold and rows >= self.settings.min_rows * (1 - 1e-9)
                 and now - self._started >= self.settings.min_interval_seconds):
             self.start(f"drift {drift:.2f} >= {self.settings.drift_threshold}")
 

@@ -109,9 +109,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _parse(self, message: bytes) -> tuple[pb.ModelInferRequest, ServedModel]:
         request = codec.parse_infer_request(message)
-        model = self._loaded(request.model_name, request.model_version)
-        if self.state.batcher is None:
-            raise NotReady(f"model '{model.name}' is still loading")
+        model = self._loaded(request.model_name, request.model_version)  # set after the batcher
         codec.check_shapes(request, model.engine, model.takes_text)
         return request, model
 

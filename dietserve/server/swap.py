@@ -141,8 +141,7 @@ class Swapper:
                 break
         if problem:
             return self._refuse(version, problem)
-        if current.pool_bound is not None:
-            candidate.bound_memory(current.pool_bound.limit_bytes)
+        candidate.pool_bound = current.pool_bound  # one bound on the process, whichever engine runs
         self.batcher.engine = candidate  # the next batch runs on it
         self.gain.swapped()
         for model in self.models.values():
