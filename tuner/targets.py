@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from dietserve.kernels.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.microkernel import MicroKernel
 
-from .space.cpu import cpu_space, packed_cpu_space
+from .space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
 
 
 @dataclass(frozen=True)
@@ -39,4 +39,5 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
     if cores:
         hardware = hardware.with_overrides(cores=cores)
     target = {"kind": "llvm", "mcpu": mcpu or host_cpu(), "num-cores": hardware.cores}
-    return TuningTarget(target, cpu_space(hardware) + packed_cpu_space(hardware), hardware.cores, hardware)
+    space = cpu_space(hardware) + packed_cpu_space(hardware) + clamped_cpu_space(hardware)
+    return TuningTarget(target, space, hardware.cores, hardware)

@@ -7,6 +7,7 @@ from tvm import tirx
 from tvm.target import Target
 
 from .cpu import apply_cpu
+from .cpu_clamped import apply_cpu_clamped, is_clamped
 from .cpu_packed import apply_cpu_packed
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
@@ -22,6 +23,8 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
     if target_kind == "llvm":
         if kernel.pack:
             return apply_cpu_packed(packed_form(func, kernel.pack), kernel)
+        if is_clamped(kernel):
+            return apply_cpu_clamped(func, kernel)
         return apply_cpu(func, kernel, loop_partition=loop_partition)
     raise ValueError(f"no micro-kernel schedules for target kind {target_kind!r} (llvm or cuda)")
 

@@ -132,7 +132,7 @@ def fma_loops(asm: str) -> list[tuple[int, int, int, int]]:
         if fmas >= 8:
             loops.append((fmas, len(re.findall(r"vmov[au]ps\s+-?\d*\(", body)) + len(re.findall(
                 r"vfmadd\d+ps\s+-?\d*\(%", body)), len(re.findall(r"vbroadcastss", body)),
-                len(re.findall(r"\(%rsp\)|\(%rbp\)", body))))
+                len(re.findall(r"\(%rsp\)", body))))  # %rbp may be a plain base register
     return loops
 
 

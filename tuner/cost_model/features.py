@@ -16,7 +16,7 @@ from dietserve.kernels.microkernel import MicroKernel
 
 AXES = ("i", "j", "k")
 LEVELS = 3  # packed CPU kernels tile j three ways (panel, panels per register tile, per task)
-SCOPES = ("local", "shared", "B.local")
+SCOPES = ("local", "shared", "B.local", "clamped")
 
 
 def register_tile(kernel: MicroKernel) -> tuple[int, int]:

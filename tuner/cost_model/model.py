@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dietserve.kernels.cpu_clamped import is_clamped
 from dietserve.kernels.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
@@ -24,9 +25,19 @@ MIN_SAMPLES = 8  # below this the model predicts nothing and the search explores
 def adapt(extents: Mapping[str, int], kernel: MicroKernel, cores: int) -> float:
     """f_adapt for the matmul axes (b, i, j, k): padding of i, j (and k where it is tiled)
     times the occupancy of ``b x ceil(i/mc) x ceil(j/nc)`` instances on ``cores``."""
+    cores = 1 if kernel.threads == 1 else cores  # a serial kernel occupies its one core fully
+    if is_clamped(kernel):
+        # The overlap of a clamped edge tile wastes what padding to whole register tiles would;
+        # a task is ``ti`` row tiles (its column tiles run in turn); a shape smaller than the
+        # register tile takes the scalar path.
+        mr, nr = kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0]
+        rows, columns = extents["i"], extents["j"]
+        overlap = rows / (math.ceil(rows / mr) * mr) * columns / (math.ceil(columns / nr) * nr)
+        instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i",))
+        factor = overlap * core_occupancy(instances, cores)
+        return factor / (2 * kernel.vector) if rows < mr or columns < nr else factor
     padded = ("i", "j", "k") if kernel.tile_of("k") > 1 else ("i", "j")
     instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i", "j"))
-    cores = 1 if kernel.threads == 1 else cores  # a serial kernel occupies its one core fully
     return padding_efficiency(extents, kernel, padded) * core_occupancy(instances, cores)
 
 

@@ -1,5 +1,6 @@
 """Micro-kernel search space: built from hardware limits, not from any one shape."""
 
+from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
 from dietserve.kernels.cpu_packed import packed_tile
 from dietserve.kernels.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.microkernel import MicroKernel
@@ -9,14 +10,18 @@ from dietserve.kernels.packing import weight_param
 def task_space(space: list[MicroKernel], func) -> list[MicroKernel]:
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
     task width divides its weight's columns and whose reduction block divides its depth, when it
-    has a weight and some fit (packing first), else the kernels that read operands as they are."""
+    has a weight and some fit (packing first); else the clamped-tile kernels where the operator
+    takes them (they need no padding, so they replace the padded ones); else the padded kernels."""
     weight = weight_param(func)
     packed = []
     if weight is not None:
         _, depth, columns = weight
         packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
                   and _blocks_fit(k.tile_sizes("k")[0], depth)]
-    return packed or [k for k in space if not k.pack]
+    if packed:
+        return packed
+    clamped = [k for k in space if is_clamped(k) and clamped_fits(func, k)]
+    return clamped or [k for k in space if not k.pack and not is_clamped(k)]
 
 
 def _blocks_fit(kc: int, depth: int) -> bool:

@@ -1,9 +1,11 @@
 """The CPU micro-kernel spaces, from the register file and caches (never from a shape).
 
-Two spaces. Operators with a constant weight (dense layers) get the packed-weight GEMM kernels
+Three spaces. Operators with a constant weight (dense layers) get the packed-weight GEMM kernels
 (``packed_cpu_space``, ``dietserve/kernels/cpu_packed.py``): the packing is chosen first (the
 panel width, from the vector width) and every kernel of a plan shares it. Operators without
-one (attention's batched products) get the locally padded kernels (``cpu_space``):
+one (attention's batched products, symbolic in both output axes) get the clamped-tile kernels
+(``clamped_cpu_space``, ``dietserve/kernels/cpu_clamped.py``), which need no padding, and the
+locally padded kernels (``cpu_space``):
 
 A CPU micro-kernel computes an ``mr x nr`` register tile (``nr`` a whole number of vectors)
 over the full reduction, ``ti x tj`` such tiles per parallel task (the cache tile, whose packed
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 
+from dietserve.kernels.cpu_clamped import CLAMPED, PANEL
 from dietserve.kernels.hardware import CpuHardware
 from dietserve.kernels.microkernel import MicroKernel
 
@@ -30,6 +33,8 @@ PACKED_PANEL_DEPTH = 768  # a weight panel's depth the L2 rule sizes tasks for (
 # kc-deep blocks of the task's panels stay in L2 while every row tile passes over them (for
 # weights too deep for L2: BERT's 3072 -> 768 layer).
 REDUCTION_BLOCKS = (1, 256, 384, 768)
+# Clamped-tile tasks: (row tiles per task, staging): B read in place, or copied per task.
+CLAMPED_TASKS = ((1, (CLAMPED,)), (8, (CLAMPED,)), (8, (CLAMPED, PANEL)), (32, (CLAMPED, PANEL)))
 
 
 def cpu_space(hw: CpuHardware) -> list[MicroKernel]:
@@ -88,4 +93,23 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
                     tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))),
                     vector=lanes, threads=threads, pack=panel,
                 ))
+    return kernels
+
+
+def clamped_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
+    """Clamped-tile kernels: an ``mr x nr`` register tile (``nr`` = 1 to 6 vectors) over the
+    whole reduction, ``mr * v`` accumulators + the ``v`` B vectors a row reuses + 1 broadcast
+    <= registers; a task is ``ti`` row tiles of one batch entry, which run over each column
+    tile in turn, the B panel read in place or copied once per task into a contiguous buffer
+    (``B.local``: worth it when the task has rows enough to reuse it); every core, or serial
+    for the smallest shapes."""
+    lanes = hw.lanes(8 * DTYPE_BYTES)
+    kernels = []
+    for vectors in (1, 2, 3, 4, 6):
+        for mr in range(1, 17):
+            if mr * vectors + vectors + 1 > hw.vector_registers:
+                break
+            for (ti, scopes), threads in itertools.product(CLAMPED_TASKS, (0, 1) if hw.cores > 1 else (0,)):
+                kernels.append(MicroKernel(tile=(("i", (mr, ti)), ("j", (vectors * lanes,)), ("k", (1,))),
+                                           vector=lanes, cache_scopes=scopes, threads=threads))
     return kernels

@@ -1,0 +1,249 @@
+"""The CPU micro-kernel for operators symbolic in both output axes (attention's products): clamped
+register tiles, so no tile is padded, copied or bound-checked, even at the edges.
+
+Padding a ``[T, T]`` result to whole tiles leaves a copy-out whose every element carries a bound
+check (scalar stores: the attention products ran at 0.6-0.85x ``torch.bmm``). Here the last tile
+of an axis instead starts ``tile`` elements before the axis ends (``min(t * tile, extent - tile)``):
+it overlaps its neighbour and recomputes a few elements, writing the same values, and every tile,
+edge or not, is the same straight-line code of full-vector loads, FMAs and stores:
+
+    parallel over (batch, row tiles of mr):          i0 = min(io * mr, M - mr)
+        for each column tile of nr:                   j0 = min(jo * nr, N - nr)
+            acc[mr, nr] = 0                           register accumulators
+            for k in K: acc += A[i0 + ii, k] * B[k, j0 + jj]    A broadcast, nr / lanes B vectors
+            out[i0 + ii, j0 + jj] = epilogue(acc)     stored once, vectorised
+
+The body is built from the operator's own blocks (its product and its element-wise epilogue,
+rebased on the tile), so it computes exactly what the PrimFunc does. Shapes smaller than a tile
+(M < mr or N < nr) take a scalar path in the same function. The reduction needs no padding: its
+extent, symbolic or not, is the loop's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
+from .microkernel import MicroKernel
+
+CLAMPED = "clamped"  # MicroKernel.cache_scopes marker of this family
+PANEL = "B.local"  # ... and of its variant that copies each B panel once per task
+
+
+def is_clamped(kernel: MicroKernel) -> bool:
+    return CLAMPED in kernel.cache_scopes
+
+
+def _index(expr) -> tirx.Expr:
+    return tirx.const(expr, "int64") if isinstance(expr, int) else expr
+
+
+class _Operator:
+    """The matmul's product and epilogue as expressions of (batch..., i, j, k)."""
+
+    def __init__(self, func: tirx.PrimFunc):
+        sch = s_tir.Schedule(func)
+        block, epilogue = find_matmul(sch)
+        stmt = sch.get(block)
+        if not is_multiply_accumulate(stmt):
+            raise ScheduleMismatch("the reduction is not a multiply-accumulate")
+        self.iter_vars = [iv.var for iv in stmt.iter_vars]
+        self.extents = [sch.get(loop).extent for loop in sch.get_loops(block)]
+        if len(self.extents) != len(self.iter_vars) or len(self.iter_vars) < 3:
+            raise ScheduleMismatch("expected a matmul block with its own loops")
+        self.result = stmt.body.buffer
+        if [str(i) for i in stmt.body.indices] != [str(v) for v in self.iter_vars[:-1]]:
+            raise ScheduleMismatch("the matmul's result is not indexed by its spatial axes")
+        self.product = stmt.body.value.b
+        self.init = stmt.init
+        if epilogue is None:
+            self.out, self.out_vars, self.epilogue = self.result, self.iter_vars[:-1], None
+        else:
+            estmt = sch.get(epilogue).body if hasattr(sch.get(epilogue), "body") else None
+            evars = [iv.var for iv in sch.get(epilogue).iter_vars]
+            if not isinstance(estmt, tirx.BufferStore) or len(evars) != len(self.iter_vars) - 1:
+                raise ScheduleMismatch("the epilogue is not one element-wise store over the result")
+            if [str(i) for i in estmt.indices] != [str(v) for v in evars]:
+                raise ScheduleMismatch("the epilogue does not write the element it computes")
+            reads = []
+            rebuild(estmt.value, {}, loads_seen=(self.result, reads))
+            if not reads or any([str(i) for i in r.indices] != [str(v) for v in evars] for r in reads):
+                raise ScheduleMismatch("the epilogue reads the result at another element")
+            self.out, self.out_vars, self.epilogue = estmt.buffer, evars, estmt.value
+
+    def operands(self) -> tuple[tirx.Expr, tirx.Expr] | None:
+        """(the factor read along i, the factor read along j) of the product, if it splits so."""
+        i_var, j_var = self.iter_vars[-3], self.iter_vars[-2]
+        if not isinstance(self.product, tirx.Mul):
+            return None
+        factors = (self.product.a, self.product.b)
+        uses = [(_uses(f, i_var), _uses(f, j_var)) for f in factors]
+        if uses == [(True, False), (False, True)]:
+            return factors
+        if uses == [(False, True), (True, False)]:
+            return factors[1], factors[0]
+        return None
+
+    def factor(self, expr, batch, i, j, k) -> tirx.Expr:
+        return rebuild(expr, dict(zip(self.iter_vars, [*batch, i, j, k], strict=True)))
+
+    def term(self, batch, i, j, k) -> tirx.Expr:
+        return rebuild(self.product, dict(zip(self.iter_vars, [*batch, i, j, k], strict=True)))
+
+    def finish(self, value, batch, i, j) -> tirx.Expr:
+        """The epilogue of ``value`` (the accumulated element at (batch, i, j))."""
+        if self.epilogue is None:
+            return value
+        return rebuild(self.epilogue, dict(zip(self.out_vars, [*batch, i, j], strict=True)), {self.result: value})
+
+
+_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max,
+           tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
+
+
+def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, on_var=None) -> tirx.Expr:
+    """``expr`` with ``variables`` substituted and loads of the buffers in ``loads`` replaced by
+    the given expressions (TVM 0.27 exposes no TIR substitution to Python). ``loads_seen``
+    (buffer, list) collects the loads of one buffer."""
+    loads = loads or {}
+
+    def visit(node):
+        if isinstance(node, tirx.Var):
+            if on_var is not None:
+                on_var(node)
+            return next((new for old, new in variables.items() if old.same_as(node)), node)
+        if isinstance(node, tirx.IntImm | tirx.FloatImm | tvm.ir.StringImm):
+            return node
+        if isinstance(node, tvm.ir.TensorLoad):
+            if loads_seen is not None and node.source.same_as(loads_seen[0]):
+                loads_seen[1].append(node)
+            for buffer, replacement in loads.items():
+                if node.source.same_as(buffer):
+                    return replacement
+            return tirx.BufferLoad(node.source, [visit(index) for index in node.indices])
+        if isinstance(node, _BINARY):
+            return type(node)(visit(node.a), visit(node.b))
+        if isinstance(node, tirx.Not):
+            return tirx.Not(visit(node.a))
+        if isinstance(node, tirx.Cast):
+            return tirx.Cast(node.dtype, visit(node.value))
+        if isinstance(node, tirx.Select):
+            return tirx.Select(visit(node.condition), visit(node.true_value), visit(node.false_value))
+        if isinstance(node, tvm.ir.Call):
+            return tvm.ir.Call(node.dtype, node.op, [visit(arg) for arg in node.args])
+        raise ScheduleMismatch(f"cannot rebase expression node {type(node).__name__} onto a tile")
+
+    return visit(expr)
+
+
+def _uses(expr, var) -> bool:
+    found = []
+    rebuild(expr, {}, on_var=lambda v: found.append(v.same_as(var)))
+    return any(found)
+
+
+def _batch_indices(task, extents) -> list:
+    """``task`` in [0, prod(extents)) as one index per batch axis (row-major)."""
+    indices, rest = [], task
+    for position, extent in enumerate(extents):
+        inner = math.prod(extents[position + 1:]) if position + 1 < len(extents) else 1
+        indices.append(tirx.floormod(tirx.floordiv(rest, inner), extent) if position else tirx.floordiv(rest, inner))
+    return indices
+
+
+def clamped_fits(func: tirx.PrimFunc, kernel: MicroKernel) -> bool:
+    """Whether ``kernel`` can compute ``func``: a multiply-accumulate with an element-wise
+    epilogue, and no static row or column extent smaller than the tile (it would never take
+    the tiled path)."""
+    try:
+        op = _Operator(func)
+    except (ScheduleMismatch, s_tir.ScheduleError):
+        return False
+    *_, m, n, depth = op.extents
+    (mr, *_), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
+    if PANEL in kernel.cache_scopes and (not isinstance(depth, tirx.IntImm) or op.operands() is None):
+        return False
+    return all(not isinstance(extent, tirx.IntImm) or int(extent) >= tile for extent, tile in ((m, mr), (n, nr)))
+
+
+def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
+    """``func`` computed in clamped ``mr x nr`` register tiles, ``ti`` row tiles per task
+    (``kernel.tile``: i=(mr, ti), j=(nr,)); with ``B.local`` in its scopes each ``depth x nr``
+    B panel is copied once per task into a contiguous buffer that all the task's row tiles read
+    (a ``[d, T]`` operand's rows alias in L1 when T is a power of two)."""
+    (mr, *rest), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
+    ti = rest[0] if rest else 1
+    lanes = kernel.vector
+    if nr % lanes:
+        raise ScheduleMismatch(f"column tile {nr} is not a whole number of {lanes}-lane vectors")
+    op = _Operator(func)
+    *batch, m, n, depth = op.extents
+    panel = PANEL in kernel.cache_scopes
+    if panel and (not isinstance(depth, tirx.IntImm) or op.operands() is None):
+        raise ScheduleMismatch("a copied B panel needs a static reduction and a product of two operands")
+    parallel = kernel.threads != 1
+    with IRBuilder() as builder:
+        with T.If(tirx.all(m >= mr, n >= nr)):
+            with T.Then():
+                _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel)
+            with T.Else():  # smaller than one tile: scalar
+                _tiled(op, batch, (m, n, depth), (1, 1, 1), 1, False, parallel)
+    return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
+
+
+def _tiled(op, batch, extents, tile, lanes, panel, parallel) -> None:
+    (m, n, depth), (mr, nr, ti), dtype = extents, tile, op.result.dtype
+    row_tiles = (m + (mr - 1)) // mr
+    blocks = (row_tiles + (ti - 1)) // ti
+    col_tiles = (n + (nr - 1)) // nr
+    zero = tirx.const(0, dtype)
+    no_index = tirx.const(0, "int64")
+    loop = T.parallel if parallel else T.serial
+    with loop(0, math.prod(batch) * blocks if batch else blocks) as task:
+        z = _batch_indices(tirx.floordiv(task, blocks), batch) if batch else []
+        block = tirx.floormod(task, blocks)
+        with T.serial(0, col_tiles) as jo:
+            j0 = tirx.min(jo * nr, n - nr) if nr > 1 else jo
+            if panel:
+                a_factor, b_factor = op.operands()
+                b_panel = T.alloc_buffer((int(depth), nr), dtype, scope="local")
+                with T.serial(0, depth) as k:
+                    _vector_loop(nr, lanes, lambda jj: T.buffer_store(
+                        b_panel, op.factor(b_factor, z, no_index, j0 + jj, k), [k, jj]))
+
+                def term(ii, jj, k):
+                    return op.factor(a_factor, z, i0 + ii, no_index, k) * b_panel[k, jj]
+            else:
+                def term(ii, jj, k):
+                    return op.term(z, i0 + ii, j0 + jj, k)
+            with T.serial(0, tirx.min(ti, row_tiles - block * ti) if ti > 1 else 1) as t:
+                io = block * ti + t if ti > 1 else block
+                i0 = tirx.min(io * mr, m - mr) if mr > 1 else io
+                acc = T.alloc_buffer((mr, nr), dtype, scope="local")
+                with T.unroll(0, mr) as ii:
+                    _vector_loop(nr, lanes, lambda jj: T.buffer_store(acc, zero, [ii, jj]))
+                with T.serial(0, depth) as k:
+                    with T.unroll(0, mr) as ii:
+                        _vector_loop(nr, lanes, lambda jj: T.buffer_store(acc, acc[ii, jj] + term(ii, jj, k), [ii, jj]))
+                with T.unroll(0, mr) as ii:
+                    _vector_loop(nr, lanes, lambda jj: T.buffer_store(
+                        op.out, op.finish(acc[ii, jj], z, i0 + ii, j0 + jj), [*z, i0 + ii, j0 + jj]))
+
+
+def _vector_loop(width, lanes, store) -> None:
+    """``store(jj)`` for jj in [0, width): whole vectors, the vector count unrolled."""
+    if lanes == 1:
+        with T.serial(0, width) as jj:
+            store(jj)
+        return
+    with T.unroll(0, width // lanes) as jv:
+        with T.vectorized(0, lanes) as lane:
+            store(jv * lanes + lane)
+
+
+__all__ = ["CLAMPED", "apply_cpu_clamped", "clamped_fits", "is_clamped"]

@@ -1,0 +1,114 @@
+"""Clamped-tile micro-kernels (attention's products, symbolic in both output axes): every kernel
+of the space matches numpy at every length, the model's own fused scores operator (scale and
+mask epilogue) matches TVM's unscheduled build of it, and the inner loop is straight FMA code
+on registers with no bound checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from dietserve.compile.pipeline import fast_math_passes, legalize_passes
+from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
+from dietserve.kernels.hardware import CPU_PRESETS
+from dietserve.kernels.microkernel import MicroKernel
+from dietserve.model.bert import BertModel, export_relax
+from dietserve.model.checkpoint import Checkpoint
+from dietserve.model.presets import resolve_model
+from tuner.extract import spec_from_prim_func
+from tuner.ops import attention_context, attention_scores, dense, random_inputs
+from tuner.space import task_space
+from tuner.space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
+
+from .test_packed_kernels import fma_loops
+
+SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+AVX2 = CPU_PRESETS["avx2"]
+
+
+def _check_every_kernel(spec) -> None:
+    kernels = task_space(cpu_space(AVX2) + packed_cpu_space(AVX2) + clamped_cpu_space(AVX2), spec.func)
+    assert kernels and all(is_clamped(k) for k in kernels)
+    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    for length in SHAPES:
+        shape = {"T": length}
+        inputs = random_inputs(spec, shape, seed=length)
+        expected = spec.reference(*inputs)
+        arguments = [tvm.runtime.tensor(x) for x in inputs]
+        for index, kernel in enumerate(kernels):
+            out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+            functions[f"k{index}"](*arguments, out)
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=f"{kernel} T={length}")
+
+
+def test_every_clamped_kernel_matches_numpy_for_the_scores_product() -> None:
+    _check_every_kernel(attention_scores(heads=2, head_dim=32))
+
+
+def test_every_clamped_kernel_matches_numpy_for_the_context_product() -> None:
+    # head_dim 40: column tiles of 16, 24 and 32 overlap at the edge; 48 is wider than the row
+    spec = attention_context(heads=2, head_dim=40)
+    assert not clamped_fits(spec.func, MicroKernel(tile=(("i", (1,)), ("j", (48,)), ("k", (1,))), vector=8,
+                                                   cache_scopes=("clamped",)))
+    _check_every_kernel(spec)
+
+
+def test_clamped_space_follows_the_register_file() -> None:
+    for hardware in CPU_PRESETS.values():
+        for kernel in clamped_cpu_space(hardware):
+            (mr, _), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
+            vectors = nr // hardware.lanes()
+            assert nr % hardware.lanes() == 0 and mr * vectors + vectors + 1 <= hardware.vector_registers
+    assert len(clamped_cpu_space(CPU_PRESETS["avx512"])) > len(clamped_cpu_space(AVX2))
+    # dense layers keep their packed kernels: clamping is for operators without a weight
+    assert not any(is_clamped(k) for k in task_space(packed_cpu_space(AVX2) + clamped_cpu_space(AVX2),
+                                                     dense(768, 768, "bias").func))
+
+
+@pytest.fixture(scope="module")
+def model_scores(tmp_path_factory: pytest.TempPathFactory):
+    """all-MiniLM-L6-v2's fused attention-scores PrimFunc: ``Q @ Kt * scale + mask``, 4-D,
+    symbolic in batch and sequence length."""
+    checkpoint = Checkpoint.open(resolve_model("default", tmp_path_factory.mktemp("cache"), 0))
+    mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), 8)
+    with tvm.target.Target({"kind": "llvm"}):
+        fused = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
+    for gvar, func in fused.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc) and "multiply" in gvar.name_hint and "matmul" in gvar.name_hint:
+            if len(func.params) == 4 and len(func.params[0].ty.shape) == 4:
+                return spec_from_prim_func(gvar.name_hint, func)
+    raise AssertionError("no fused attention-scores PrimFunc in the model")
+
+
+@pytest.mark.parametrize("tile", [(4, 24), (6, 16), (1, 8), (2, 32)])
+def test_clamped_kernel_applies_the_models_scale_and_mask(model_scores, tile: tuple) -> None:
+    spec = model_scores
+    kernel = MicroKernel(tile=(("i", (tile[0],)), ("j", (tile[1],)), ("k", (1,))), vector=8,
+                         cache_scopes=("clamped",))
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (2, 7), (1, 64), (3, 129), (1, 300)):
+        shape = {"batch": batch, "seq_len": length}
+        q, k, mask = (rng.uniform(-1, 1, s).astype("float32") for s in spec.input_shapes(shape))
+        mask = np.where(mask > 0.5, -1e9, 0.0).astype("float32")  # some keys masked
+        out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+        function(*[tvm.runtime.tensor(x) for x in (q, k, mask)], out)
+        expected = spec.expected(shape, [q, k, mask])
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-4, err_msg=f"{tile} {shape}")
+
+
+def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
+    kernel = MicroKernel(tile=(("i", (4,)), ("j", (24,)), ("k", (1,))), vector=8, cache_scopes=("clamped",))
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA
+    asm = tvm.compile(apply_kernel(attention_scores(12, 64).func, kernel, "llvm"), target).mod.inspect_source("asm")
+    loops = fma_loops(asm)
+    assert loops, "no FMA loop in the generated code"
+    fmas, loads, broadcasts, stack = max(loops)
+    # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step from 3 B loads and 4
+    # broadcasts, nothing spilled, no compare in the loop body but the loop's own.
+    assert fmas % 12 == 0 and stack == 0, loops
+    assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
