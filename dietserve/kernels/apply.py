@@ -7,7 +7,7 @@ from tvm import tirx
 from tvm.target import Target
 
 from .cpu import apply_cpu
-from .cpu_clamped import apply_cpu_clamped, is_clamped
+from .cpu_clamped import apply_cpu_clamped, is_clamped, softmax_after
 from .cpu_packed import apply_cpu_packed
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
@@ -53,8 +53,18 @@ def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
 
 
 def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,
-                  loop_partition: bool = False) -> tirx.PrimFunc:
-    """``kernel`` None means the default rule's kernel."""
-    if kernel is None:
-        return apply_default(func, target)
-    return apply_kernel(func, kernel, target.kind.name, loop_partition)
+                  loop_partition: bool = False, row_softmax: bool = False) -> tirx.PrimFunc:
+    """``kernel`` None means the default rule's kernel. ``row_softmax`` (CPU): the result is
+    then softmaxed over its last axis, in place (attention's scores and softmax as one kernel):
+    inside a clamped-tile kernel's tasks, else by a pass after the kernel."""
+    if row_softmax and target.kind.name != "llvm":
+        raise ValueError(f"a fused row softmax is built for CPU kernels, not {target.kind.name}")
+    if row_softmax and kernel is not None and is_clamped(kernel):
+        return apply_cpu_clamped(func, kernel, row_softmax=True)
+    scheduled = apply_default(func, target) if kernel is None else apply_kernel(func, kernel, target.kind.name,
+                                                                                 loop_partition)
+    if row_softmax:
+        from .loops import float_lanes
+
+        return softmax_after(scheduled, func, float_lanes(target))
+    return scheduled

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
 from .microkernel import MicroKernel
+from .row_softmax import softmax_rows
+from .tir_rebuild import rebuild, uses
 
 CLAMPED = "clamped"  # MicroKernel.cache_scopes marker of this family
 PANEL = "B.local"  # ... and of its variant that copies each B panel once per task
@@ -37,10 +38,6 @@ PANEL = "B.local"  # ... and of its variant that copies each B panel once per ta
 
 def is_clamped(kernel: MicroKernel) -> bool:
     return CLAMPED in kernel.cache_scopes
-
-
-def _index(expr) -> tirx.Expr:
-    return tirx.const(expr, "int64") if isinstance(expr, int) else expr
 
 
 class _Operator:
@@ -82,10 +79,10 @@ class _Operator:
         if not isinstance(self.product, tirx.Mul):
             return None
         factors = (self.product.a, self.product.b)
-        uses = [(_uses(f, i_var), _uses(f, j_var)) for f in factors]
-        if uses == [(True, False), (False, True)]:
+        along = [(uses(f, i_var), uses(f, j_var)) for f in factors]
+        if along == [(True, False), (False, True)]:
             return factors
-        if uses == [(False, True), (True, False)]:
+        if along == [(False, True), (True, False)]:
             return factors[1], factors[0]
         return None
 
@@ -100,51 +97,6 @@ class _Operator:
         if self.epilogue is None:
             return value
         return rebuild(self.epilogue, dict(zip(self.out_vars, [*batch, i, j], strict=True)), {self.result: value})
-
-
-_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max,
-           tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
-
-
-def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, on_var=None) -> tirx.Expr:
-    """``expr`` with ``variables`` substituted and loads of the buffers in ``loads`` replaced by
-    the given expressions (TVM 0.27 exposes no TIR substitution to Python). ``loads_seen``
-    (buffer, list) collects the loads of one buffer."""
-    loads = loads or {}
-
-    def visit(node):
-        if isinstance(node, tirx.Var):
-            if on_var is not None:
-                on_var(node)
-            return next((new for old, new in variables.items() if old.same_as(node)), node)
-        if isinstance(node, tirx.IntImm | tirx.FloatImm | tvm.ir.StringImm):
-            return node
-        if isinstance(node, tvm.ir.TensorLoad):
-            if loads_seen is not None and node.source.same_as(loads_seen[0]):
-                loads_seen[1].append(node)
-            for buffer, replacement in loads.items():
-                if node.source.same_as(buffer):
-                    return replacement
-            return tirx.BufferLoad(node.source, [visit(index) for index in node.indices])
-        if isinstance(node, _BINARY):
-            return type(node)(visit(node.a), visit(node.b))
-        if isinstance(node, tirx.Not):
-            return tirx.Not(visit(node.a))
-        if isinstance(node, tirx.Cast):
-            return tirx.Cast(node.dtype, visit(node.value))
-        if isinstance(node, tirx.Select):
-            return tirx.Select(visit(node.condition), visit(node.true_value), visit(node.false_value))
-        if isinstance(node, tvm.ir.Call):
-            return tvm.ir.Call(node.dtype, node.op, [visit(arg) for arg in node.args])
-        raise ScheduleMismatch(f"cannot rebase expression node {type(node).__name__} onto a tile")
-
-    return visit(expr)
-
-
-def _uses(expr, var) -> bool:
-    found = []
-    rebuild(expr, {}, on_var=lambda v: found.append(v.same_as(var)))
-    return any(found)
 
 
 def _batch_indices(task, extents) -> list:
@@ -171,11 +123,16 @@ def clamped_fits(func: tirx.PrimFunc, kernel: MicroKernel) -> bool:
     return all(not isinstance(extent, tirx.IntImm) or int(extent) >= tile for extent, tile in ((m, mr), (n, nr)))
 
 
-def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
-    """``func`` computed in clamped ``mr x nr`` register tiles, ``ti`` row tiles per task
-    (``kernel.tile``: i=(mr, ti), j=(nr,)); with ``B.local`` in its scopes each ``depth x nr``
-    B panel is copied once per task into a contiguous buffer that all the task's row tiles read
-    (a ``[d, T]`` operand's rows alias in L1 when T is a power of two)."""
+def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: bool = False) -> tirx.PrimFunc:
+    """``func`` computed in clamped ``mr x nr`` register tiles, blocks of ``ti`` row tiles per
+    task (``kernel.tile``: i=(mr, ti), j=(nr,)); with ``B.local`` in its scopes each
+    ``depth x nr`` B panel is copied once per task into a contiguous buffer that all the task's
+    row tiles read (a ``[d, T]`` operand's rows alias in L1 when T is a power of two).
+
+    ``row_softmax``: the result's rows are then softmaxed in place by the task that wrote
+    them, while they are still in cache (attention's masked softmax fused into the scores).
+    Tasks own disjoint rows (the last block takes the remainder, and a clamped tile stays
+    inside its block), so no task writes rows another one is normalising."""
     (mr, *rest), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
     ti = rest[0] if rest else 1
     lanes = kernel.vector
@@ -190,16 +147,30 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc
     with IRBuilder() as builder:
         with T.If(tirx.all(m >= mr, n >= nr)):
             with T.Then():
-                _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel)
+                _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, lanes if row_softmax else 0)
             with T.Else():  # smaller than one tile: scalar
-                _tiled(op, batch, (m, n, depth), (1, 1, 1), 1, False, parallel)
+                _tiled(op, batch, (m, n, depth), (1, 1, 1), 1, False, parallel, lanes if row_softmax else 0)
     return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
 
 
-def _tiled(op, batch, extents, tile, lanes, panel, parallel) -> None:
+def softmax_after(scheduled: tirx.PrimFunc, func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
+    """``scheduled`` (any kernel of ``func``) followed by a softmax over every row of its result,
+    in place, rows split over the cores: the fused operator for a variant that is not a
+    clamped-tile kernel."""
+    op = _Operator(func)
+    *batch, m, n, _ = op.extents
+    with IRBuilder() as builder:
+        with T.parallel(0, math.prod(batch) * m if batch else m) as row:
+            z = _batch_indices(tirx.floordiv(row, m), batch) if batch else []
+            softmax_rows(op.out, lambda r: (*z, tirx.floormod(row, m) + r), 1, n, lanes)
+    return scheduled.with_body(tirx.SeqStmt([scheduled.body, builder.get()]))
+
+
+def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes) -> None:
+    """The loop nest; ``softmax_lanes`` > 0: then softmax each task's rows, that many lanes wide."""
     (m, n, depth), (mr, nr, ti), dtype = extents, tile, op.result.dtype
-    row_tiles = (m + (mr - 1)) // mr
-    blocks = (row_tiles + (ti - 1)) // ti
+    rows_per_block = mr * ti
+    blocks = tirx.max(m // rows_per_block, 1)  # the last block also takes the remainder (< mr * ti rows)
     col_tiles = (n + (nr - 1)) // nr
     zero = tirx.const(0, dtype)
     no_index = tirx.const(0, "int64")
@@ -207,6 +178,8 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel) -> None:
     with loop(0, math.prod(batch) * blocks if batch else blocks) as task:
         z = _batch_indices(tirx.floordiv(task, blocks), batch) if batch else []
         block = tirx.floormod(task, blocks)
+        first = block * rows_per_block
+        rows = tirx.Select(block == blocks - 1, m - first, tirx.const(rows_per_block, "int64"))
         with T.serial(0, col_tiles) as jo:
             j0 = tirx.min(jo * nr, n - nr) if nr > 1 else jo
             if panel:
@@ -221,9 +194,8 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel) -> None:
             else:
                 def term(ii, jj, k):
                     return op.term(z, i0 + ii, j0 + jj, k)
-            with T.serial(0, tirx.min(ti, row_tiles - block * ti) if ti > 1 else 1) as t:
-                io = block * ti + t if ti > 1 else block
-                i0 = tirx.min(io * mr, m - mr) if mr > 1 else io
+            with T.serial(0, (rows + (mr - 1)) // mr) as t:
+                i0 = first + tirx.min(t * mr, rows - mr) if mr > 1 else first + t
                 acc = T.alloc_buffer((mr, nr), dtype, scope="local")
                 with T.unroll(0, mr) as ii:
                     _vector_loop(nr, lanes, lambda jj: T.buffer_store(acc, zero, [ii, jj]))
@@ -233,6 +205,8 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel) -> None:
                 with T.unroll(0, mr) as ii:
                     _vector_loop(nr, lanes, lambda jj: T.buffer_store(
                         op.out, op.finish(acc[ii, jj], z, i0 + ii, j0 + jj), [*z, i0 + ii, j0 + jj]))
+        if softmax_lanes:
+            softmax_rows(op.out, lambda r: (*z, first + r), rows, n, softmax_lanes)
 
 
 def _vector_loop(width, lanes, store) -> None:

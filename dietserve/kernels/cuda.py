@@ -91,7 +91,7 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         sch.annotate(outermost, "pragma_unroll_explicit", 1)
 
     # The accumulator is the thread's tm x tn register tile; the epilogue writes real elements only.
-    writer, _ = stage_result(sch, block, epilogue, padded, j_thread)
+    stage_result(sch, block, epilogue, padded, j_thread)
 
     # Operand tiles in shared memory, refilled by all threads at every reduction step.
     for index, operand in enumerate(operands):
@@ -109,8 +109,9 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         # Whole reduction steps then the ragged last one: the fills of the former lose their k
         # checks. TVM 0.27's LoopPartition fails on a hint at the fill loops themselves and, with
         # an int32/int64 mismatch, on a static int64 reduction; so only symbolic ones are split.
+        # The write-back loop is not hinted: its bound depends on threadIdx.y, and TVM 0.27
+        # partitions it wrongly (on an H100: wrong rows, reads before the register tile, illegal
+        # addresses for dense layers at every ragged T).
         if static_extent(sch.get(k_step).extent) is None:
             sch.annotate(k_step, "pragma_loop_partition_hint", 1)
-        for loop in loops_below(sch, writer, j_thread)[:1]:
-            sch.annotate(loop, "pragma_loop_partition_hint", 1)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)

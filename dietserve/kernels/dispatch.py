@@ -16,22 +16,29 @@ from .plan import KernelPlan
 from .tree import evaluate_text, fold
 
 
-def lower_tree(func: tirx.PrimFunc, tree: dict, leaf: Callable[[str], tirx.Stmt]) -> tirx.Stmt:
-    """The tree as TIR over ``func``'s symbolic vars; ``leaf(variant)`` gives each leaf's body."""
+def lower_tree(func: tirx.PrimFunc, tree: dict, leaf: Callable[[str], tirx.Stmt],
+               thread_invariant: bool = False) -> tirx.Stmt:
+    """The tree as TIR over ``func``'s symbolic vars; ``leaf(variant)`` gives each leaf's body.
+    ``thread_invariant`` (CUDA): mark each condition as the same in every thread, which a shape
+    test is; else TVM's ThreadSync refuses the ``__syncthreads`` of shared-memory variants inside
+    it ("Cannot insert syncs inside condition", found on an H100)."""
     variables = symbolic_vars(func)
 
     def branch(var: str, le: int, then: tirx.Stmt, otherwise: tirx.Stmt) -> tirx.Stmt:
         quantity = evaluate_text(var, variables)
         if isinstance(quantity, int):
             raise ValueError(f"tree condition {var!r} does not depend on {sorted(variables)}")
-        return tirx.IfThenElse(quantity <= le, then, otherwise)
+        condition = quantity <= le
+        return tirx.IfThenElse(tirx.op.tvm_thread_invariant(condition) if thread_invariant else condition,
+                               then, otherwise)
 
     return fold(tree, leaf, branch)
 
 
 def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
-                         loop_partition: bool = False) -> tirx.PrimFunc:
-    """``func`` with every variant of ``plan``, chosen per shape by the plan's tree."""
+                         loop_partition: bool = False, row_softmax: bool = False) -> tirx.PrimFunc:
+    """``func`` with every variant of ``plan``, chosen per shape by the plan's tree;
+    ``row_softmax``: each variant followed by a softmax over the result's rows (``apply_variant``)."""
 
     # Each leaf gets its own freshly scheduled copy: a variant reached by two leaves must not
     # share loop vars between them (the simplifier binds each var's range once per function).
@@ -41,6 +48,7 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
         func = packed_form(func, plan.pack)
 
     def leaf(name: str) -> tirx.Stmt:
-        return apply_variant(func, plan.kernel(name), target, loop_partition).body
+        return apply_variant(func, plan.kernel(name), target, loop_partition, row_softmax).body
 
-    return func.with_body(lower_tree(func, plan.tree, leaf)).with_attr("tirx.is_scheduled", True)
+    body = lower_tree(func, plan.tree, leaf, thread_invariant=target.kind.name == "cuda")
+    return func.with_body(body).with_attr("tirx.is_scheduled", True)

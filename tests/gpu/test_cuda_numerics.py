@@ -39,4 +39,8 @@ def test_cuda_matches_transformers(gpu_engine: Engine, batch: int, seq: int) -> 
     reference = reference_model(resolve_model("default", Path("unused")))
     ids, mask, types = padded_batch(np.random.default_rng(seq + batch), batch, seq, gpu_engine.vocab_size)
     ours = gpu_engine.run(ids, mask, types).last_hidden_state
-    assert np.abs(ours - reference_hidden(reference, ids, mask, types)).max() <= 1e-4
+    # Real tokens only: outputs at padded positions are read by nobody (pooling masks them) and
+    # drift further on CPU and GPU builds alike (H100: up to 2.6e-4 at 8 x 512, real <= 6e-6;
+    # tests/gpu/remote_check.py).
+    real = mask.astype(bool)
+    assert np.abs(ours - reference_hidden(reference, ids, mask, types))[real].max() <= 1e-4

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tvm import tirx
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.compile.passes.fuse_softmax import FUSED_SUFFIX
 from dietserve.compile.tuning import tuning_tasks
 from dietserve.kernels.dispatch import lower_tree
 from dietserve.kernels.hardware import detect_cpu
@@ -46,17 +47,33 @@ def micro(mr: int, ti: int, vectors: int, tj: int) -> dict:
 
 # Three variants besides the default rule, split at row counts 3 | 40 | 200 (boundaries probed below).
 VARIANTS = {"v0": micro(1, 1, 2, 2), "v1": micro(4, 2, 2, 1), "v2": micro(6, 4, 2, 2), DEFAULT_VARIANT: None}
+
+
+def clamped(mr: int, ti: int, vectors: int, panel: bool) -> dict:
+    return MicroKernel(tile=(("i", (mr, ti)), ("j", (vectors * LANES,)), ("k", (1,))), vector=LANES,
+                       cache_scopes=("clamped", "B.local") if panel else ("clamped",)).to_dict()
+
+
+# Attention's products (no weight) get clamped-tile kernels, as the tuner's space gives them.
+CLAMPED_VARIANTS = {"v0": clamped(1, 1, 1, False), "v1": clamped(4, 8, 3, True), "v2": clamped(6, 8, 2, False),
+                    DEFAULT_VARIANT: None}
 SPLITS = [(3, "v0"), (40, "v1"), (200, DEFAULT_VARIANT), (4096, "v2")]
 
 
 def handmade_plan(task, target: dict) -> KernelPlan:
     """A plan as the tuner writes one, with several variants, for one of the model's operators."""
+    from dietserve.kernels.cpu_clamped import clamped_fits
     from dietserve.kernels.matching import matmul_axes
+    from dietserve.kernels.packing import weight_param
 
-    axes = matmul_axes(tvm.ir.load_json(task.func))
+    func = tvm.ir.load_json(task.func)
+    axes = matmul_axes(func)
     values = [value for value, _ in SPLITS]
+    attention = weight_param(func) is None and all(
+        clamped_fits(func, MicroKernel.from_dict(k)) for k in CLAMPED_VARIANTS.values() if k)
     return KernelPlan(workload=task.workload, operator=task.operator, shape_vars=["batch", "seq_len"], axes=axes,
-                      target=target, tvm_version=str(tvm.__version__), variants=VARIANTS,
+                      target=target, tvm_version=str(tvm.__version__),
+                      variants=CLAMPED_VARIANTS if attention else VARIANTS,
                       tree=interval_tree(axes["i"], values, [name for _, name in SPLITS]),
                       tuned_range={"var": axes["i"], "min": 1, "max": 512}, provenance={"model": {"name": "test"}})
 
@@ -168,6 +185,9 @@ def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact
     assert dense and all(sorted(e["variants"]) == sorted(VARIANTS) and e["plan"] for e in dense)
     assert sum(e["calls"] for e in dense) == 6 * 6  # q, k, v, attention output, intermediate, output per layer
     assert all(not name.startswith(("reshape", "cast")) for name in manifest.dispatch)
+    # attention's scores and softmax became one kernel, one call per layer
+    fused = [e for name, e in manifest.dispatch.items() if name.endswith(FUSED_SUFFIX)]
+    assert len(fused) == 1 and fused[0]["calls"] == 6
     assert len(list((linked_artifact / "plans").glob("*.plan.json"))) == len(minilm_tasks.tasks)
 
 

@@ -70,14 +70,19 @@ def test_clamped_space_follows_the_register_file() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_scores(tmp_path_factory: pytest.TempPathFactory):
-    """all-MiniLM-L6-v2's fused attention-scores PrimFunc: ``Q @ Kt * scale + mask``, 4-D,
-    symbolic in batch and sequence length."""
+def legalized_model(tmp_path_factory: pytest.TempPathFactory) -> tvm.IRModule:
+    """all-MiniLM-L6-v2 legalized and fused, as the link pass sees it."""
     checkpoint = Checkpoint.open(resolve_model("default", tmp_path_factory.mktemp("cache"), 0))
     mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), 8)
     with tvm.target.Target({"kind": "llvm"}):
-        fused = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
-    for gvar, func in fused.functions_items():
+        return tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
+
+
+@pytest.fixture(scope="module")
+def model_scores(legalized_model: tvm.IRModule):
+    """The model's fused attention-scores PrimFunc: ``Q @ Kt * scale + mask``, 4-D, symbolic in
+    batch and sequence length."""
+    for gvar, func in legalized_model.functions_items():
         if isinstance(func, tvm.tirx.PrimFunc) and "multiply" in gvar.name_hint and "matmul" in gvar.name_hint:
             if len(func.params) == 4 and len(func.params[0].ty.shape) == 4:
                 return spec_from_prim_func(gvar.name_hint, func)
@@ -112,3 +117,37 @@ def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
     # broadcasts, nothing spilled, no compare in the loop body but the loop's own.
     assert fmas % 12 == 0 and stack == 0, loops
     assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("variant", ["4x24x8", "6x16x1p", "1x8x32p", "default"])
+def test_fused_softmax_matches_numpy_at_every_length(variant: str) -> None:
+    """Scores and softmax as one kernel: inside a clamped kernel's tasks, or after any other."""
+    from dietserve.kernels.apply import apply_variant
+
+    spec = attention_scores(heads=2, head_dim=32)
+    kernel = None
+    if variant != "default":
+        mr, nr, ti = (int(v) for v in variant.rstrip("p").split("x"))
+        kernel = MicroKernel(tile=(("i", (mr, ti)), ("j", (nr,)), ("k", (1,))), vector=8,
+                             cache_scopes=("clamped", "B.local") if variant.endswith("p") else ("clamped",))
+    function = tvm.compile(apply_variant(spec.func, kernel, TARGET, row_softmax=True), TARGET)["main"]
+    for length in SHAPES:
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        out = tvm.runtime.tensor(np.full(spec.output_shape({"T": length}), np.nan, "float32"))
+        function(*[tvm.runtime.tensor(x) for x in inputs], out)
+        np.testing.assert_allclose(out.numpy(), _softmax(spec.reference(*inputs)), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{variant} T={length}")
+
+
+def test_the_models_softmax_is_recognised_by_structure(legalized_model, model_scores) -> None:
+    from dietserve.kernels.row_softmax import is_last_axis_softmax
+
+    found = {g.name_hint for g, f in legalized_model.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and is_last_axis_softmax(f)}
+    assert len(found) == 1  # the attention softmax, whatever it is named; not the casts, sums or norms
+    assert not is_last_axis_softmax(model_scores.func)

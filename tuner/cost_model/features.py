@@ -28,10 +28,13 @@ def register_tile(kernel: MicroKernel) -> tuple[int, int]:
 
 
 def register_intensity(kernel: MicroKernel) -> float:
-    """Multiply-adds per element loaded into registers in one reduction step of the register
-    tile, ``mr * nr / (mr + nr)``: what bounds an inner loop's FLOP rate by its loads."""
+    """FMAs per load instruction in one reduction step of the register tile: ``mr`` rows of
+    ``v = nr / lanes`` vectors take ``mr * v`` FMAs, ``mr`` broadcasts and ``v`` vector loads,
+    so ``mr * v / (mr + v)``. What bounds an inner loop's FLOP rate by its loads: counted in
+    elements instead, a 14 x 8 tile (14 broadcasts for 14 FMAs) would look better than 4 x 24."""
     rows, columns = register_tile(kernel)
-    return rows * columns / (rows + columns)
+    vectors = max(columns / max(kernel.vector, 1), 1.0)
+    return rows * vectors / (rows + vectors)
 
 
 def kernel_features(kernel: MicroKernel) -> list[float]:

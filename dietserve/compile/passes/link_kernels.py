@@ -6,7 +6,8 @@ replaced by one PrimFunc holding every variant of the plan, branching on the ope
 shape expressions (``dietserve.kernels.dispatch``), marked scheduled so the default rules leave
 them alone. Matching is by structure (the workload key), never by the function's name.
 A plan whose kernels read packed weights also gets its weight argument packed, once, at load
-(``pack_weights.py``).
+(``pack_weights.py``). On CPU, an operator with a plan whose result only feeds a softmax over
+its last axis (attention's scores) is fused with it (``fuse_softmax.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ...kernels.dispatch import dispatched_prim_func
 from ...kernels.matching import is_dynamic_matmul, workload_key
 from ...kernels.packing import packed_panel, weight_param
 from ...kernels.plan import KernelPlan, PlanError
+from .fuse_softmax import fuse_scores_softmax
 from .pack_weights import pack_weight_arguments
 
 WORKLOAD_ATTR, PLAN_ATTR = "dietserve.workload", "dietserve.plan"  # in matching.NAMING_ATTRS
@@ -35,7 +37,7 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
 
     @tvm.transform.module_pass(opt_level=0, name="LinkTunedKernels")
     def link(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updated, packed = {}, {}
+        updated, packed, fusable = {}, {}, {}
         for gvar, func in mod.functions_items():
             if not is_dynamic_matmul(func):
                 continue
@@ -48,9 +50,17 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
             updated[gvar] = dispatched.with_attr(WORKLOAD_ATTR, key).with_attr(PLAN_ATTR, plan.digest())
             if plan.pack:
                 packed[gvar.name_hint] = (weight_param(func)[0], plan.pack)
+            elif target.kind.name == "llvm":
+                fusable[gvar.name_hint] = _fused_softmax_builder(func, plan, key)
         for gvar, func in updated.items():
             mod[gvar] = func
-        return pack_weight_arguments(mod, packed)
+        return pack_weight_arguments(fuse_scores_softmax(mod, fusable), packed)
+
+    def _fused_softmax_builder(func, plan: KernelPlan, key: str):
+        def build():
+            fused = dispatched_prim_func(func, plan, target, row_softmax=True)
+            return fused.with_attr(WORKLOAD_ATTR, key).with_attr(PLAN_ATTR, plan.digest())
+        return build
 
     return link
 
