@@ -5,13 +5,17 @@ Padding a ``[T, T]`` result to whole tiles leaves a copy-out whose every element
 check (scalar stores: the attention products ran at 0.6-0.85x ``torch.bmm``). Here the last tile
 of an axis instead starts ``tile`` elements before the axis ends (``min(t * tile, extent - tile)``):
 it overlaps its neighbour and recomputes a few elements, writing the same values, and every tile,
-edge or not, is the same straight-line code of full-vector loads, FMAs and stores:
+edge or not, is the same straight-line code of full-vector loads, FMAs and stores. Row tiles are
+clamped inside their task's own block of rows, so no two tasks write the same row:
 
-    parallel over (batch, row tiles of mr):          i0 = min(io * mr, M - mr)
+    parallel over (batch, row blocks of ti * mr rows; the last block takes the remainder):
         for each column tile of nr:                   j0 = min(jo * nr, N - nr)
-            acc[mr, nr] = 0                           register accumulators
-            for k in K: acc += A[i0 + ii, k] * B[k, j0 + jj]    A broadcast, nr / lanes B vectors
-            out[i0 + ii, j0 + jj] = epilogue(acc)     stored once, vectorised
+            [copy the K x nr B panel once into a contiguous local buffer]
+            for each row tile of the block:           i0 = first + min(t * mr, rows - mr)
+                acc[mr, nr] = 0                       register accumulators
+                for k in K: acc += A[i0 + ii, k] * B[k, j0 + jj]    A broadcast, nr/lanes B vectors
+                out[i0 + ii, j0 + jj] = epilogue(acc) stored once, vectorised
+        [softmax the block's rows in place: attention's masked softmax, fused]
 
 The body is built from the operator's own blocks (its product and its element-wise epilogue,
 rebased on the tile), so it computes exactly what the PrimFunc does. Shapes smaller than a tile
@@ -144,12 +148,20 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
     if panel and (not isinstance(depth, tirx.IntImm) or op.operands() is None):
         raise ScheduleMismatch("a copied B panel needs a static reduction and a product of two operands")
     parallel = kernel.threads != 1
+    softmax_lanes = lanes if row_softmax else 0
+    # The tiled path needs a whole tile in each axis; a condition that always holds is left out
+    # (its dead scalar branch would be simplified under m == 0, where TVM folds a division by 0).
+    fits = [m >= mr] if mr > 1 else []
+    fits += [] if isinstance(n, tirx.IntImm) and int(n) >= nr else [n >= nr]
     with IRBuilder() as builder:
-        with T.If(tirx.all(m >= mr, n >= nr)):
-            with T.Then():
-                _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, lanes if row_softmax else 0)
-            with T.Else():  # smaller than one tile: scalar
-                _tiled(op, batch, (m, n, depth), (1, 1, 1), 1, False, parallel, lanes if row_softmax else 0)
+        if not fits:
+            _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
+        else:
+            with T.If(tirx.all(*fits)):
+                with T.Then():
+                    _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
+                with T.Else():  # smaller than one tile: scalar
+                    _tiled(op, batch, (m, n, depth), (1, 1, 1), 1, False, parallel, softmax_lanes)
     return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
 
 

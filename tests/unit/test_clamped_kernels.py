@@ -151,3 +151,28 @@ def test_the_models_softmax_is_recognised_by_structure(legalized_model, model_sc
              if isinstance(f, tvm.tirx.PrimFunc) and is_last_axis_softmax(f)}
     assert len(found) == 1  # the attention softmax, whatever it is named; not the casts, sums or norms
     assert not is_last_axis_softmax(model_scores.func)
+
+
+def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_product(legalized_model) -> None:
+    """The model's own 4-D context product (batch and heads as batch axes, head size 32 static):
+    mr = 1 kernels once failed to build here (TVM folded a division by zero in a dead branch)."""
+    from dietserve.kernels.matching import is_dynamic_matmul
+    from dietserve.kernels.packing import weight_param
+
+    found = [(g.name_hint, f) for g, f in legalized_model.functions_items() if is_dynamic_matmul(f)
+             and weight_param(f) is None and len(f.params) == 3 and len(f.params[0].ty.shape) == 4]
+    assert len(found) == 1, [name for name, _ in found]
+    spec = spec_from_prim_func(*found[0])
+    kernels = task_space(clamped_cpu_space(AVX2), spec.func)
+    assert kernels and all(is_clamped(k) for k in kernels)
+    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (2, 7), (1, 129)):
+        shape = {"batch": batch, "seq_len": length}
+        inputs = [rng.uniform(-1, 1, s).astype("float32") for s in spec.input_shapes(shape)]
+        expected = spec.expected(shape, inputs)
+        for index, kernel in enumerate(kernels):
+            out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+            functions[f"k{index}"](*[tvm.runtime.tensor(x) for x in inputs], out)
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=f"{kernel} {shape}")
