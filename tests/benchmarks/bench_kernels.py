@@ -6,7 +6,7 @@ shape (64 trials on each of 6 T by default), with the machine's ceiling measured
 
     python tests/benchmarks/bench_kernels.py [--trials 64] [--ms-trials 64] [--ms-lengths 1,64,512]
                                              [--ops dense_768x3072,attention_scores]
-                                             [--target llvm|cuda] [--skip-metaschedule]
+                                             [--target llvm|cuda] [--skip-metaschedule] [--save-plans DIR]
 
 Per operator it prints the plan's variants and a table of latency, GFLOP/s and % of the sgemm
 ceiling per T with ratios (>1: ours faster); the last line is ``RESULT geomean_vs_torch=X
@@ -115,6 +115,7 @@ def main() -> int:
     parser.add_argument("--skip-metaschedule", action="store_true")
     parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per T (median reported)")
+    parser.add_argument("--save-plans", type=Path, help="write each operator's tuned plan here (to rerun a point)")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
     ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
@@ -139,6 +140,8 @@ def main() -> int:
             _log(f"{spec.name}: tuning ours, {args.trials} trials for every T in 1..512")
             tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch))
             ours_tuning += tuned.wall_s
+            if args.save_plans:
+                tuned.plan.write(args.save_plans / f"{op}.plan.json")
             ms_latency, ms_wall = {}, float("nan")
             if not args.skip_metaschedule:
                 _log(f"{spec.name}: MetaSchedule, {args.ms_trials} trials on each of {len(ms_lengths)} static T")
