@@ -17,6 +17,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ...kernels.matching import ScheduleMismatch
 from ...kernels.row_softmax import is_last_axis_softmax
 
 FUSED_SUFFIX = "_softmax"
@@ -34,18 +35,21 @@ def fuse_scores_softmax(mod: tvm.IRModule, fusable: dict[str, Callable[[], tirx.
         return mod
     uses = _use_counts(mod)
     builder = relax.BlockBuilder(mod)
-    fused: dict[str, tvm.ir.GlobalVar] = {}
+    fused: dict[str, tvm.ir.GlobalVar | None] = {}
 
-    def fused_callee(name: str) -> tvm.ir.GlobalVar:
+    def fused_callee(name: str) -> tvm.ir.GlobalVar | None:
         if name not in fused:
-            fused[name] = builder.add_func(fusable[name](), name + FUSED_SUFFIX)
+            try:
+                fused[name] = builder.add_func(fusable[name](), name + FUSED_SUFFIX)
+            except ScheduleMismatch:  # its kernels cannot carry the softmax: leave the pair as it is
+                fused[name] = None
         return fused[name]
 
     rewriter = _Fuse(builder.get(), set(fusable), softmax, uses, fused_callee)
     for gvar, func in builder.get().functions_items():
         if isinstance(func, relax.Function):
             builder.update_func(gvar, rewriter.visit_expr(func))
-    if not fused:
+    if not any(fused.values()):
         return mod
     return relax.transform.DeadCodeElimination()(builder.get())
 
@@ -67,6 +71,8 @@ class _Fuse(PyExprMutator):
         if producer is None or _callee(producer) not in self.scores:
             return call
         callee = self.fused_callee(_callee(producer))
+        if callee is None:
+            return call
         return relax.Call(producer.op, [callee, *producer.args[1:]], producer.attrs, call.ty_args, call.span)
 
 
