@@ -88,6 +88,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
                 except triton.InferenceServerException as err:
                     failures.append(str(err))
                 answered[0] += 1
+                stop.wait(PACE_S)
 
     probe = np.full((1, LONG), 2000, np.int64)
     try:
