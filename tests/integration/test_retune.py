@@ -1,7 +1,7 @@
 """Online re-tuning end to end, on this CPU with small budgets: kernels tuned for short sequences
 serve traffic that turns long; the server measures the drift, runs the re-tuning job as a
 separate process, checks the version it publishes and swaps it in. Every request sent meanwhile
-is answered correctly, and the long sequences are not slower after the swap than before.
+is answered correctly, and the long sequences do not get grossly slower with the swap.
 
 Kernels tuned for 1..4 tokens used to be 2x slower at 384 (padded attention kernels). With
 clamped attention kernels and the fused softmax they are as good as what 6 re-tuning trials find
