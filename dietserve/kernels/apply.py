@@ -9,6 +9,7 @@ from tvm.target import Target
 from .cpu import apply_cpu
 from .cpu_clamped import apply_cpu_clamped, is_clamped, softmax_after
 from .cpu_packed import apply_cpu_packed
+from .loops import float_lanes
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .packing import packed_form
@@ -64,7 +65,5 @@ def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Targe
     scheduled = apply_default(func, target) if kernel is None else apply_kernel(func, kernel, target.kind.name,
                                                                                  loop_partition)
     if row_softmax:
-        from .loops import float_lanes
-
         return softmax_after(scheduled, func, float_lanes(target))
     return scheduled

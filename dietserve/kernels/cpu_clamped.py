@@ -61,7 +61,6 @@ class _Operator:
         if [str(i) for i in stmt.body.indices] != [str(v) for v in self.iter_vars[:-1]]:
             raise ScheduleMismatch("the matmul's result is not indexed by its spatial axes")
         self.product = stmt.body.value.b
-        self.init = stmt.init
         if epilogue is None:
             self.out, self.out_vars, self.epilogue = self.result, self.iter_vars[:-1], None
         else:
@@ -122,9 +121,14 @@ def clamped_fits(func: tirx.PrimFunc, kernel: MicroKernel) -> bool:
         return False
     *_, m, n, depth = op.extents
     (mr, *_), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
-    if PANEL in kernel.cache_scopes and (not isinstance(depth, tirx.IntImm) or op.operands() is None):
+    if PANEL in kernel.cache_scopes and not _panel_copyable(op, depth):
         return False
     return all(not isinstance(extent, tirx.IntImm) or int(extent) >= tile for extent, tile in ((m, mr), (n, nr)))
+
+
+def _panel_copyable(op: _Operator, depth) -> bool:
+    """A B panel can be copied per task: a static reduction and a product of two operands."""
+    return isinstance(depth, tirx.IntImm) and op.operands() is not None
 
 
 def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: bool = False) -> tirx.PrimFunc:
@@ -145,7 +149,7 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
     op = _Operator(func)
     *batch, m, n, depth = op.extents
     panel = PANEL in kernel.cache_scopes
-    if panel and (not isinstance(depth, tirx.IntImm) or op.operands() is None):
+    if panel and not _panel_copyable(op, depth):
         raise ScheduleMismatch("a copied B panel needs a static reduction and a product of two operands")
     parallel = kernel.threads != 1
     softmax_lanes = lanes if row_softmax else 0

@@ -9,14 +9,10 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.compile.pipeline import fast_math_passes, legalize_passes
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
-from dietserve.model.bert import BertModel, export_relax
-from dietserve.model.checkpoint import Checkpoint
-from dietserve.model.presets import resolve_model
 from tuner.extract import spec_from_prim_func
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
 from tuner.space import task_space
@@ -70,19 +66,10 @@ def test_clamped_space_follows_the_register_file() -> None:
 
 
 @pytest.fixture(scope="module")
-def legalized_model(tmp_path_factory: pytest.TempPathFactory) -> tvm.IRModule:
-    """all-MiniLM-L6-v2 legalized and fused, as the link pass sees it."""
-    checkpoint = Checkpoint.open(resolve_model("default", tmp_path_factory.mktemp("cache"), 0))
-    mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), 8)
-    with tvm.target.Target({"kind": "llvm"}):
-        return tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
-
-
-@pytest.fixture(scope="module")
-def model_scores(legalized_model: tvm.IRModule):
+def model_scores(legalized_minilm: tvm.IRModule):
     """The model's fused attention-scores PrimFunc: ``Q @ Kt * scale + mask``, 4-D, symbolic in
     batch and sequence length."""
-    for gvar, func in legalized_model.functions_items():
+    for gvar, func in legalized_minilm.functions_items():
         if isinstance(func, tvm.tirx.PrimFunc) and "multiply" in gvar.name_hint and "matmul" in gvar.name_hint:
             if len(func.params) == 4 and len(func.params[0].ty.shape) == 4:
                 return spec_from_prim_func(gvar.name_hint, func)
@@ -144,22 +131,22 @@ def test_fused_softmax_matches_numpy_at_every_length(variant: str) -> None:
                                    err_msg=f"{variant} T={length}")
 
 
-def test_the_models_softmax_is_recognised_by_structure(legalized_model, model_scores) -> None:
+def test_the_models_softmax_is_recognised_by_structure(legalized_minilm, model_scores) -> None:
     from dietserve.kernels.row_softmax import is_last_axis_softmax
 
-    found = {g.name_hint for g, f in legalized_model.functions_items()
+    found = {g.name_hint for g, f in legalized_minilm.functions_items()
              if isinstance(f, tvm.tirx.PrimFunc) and is_last_axis_softmax(f)}
     assert len(found) == 1  # the attention softmax, whatever it is named; not the casts, sums or norms
     assert not is_last_axis_softmax(model_scores.func)
 
 
-def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_product(legalized_model) -> None:
+def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_product(legalized_minilm) -> None:
     """The model's own 4-D context product (batch and heads as batch axes, head size 32 static):
     mr = 1 kernels once failed to build here (TVM folded a division by zero in a dead branch)."""
     from dietserve.kernels.matching import is_dynamic_matmul
     from dietserve.kernels.packing import weight_param
 
-    found = [(g.name_hint, f) for g, f in legalized_model.functions_items() if is_dynamic_matmul(f)
+    found = [(g.name_hint, f) for g, f in legalized_minilm.functions_items() if is_dynamic_matmul(f)
              and weight_param(f) is None and len(f.params) == 3 and len(f.params[0].ty.shape) == 4]
     assert len(found) == 1, [name for name, _ in found]
     spec = spec_from_prim_func(*found[0])

@@ -5,15 +5,10 @@ the hand-written operators, and stays correct against numpy."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import tvm
 
-from dietserve.compile.pipeline import fast_math_passes, legalize_passes
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.microkernel import MicroKernel
-from dietserve.model.bert import BertModel, export_relax
-from dietserve.model.checkpoint import Checkpoint
-from dietserve.model.presets import resolve_model
 from tuner.extract import spec_from_prim_func
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import from_recipe, numpy_gelu
@@ -22,18 +17,10 @@ from tuner.task import ShapeVar, TuningTask
 KERNEL = MicroKernel(tile=(("i", (4, 4)), ("j", (16, 2)), ("k", (1,))), vector=8)
 
 
-@pytest.fixture(scope="module")
-def fused_module(tmp_path_factory: pytest.TempPathFactory) -> tvm.IRModule:
-    checkpoint = Checkpoint.open(resolve_model("default", tmp_path_factory.mktemp("cache"), 0))
-    mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), 8)
-    with tvm.target.Target({"kind": "llvm"}):
-        return tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
-
-
-def test_dense_gelu_prim_func_becomes_a_task(fused_module: tvm.IRModule) -> None:
-    name = next(g.name_hint for g, f in fused_module.functions_items()
+def test_dense_gelu_prim_func_becomes_a_task(legalized_minilm: tvm.IRModule) -> None:
+    name = next(g.name_hint for g, f in legalized_minilm.functions_items()
                 if isinstance(f, tvm.tirx.PrimFunc) and g.name_hint.endswith("gelu") and "matmul" in g.name_hint)
-    spec = spec_from_prim_func(name, fused_module[name])
+    spec = spec_from_prim_func(name, legalized_minilm[name])
     assert spec.shape_vars == ("batch", "seq_len")
     assert spec.input_shapes({"batch": 2, "seq_len": 7})[0] == (14, 384)
     assert spec.flops({"batch": 2, "seq_len": 7}) == 2 * 14 * 384 * 1536
