@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -286,6 +287,20 @@ def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: P
     assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
 
 
+def _metrics_after_batches(metrics_url: str, batches: int, timeout_s: float = 10.0) -> list:
+    """The server's samples once ``batches`` executions are recorded: it records a batch one
+    loop iteration after the callers have their answers, so a scrape right after the last reply
+    can miss it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        recorded = sum(s.value for s in samples if s.name == "dietserve_batch_size_count")
+        if recorded >= batches or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_artifact: Path) -> None:
     server = ServerProcess(linked_artifact, "--no-batching", model_name="tuned")
     try:
@@ -295,14 +310,11 @@ def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_
                 tensor = triton.InferInput("input_ids", [1, seq], "INT64")
                 tensor.set_data_from_numpy(ids)
                 client.infer("tuned", [tensor])
-        text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
+        samples = _metrics_after_batches(server.metrics_url, 4)
     finally:
         server.stop()
-    counts: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dietserve_kernel_dispatch_total":
-                counts[(sample.labels["operator"], sample.labels["variant"])] = sample.value
+    counts = {(s.labels["operator"], s.labels["variant"]): s.value
+              for s in samples if s.name == "dietserve_kernel_dispatch_total"}
     manifest = Manifest.read(linked_artifact)
     dense = [name for name, e in manifest.dispatch.items() if e["tree"].get("var") == "batch * seq_len"]
     for name in dense:
