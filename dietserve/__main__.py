@@ -180,7 +180,8 @@ def _retune_settings(args: argparse.Namespace):
     def command(store: Path, traffic: Path) -> list[str]:
         argv = [sys.executable, "-m", "dietserve", "retune", "--store", str(store), "--traffic", str(traffic),
                 "--db", str(args.retune_db or store / "records.jsonl"), "--trials", str(args.retune_trials),
-                "--time-budget", str(args.retune_time_budget), *_build_argv(args)]
+                "--time-budget", str(args.retune_time_budget), "--min-gain", str(args.retune_min_gain),
+                *_build_argv(args)]
         if args.retune_rpc_tracker:  # measure on a dedicated device, not beside serving
             argv += ["--rpc-tracker", args.retune_rpc_tracker, "--rpc-key", args.retune_rpc_key]
         return argv
@@ -196,6 +197,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
 
     from .compile.tuning import PLANS_DIR, TuneRequest, read_lengths, tune_model
     from .runtime.versions import VersionStore
+    from .server.retune import EXIT_NOT_FASTER
 
     lengths = read_lengths(args.traffic)
     out = args.work or args.store / "retune" / "work"
@@ -207,8 +209,13 @@ def cmd_retune(args: argparse.Namespace) -> int:
     store = VersionStore(args.store)
     summary = {"seconds": round(time.monotonic() - started, 1), "trials": args.trials,
                "predicted_gain": _predicted_gain(store, out / PLANS_DIR, artifact, args.traffic)}
-    version = store.publish(artifact, tuned_for=args.traffic, plans=out / PLANS_DIR, retune_summary=summary)
     gain = summary["predicted_gain"]
+    if gain is not None and gain < args.min_gain:
+        # Publishing would swap in kernels the job's own measurements say are slower.
+        print(f"not published: predicted gain {gain:.2f}x over the served version is below --min-gain "
+              f"{args.min_gain:g}; the tuned artifact stays in {artifact}")
+        return EXIT_NOT_FASTER
+    version = store.publish(artifact, tuned_for=args.traffic, plans=out / PLANS_DIR, retune_summary=summary)
     print(f"published version {version} of {args.store}, tuned for {args.traffic}"
           + (f"; predicted gain {gain:.2f}x over the served version" if gain else ""))
     return 0
@@ -328,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     retune_group.add_argument("--retune-trials", type=int, default=64, help="measurements per operator (default 64)")
     retune_group.add_argument("--retune-time-budget", type=float, default=3600.0,
                               help="seconds a run may tune for (default 3600)")
+    retune_group.add_argument("--retune-min-gain", type=float, default=1.0,
+                              help="publish a run's version only if it predicts at least this gain over the "
+                                   "served one (default 1.0: never one it predicts slower; 0: always)")
     retune_group.add_argument("--retune-cpus", default=None,
                               help="comma-separated CPU numbers the job may use (default: all)")
     retune_group.add_argument("--retune-nice", type=int, default=10, help="the job's niceness (default 10)")
@@ -350,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                                help="tuning records, reused (default STORE/records.jsonl)")
     retune_parser.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
     retune_parser.add_argument("--time-budget", type=float, default=None, help="seconds for all operators")
+    retune_parser.add_argument("--min-gain", type=float, default=1.0,
+                               help="publish only if the plans' predicted gain over the served version's, weighted "
+                                    "by the traffic, is at least this (default 1.0); otherwise exit 3 and publish "
+                                    "nothing. A run with nothing to compare against always publishes")
     retune_parser.add_argument("--rpc-tracker", default=None, help="host:port of a TVM RPC tracker to measure on")
     retune_parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
     retune_parser.add_argument("--work", type=Path, default=None,

@@ -31,6 +31,8 @@ from .traffic_log import TrafficLog
 log = logging.getLogger("dietserve.server")
 
 RETUNE_DIR = "retune"  # in the store: traffic snapshots and the jobs' logs
+EXIT_NOT_FASTER = 3  # the job's exit code when it tuned but predicts no gain, so published nothing
+OUTCOMES = {0: "published", EXIT_NOT_FASTER: "not-faster"}  # any other exit code: "failed"
 
 
 @dataclass
@@ -122,7 +124,7 @@ class RetunePolicy:
                 self.process.kill()
                 self.say(f"re-tuning job {self.process.pid} ran past its budget; killed")
             return
-        outcome = "published" if code == 0 else "failed"
+        outcome = OUTCOMES.get(code, "failed")
         self.metrics.retune_runs.labels(outcome).inc()
         self.metrics.retune_duration.set(elapsed)
         self.metrics.retune_running.set(0)

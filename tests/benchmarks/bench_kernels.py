@@ -36,12 +36,13 @@ import torch  # noqa: E402
 import tvm  # noqa: E402
 
 from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
+from dietserve.kernels.plan import KernelPlan  # noqa: E402
 from tuner.database.records import RecordDatabase  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 from tuner.task import ShapeVar, TuningTask  # noqa: E402
-from tuner.tune import TuneOptions, Tuner  # noqa: E402
+from tuner.tune import TuneOptions, Tuner, TuneResult  # noqa: E402
 
 LENGTHS = [1, 2, 7, 13, 31, 64, 97, 127, 128, 129, 200, 257, 300, 384, 449, 512]  # 16, with primes
 METASCHEDULE_LENGTHS = [1, 13, 64, 128, 300, 512]
@@ -79,20 +80,24 @@ def time_ours(spec, plan, lib, target: dict, length: int) -> float:
     args, inputs = baselines.tvm_arguments_packed(spec, {"T": length}, device, plan.pack)
     lib["main"](*args)
     baselines.check_against_reference(spec, args[-1].numpy(), inputs)
-    return baselines.time_tvm_module(lib, args, device, repeat=15, time_cap_s=10)
+    return baselines.time_tvm_module(lib, args, device, repeat=7, time_cap_s=10)
 
 
 def interleaved(timers: dict, rounds: int, pause_s: float = 0.2) -> dict:
-    """Median over ``rounds`` of each timer, run in turn, each after a pause: another library's
-    spinning worker threads (OpenMP, OpenBLAS, TVM's pool) steal the cores for a while after
-    its last call, and the shared machine drifts, so no method gets a quiet or a noisy spell
-    to itself."""
-    samples = {name: [] for name in timers}
+    """Median over ``rounds`` of each timer (``timers``: point -> method -> timer), a round
+    running every point's methods in turn, each after a pause. Another library's spinning
+    worker threads (OpenMP, OpenBLAS, TVM's pool) steal the cores for a while after its last
+    call, and this shared machine has slow spells lasting seconds (a neighbour on the host):
+    spreading a point's rounds over the whole table keeps one spell from deciding a point, and
+    no method gets a quiet or a noisy spell to itself."""
+    samples = {point: {name: [] for name in methods} for point, methods in timers.items()}
     for _ in range(rounds):
-        for name, timer in timers.items():
-            time.sleep(pause_s)
-            samples[name].append(timer())
-    return {name: statistics.median(values) for name, values in samples.items()}
+        for point, methods in timers.items():
+            for name, timer in methods.items():
+                time.sleep(pause_s)
+                samples[point][name].append(timer())
+    return {point: {name: statistics.median(values) for name, values in methods.items()}
+            for point, methods in samples.items()}
 
 
 def geomean(values: list[float]) -> float:
@@ -114,8 +119,12 @@ def main() -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--skip-metaschedule", action="store_true")
     parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per T (median reported)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds over the whole table of T (median per point reported; default 5)")
     parser.add_argument("--save-plans", type=Path, help="write each operator's tuned plan here (to rerun a point)")
+    parser.add_argument("--load-plans", type=Path,
+                        help="time the plans a --save-plans run wrote instead of tuning (a fresh process's "
+                             "timings of the same kernels; tuning time is then not measured)")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
     ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
@@ -137,8 +146,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
         for op in args.ops.split(","):
             spec = OPERATORS[op]()
-            _log(f"{spec.name}: tuning ours, {args.trials} trials for every T in 1..512")
-            tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch))
+            if args.load_plans:
+                tuned = TuneResult(KernelPlan.read(args.load_plans / f"{op}.plan.json"), 0, 0, float("nan"))
+                _log(f"{spec.name}: the plan {args.load_plans / f'{op}.plan.json'}, not tuned again")
+            else:
+                _log(f"{spec.name}: tuning ours, {args.trials} trials for every T in 1..512")
+                tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch))
             ours_tuning += tuned.wall_s
             if args.save_plans:
                 tuned.plan.write(args.save_plans / f"{op}.plan.json")
@@ -150,17 +163,21 @@ def main() -> int:
                 ms_tuning += ms_wall
             rows = []
             lib = compile_ours(spec, tuned.plan, target)
+            timers = {}
             for length in lengths:
                 shape = {"T": length}
                 # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a call
                 # can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
-                timers = {"ours": partial(time_ours, spec, tuned.plan, lib, target, length),
-                          "torch": partial(_best_torch, spec, shape, device)}
+                timers[length] = {"ours": partial(time_ours, spec, tuned.plan, lib, target, length),
+                                  "torch": partial(_best_torch, spec, shape, device)}
                 if on_cpu:
-                    timers["numpy"] = partial(baselines.time_numpy, spec, shape)
+                    timers[length]["numpy"] = partial(baselines.time_numpy, spec, shape)
                     if not args.skip_default:
-                        timers["default"] = partial(baselines.time_default_rule, spec, shape, target)
-                times = interleaved(timers, args.rounds)
+                        timers[length]["default"] = partial(baselines.time_default_rule, spec, shape, target)
+            _log(f"{spec.name}: timing {len(lengths)} T x {len(timers[lengths[0]])} methods, {args.rounds} rounds")
+            by_length = interleaved(timers, args.rounds)
+            for length in lengths:
+                times = by_length[length]
                 ours, torch_s = times["ours"], times["torch"]
                 numpy_s, default_s = times.get("numpy", float("nan")), times.get("default", float("nan"))
                 ms_s = ms_latency.get(length)

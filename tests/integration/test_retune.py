@@ -9,7 +9,8 @@ on this 2-core machine while it serves: two runs measured 109 -> 152 and 141 -> 
 job, timed on cores the server keeps busy, picked serial dense kernels, and the second time
 predicted its own version slower (0.95x) yet published it. So this test checks the mechanism and
 that the swap costs no more than a gross regression; ``bench_retune.py`` measures the gain with
-a real budget. Refusing a version predicted slower is the follow-up."""
+a real budget. The server here publishes whatever the job finds (``--retune-min-gain 0``); a
+job asked for a gain its plans do not predict publishes nothing (the last check)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
                            "--traffic-file", str(tmp_path / "traffic.json"), "--traffic-save-seconds", "0.5",
                            "--retune", "--retune-min-rows", "10", "--retune-min-interval", "0",
                            "--retune-check-seconds", "1", "--retune-trials", TRIALS, "--retune-db", str(records),
+                           "--retune-min-gain", "0",
                            *build, model_name=MODEL)
     rng = np.random.default_rng(5)
     cases = [rng.integers(1000, 5000, size=(1, int(n))) for n in rng.integers(256, 513, size=6)]
@@ -122,3 +124,12 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
     # The job's prediction from the plans' own latencies over the recorded traffic, as exported.
     assert store.retune_summary(2)["predicted_gain"] > 0
     assert samples[("dietserve_swap_predicted_gain", ())] == store.retune_summary(2)["predicted_gain"]
+
+    # The same job asked for a gain no plan predicts: it tunes, compiles, and publishes nothing.
+    snapshot = sorted((store_dir / "retune").glob("traffic-*.json"))[-1]
+    refused = subprocess.run([sys.executable, "-m", "dietserve", "retune", "--store", str(store_dir), "--traffic",
+                              str(snapshot), "--db", str(records), "--trials", "1", "--min-gain", "1000", *build],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert "not published: predicted gain" in refused.stdout
+    assert store.current() == 2 and store.versions()[-1] == 2

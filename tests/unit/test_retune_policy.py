@@ -10,7 +10,7 @@ from pathlib import Path
 from dietserve.runtime.traffic import Traffic
 from dietserve.runtime.versions import VersionStore
 from dietserve.server.metrics import ServerMetrics
-from dietserve.server.retune import RetunePolicy, RetuneSettings
+from dietserve.server.retune import EXIT_NOT_FASTER, RetunePolicy, RetuneSettings
 from dietserve.server.swap import HotSwap
 from dietserve.server.traffic_log import TrafficLog
 
@@ -59,7 +59,7 @@ def test_a_job_starts_on_drift_once_enough_rows_and_its_outcome_is_counted(tmp_p
 
 
 def test_no_job_without_drift_or_before_the_minimum_interval(tmp_path):
-    policy, metrics, _ = _policy(tmp_path, 3, drift_threshold=0.5, min_rows=1, min_interval_seconds=3600)
+    policy, metrics, _ = _policy(tmp_path, 2, drift_threshold=0.5, min_rows=1, min_interval_seconds=3600)
     now = time.time()
     for _ in range(20):
         policy.traffic.traffic.record(2, 6, now)  # the mix it was tuned for
@@ -73,3 +73,14 @@ def test_no_job_without_drift_or_before_the_minimum_interval(tmp_path):
     assert metrics.retune_runs.labels("failed")._value.get() == 1
     policy.step()
     assert policy.process is None  # drifted still, but the last run started less than an hour ago
+
+
+def test_a_job_that_predicts_no_gain_is_counted_as_not_faster(tmp_path):
+    policy, metrics, said = _policy(tmp_path, EXIT_NOT_FASTER, drift_threshold=0.5, min_rows=1,
+                                    min_interval_seconds=0)
+    policy.traffic.traffic.record(1, 400, time.time())
+    policy.step()
+    _finish(policy)
+    assert metrics.retune_runs.labels("not-faster")._value.get() == 1
+    assert metrics.retune_runs.labels("failed")._value.get() == 0
+    assert any("not-faster (exit 3)" in line for line in said)
