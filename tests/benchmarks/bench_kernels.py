@@ -7,6 +7,7 @@ shape (64 trials on each of 6 T by default), with the machine's ceiling measured
     python tests/benchmarks/bench_kernels.py [--trials 64] [--ms-trials 64] [--ms-lengths 1,64,512]
                                              [--ops dense_768x3072,attention_scores]
                                              [--target llvm|cuda] [--skip-metaschedule] [--save-plans DIR]
+                                             [--load-plans DIR] [--reference PATH] [--rounds 5]
 
 Per operator it prints the plan's variants and a table of latency, GFLOP/s and % of the sgemm
 ceiling per T with ratios (>1: ours faster); the last line is ``RESULT geomean_vs_torch=X
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_baselines as baselines  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 
@@ -83,7 +85,31 @@ def time_ours(spec, plan, lib, target: dict, length: int) -> float:
     return baselines.time_tvm_module(lib, args, device, repeat=7, time_cap_s=10)
 
 
-def interleaved(timers: dict, rounds: int, pause_s: float = 0.2) -> dict:
+def hand_reference(path: Path):
+    """T -> seconds of the hand-scheduled dense 768->3072 + bias + GELU kernel in ``path``
+    (``../shared/reference/dense_gelu_avx2.py``: its own packing, schedule and erf
+    approximation, symbolic in T), timed like ours; built once."""
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location("hand_reference", path)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    lib = tvm.compile(module.build_module(), target=module.TGT).jit()
+    rng = np.random.default_rng(0)
+    device = tvm.cpu(0)
+    weight = tvm.runtime.tensor(module.pack_weight(rng.standard_normal((module.N, module.K), np.float32) * 0.05))
+    bias = tvm.runtime.tensor(rng.standard_normal(module.N, np.float32) * 0.5)
+
+    def time_reference(length: int) -> float:
+        x = tvm.runtime.tensor(rng.standard_normal((length, module.K), np.float32))
+        y = tvm.runtime.empty((length, module.N), "float32", device)
+        return baselines.time_tvm_module(lib, [x, weight, bias, y], device, func_name="dense_gelu", repeat=7,
+                                         time_cap_s=10)
+
+    return time_reference
+
+
+def interleaved(timers: dict, rounds: int, pause_s: float = baselines.SETTLE_S) -> dict:
     """Median over ``rounds`` of each timer (``timers``: point -> method -> timer), a round
     running every point's methods in turn, each after a pause. Another library's spinning
     worker threads (OpenMP, OpenBLAS, TVM's pool) steal the cores for a while after its last
@@ -122,6 +148,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds over the whole table of T (median per point reported; default 5)")
     parser.add_argument("--save-plans", type=Path, help="write each operator's tuned plan here (to rerun a point)")
+    parser.add_argument("--reference", type=Path,
+                        help="the hand-scheduled dense+GELU kernel (../shared/reference/dense_gelu_avx2.py): "
+                             "timed beside dense_768x3072 in the same rounds")
     parser.add_argument("--load-plans", type=Path,
                         help="time the plans a --save-plans run wrote instead of tuning (a fresh process's "
                              "timings of the same kernels; tuning time is then not measured)")
@@ -141,7 +170,7 @@ def main() -> int:
     sgemm, stream = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
     _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, read-only weight pass {stream:.1f} GB/s")
     vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points = [], [], 0.0, 0.0, []
-    streaming = []
+    streaming, references = [], []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
         for op in args.ops.split(","):
@@ -163,7 +192,7 @@ def main() -> int:
                 ms_tuning += ms_wall
             rows = []
             lib = compile_ours(spec, tuned.plan, target)
-            timers = {}
+            timers, reference = {}, None
             for length in lengths:
                 shape = {"T": length}
                 # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a call
@@ -172,6 +201,9 @@ def main() -> int:
                                   "torch": partial(_best_torch, spec, shape, device)}
                 if on_cpu:
                     timers[length]["numpy"] = partial(baselines.time_numpy, spec, shape)
+                    if args.reference and op == "dense_768x3072":
+                        reference = reference or hand_reference(args.reference)
+                        timers[length]["reference"] = partial(reference, length)
                     if not args.skip_default:
                         timers[length]["default"] = partial(baselines.time_default_rule, spec, shape, target)
             _log(f"{spec.name}: timing {len(lengths)} T x {len(timers[lengths[0]])} methods, {args.rounds} rounds")
@@ -188,8 +220,14 @@ def main() -> int:
                 if spec.kind == "dense" and length >= 64:
                     ceiling_points.append(gflops / sgemm)
                 if spec.kind == "dense" and length == 1:
-                    streaming.append((spec.name, 4 * math.prod(random_shape(spec)) / ours / 1e9))
+                    weight_bytes = 4 * math.prod(random_shape(spec))
+                    # A read-only pass over as many bytes pays the same call and thread wake-up
+                    # cost, which a 2.4 MB weight's 30 us do not hide.
+                    same_size = baselines.read_rate(target, max(1, weight_bytes // baselines.PANEL_BYTES))
+                    streaming.append((spec.name, weight_bytes / ours / 1e9, same_size))
                 rows.append((length, ours, gflops, torch_s, numpy_s, default_s, ms_s))
+                if "reference" in times:
+                    references.append((length, times["reference"], ours))
             results.append((spec, tuned, ms_wall, len(ms_latency), rows))
             _print_table(spec, tuned, ms_wall, len(ms_latency), args.ms_trials, rows, sgemm, args.target)
     sgemm_end, stream_end = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
@@ -197,9 +235,16 @@ def main() -> int:
     ratio = ms_tuning / ours_tuning if ms_tuning else float("nan")
     print(f"\nceiling (same run, start / end): numpy sgemm 2048^3 {sgemm:.1f} / {sgemm_end:.1f} GFLOP/s; "
           f"read-only pass over a 768x3072 weight {stream:.1f} / {stream_end:.1f} GB/s")
-    for name, rate in streaming:
+    for name, rate, same_size in streaming:
         print(f"T=1 weight streaming, {name}: {rate:.1f} GB/s = {rate / max(stream, stream_end):.2f} of the "
-              f"read-only pass")
+              f"read-only pass over a 768x3072 weight, {rate / same_size:.2f} of one over as many bytes "
+              f"({same_size:.1f} GB/s)")
+    for length, reference_s, ours in references:
+        print(f"hand reference, dense 768->3072 + GELU, T={length}: {reference_s * 1e3:.3f} ms, ours "
+              f"{ours * 1e3:.3f} ms: ours {reference_s / ours:.2f}x the reference")
+    if references:
+        print(f"vs the hand reference: geomean {geomean([r / o for _, r, o in references]):.2f}x, min "
+              f"{min(r / o for _, r, o in references):.2f}x")
     print(f"tuning wall time: ours {ours_tuning:.0f} s ({args.trials} trials per operator, every T in 1..512), "
           f"MetaSchedule {ms_tuning:.0f} s ({args.ms_trials} trials on each of {len(ms_lengths)} static T per "
           f"operator)")

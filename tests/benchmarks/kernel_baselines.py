@@ -272,22 +272,32 @@ def machine_ceiling(target: TargetLike, repeats: int = 5) -> tuple[float, float]
     a, b = rng.random((2048, 2048), dtype=np.float32), rng.random((2048, 2048), dtype=np.float32)
     time.sleep(0.2)
     sgemm = 2 * 2048**3 / median_seconds(lambda: a @ b, repeats, warmup=1, number=1) / 1e9
-    stream = _stream_function(_as_target(target))
-    weight = tvm.runtime.tensor(rng.random((128, 192, 4, 24), dtype=np.float32))  # 768 x 3072 floats
-    out = tvm.runtime.tensor(np.zeros((128, 4, 24), np.float32))
+    return sgemm, read_rate(target, 128, repeats * 4)  # 128 panels: a 768 x 3072 weight
+
+
+PANEL_BYTES = 192 * 4 * 24 * 4  # one panel of the read-only pass: 192 x 96 floats
+
+
+def read_rate(target: TargetLike, panels: int, repeats: int = 20) -> float:
+    """GB/s of a parallel read-only pass over ``panels`` x PANEL_BYTES: a weight that stays in
+    cache (a BERT-base weight: 128 panels) or, with a few hundred MB, the DRAM rate at which a
+    model streams every weight once per run."""
+    stream = _stream_function(_as_target(target), panels)
+    weight = tvm.runtime.tensor(np.random.default_rng(0).random((panels, 192, 4, 24), dtype=np.float32))
+    out = tvm.runtime.tensor(np.zeros((panels, 4, 24), np.float32))
     time.sleep(0.2)
-    seconds = median_seconds(lambda: stream(weight, out), repeats * 4, warmup=3)
-    return sgemm, weight.numpy().nbytes / seconds / 1e9
+    seconds = median_seconds(lambda: stream(weight, out), repeats, warmup=3)
+    return panels * PANEL_BYTES / seconds / 1e9
 
 
-def _stream_function(target: Target):
+def _stream_function(target: Target, panels: int):
     """Sum each 24-wide panel over its rows, panels in parallel, 4 partial sums per lane (so
     the adds do not serialize): a read-only pass at the memory system's rate."""
     from tvm import te
 
-    w = te.placeholder((128, 192, 4, 24), "float32", name="w")
+    w = te.placeholder((panels, 192, 4, 24), "float32", name="w")
     r = te.reduce_axis((0, 192), name="r")
-    out = te.compute((128, 4, 24), lambda p, q, j: te.sum(w[p, r, q, j], axis=r), name="panel_sum")
+    out = te.compute((panels, 4, 24), lambda p, q, j: te.sum(w[p, r, q, j], axis=r), name="panel_sum")
     sch = tvm.s_tir.Schedule(te.create_prim_func([w, out]).with_attr("global_symbol", "main"))
     block = sch.get_sblock("panel_sum")
     p, q, j, r = sch.get_loops(block)
@@ -342,6 +352,9 @@ def _fast_build_function() -> Callable[..., tvm.runtime.Module]:
     return build
 
 
+SETTLE_S = 0.3  # after a library call, before timing another: its spinning worker threads go idle
+
+
 def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequence[np.ndarray],
                             rel_tol: float = 1e-4) -> float:
     """Max abs error against ``spec.reference``; raises when it exceeds ``rel_tol`` times the
@@ -351,6 +364,10 @@ def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequ
     bound = rel_tol * max(1.0, float(np.max(np.abs(expected))))
     if not error <= bound:
         raise AssertionError(f"{spec.name}: max abs error {error:.3g} exceeds {bound:.3g}")
+    # The reference ran on numpy's BLAS, whose worker threads spin on the cores for ~0.1 s after
+    # a call: a TVM kernel timed at once shares two cores with a spinning thread, and each of its
+    # parallel calls then waits a scheduler tick (3-8 ms where it takes 0.03). Let them sleep.
+    time.sleep(SETTLE_S)
     return error
 
 
@@ -425,6 +442,6 @@ def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: T
 
 __all__ = [
     "check_against_reference", "compile_tvm_default", "dense_epilogue", "machine_ceiling", "median_seconds",
-    "numpy_computation", "time_default_rule", "time_numpy", "time_torch", "time_tvm_default", "time_tvm_module",
-    "torch_computation", "tune_metaschedule", "tvm_arguments", "tvm_arguments_packed",
+    "numpy_computation", "read_rate", "time_default_rule", "time_numpy", "time_torch", "time_tvm_default",
+    "time_tvm_module", "torch_computation", "tune_metaschedule", "tvm_arguments", "tvm_arguments_packed",
 ]

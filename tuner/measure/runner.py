@@ -45,9 +45,11 @@ class _Worker:
     def ensure_started(self) -> None:
         if self.process is not None and self.process.poll() is None:
             return
+        # numpy's references run on one BLAS thread: OpenBLAS's workers spin on the cores for
+        # ~0.1 s after a call, and a kernel timed meanwhile waits a scheduler tick per parallel call.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tuner.measure.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            cwd=_PACKAGE_ROOT, start_new_session=True,
+            cwd=_PACKAGE_ROOT, start_new_session=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
         )
         self.jobs_done = 0
 
