@@ -1,5 +1,8 @@
 """Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
-OpenVINO on the CPU, same thread count, measured one backend after another per point in one run.
+OpenVINO on the CPU, same thread count, measured one backend after another per point, in
+``--rounds`` rounds over the whole table (median of the rounds), in one run. Beside them, a
+floor: the encoder's dense layers at numpy's sgemm rate, or their weights read once at the DRAM
+rate, whichever is longer, both measured in the same run (no fp32 backend can go below it).
 
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
@@ -13,7 +16,8 @@ the tuning time, a per-operator profile at one length, and a last line
            geomean_vs_torch=W
 
 (one line) where ratios above 1 mean ours is faster; "ours" is the tuned artifact with
-``--tuned``, else the untuned one.
+``--tuned``, else the untuned one; then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_ort=..``
+(1.0: at the floor).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def say(message: str) -> None:
 
 
 def median_latency(fn, args, repeats: int) -> float:
-    time.sleep(0.2)  # lets the previous backend's spinning worker threads go idle
+    time.sleep(kernel_baselines.SETTLE_S)  # lets the previous backend's spinning worker threads go idle
     start = time.perf_counter()
     fn(*args)  # warm up
     once = time.perf_counter() - start
