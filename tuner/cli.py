@@ -53,7 +53,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
                           loop_partition=args.loop_partition, seed=args.seed)
-    measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
+    measure = MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
+                             timeout_s=args.timeout)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
@@ -119,7 +120,8 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     tasks = TaskFile.read(Path(args.tasks))
     where = _target_for(tasks.target)
     database = RecordDatabase(Path(args.db))
-    measure = MeasureOptions(number=args.number, repeat=args.repeat, timeout_s=args.timeout)
+    measure = MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
+                             timeout_s=args.timeout)
     budget_each = args.time_budget / len(tasks.tasks) if args.time_budget else None
     started = time.monotonic()
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
@@ -185,6 +187,8 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
     parser.add_argument("--number", type=int, default=2, help="runs per timed repeat")
     parser.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
+    parser.add_argument("--min-repeat-ms", type=int, default=10,
+                        help="a timed repeat runs the kernel until it lasts this long (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

@@ -28,7 +28,9 @@ STARTUP_GRACE_S = 30.0  # a fresh worker imports TVM before its first job
 class MeasureOptions:
     number: int = 3  # runs per timed repeat
     repeat: int = 5  # timed repeats; the median is kept
-    min_repeat_ms: int = 0
+    # A repeat lasts at least this long (more runs of a short kernel): a 30 us kernel timed over
+    # 2 runs reads its thread pool's wake-up, not its own speed (T = 1 dense: 50 us, not 30).
+    min_repeat_ms: int = 10
     timeout_s: float = 60.0  # per job: build + check + timing of every shape
 
 
