@@ -254,9 +254,10 @@ class Tuner:
         started = time.monotonic()
         bar = ProgressBar(self.options.trials, self.task.workload, stream=self.progress_stream)
         budget = self.options.trials
+        final_check = budget // 8  # kept to verify the plan the second search leads to
         self._search(budget - budget // 4, started, bar)
-        self.verify(budget, bar)
-        self._search(budget, started, bar)
+        self.verify(budget - final_check, bar)
+        self._search(budget - final_check, started, bar)
         self.verify(budget, bar)
         bar.close(self.trials, self._status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
@@ -299,7 +300,9 @@ class Tuner:
                 plan = self.plan()
             except RuntimeError:  # nothing measured successfully: nothing to verify
                 return
-            probes = unverified_probes(plan, self.measured, self.failed, self.default_measured)
+            # The small-T regime first: the interval probes can use up the budget.
+            probes = self._small_regime_probe(plan.pack) + unverified_probes(plan, self.measured, self.failed,
+                                                                              self.default_measured)
             if not probes:
                 return
             for kernel, shape in probes:
@@ -312,6 +315,23 @@ class Tuner:
                     bar.update(self.trials, self._status())
                 if self.trials >= budget:
                     return
+
+    def _small_regime_probe(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+        """The smallest shape with a one-row kernel of the plan's packing, if none was measured
+        there: the search may have met the small-T regime (weight streaming) only in the other
+        panel width, and a plan can use one packing only; otherwise the smallest shapes go to
+        tiles sized for long sequences, padded row by row."""
+        if not pack:
+            return []
+        smallest = min(self.shapes, key=self.task.dispatch_value)
+        measured = self.measured.get(shape_key(smallest), {})
+        if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
+            return []
+        candidates = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
+        if not candidates:
+            return []
+        predicted = self.model.predict_latency(candidates, self.task.axis_extents(smallest), self.task.flops(smallest))
+        return [(candidates[int(np.argmin(predicted))], smallest)]
 
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
