@@ -107,6 +107,8 @@ class Tuner:
         self.failures = 0
         self.reused = 0
         self.check_shape = check_shape_for(task)
+        # The smallest shape: a regime of its own (weight streaming, no row reuse).
+        self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
         self._reuse_records()
 
@@ -166,7 +168,7 @@ class Tuner:
                 rest = priorities.copy()
                 rest[picks] = 0
                 picks += self._sample(rest, count - len(picks))
-        smallest = min(range(len(self.shapes)), key=lambda i: self.task.dispatch_value(self.shapes[i]))
+        smallest = self.smallest
         if self.weights[smallest] > 0 and not self.measured.get(shape_key(self.shapes[smallest])) \
                 and smallest not in picks and count > 1:
             # The smallest shape is a regime of its own (weight streaming, no row reuse) that
@@ -323,7 +325,7 @@ class Tuner:
         tiles sized for long sequences, padded row by row."""
         if not pack:
             return []
-        smallest = min(self.shapes, key=self.task.dispatch_value)
+        smallest = self.shapes[self.smallest]
         measured = self.measured.get(shape_key(smallest), {})
         if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
             return []

@@ -92,12 +92,12 @@ def weight_floor(checkpoint: Path, threads: int):
     alone: their FLOPs at numpy's sgemm rate (2048^3), or their weights read once at the DRAM
     rate (a parallel read-only pass over 512 MB), whichever is longer. Printed beside the
     backends so a ratio between them can be read against what is left to gain."""
-    import json
-
-    config = json.loads((checkpoint / "config.json").read_text())
-    hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    params = layers * (4 * hidden * hidden + 2 * hidden * inner)
+    from dietserve.model.checkpoint import Checkpoint
     from tuner.targets import resolve_target
+
+    config = Checkpoint.open(checkpoint).config
+    hidden, inner = config.hidden_size, config.intermediate_size
+    params = config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inner)
 
     host = resolve_target("llvm", cores=threads).target
     sgemm, _ = kernel_baselines.machine_ceiling(host)

@@ -9,14 +9,12 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tvm
-from prometheus_client.parser import text_string_to_metric_families
 from tvm import tirx
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
@@ -36,6 +34,7 @@ from dietserve.runtime.manifest import Manifest
 from .conftest import MAX_BATCH
 from .reference import padded_batch, reference_hidden
 from .server_process import ServerProcess
+from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4
@@ -287,16 +286,14 @@ def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: P
     assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
 
 
-def _metrics_after_batches(metrics_url: str, batches: int, timeout_s: float = 10.0) -> list:
-    """The server's samples once ``batches`` executions are recorded: it records a batch one
-    loop iteration after the callers have their answers, so a scrape right after the last reply
-    can miss it."""
+def _metrics_after_batches(server: ServerProcess, batches: int, timeout_s: float = 10.0) -> dict:
+    """``metrics(server)`` once ``batches`` executions are recorded: the server records a batch
+    one loop iteration after the callers have their answers, so a scrape right after the last
+    reply can miss it."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-        recorded = sum(s.value for s in samples if s.name == "dietserve_batch_size_count")
-        if recorded >= batches or time.monotonic() > deadline:
+        samples = metrics(server)
+        if samples.get(("dietserve_batch_size_count", ()), 0) >= batches or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
 
@@ -310,11 +307,11 @@ def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_
                 tensor = triton.InferInput("input_ids", [1, seq], "INT64")
                 tensor.set_data_from_numpy(ids)
                 client.infer("tuned", [tensor])
-        samples = _metrics_after_batches(server.metrics_url, 4)
+        samples = _metrics_after_batches(server, 4)
     finally:
         server.stop()
-    counts = {(s.labels["operator"], s.labels["variant"]): s.value
-              for s in samples if s.name == "dietserve_kernel_dispatch_total"}
+    counts = {(dict(labels)["operator"], dict(labels)["variant"]): value
+              for (name, labels), value in samples.items() if name == "dietserve_kernel_dispatch_total"}
     manifest = Manifest.read(linked_artifact)
     dense = [name for name, e in manifest.dispatch.items() if e["tree"].get("var") == "batch * seq_len"]
     for name in dense:
