@@ -18,6 +18,11 @@ from dietserve.kernels.microkernel import MicroKernel
 
 Variant = MicroKernel | None  # None: the default rule's kernel
 Estimate = Callable[[Variant, dict], float]  # (variant, shape) -> latency seconds
+# The smallest shape gets a variant of its own (beyond max_variants) when one measured there is
+# this much faster than the variants chosen for the rest: it is a regime of its own (weight
+# streaming, one row), which a weighted set cover over all shapes would trade away for a
+# fraction of a percent elsewhere.
+SMALL_REGIME_GAIN = 1.2
 
 
 def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
@@ -53,8 +58,10 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
 
     Plans minimise the weighted slowdown against the best candidate at each shape, not the
     weighted latency: every request length counts in proportion to its weight, so a variant
-    that makes short sequences 1.7x faster is kept though they add little time.
-    ``measured``/``default_measured`` as for ``nearest_measured_estimates``."""
+    that makes short sequences 1.7x faster is kept though they add little time. ``shapes`` come
+    in dispatch order: the first is the smallest, whose regime may add a variant
+    (``SMALL_REGIME_GAIN``). ``measured``/``default_measured`` as for
+    ``nearest_measured_estimates``."""
     best = {shape_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
 
     def slowdown(variant: Variant, shape: dict) -> float:
@@ -64,6 +71,9 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
     for layout in sorted({_layout(k) for k in candidates}):
         group = [k for k in candidates if _layout(k) == layout]
         variants, _, _ = choose_variants(group, shapes, weights, slowdown, max_variants)
+        regime = _small_regime_variant(group, variants, shapes[0], estimate, measured)
+        if regime is not None:
+            variants.append(regime)
         if None in group and None not in variants:
             variants.append(None)  # always a candidate: the guard below may need it
         cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
@@ -82,6 +92,19 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
         raise RuntimeError("no weight layout has a variant allowed on every shape")
     _total, variants, labels = min(options, key=lambda option: option[0])
     return variants, labels
+
+
+def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], smallest: dict,
+                          estimate: Estimate, measured: dict) -> Variant:
+    """The kernel measured fastest at the smallest shape, if it beats every chosen variant there
+    by ``SMALL_REGIME_GAIN`` (both as estimated there); else None."""
+    timed = measured.get(shape_key(smallest), {})
+    here = [k for k in group if k is not None and k in timed and k not in chosen]
+    if not here or not chosen:
+        return None
+    fastest = min(here, key=lambda k: estimate(k, smallest))
+    current = min(estimate(v, smallest) for v in chosen)
+    return fastest if current > SMALL_REGIME_GAIN * estimate(fastest, smallest) else None
 
 
 def _layout(variant: Variant) -> int:
@@ -156,7 +179,10 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     """Plans rest on measurements: a variant's latency on a shape is its measured one, else its
     throughput at the nearest shape (by log of the dispatch value) where it was measured,
     carried over by f_adapt (the padding waste and core occupancy of both shapes), times the
-    shape's FLOPs; inf where it was never measured. The learned cost model only steers the
+    shape's FLOPs; inf where it was never measured. No extrapolation goes below the best
+    latency measured on the smallest measured shape (for shapes at or above it): carried over at
+    constant GFLOP/s, a kernel measured on long sequences would look faster on short ones than
+    one pass over the weight, which every kernel makes. The learned cost model only steers the
     search: with a small budget its predictions far from the measured shapes can be badly wrong
     (a serial kernel calibrated on short sequences looks fast on long ones), and without f_adapt
     a 6-row tile measured at T=63 would look as fast per FLOP at T=1, where 5 of its 6 rows pad.
@@ -178,6 +204,7 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     for key, latency in default_measured.items():
         points[None].append(point(None, key, latency))
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
+    floor_value, floor = _smallest_measured_floor(task, measured, default_measured)
 
     def estimate(kernel: Variant, shape: dict) -> float:
         key = shape_key(shape)
@@ -187,10 +214,26 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         table = tables.get(kernel)
         if table is None:
             return float("inf")
-        nearest = int(np.argmin(np.abs(table[:, 0] - math.log(task.dispatch_value(shape)))))
-        return task.flops(shape) / (table[nearest, 1] * factor(kernel, shape))
+        value = task.dispatch_value(shape)
+        nearest = int(np.argmin(np.abs(table[:, 0] - math.log(value))))
+        carried = task.flops(shape) / (table[nearest, 1] * factor(kernel, shape))
+        return max(carried, floor) if value >= floor_value else carried
 
     return estimate
+
+
+def _smallest_measured_floor(task, measured: dict, default_measured: dict) -> tuple[float, float]:
+    """(dispatch value, best latency) of the smallest shape anything was measured on."""
+    latencies: dict[tuple, list[float]] = defaultdict(list)
+    for key, kernels in measured.items():
+        latencies[key] += list(kernels.values())
+    for key, latency in default_measured.items():
+        latencies[key].append(latency)
+    latencies = {key: values for key, values in latencies.items() if values}
+    if not latencies:
+        return math.inf, 0.0
+    smallest = min(latencies, key=lambda key: task.dispatch_value(dict(key)))
+    return task.dispatch_value(dict(smallest)), min(latencies[smallest])
 
 
 def plan_target(target: dict) -> dict:

@@ -6,8 +6,12 @@ Each round:
 2. for each, evolve micro-kernels under the cost model ``f_microkernel x f_adapt(shape)`` and
    measure the most promising not yet measured there (in a worker process, checked first);
 3. record every measurement (append-only), retrain f_microkernel.
-It stops at the trial budget or the time budget, then turns the measurements into a dispatch
-plan: at most ``max_variants`` micro-kernels and a decision tree over the operator's row count.
+Operators whose weight is packed (CPU dense layers) choose the packing first: the first
+rounds search every panel width, then the packing the plan would take is committed and the
+rest of the budget searches only kernels that read it (a plan reads one packing, so a kernel
+of another can never be dispatched). It stops at the trial budget or the time budget, then
+turns the measurements into a dispatch plan: at most ``max_variants`` micro-kernels (and one
+for the smallest shape's regime) and a decision tree over the operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
 works on and stays a candidate, so the plan never loses to it where both were measured.
 Records already in the database for the same workload and target are reused, not re-measured.
@@ -43,6 +47,7 @@ TUNER_VERSION = 2
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
+PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Tuner:
         self.model = CostModel(cores, options.seed)
         self.space = task_space(space, task.spec.func)
         self.search = EvolutionarySearch(self.space, seed=options.seed)
+        self.packing: int | None = None  # the committed panel width (``commit_packing``); None: any
         self.rng = random.Random(options.seed)
         self.shapes = task.shapes()
         self.weights = list(task.weights)
@@ -133,14 +139,21 @@ class Tuner:
         self.model.fit()
 
     # -- priorities ------------------------------------------------------------------------
+    def _searchable(self, kernel: MicroKernel) -> bool:
+        """A kernel the search still works for: of the committed packing, once there is one."""
+        return self.packing is None or kernel.pack == self.packing
+
+    def _measured_here(self, shape: dict) -> list[float]:
+        return [t for k, t in self.measured.get(shape_key(shape), {}).items() if self._searchable(k)]
+
     def _best_latency(self, shape: dict) -> float:
-        measured = self.measured.get(shape_key(shape))
+        measured = self._measured_here(shape)
         if measured:
-            return min(measured.values())
+            return min(measured)
         return self._predicted_best(shape)
 
     def _predicted_best(self, shape: dict) -> float:
-        known = self.calibrated()
+        known = {k: t for k, t in self.calibrated().items() if self._searchable(k)}
         if not known:
             return float("inf")
         extents = self.task.axis_extents(shape)
@@ -161,7 +174,7 @@ class Tuner:
             # weight, so small shapes (cheap, but served as often) get kernels of their own
             # rather than extrapolations from kernels sized for large ones.
             first = int(np.argmax(priorities))
-            unmeasured = np.asarray([0.0 if self.measured.get(shape_key(s)) else w for s, w in self._weighted()])
+            unmeasured = np.asarray([0.0 if self._measured_here(s) else w for s, w in self._weighted()])
             unmeasured[first] = 0
             picks = [first] + self._sample(unmeasured, count - 1)
             if len(picks) < count:
@@ -169,7 +182,7 @@ class Tuner:
                 rest[picks] = 0
                 picks += self._sample(rest, count - len(picks))
         smallest = self.smallest
-        if self.weights[smallest] > 0 and not self.measured.get(shape_key(self.shapes[smallest])) \
+        if self.weights[smallest] > 0 and not self._measured_here(self.shapes[smallest]) \
                 and smallest not in picks and count > 1:
             # The smallest shape is a regime of its own (weight streaming, no row reuse) that
             # FLOP-weighted picks would reach last: search it from the start.
@@ -251,16 +264,20 @@ class Tuner:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> TuneResult:
-        """Search, then verify the plan's choices with what is left of the budget (a quarter is
-        kept for it), then search on with whatever verification did not need."""
+        """Search over every packing, commit one, search in it, then verify the plan's choices
+        (a quarter of the budget is kept for it, half of that for the final plan); the trials
+        verification did not need are searched last."""
         started = time.monotonic()
         bar = ProgressBar(self.options.trials, self.task.workload, stream=self.progress_stream)
         budget = self.options.trials
         final_check = budget // 8  # kept to verify the plan the second search leads to
+        self._search(int(budget * PACKING_SHARE), started, bar)
+        self.commit_packing()
         self._search(budget - budget // 4, started, bar)
         self.verify(budget - final_check, bar)
         self._search(budget - final_check, started, bar)
         self.verify(budget, bar)
+        self._search(budget, started, bar)  # the trials the final verification did not need
         bar.close(self.trials, self._status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
@@ -281,13 +298,52 @@ class Tuner:
                     return -self.model.predict_latency(kernels, extents, flops)
 
                 exclude = set(self.measured.get(shape_key(shape), {})) | self.failed
-                seeds = sorted(self.calibrated(), key=lambda k, shape=shape: self.estimate(k, shape))[:16]
+                seeds = sorted(filter(self._searchable, self.calibrated()),
+                               key=lambda k, shape=shape: self.estimate(k, shape))[:16]
                 for kernel in self.search.propose(score, per_shape, exclude, seeds):
                     if self.trials >= until:
                         break
                     self.measure(kernel, shape)
                     bar.update(self.trials, self._status())
             self.model.fit()
+
+    def commit_packing(self) -> None:
+        """Search only the packing the plan would take now (the space's design: the packing
+        first, then the variants that fit it). The smallest shapes' regime (one row, weight
+        streaming) is then searched in that packing too, not inferred from another; kernels of
+        other packings measured so far stay in the cost model's data."""
+        widths = {k.pack for k in self.space}
+        if len(widths) < 2:
+            return
+        self._measure_every_packing(widths)
+        try:
+            packing = self.plan().pack
+        except RuntimeError:  # nothing measured yet: keep searching every packing
+            return
+        if packing not in widths:  # the untuned kernel's layout won everywhere so far
+            return
+        self.packing = packing
+        self.space = [k for k in self.space if k.pack == packing]
+        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
+        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
+                 f" ({len(self.space)} kernels read it)")
+
+    def _measure_every_packing(self, widths: set[int]) -> None:
+        """On every shape measured so far, the kernel the cost model likes best of each packing
+        not yet measured there: the choice compares packings on the same shapes, not one
+        measured against another's extrapolation (the evolution may have favoured one)."""
+        for key in [key for key, kernels in self.measured.items() if kernels]:
+            shape = dict(key)
+            for width in sorted(widths):
+                if any(k.pack == width for k in self.measured[key]):
+                    continue
+                candidates = [k for k in self.space if k.pack == width and k not in self.failed]
+                if not candidates:
+                    continue
+                extents, flops = self.task.axis_extents(shape), self.task.flops(shape)
+                predicted = self.model.predict_latency(candidates, extents, flops)
+                self.measure(candidates[int(np.argmin(predicted))], shape)
+        self.model.fit()
 
     def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
         """Measure each tuned interval's variant beside the default kernel at the interval's ends
@@ -330,6 +386,9 @@ class Tuner:
         if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
             return []
         candidates = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
+        if measured:  # the threading that won there (one row of work can still need every core)
+            threads = min(measured, key=measured.get).threads
+            candidates = [k for k in candidates if k.threads == threads] or candidates
         if not candidates:
             return []
         predicted = self.model.predict_latency(candidates, self.task.axis_extents(smallest), self.task.flops(smallest))

@@ -167,11 +167,15 @@ def _measure(job: dict, started: float) -> dict:
         arrays = _kernel_inputs(recipe, key, pack)
         output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
         args = spec.call_arguments(shape, [session.tensor(x) for x in arrays], output)
-        warm_up = time.perf_counter()
         function(*args)  # warm-up: caches, page faults, thread pool
-        if session.remote is None and time.perf_counter() - warm_up > job.get("abandon_above_s", float("inf")):
-            latencies[_shape_text(key)] = time.perf_counter() - warm_up  # hopeless: not worth repeats
-            continue
+        if session.remote is None:
+            # One warm call decides whether the candidate is worth repeats (the first call pays
+            # for page faults and waking the pool: at small shapes several times the kernel).
+            probe = time.perf_counter()
+            function(*args)
+            if time.perf_counter() - probe > job.get("abandon_above_s", float("inf")):
+                latencies[_shape_text(key)] = time.perf_counter() - probe  # hopeless: not worth repeats
+                continue
         latencies[_shape_text(key)] = float(np.median(timer(*args).results))
     return {"latencies": latencies, "error": None, "build_seconds": built - started,
             "seconds": time.perf_counter() - started}

@@ -1,0 +1,111 @@
+"""The packing is chosen first, then searched in; the smallest shape keeps a variant of its own.
+
+The tuner runs here against a synthetic machine (latency from a formula, no build): what is
+tested is the search's bookkeeping, not a measurement. The real measurements are
+``test_tuner_measure.py``'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dietserve.kernels.hardware import CPU_PRESETS
+from dietserve.kernels.microkernel import MicroKernel
+from tuner.database.records import RecordDatabase
+from tuner.dispatch import SMALL_REGIME_GAIN, nearest_measured_estimates, plan_layouts, shape_key
+from tuner.ops import dense
+from tuner.space.cpu import packed_cpu_space
+from tuner.task import ShapeVar, TuningTask
+from tuner.tune import TuneOptions, Tuner
+
+TARGET = {"kind": "llvm", "num-cores": 2}
+
+
+STREAM_S = 3e-5  # the synthetic machine's pass over the weight
+
+
+class SyntheticMachine:
+    """A kernel takes the longer of one pass over the weight and its compute: packs of 16 run
+    1.5x the FLOP rate of packs of 24, and tiles of fewer than 4 rows run at ``mr / 4`` of it
+    (one row: 0.4; their loads bound them). At T = 1 only the weight pass counts for kernels of
+    1 or 2 rows; taller tiles compute padding rows."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict] = []
+
+    def describe(self) -> str:
+        return "synthetic"
+
+    @staticmethod
+    def latency(kernel: MicroKernel | None, rows: int) -> float:
+        if kernel is None:
+            return 1e-3 * rows
+        mr = kernel.tile_sizes("i")[0]
+        padded = -(-rows // mr) * mr
+        rate = (1.5 if kernel.pack == 16 else 1.0) * (0.4 if mr == 1 else min(1.0, mr / 4))
+        return max(STREAM_S, 1e-5 * padded / rate) * (1 + 0.01 * kernel.tile_sizes("j")[2])
+
+    def run(self, job: dict) -> dict:
+        self.jobs.append(job)
+        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
+        (shape,) = job["shapes"]
+        return {"latencies": {"T": self.latency(kernel, shape["T"])}, "error": None, "build_seconds": 0.0}
+
+
+def test_the_packing_is_committed_and_its_small_regime_searched(tmp_path: Path) -> None:
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    machine = SyntheticMachine()
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=96, seed=3))
+    result = tuner.run()
+    assert tuner.packing == 16 == result.plan.pack
+    kernels = [MicroKernel.from_json(j["kernel"]) for j in machine.jobs if j["kernel"] is not None]
+    committed_at = next(i for i, k in enumerate(kernels) if all(later.pack == 16 for later in kernels[i:]))
+    assert 0 < committed_at < len(kernels) - 10  # both widths searched first, then only one
+    assert {k.pack for k in kernels[:committed_at]} == {16, 24}
+    one_row = [k for k in tuner.measured[shape_key({"T": 1})] if k.pack == 16 and k.tile_sizes("i")[0] == 1]
+    assert one_row, "the smallest shape was never searched in the committed packing"
+    t1 = next(row for row in result.plan.shapes if row["value"] == 1)
+    # What the plan's T = 1 kernel really costs on the machine: one pass over the weight.
+    assert SyntheticMachine.latency(result.plan.kernel(t1["variant"]), 1) <= STREAM_S * 1.09
+    t128 = next(row for row in result.plan.shapes if row["value"] == 128)
+    assert result.plan.kernel(t128["variant"]).tile_sizes("i")[0] >= 4
+
+
+def _plan(t1_speedup: float, max_variants: int = 1):
+    tall = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    one_row = MicroKernel(tile=(("i", (1,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    shapes = [{"T": t} for t in range(1, 65)]
+
+    def estimate(kernel, shape):
+        t = shape["T"]
+        return (1.0 / t1_speedup if t == 1 else float(t)) if kernel is one_row else float(-(-t // 4))
+
+    measured = {shape_key({"T": 1}): {tall: 1.0, one_row: 1.0 / t1_speedup}}
+    variants, labels = plan_layouts([tall, one_row], shapes, [1.0] * len(shapes), estimate, measured, {},
+                                    max_variants, 4)
+    return variants, labels, tall, one_row
+
+
+def test_the_smallest_shape_keeps_a_variant_of_its_own() -> None:
+    variants, labels, tall, one_row = _plan(2 * SMALL_REGIME_GAIN)
+    assert variants == [tall, one_row]  # beyond max_variants = 1
+    assert variants[labels[0]] is one_row and all(variants[v] is tall for v in labels[1:])
+    variants, labels, tall, _ = _plan(SMALL_REGIME_GAIN * 0.9)  # not worth a variant of its own
+    assert variants == [tall]
+
+
+def test_no_estimate_goes_below_the_smallest_shapes_best() -> None:
+    """A kernel measured only on long sequences, carried over to short ones at its GFLOP/s,
+    would beat one pass over the weight; the best measured on the smallest shape bounds it."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    tall = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    one_row = MicroKernel(tile=(("i", (1,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    measured = {shape_key({"T": 4}): {one_row: 3e-5}, shape_key({"T": 64}): {tall: 16e-5}}
+    estimate = nearest_measured_estimates(task, measured, {}, cores=2)
+    assert estimate(tall, {"T": 64}) == 16e-5  # measured: as measured
+    assert estimate(tall, {"T": 8}) == 3e-5  # carried over: 2e-5, below the floor
+    # Below the smallest measured shape no floor is known: 1/32 of the FLOPs, in a tile half padded.
+    assert estimate(tall, {"T": 2}) == pytest.approx(16e-5 / 32 * 2)
+    assert estimate(tall, {"T": 128}) > 16e-5
