@@ -1,0 +1,128 @@
+"""``serve``: the gRPC server over a compiled artifact or a version store, with hot swaps and
+background re-tuning."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import add_build_flags, build_argv, compile_request, say
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import logging
+
+    from ..runtime.manifest import Manifest
+    from ..server.config import config_from_args
+
+    logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args, args.artifact)  # checks the flags before a long compile
+    hot_swap = None
+    if args.artifact_store is not None:
+        from ..runtime.versions import VersionStore
+
+        if args.artifact is not None:
+            raise SystemExit("error: give --artifact or --artifact-store, not both")
+        store = VersionStore(args.artifact_store)
+        version = store.to_serve()
+        directory = store.path(version)
+        config = dataclasses.replace(config, artifact=directory)
+    elif args.artifact is not None:
+        directory = args.artifact
+    else:
+        from ..compile.artifact import compile_artifact
+
+        directory = compile_artifact(compile_request(args), args.cache_dir, None, progress=say)
+        config = dataclasses.replace(config, artifact=directory)
+    model_name = config.model_name or Manifest.read(directory).model_name
+
+    def load_engine(path):
+        from ..runtime.artifact import load_artifact
+        from ..runtime.engine import Engine
+
+        return Engine(load_artifact(path), threads=config.threads)
+
+    def load_model():
+        from ..model.tokenizer import TextTokenizer
+
+        say(f"loading {directory}")
+        engine = load_engine(directory)
+        return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
+
+    try:
+        from ..server.app import serve
+        from ..server.swap import HotSwap
+    except ImportError as err:
+        raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
+    retune = None
+    if args.artifact_store is not None:
+        hot_swap = HotSwap(store, version, load_engine, args.watch_seconds)
+        if args.retune:
+            retune = retune_settings(args)
+    elif args.retune:
+        raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
+    return asyncio.run(serve(config, model_name, load_model, say, hot_swap=hot_swap, retune=retune))
+
+
+def retune_settings(args: argparse.Namespace):
+    from ..server.retune import RetuneSettings
+
+    def command(store: Path, traffic: Path) -> list[str]:
+        argv = [sys.executable, "-m", "dietserve", "retune", "--store", str(store), "--traffic", str(traffic),
+                "--db", str(args.retune_db or store / "records.jsonl"), "--trials", str(args.retune_trials),
+                "--time-budget", str(args.retune_time_budget), "--min-gain", str(args.retune_min_gain),
+                *build_argv(args)]
+        if args.retune_rpc_tracker:  # measure on a dedicated device, not beside serving
+            argv += ["--rpc-tracker", args.retune_rpc_tracker, "--rpc-key", args.retune_rpc_key]
+        return argv
+
+    cpus = frozenset(int(c) for c in args.retune_cpus.split(",")) if args.retune_cpus else frozenset()
+    return RetuneSettings(command=command, drift_threshold=args.retune_drift, min_rows=args.retune_min_rows,
+                          min_interval_seconds=args.retune_min_interval, check_seconds=args.retune_check_seconds,
+                          time_budget_seconds=args.retune_time_budget, cpus=cpus, nice=args.retune_nice)
+
+
+def add_serve_command(commands) -> None:
+    from ..server.config import add_server_flags
+
+    serve_parser = commands.add_parser(
+        "serve", help="serve the model over the KServe v2 / Triton gRPC protocol (compiles on first use)")
+    add_build_flags(serve_parser)
+    serve_parser.add_argument("--artifact", type=Path, default=None, help="serve this compiled artifact directory")
+    serve_parser.add_argument("--artifact-store", type=Path, default=None,
+                              help="serve the current version of this version store and swap in newer ones "
+                                   "after checking them (see `publish`, `rollback`)")
+    serve_parser.add_argument("--watch-seconds", type=float, default=5.0,
+                              help="how often the version store is checked for a new version (default 5)")
+    retune_group = serve_parser.add_argument_group("re-tuning (with --artifact-store)")
+    retune_group.add_argument("--retune", action="store_true",
+                              help="re-tune in a background process when the traffic drifts from the mix the "
+                                   "served kernels were tuned for (give the build flags the versions were built with)")
+    retune_group.add_argument("--retune-drift", type=float, default=0.3,
+                              help="total variation distance between the mixes that starts a run (default 0.3)")
+    retune_group.add_argument("--retune-min-rows", type=int, default=200,
+                              help="recorded rows needed before drift counts (default 200)")
+    retune_group.add_argument("--retune-min-interval", type=float, default=3600.0,
+                              help="seconds between the starts of two runs (default 3600)")
+    retune_group.add_argument("--retune-check-seconds", type=float, default=30.0,
+                              help="how often drift is checked (default 30)")
+    retune_group.add_argument("--retune-trials", type=int, default=64, help="measurements per operator (default 64)")
+    retune_group.add_argument("--retune-time-budget", type=float, default=3600.0,
+                              help="seconds a run may tune for (default 3600)")
+    retune_group.add_argument("--retune-min-gain", type=float, default=1.0,
+                              help="publish a run's version only if it predicts at least this gain over the "
+                                   "served one (default 1.0: never one it predicts slower; 0: always)")
+    retune_group.add_argument("--retune-cpus", default=None,
+                              help="comma-separated CPU numbers the job may use (default: all)")
+    retune_group.add_argument("--retune-nice", type=int, default=10, help="the job's niceness (default 10)")
+    retune_group.add_argument("--retune-rpc-tracker", default=None,
+                              help="host:port of a TVM RPC tracker: the job measures on its devices (a dedicated "
+                                   "GPU) instead of this machine")
+    retune_group.add_argument("--retune-rpc-key", default="local", help="device key registered with the tracker")
+    retune_group.add_argument("--retune-db", type=Path, default=None,
+                              help="tuning records, reused across runs (default STORE/records.jsonl)")
+    add_server_flags(serve_parser)
+    serve_parser.set_defaults(run=cmd_serve)
