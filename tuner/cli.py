@@ -101,6 +101,12 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int) -> bo
     except PlanError as err:
         _say(f"re-tuning: {err}")
         return False
+    from .tune import TUNER_VERSION
+
+    if plan.provenance.get("tuner") != TUNER_VERSION:
+        # A plan from another version of the search may rest on what it got wrong.
+        _say(f"re-tuning: {path} was made by tuner version {plan.provenance.get('tuner')}, this is {TUNER_VERSION}")
+        return False
     return plan.provenance.get("trials_requested", 0) >= trials
 
 

@@ -14,7 +14,8 @@ turns the measurements into a dispatch plan: at most ``max_variants`` micro-kern
 for the smallest shape's regime) and a decision tree over the operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
 works on and stays a candidate, so the plan never loses to it where both were measured.
-Records already in the database for the same workload and target are reused, not re-measured.
+Records already in the database for the same workload and target, made by this version of the
+tuner, are reused, not re-measured.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 2
+TUNER_VERSION = 3  # bumped when the search changes what it returns: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
@@ -119,10 +120,12 @@ class Tuner:
         self._reuse_records()
 
     def _reuse_records(self) -> None:
-        """Measurements already in the database for this workload and target, on our shapes."""
+        """Measurements already in the database for this workload and target, on our shapes,
+        made by this version of the tuner (an older one measured differently)."""
         ours = {shape_key(shape) for shape in self.shapes}
         for record in self.database.records():
-            if record.workload != self.task.workload or record.target != self.task.target_key:
+            if record.workload != self.task.workload or record.target != self.task.target_key \
+                    or record.meta.get("tuner") != TUNER_VERSION:
                 continue
             key = record.shape_key()
             if record.kernel == DEFAULT_VARIANT:
