@@ -1,0 +1,87 @@
+"""One dense operator's micro-kernels with the weight in cache and with it coming from DRAM, as in
+the served model (whose 340 MB of weights no cache holds): where a short sequence's time goes.
+
+    python tests/benchmarks/cold_weights.py --plans DIR --op dense_3072x768 --lengths 1,7 \
+        --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3]
+
+``--plans DIR`` is a ``bench_kernels.py --save-plans`` folder (the operator's plan gives the
+weight layout); each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as the
+plan's only variant. "Hot" runs one argument set over and over; "cold" cycles through
+``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than the L3), so each call
+reads its weight from DRAM. Prints ms per call, median of ``--rounds``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernel_baselines as baselines  # noqa: E402
+import tvm  # noqa: E402
+from bench_kernels import OPERATORS  # noqa: E402
+
+from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
+from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
+from dietserve.kernels.microkernel import MicroKernel  # noqa: E402
+from dietserve.kernels.plan import KernelPlan  # noqa: E402
+from tuner.targets import resolve_target  # noqa: E402
+
+
+def packed_kernel(text: str, lanes: int) -> MicroKernel:
+    mr, panel, pk, groups, kc = (int(v) for v in text.split(","))
+    return MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=lanes, pack=panel)
+
+
+def per_call(function, argument_sets: list, rounds: int) -> float:
+    for arguments in argument_sets[:3]:
+        function(*arguments)
+    time.sleep(baselines.SETTLE_S)
+    samples = []
+    for _round in range(rounds):
+        calls = max(1, 40 // len(argument_sets)) * len(argument_sets)
+        start = time.perf_counter()
+        for call in range(calls):
+            function(*argument_sets[call % len(argument_sets)])
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plans", type=Path, required=True, help="a bench_kernels.py --save-plans folder")
+    parser.add_argument("--op", default="dense_3072x768", choices=[op for op in OPERATORS if op.startswith("dense")])
+    parser.add_argument("--lengths", default="1,7")
+    parser.add_argument("--kernel", action="append", required=True,
+                        help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
+    parser.add_argument("--copies", type=int, default=40, help="weight copies cycled through for the cold run")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    where = resolve_target("llvm")
+    configure_cpu_threads(where.cores)
+    target = tvm.target.Target(where.target)
+    spec = OPERATORS[args.op]()
+    plan = KernelPlan.read(args.plans / f"{args.op}.plan.json")
+    lanes = where.hardware.lanes(32)
+    print(f"{spec.name}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
+    print(f"{'T':>5} {'kernel':>16} {'hot':>8} {'cold':>8} {'cold/hot':>9}")
+    for text in args.kernel:
+        kernel = packed_kernel(text, lanes)
+        forced = dataclasses.replace(plan, tree={"variant": "v0"}, variants={"v0": kernel.to_dict()})
+        function = tvm.compile(dispatched_prim_func(spec.func, forced, target), target).jit()["main"]
+        for length in (int(v) for v in args.lengths.split(",")):
+            sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
+                    for _ in range(args.copies)]
+            hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
+            print(f"{length:>5} {text:>16} {hot * 1e3:>8.4f} {cold * 1e3:>8.4f} {cold / hot:>9.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
