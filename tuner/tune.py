@@ -275,7 +275,7 @@ class Tuner:
         budget = self.options.trials
         final_check = budget // 8  # kept to verify the plan the second search leads to
         self._search(int(budget * PACKING_SHARE), started, bar)
-        self.commit_packing()
+        self.commit_packing(until=budget - budget // 4)
         self._search(budget - budget // 4, started, bar)
         self.verify(budget - final_check, bar)
         self._search(budget - final_check, started, bar)
@@ -310,7 +310,7 @@ class Tuner:
                     bar.update(self.trials, self._status())
             self.model.fit()
 
-    def commit_packing(self) -> None:
+    def commit_packing(self, until: int | None = None) -> None:
         """Search only the packing the plan would take now (the space's design: the packing
         first, then the variants that fit it). The smallest shapes' regime (one row, weight
         streaming) is then searched in that packing too, not inferred from another; kernels of
@@ -318,7 +318,7 @@ class Tuner:
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
             return
-        self._measure_every_packing(widths)
+        self._measure_every_packing(widths, self.options.trials if until is None else until)
         try:
             packing = self.plan().pack
         except RuntimeError:  # nothing measured yet: keep searching every packing
@@ -331,14 +331,14 @@ class Tuner:
         self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
                  f" ({len(self.space)} kernels read it)")
 
-    def _measure_every_packing(self, widths: set[int]) -> None:
+    def _measure_every_packing(self, widths: set[int], until: int) -> None:
         """On every shape measured so far, the kernel the cost model likes best of each packing
         not yet measured there: the choice compares packings on the same shapes, not one
         measured against another's extrapolation (the evolution may have favoured one)."""
         for key in [key for key, kernels in self.measured.items() if kernels]:
             shape = dict(key)
             for width in sorted(widths):
-                if any(k.pack == width for k in self.measured[key]):
+                if self.trials >= until or any(k.pack == width for k in self.measured[key]):
                     continue
                 candidates = [k for k in self.space if k.pack == width and k not in self.failed]
                 if not candidates:

@@ -59,6 +59,7 @@ def test_the_packing_is_committed_and_its_small_regime_searched(tmp_path: Path) 
     tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
                   TuneOptions(trials=96, seed=3))
     result = tuner.run()
+    assert result.trials == len(machine.jobs) == 96  # the budget, neither more nor less
     assert tuner.packing == 16 == result.plan.pack
     kernels = [MicroKernel.from_json(j["kernel"]) for j in machine.jobs if j["kernel"] is not None]
     committed_at = next(i for i, k in enumerate(kernels) if all(later.pack == 16 for later in kernels[i:]))
