@@ -310,15 +310,16 @@ class Tuner:
                     bar.update(self.trials, self._status())
             self.model.fit()
 
-    def commit_packing(self, until: int | None = None) -> None:
+    def commit_packing(self, until: int) -> None:
         """Search only the packing the plan would take now (the space's design: the packing
         first, then the variants that fit it). The smallest shapes' regime (one row, weight
         streaming) is then searched in that packing too, not inferred from another; kernels of
-        other packings measured so far stay in the cost model's data."""
+        other packings measured so far stay in the cost model's data. Measuring each packing on
+        the same shapes first stops at ``until`` trials."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
             return
-        self._measure_every_packing(widths, self.options.trials if until is None else until)
+        self._measure_every_packing(widths, until)
         try:
             packing = self.plan().pack
         except RuntimeError:  # nothing measured yet: keep searching every packing
@@ -343,9 +344,7 @@ class Tuner:
                 candidates = [k for k in self.space if k.pack == width and k not in self.failed]
                 if not candidates:
                     continue
-                extents, flops = self.task.axis_extents(shape), self.task.flops(shape)
-                predicted = self.model.predict_latency(candidates, extents, flops)
-                self.measure(candidates[int(np.argmin(predicted))], shape)
+                self.measure(self._predicted_fastest(candidates, shape), shape)
         self.model.fit()
 
     def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
@@ -394,8 +393,12 @@ class Tuner:
             candidates = [k for k in candidates if k.threads == threads] or candidates
         if not candidates:
             return []
-        predicted = self.model.predict_latency(candidates, self.task.axis_extents(smallest), self.task.flops(smallest))
-        return [(candidates[int(np.argmin(predicted))], smallest)]
+        return [(self._predicted_fastest(candidates, smallest), smallest)]
+
+    def _predicted_fastest(self, candidates: list[MicroKernel], shape: dict) -> MicroKernel:
+        """The candidate the cost model expects to run ``shape`` fastest."""
+        predicted = self.model.predict_latency(candidates, self.task.axis_extents(shape), self.task.flops(shape))
+        return candidates[int(np.argmin(predicted))]
 
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
