@@ -13,8 +13,12 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import tvm
 
+from dietserve.kernels.matching import workload_key
 from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
+from dietserve.kernels.tree import interval_tree
 
 Variant = MicroKernel | None  # None: the default rule's kernel
 Estimate = Callable[[Variant, dict], float]  # (variant, shape) -> latency seconds
@@ -239,3 +243,37 @@ def _smallest_measured_floor(task, measured: dict, default_measured: dict) -> tu
 def plan_target(target: dict) -> dict:
     """The target as manifests describe it (strings; the host left out)."""
     return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}
+
+
+def build_plan(task, variants: Sequence[Variant], labels: Sequence[int], shapes: Sequence[dict],
+               weights: Sequence[float], estimate: Estimate, measured: dict, default_measured: dict,
+               provenance: dict) -> KernelPlan:
+    """The plan file's content: the variants used (the default rule's first), the decision tree
+    over the dispatch value, one row per shape with its estimate and whether it was measured."""
+    used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
+    names = {v: DEFAULT_VARIANT if variants[v] is None else f"v{rank}" for rank, v in enumerate(used)}
+    values = [task.dispatch_value(s) for s in shapes]
+    tree = interval_tree(task.dispatch_var, values, [names[v] for v in labels])
+    rows = []
+    for shape, value, v in zip(shapes, values, labels, strict=True):
+        variant = variants[v]
+        was_measured = (shape_key(shape) in default_measured if variant is None
+                        else variant in measured.get(shape_key(shape), {}))
+        rows.append({"shape": shape, "value": value, "variant": names[v],
+                     "latency_s": estimate(variant, shape), "measured": was_measured,
+                     "default_latency_s": estimate(None, shape),
+                     "default_measured": shape_key(shape) in default_measured})
+    return KernelPlan(
+        workload=workload_key(task.spec.func),
+        operator=task.spec.name,
+        shape_vars=sorted(task.spec.shape_vars),
+        axes=task.axes,
+        target=plan_target(task.target),
+        tvm_version=str(tvm.__version__),
+        variants={names[v]: (None if variants[v] is None else variants[v].to_dict()) for v in used},
+        tree=tree,
+        tuned_range={"var": task.dispatch_var, "min": min(values), "max": max(values)},
+        shapes=rows,
+        provenance={**provenance, "fixed": dict(task.fixed),
+                    "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0}},
+    )

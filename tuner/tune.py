@@ -29,16 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import tvm
 
-from dietserve.kernels.matching import workload_key
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
-from dietserve.kernels.tree import interval_tree
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import nearest_measured_estimates, plan_layouts, plan_target, shape_key, unverified_probes
+from .dispatch import build_plan, nearest_measured_estimates, plan_layouts, shape_key, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
@@ -419,36 +416,7 @@ class Tuner:
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
         variants, labels = plan_layouts(candidates, shapes, weights, estimate, self.measured, self.default_measured,
                                         self.options.max_variants, self.options.max_intervals)
-        return self._plan_from(variants, labels, shapes, weights, estimate, provenance)
-
-    def _plan_from(self, variants, labels, shapes, weights, estimate, provenance) -> KernelPlan:
-        used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
-        names = {v: DEFAULT_VARIANT if variants[v] is None else f"v{rank}" for rank, v in enumerate(used)}
-        values = [self.task.dispatch_value(s) for s in shapes]
-        tree = interval_tree(self.task.dispatch_var, values, [names[v] for v in labels])
-        rows = []
-        for shape, value, v in zip(shapes, values, labels, strict=True):
-            variant = variants[v]
-            measured = (shape_key(shape) in self.default_measured if variant is None
-                        else variant in self.measured.get(shape_key(shape), {}))
-            rows.append({"shape": shape, "value": value, "variant": names[v],
-                         "latency_s": estimate(variant, shape), "measured": measured,
-                         "default_latency_s": estimate(None, shape),
-                         "default_measured": shape_key(shape) in self.default_measured})
-        func = self.task.spec.func
-        return KernelPlan(
-            workload=workload_key(func),
-            operator=self.task.spec.name,
-            shape_vars=sorted(self.task.spec.shape_vars),
-            axes=self.task.axes,
-            target=plan_target(self.task.target),
-            tvm_version=str(tvm.__version__),
-            variants={names[v]: (None if variants[v] is None else variants[v].to_dict()) for v in used},
-            tree=tree,
-            tuned_range={"var": self.task.dispatch_var, "min": min(values), "max": max(values)},
-            shapes=rows,
-            provenance={"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
-                        "failures": self.failures, "fixed": dict(self.task.fixed),
-                        "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0},
-                        **(provenance or {})},
-        )
+        return build_plan(self.task, variants, labels, shapes, weights, estimate, self.measured,
+                          self.default_measured,
+                          {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
+                           "failures": self.failures, **(provenance or {})})
