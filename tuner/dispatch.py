@@ -256,13 +256,11 @@ def build_plan(task, variants: Sequence[Variant], labels: Sequence[int], shapes:
     tree = interval_tree(task.dispatch_var, values, [names[v] for v in labels])
     rows = []
     for shape, value, v in zip(shapes, values, labels, strict=True):
-        variant = variants[v]
-        was_measured = (shape_key(shape) in default_measured if variant is None
-                        else variant in measured.get(shape_key(shape), {}))
+        variant, key = variants[v], shape_key(shape)
+        was_measured = key in default_measured if variant is None else variant in measured.get(key, {})
         rows.append({"shape": shape, "value": value, "variant": names[v],
                      "latency_s": estimate(variant, shape), "measured": was_measured,
-                     "default_latency_s": estimate(None, shape),
-                     "default_measured": shape_key(shape) in default_measured})
+                     "default_latency_s": estimate(None, shape), "default_measured": key in default_measured})
     return KernelPlan(
         workload=workload_key(task.spec.func),
         operator=task.spec.name,
