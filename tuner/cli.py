@@ -34,6 +34,13 @@ def _spec(args: argparse.Namespace):
     return builder(args.heads, args.head_dim, args.batch)
 
 
+def _measure_options(args: argparse.Namespace):
+    from .measure.runner import MeasureOptions
+
+    return MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
+                          timeout_s=args.timeout, stream_weights=args.stream_weights)
+
+
 def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
     """``--weights FILE``: JSON {value: weight}; values it does not name get weight 0."""
     if path is None:
@@ -43,7 +50,7 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
+    from .measure.runner import LocalRunner, RPCRunner
     from .space import task_space
     from .tune import TuneOptions, Tuner
 
@@ -53,8 +60,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
                           loop_partition=args.loop_partition, seed=args.seed)
-    measure = MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                             timeout_s=args.timeout)
+    measure = _measure_options(args)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
@@ -120,14 +126,13 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     from dietserve.kernels.tasks import TaskFile
 
     from .extract import spec_from_prim_func
-    from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
+    from .measure.runner import LocalRunner, RPCRunner
     from .tune import TuneOptions, Tuner
 
     tasks = TaskFile.read(Path(args.tasks))
     where = _target_for(tasks.target)
     database = RecordDatabase(Path(args.db))
-    measure = MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                             timeout_s=args.timeout)
+    measure = _measure_options(args)
     budget_each = args.time_budget / len(tasks.tasks) if args.time_budget else None
     started = time.monotonic()
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
@@ -195,6 +200,9 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
     parser.add_argument("--min-repeat-ms", type=int, default=10,
                         help="a timed repeat runs the kernel until it lasts this long (default 10)")
+    parser.add_argument("--stream-weights", action="store_true",
+                        help="time dense layers with each call reading its weight from DRAM, as the served model "
+                             "does (default: one weight, cached after the first call; local runs only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

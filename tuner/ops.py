@@ -190,11 +190,22 @@ def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> li
     Inputs leave out the PrimFunc's scalar params, so the weight's position shifts past them."""
     if not pack:
         return inputs
-    from dietserve.kernels.packing import pack_array, weight_param
+    from dietserve.kernels.packing import pack_array
 
-    param = weight_param(spec.func)[0]
-    index = param - sum(1 for position, _ in spec.scalar_params if position < param)
+    index = weight_input(spec)
     return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
+
+
+def weight_input(spec: OperatorSpec) -> int | None:
+    """The position of the constant weight among ``spec``'s inputs (``random_inputs``' order,
+    which leaves out the PrimFunc's scalar params); None if the operator has none."""
+    from dietserve.kernels.packing import weight_param
+
+    found = weight_param(spec.func)
+    if found is None:
+        return None
+    param = found[0]
+    return param - sum(1 for position, _ in spec.scalar_params if position < param)
 
 
 def structural_key(func: tirx.PrimFunc) -> str:

@@ -9,9 +9,10 @@ Each round:
 Operators whose weight is packed (CPU dense layers) choose the packing first: the first
 rounds search every panel width, then the packing the plan would take is committed and the
 rest of the budget searches only kernels that read it (a plan reads one packing, so a kernel
-of another can never be dispatched). It stops at the trial budget or the time budget, then
-turns the measurements into a dispatch plan: at most ``max_variants`` micro-kernels (and one
-for the smallest shape's regime) and a decision tree over the operator's row count.
+of another can never be dispatched; ``commitment.py``, with the plan's verification). It
+stops at the trial budget or the time budget, then turns the measurements into a dispatch
+plan: at most ``max_variants`` micro-kernels (and one for the smallest shape's regime) and a
+decision tree over the operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
 works on and stays a candidate, so the plan never loses to it where both were measured.
 Records already in the database for the same workload and target, made by this version of the
@@ -33,9 +34,10 @@ import numpy as np
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
 
+from .commitment import PlanCommitment
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import build_plan, nearest_measured_estimates, plan_layouts, shape_key, unverified_probes
+from .dispatch import build_plan, nearest_measured_estimates, plan_layouts, shape_key
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
@@ -44,7 +46,6 @@ from .task import TuningTask
 TUNER_VERSION = 3  # bumped when the search changes what it returns: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
-VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
 
 
@@ -86,7 +87,7 @@ def check_shape_for(task: TuningTask) -> dict:
     return {**task.fixed, var: value}
 
 
-class Tuner:
+class Tuner(PlanCommitment):
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner, database: RecordDatabase,
                  options: TuneOptions = TuneOptions(), log: Callable[[str], None] = lambda _m: None,
                  progress_stream=None):
@@ -111,6 +112,7 @@ class Tuner:
         self.failures = 0
         self.reused = 0
         self.check_shape = check_shape_for(task)
+        self.streams_weights = bool(getattr(runner, "streams_weights", False))
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
@@ -118,11 +120,13 @@ class Tuner:
 
     def _reuse_records(self) -> None:
         """Measurements already in the database for this workload and target, on our shapes,
-        made by this version of the tuner (an older one measured differently)."""
+        made by this version of the tuner (an older one measured differently) with the weights
+        where ours are (cached, or streamed from DRAM: ``MeasureOptions.stream_weights``)."""
         ours = {shape_key(shape) for shape in self.shapes}
         for record in self.database.records():
             if record.workload != self.task.workload or record.target != self.task.target_key \
-                    or record.meta.get("tuner") != TUNER_VERSION:
+                    or record.meta.get("tuner") != TUNER_VERSION \
+                    or record.meta.get("streamed", False) != self.streams_weights:
                 continue
             key = record.shape_key()
             if record.kernel == DEFAULT_VARIANT:
@@ -237,7 +241,8 @@ class Tuner:
         self.database.append(TuningRecord(
             workload=self.task.workload, target=self.task.target_key,
             kernel=DEFAULT_VARIANT if kernel is None else kernel.to_json(), shape=shape, latency_s=latency, error=error,
-            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "time": time.time(),
+            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "streamed": self.streams_weights,
+                  "time": time.time(),
                   "flops": self.task.flops(shape), "build_s": result.get("build_seconds"),
                   "check_shape": self.check_shape},
         ))
@@ -306,96 +311,6 @@ class Tuner:
                     self.measure(kernel, shape)
                     bar.update(self.trials, self._status())
             self.model.fit()
-
-    def commit_packing(self, until: int) -> None:
-        """Search only the packing the plan would take now (the space's design: the packing
-        first, then the variants that fit it). The smallest shapes' regime (one row, weight
-        streaming) is then searched in that packing too, not inferred from another; kernels of
-        other packings measured so far stay in the cost model's data. Measuring each packing on
-        the same shapes first stops at ``until`` trials."""
-        widths = {k.pack for k in self.space}
-        if len(widths) < 2:
-            return
-        self._measure_every_packing(widths, until)
-        try:
-            packing = self.plan().pack
-        except RuntimeError:  # nothing measured yet: keep searching every packing
-            return
-        if packing not in widths:  # the untuned kernel's layout won everywhere so far
-            return
-        self.packing = packing
-        self.space = [k for k in self.space if k.pack == packing]
-        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
-        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
-                 f" ({len(self.space)} kernels read it)")
-
-    def _measure_every_packing(self, widths: set[int], until: int) -> None:
-        """On every shape measured so far, the kernel the cost model likes best of each packing
-        not yet measured there: the choice compares packings on the same shapes, not one
-        measured against another's extrapolation (the evolution may have favoured one)."""
-        for key in [key for key, kernels in self.measured.items() if kernels]:
-            shape = dict(key)
-            for width in sorted(widths):
-                if self.trials >= until or any(k.pack == width for k in self.measured[key]):
-                    continue
-                candidates = [k for k in self.space if k.pack == width and k not in self.failed]
-                if not candidates:
-                    continue
-                self.measure(self._predicted_fastest(candidates, shape), shape)
-        self.model.fit()
-
-    def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
-        """Measure each tuned interval's variant beside the default kernel at the interval's ends
-        and middle, then plan again, until every interval's choice rests on measurements there.
-
-        Between measured shapes a plan relies on predictions (f_microkernel x f_adapt), which a
-        small budget can get badly wrong (a serial kernel calibrated on short sequences looks fast
-        on long ones); a shape measured slower than the default kernel forbids that variant there.
-        Stops when ``budget`` trials have been made."""
-        for _round in range(VERIFY_ROUNDS):
-            try:
-                plan = self.plan()
-            except RuntimeError:  # nothing measured successfully: nothing to verify
-                return
-            # The small-T regime first: the interval probes can use up the budget.
-            probes = self._small_regime_probe(plan.pack) + unverified_probes(plan, self.measured, self.failed,
-                                                                              self.default_measured)
-            if not probes:
-                return
-            for kernel, shape in probes:
-                if self.trials < budget and shape_key(shape) not in self.default_measured:
-                    self.measure_default(shape)
-                if self.trials < budget and kernel not in self.measured.get(shape_key(shape), {}) \
-                        and kernel not in self.failed:
-                    self.measure(kernel, shape)
-                if bar is not None:
-                    bar.update(self.trials, self._status())
-                if self.trials >= budget:
-                    return
-
-    def _small_regime_probe(self, pack: int) -> list[tuple[MicroKernel, dict]]:
-        """The smallest shape with a one-row kernel of the plan's packing, if none was measured
-        there: the search may have met the small-T regime (weight streaming) only in the other
-        panel width, and a plan can use one packing only; otherwise the smallest shapes go to
-        tiles sized for long sequences, padded row by row."""
-        if not pack:
-            return []
-        smallest = self.shapes[self.smallest]
-        measured = self.measured.get(shape_key(smallest), {})
-        if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
-            return []
-        candidates = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
-        if measured:  # the threading that won there (one row of work can still need every core)
-            threads = min(measured, key=measured.get).threads
-            candidates = [k for k in candidates if k.threads == threads] or candidates
-        if not candidates:
-            return []
-        return [(self._predicted_fastest(candidates, smallest), smallest)]
-
-    def _predicted_fastest(self, candidates: list[MicroKernel], shape: dict) -> MicroKernel:
-        """The candidate the cost model expects to run ``shape`` fastest."""
-        predicted = self.model.predict_latency(candidates, self.task.axis_extents(shape), self.task.flops(shape))
-        return candidates[int(np.argmin(predicted))]
 
     def _status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)

@@ -87,6 +87,11 @@ def _cache_size(level: int, kind: str, sysfs: Path) -> int | None:
     return None
 
 
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """The largest cache this machine describes (L3, else L2), shared or not; None if unknown."""
+    return _cache_size(3, ("Unified",), sysfs) or _cache_size(2, ("Unified", "Data"), sysfs)
+
+
 def detect_cpu(cpu_flags: set[str], sysfs: Path = Path("/sys/devices/system/cpu")) -> CpuHardware:
     """This machine's limits, from its /proc/cpuinfo flags and the sysfs cache description."""
     base = CPU_PRESETS["avx512" if "avx512f" in cpu_flags else "avx2"]

@@ -32,6 +32,10 @@ class MeasureOptions:
     # 2 runs reads its thread pool's wake-up, not its own speed (T = 1 dense: 50 us, not 30).
     min_repeat_ms: int = 10
     timeout_s: float = 60.0  # per job: build + check + timing of every shape
+    # CPU dense layers: time each call on a weight fresh from DRAM, as the served model reads
+    # it (``streaming.py``). Off by default: plans tuned so ran no faster in the model than
+    # plans tuned on a cached weight (README, Benchmarks). Local only.
+    stream_weights: bool = False
 
 
 class _Worker:
@@ -146,12 +150,17 @@ class LocalRunner:
         self.options = options
         self._worker = _Worker()
 
+    @property
+    def streams_weights(self) -> bool:
+        """Whether dense layers are timed on weights fresh from DRAM (records say so)."""
+        return self.options.stream_weights and self.device["kind"] == "local"
+
     def describe(self) -> str:
-        return "local"
+        return "local, weights from DRAM" if self.streams_weights else "local"
 
     def run(self, job: dict) -> dict:
         job = {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
-               "min_repeat_ms": self.options.min_repeat_ms}
+               "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights}
         return self._worker.run(job, self.options.timeout_s)
 
     def close(self) -> None:

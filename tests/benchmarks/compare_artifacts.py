@@ -1,0 +1,86 @@
+"""Two or more compiled artifacts of one model side by side, in one process: latency per sequence
+length at batch 1, rounds interleaved (every artifact at every length in each round, in turn), so
+a slow spell of the shared machine falls on all of them alike. For judging a change of plans
+(e.g. tuned with the weight cached vs streamed from DRAM) where separate runs differ by more
+than the change.
+
+    python tests/benchmarks/compare_artifacts.py BASELINE_DIR CANDIDATE_DIR [...] \
+        --lengths 1,7,13,31,64,128 --runs 10 --rounds 5
+
+Prints ms per artifact and length (median over rounds of each round's median over ``--runs``),
+each artifact's ratio against the first (above 1: faster than the first), and a last line
+``RESULT geomean_vs_first=X min_vs_first=Y`` per artifact after the first. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dietserve.runtime.artifact import load_artifact  # noqa: E402
+from dietserve.runtime.engine import Engine  # noqa: E402
+
+WARMUP_RUNS = 3
+
+
+def round_median(engine: Engine, ids: np.ndarray, runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.run(ids)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifacts", type=Path, nargs="+", help="artifact folders; the first is the baseline")
+    parser.add_argument("--lengths", default="1,7,13,31,64,128")
+    parser.add_argument("--runs", type=int, default=10, help="model runs per artifact, length and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if len(args.artifacts) < 2:
+        parser.error("give at least two artifacts to compare")
+    lengths = [int(v) for v in args.lengths.split(",")]
+    engines = [Engine(load_artifact(path), threads=args.threads) for path in args.artifacts]
+    rng = np.random.default_rng(0)
+    inputs = {seq: rng.integers(1000, engines[0].vocab_size, (1, seq)).astype(np.int64) for seq in lengths}
+    for engine in engines:
+        for ids in inputs.values():
+            for _ in range(WARMUP_RUNS):
+                engine.run(ids)
+    times: dict[tuple[int, int], list[float]] = {}
+    for round_index in range(args.rounds):
+        print(f"# round {round_index + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        for seq in lengths:
+            for index, engine in enumerate(engines):
+                times.setdefault((index, seq), []).append(round_median(engine, inputs[seq], args.runs))
+    labels = [f"#{index}" for index in range(len(engines))]
+    for index, path in enumerate(args.artifacts):
+        print(f"# {labels[index]}: {path}")
+    print(f"{'seq':>5} " + " ".join(f"{label + ' ms':>10}" for label in labels)
+          + " " + " ".join(f"{label + '/#0':>8}" for label in labels[1:]))
+    ratios: dict[int, list[float]] = {index: [] for index in range(1, len(engines))}
+    for seq in lengths:
+        medians = [statistics.median(times[(index, seq)]) for index in range(len(engines))]
+        for index in ratios:
+            ratios[index].append(medians[0] / medians[index])
+        print(f"{seq:>5} " + " ".join(f"{m * 1e3:>10.2f}" for m in medians)
+              + " " + " ".join(f"{ratios[index][-1]:>8.3f}" for index in ratios))
+    for index, values in ratios.items():
+        geomean = math.exp(sum(math.log(v) for v in values) / len(values))
+        print(f"RESULT {labels[index]} geomean_vs_first={geomean:.3f} min_vs_first={min(values):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

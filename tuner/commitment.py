@@ -1,0 +1,115 @@
+"""The choices a search's measurements must earn before a plan trusts them (mixed into
+``tune.Tuner``, whose state they read and whose ``measure``/``plan`` they call):
+
+- **the packing**: a plan reads one weight layout, so after the first rounds the search commits
+  to the panel width the plan would take, measured against every other width on the same shapes;
+- **the plan's picks**: each tuned interval's variant is measured at the interval's ends and
+  middle (and the smallest shape's one-row regime in the committed packing), then the plan is
+  made again, until no choice rests on a prediction alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dietserve.kernels.microkernel import MicroKernel
+
+from .dispatch import shape_key, unverified_probes
+from .progress import ProgressBar
+from .search.evolution import EvolutionarySearch
+
+VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
+
+
+class PlanCommitment:
+    """Packing commitment and plan verification for ``tune.Tuner``."""
+
+    def commit_packing(self, until: int) -> None:
+        """Search only the packing the plan would take now (the space's design: the packing
+        first, then the variants that fit it). The smallest shapes' regime (one row, weight
+        streaming) is then searched in that packing too, not inferred from another; kernels of
+        other packings measured so far stay in the cost model's data. Measuring each packing on
+        the same shapes first stops at ``until`` trials."""
+        widths = {k.pack for k in self.space}
+        if len(widths) < 2:
+            return
+        self._measure_every_packing(widths, until)
+        try:
+            packing = self.plan().pack
+        except RuntimeError:  # nothing measured yet: keep searching every packing
+            return
+        if packing not in widths:  # the untuned kernel's layout won everywhere so far
+            return
+        self.packing = packing
+        self.space = [k for k in self.space if k.pack == packing]
+        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
+        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
+                 f" ({len(self.space)} kernels read it)")
+
+    def _measure_every_packing(self, widths: set[int], until: int) -> None:
+        """On every shape measured so far, the kernel the cost model likes best of each packing
+        not yet measured there: the choice compares packings on the same shapes, not one
+        measured against another's extrapolation (the evolution may have favoured one)."""
+        for key in [key for key, kernels in self.measured.items() if kernels]:
+            shape = dict(key)
+            for width in sorted(widths):
+                if self.trials >= until or any(k.pack == width for k in self.measured[key]):
+                    continue
+                candidates = [k for k in self.space if k.pack == width and k not in self.failed]
+                if not candidates:
+                    continue
+                self.measure(self._predicted_fastest(candidates, shape), shape)
+        self.model.fit()
+
+    def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
+        """Measure each tuned interval's variant beside the default kernel at the interval's ends
+        and middle, then plan again, until every interval's choice rests on measurements there.
+
+        Between measured shapes a plan relies on predictions (f_microkernel x f_adapt), which a
+        small budget can get badly wrong (a serial kernel calibrated on short sequences looks fast
+        on long ones); a shape measured slower than the default kernel forbids that variant there.
+        Stops when ``budget`` trials have been made."""
+        for _round in range(VERIFY_ROUNDS):
+            try:
+                plan = self.plan()
+            except RuntimeError:  # nothing measured successfully: nothing to verify
+                return
+            # The small-T regime first: the interval probes can use up the budget.
+            probes = self._small_regime_probe(plan.pack) + unverified_probes(plan, self.measured, self.failed,
+                                                                              self.default_measured)
+            if not probes:
+                return
+            for kernel, shape in probes:
+                if self.trials < budget and shape_key(shape) not in self.default_measured:
+                    self.measure_default(shape)
+                if self.trials < budget and kernel not in self.measured.get(shape_key(shape), {}) \
+                        and kernel not in self.failed:
+                    self.measure(kernel, shape)
+                if bar is not None:
+                    bar.update(self.trials, self._status())
+                if self.trials >= budget:
+                    return
+
+    def _small_regime_probe(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+        """The smallest shape with a one-row kernel of the plan's packing, if none was measured
+        there: the search may have met the small-T regime (weight streaming) only in the other
+        panel width, and a plan can use one packing only; otherwise the smallest shapes go to
+        tiles sized for long sequences, padded row by row."""
+        if not pack:
+            return []
+        smallest = self.shapes[self.smallest]
+        measured = self.measured.get(shape_key(smallest), {})
+        if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
+            return []
+        candidates = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
+        if measured:  # the threading that won there (one row of work can still need every core)
+            threads = min(measured, key=measured.get).threads
+            candidates = [k for k in candidates if k.threads == threads] or candidates
+        if not candidates:
+            return []
+        return [(self._predicted_fastest(candidates, smallest), smallest)]
+
+    def _predicted_fastest(self, candidates: list[MicroKernel], shape: dict) -> MicroKernel:
+        """The candidate the cost model expects to run ``shape`` fastest."""
+        predicted = self.model.predict_latency(candidates, self.task.axis_extents(shape), self.task.flops(shape))
+        return candidates[int(np.argmin(predicted))]
