@@ -84,6 +84,32 @@ def test_reduction_blocked_kernels_match_numpy(epilogue: str, tile: tuple) -> No
         apply_kernel(dense(500, 96, epilogue).func, kernel, "llvm")  # 500 is no whole number of blocks
 
 
+def aligned_full(shape: tuple, value: float) -> np.ndarray:
+    """A float32 array filled with ``value`` whose data starts on 64 bytes (as TVM requires of
+    memory it is handed)."""
+    count = int(np.prod(shape))
+    storage = np.full(count + 16, value, "float32")
+    start = (-storage.ctypes.data % 64) // 4
+    return storage[start:start + count].reshape(shape)
+
+
+@pytest.mark.parametrize("tile", [(5, 24, 1, 2, 1), (3, 24, 2, 1, 32)])
+def test_padded_rows_are_never_stored(tile: tuple) -> None:
+    """Rows are padded locally, in registers: the output's neighbour in memory (here the rows
+    after it, in the same allocation) is untouched for every T that leaves a partial tile."""
+    mr, panel, pk, groups, kc = tile
+    spec = dense(K, N, "bias_residual")
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    for length in (1, 2, 7, 13, 127):
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
+        guarded = aligned_full((length + mr, N), 7.0)  # the output's rows, then mr guard rows
+        function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
+        np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=1e-4)
+        assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+
+
 def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
     spec = dense(K, N, "bias")
     assert weight_param(spec.func) == (1, K, N)
