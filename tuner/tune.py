@@ -112,7 +112,8 @@ class Tuner(PlanCommitment):
         self.failures = 0
         self.reused = 0
         self.check_shape = check_shape_for(task)
-        self.streams_weights = bool(getattr(runner, "streams_weights", False))
+        # Only the CPU worker streams weights (``measure/streaming.py``): a CUDA job ignores it.
+        self.streams_weights = bool(getattr(runner, "streams_weights", False)) and task.target.get("kind") == "llvm"
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement

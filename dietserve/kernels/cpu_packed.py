@@ -15,8 +15,9 @@ A symbolic row count is padded to whole ``mr`` tiles *locally*: a padded row rea
 real row of X (``min(i0 + r, T - 1)``, loop-invariant in k) and its results are never stored,
 so no copy of the activations is made and the inner loop is the same straight-line code for
 every T. Against the scheduled form this replaced (a padded copy of X, one accumulator buffer
-for the whole tile), the same tiles ran 1-3% faster with one panel per tile and 10-15% faster
-with two (3072 -> 768 layer, znver4, T = 7..512), weights cached or streamed.
+for the whole tile), the same tiles ran 9-11% faster geomean (0.99-1.6x per point: five tiles of
+the 3072 -> 768 layer at T = 1..512, znver4, weights cached or streamed), and bert-base with the
+same plans 4-7% faster end to end (README, Benchmarks).
 
 With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels over all rows: a
 ``kc``-deep block of its panels stays in L2 while every row tile passes over it, and partial
