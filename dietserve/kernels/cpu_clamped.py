@@ -31,10 +31,10 @@ from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
+from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .row_softmax import softmax_rows
-from .tir_rebuild import rebuild, uses
+from .tir_rebuild import MatmulExpressions, rebuild, uses
 
 CLAMPED = "clamped"  # MicroKernel.cache_scopes marker of this family
 PANEL = "B.local"  # ... and of its variant that copies each B panel once per task
@@ -44,37 +44,22 @@ def is_clamped(kernel: MicroKernel) -> bool:
     return CLAMPED in kernel.cache_scopes
 
 
-class _Operator:
+class _Operator(MatmulExpressions):
     """The matmul's product and epilogue as expressions of (batch..., i, j, k)."""
 
     def __init__(self, func: tirx.PrimFunc):
-        sch = s_tir.Schedule(func)
-        block, epilogue = find_matmul(sch)
-        stmt = sch.get(block)
-        if not is_multiply_accumulate(stmt):
-            raise ScheduleMismatch("the reduction is not a multiply-accumulate")
-        self.iter_vars = [iv.var for iv in stmt.iter_vars]
-        self.extents = [sch.get(loop).extent for loop in sch.get_loops(block)]
-        if len(self.extents) != len(self.iter_vars) or len(self.iter_vars) < 3:
+        super().__init__(func)
+        if len(self.iter_vars) < 3:
             raise ScheduleMismatch("expected a matmul block with its own loops")
-        self.result = stmt.body.buffer
-        if [str(i) for i in stmt.body.indices] != [str(v) for v in self.iter_vars[:-1]]:
+        if [str(i) for i in self.result_indices] != [str(v) for v in self.iter_vars[:-1]]:
             raise ScheduleMismatch("the matmul's result is not indexed by its spatial axes")
-        self.product = stmt.body.value.b
-        if epilogue is None:
-            self.out, self.out_vars, self.epilogue = self.result, self.iter_vars[:-1], None
-        else:
-            estmt = sch.get(epilogue).body if hasattr(sch.get(epilogue), "body") else None
-            evars = [iv.var for iv in sch.get(epilogue).iter_vars]
-            if not isinstance(estmt, tirx.BufferStore) or len(evars) != len(self.iter_vars) - 1:
+        if self.epilogue is not None:
+            if len(self.out_vars) != len(self.iter_vars) - 1:
                 raise ScheduleMismatch("the epilogue is not one element-wise store over the result")
-            if [str(i) for i in estmt.indices] != [str(v) for v in evars]:
-                raise ScheduleMismatch("the epilogue does not write the element it computes")
             reads = []
-            rebuild(estmt.value, {}, loads_seen=(self.result, reads))
-            if not reads or any([str(i) for i in r.indices] != [str(v) for v in evars] for r in reads):
+            rebuild(self.epilogue, {}, loads_seen=(self.result, reads))
+            if not reads or any([str(i) for i in r.indices] != [str(v) for v in self.out_vars] for r in reads):
                 raise ScheduleMismatch("the epilogue reads the result at another element")
-            self.out, self.out_vars, self.epilogue = estmt.buffer, evars, estmt.value
 
     def operands(self) -> tuple[tirx.Expr, tirx.Expr] | None:
         """(the factor read along i, the factor read along j) of the product, if it splits so."""

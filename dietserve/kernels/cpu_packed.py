@@ -27,13 +27,13 @@ the registers.
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
+from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
-from .tir_rebuild import rebuild
+from .tir_rebuild import MatmulExpressions, rebuild
 
 
 def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
@@ -43,31 +43,18 @@ def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
     return mr, panel, pk, pk * groups
 
 
-class _PackedOperator:
+class _PackedOperator(MatmulExpressions):
     """The packed dense layer's product and epilogue as expressions of (row, panel, lane, k)
     and (row, column)."""
 
     def __init__(self, func: tirx.PrimFunc):
-        sch = s_tir.Schedule(func)
-        block, epilogue = find_matmul(sch)
-        stmt = sch.get(block)
-        if not is_multiply_accumulate(stmt):
-            raise ScheduleMismatch("the reduction is not a multiply-accumulate")
-        self.iter_vars = [iv.var for iv in stmt.iter_vars]
-        self.extents = [sch.get(loop).extent for loop in sch.get_loops(block)]
-        if len(self.iter_vars) != 4 or len(self.extents) != 4:
+        super().__init__(func)
+        if len(self.iter_vars) != 4:
             raise ScheduleMismatch("expected a packed dense layer: rows, panels, panel columns, reduction")
-        self.result = stmt.body.buffer
-        self.product = stmt.body.value.b
-        if epilogue is None:
+        if self.epilogue is None:
             raise ScheduleMismatch("a packed kernel needs an epilogue to write the unpacked output")
-        estmt = sch.get(epilogue)
-        store = estmt.body
-        self.out_vars = [iv.var for iv in estmt.iter_vars]
-        if not isinstance(store, tirx.BufferStore) or len(self.out_vars) != 2 \
-                or [str(i) for i in store.indices] != [str(v) for v in self.out_vars]:
+        if len(self.out_vars) != 2:
             raise ScheduleMismatch("the epilogue is not one element-wise store over (rows, columns)")
-        self.out, self.epilogue = store.buffer, store.value
 
     def term(self, row, panel, lane, k) -> tirx.Expr:
         return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)))

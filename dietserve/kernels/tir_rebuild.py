@@ -1,13 +1,13 @@
 """Rebuild a TIR expression with variables substituted and buffer loads replaced: how a kernel
 built with the IR builder reuses an operator's own expressions (TVM 0.27 exposes no TIR
-substitution to Python)."""
+substitution to Python); and ``MatmulExpressions``, the expressions such a kernel starts from."""
 
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 
-from .matching import ScheduleMismatch
+from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate
 
 _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max,
            tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or, tirx.LShift, tirx.RShift,
@@ -53,3 +53,35 @@ def uses(expr, var) -> bool:
     found = []
     rebuild(expr, {}, on_var=lambda v: found.append(v.same_as(var)))
     return any(found)
+
+
+class MatmulExpressions:
+    """A matmul-like PrimFunc's parts, for a kernel built with the IR builder: the reduction
+    block's iteration variables and loop extents, its result buffer and product term, and its
+    element-wise epilogue (``out``, ``out_vars``, ``epilogue``: the store's buffer, variables
+    and value; ``epilogue`` is None when the result is the output). Each kernel family checks
+    the shapes it needs on top."""
+
+    def __init__(self, func: tirx.PrimFunc):
+        sch = s_tir.Schedule(func)
+        block, epilogue = find_matmul(sch)
+        stmt = sch.get(block)
+        if not is_multiply_accumulate(stmt):
+            raise ScheduleMismatch("the reduction is not a multiply-accumulate")
+        self.iter_vars = [iv.var for iv in stmt.iter_vars]
+        self.extents = [sch.get(loop).extent for loop in sch.get_loops(block)]
+        if len(self.extents) != len(self.iter_vars):
+            raise ScheduleMismatch("expected a matmul block with its own loops")
+        self.result_indices = list(stmt.body.indices)
+        self.result = stmt.body.buffer
+        self.product = stmt.body.value.b
+        self.out, self.out_vars, self.epilogue = self.result, self.iter_vars[:-1], None
+        if epilogue is not None:
+            block_stmt = sch.get(epilogue)
+            store = getattr(block_stmt, "body", None)
+            out_vars = [iv.var for iv in block_stmt.iter_vars]
+            if not isinstance(store, tirx.BufferStore):
+                raise ScheduleMismatch("the epilogue is not one element-wise store over the result")
+            if [str(i) for i in store.indices] != [str(v) for v in out_vars]:
+                raise ScheduleMismatch("the epilogue does not write the element it computes")
+            self.out, self.out_vars, self.epilogue = store.buffer, out_vars, store.value

@@ -60,7 +60,7 @@ def test_the_worker_streams_copies_of_the_weight() -> None:
     assert result["error"] is None, result.get("traceback")
     assert set(result["latencies"]) == {"T=1", "T=7"} and min(result["latencies"].values()) > 0
     kept = next(copies_ for session in worker._SESSIONS.values() for key, copies_ in session.kept.items()
-                if key[1] == ("dense", 64, 48, "bias"))
+                if key[0] == ("dense", 64, 48, "bias"))
     spec = dense(64, 48, "bias")
     weight = random_inputs(spec, {"T": 1})[weight_input(spec)]
     assert len(kept) == copies(weight.nbytes, last_level_cache_bytes())

@@ -63,7 +63,7 @@ class _Session:
         self.config = device_config
         self.remote = None
         self.uploads = 0
-        self.kept: dict[tuple, list] = {}  # device arrays reused across jobs (``_weight_copies``)
+        self.kept: dict[tuple, list] = {}  # (recipe, packing) -> weight copies (``_weight_copies``)
         if device_config["kind"] == "rpc":
             from tvm import rpc
 
@@ -178,13 +178,13 @@ def _measure(job: dict, started: float) -> dict:
         arrays = _kernel_inputs(recipe, key, pack)
         output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
         inputs = [session.tensor(x) for x in arrays]
-        args = spec.call_arguments(shape, inputs, output)
         if weight_index is not None:
             sets = [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
                     for w in _weight_copies(session, recipe, pack, arrays[weight_index])]
             latencies[_shape_text(key)] = time_streaming(function, sets, job.get("repeat", 5),
                                                          job.get("min_repeat_ms", 0) / 1e3)
             continue
+        args = spec.call_arguments(shape, inputs, output)
         function(*args)  # warm-up: caches, page faults, thread pool
         if session.remote is None:
             # One warm call decides whether the candidate is worth repeats (the first call pays
@@ -202,7 +202,7 @@ def _measure(job: dict, started: float) -> dict:
 def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
     """Device copies of ``weight`` spanning twice the last-level cache, kept for the worker's
     life per (operator, packing): the weight does not depend on the shape."""
-    key = ("weights", recipe, pack)
+    key = (recipe, pack)
     if key not in session.kept:
         session.kept.clear()  # one operator's copies at a time (a 3072 x 768 weight: 7 x 9.4 MB)
         count = copies(weight.nbytes, last_level_cache_bytes())
