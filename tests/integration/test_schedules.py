@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from tvm import s_tir, te, tirx
+from tvm import s_tir, te, tirx, topi
+from tvm.target.codegen import llvm_cpu_has_features
 
-from dietserve.compile.cpu import CPUMatmul, cpu_schedule_rules
+from dietserve.compile.cpu import CPUMatmul, RowReduction, cpu_schedule_rules
 from dietserve.compile.pipeline import schedule_module
 from dietserve.compile.target import TargetSpec, build_target
 from dietserve.model.bert import BertModel, PoolingOptions, export_relax
@@ -82,3 +83,34 @@ def test_rules_decline_what_is_not_theirs() -> None:
     chosen = [type(rule).__name__ for rule in cpu_schedule_rules() if rule.apply(func, target, False) is not None]
     assert chosen[0] == "ParallelInjective"
     assert isinstance(s_tir.Schedule(func), s_tir.Schedule)
+
+
+def _layer_norm_func(width: int):
+    rows = te.var("T", "int64")
+    x = te.placeholder((rows, width), name="x")
+    gamma, beta = te.placeholder((width,), name="gamma"), te.placeholder((width,), name="beta")
+    out = topi.nn.layer_norm(x, gamma, beta, axis=[1], epsilon=1e-12)
+    return te.create_prim_func([x, gamma, beta, out], index_dtype_override="int64")
+
+
+@pytest.mark.parametrize("width", [768, 40, 24])
+def test_row_reductions_are_split_by_lane_and_exact(width: int) -> None:
+    """Layer norm's sums run as vector partials where the row is a whole number of vectors
+    (768; not 40 or 24 at 16 lanes), and the result matches numpy at any row count."""
+    target = build_target(TargetSpec(mcpu="skylake-avx512"))
+    sch = RowReduction().apply(_layer_norm_func(width), target, False)
+    assert sch is not None
+    script = sch.mod["main"].script()
+    assert ("_rf_local" in script) == (width % 16 == 0 and width >= 32)
+    if not llvm_cpu_has_features("avx512f", build_target(TargetSpec())):
+        return  # built for an AVX-512 CPU: checked for structure only here
+    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target)
+    rng = np.random.default_rng(width)
+    gamma, beta = (rng.standard_normal(width).astype("float32") for _ in range(2))
+    for rows in (1, 7, 300):
+        x = (rng.standard_normal((rows, width)) * 3 + 1).astype("float32")
+        result = tvm.runtime.tensor(np.zeros((rows, width), "float32"))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(gamma), tvm.runtime.tensor(beta), result)
+        x64 = x.astype(np.float64)
+        expected = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * gamma + beta
+        np.testing.assert_allclose(result.numpy(), expected, rtol=0, atol=1e-5)
