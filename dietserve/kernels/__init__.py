@@ -6,7 +6,8 @@
   (micro-kernels with local padding, the packed-weight CPU GEMM kernels, and the default CPU
   matmul rule an untuned build uses);
 - ``packing``: a dense layer's weight laid out in panels (PrimFunc side and data side);
-- ``gelu``: the exact-erf GELU whose erf vectorises;
+- ``gelu``: the exact-erf GELU in float32 vector arithmetic (through erfc);
+- ``fast_exp``: TOPI's vectorisable exp as an expression for any kernel;
 - ``tree``, ``plan``: the dispatch tree and the kernel plan format (pure Python, read by the server);
 - ``dispatch``: a plan compiled into one branching PrimFunc;
 - ``host``: this machine's CPU (flags, LLVM name).

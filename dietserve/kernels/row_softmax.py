@@ -9,29 +9,13 @@ structure, for the pass that fuses it (``compile/passes/fuse_softmax.py``).
 
 from __future__ import annotations
 
-import functools
-
 import tvm_ffi
 from tvm import te, tirx, topi
 from tvm.script.ir_builder import tirx as T
 
-from .tir_rebuild import rebuild
+from .fast_exp import fast_exp
 
 LOWEST = -3.4028234663852886e38  # float32's lowest: the max's start, as TOPI's softmax has it
-
-
-@functools.cache
-def _fast_exp_template() -> tuple:
-    x = te.placeholder((1,), "float32", name="x")
-    func = te.create_prim_func([x, topi.fast_exp(x)])
-    store = func.body.block.body.body.block.body  # root block -> loop -> block -> store
-    return func.params[0], store.value
-
-
-def fast_exp(value: tirx.Expr) -> tirx.Expr:
-    """TOPI's vectorisable ``fast_exp`` of ``value`` (a polynomial, no libm call)."""
-    source, expr = _fast_exp_template()
-    return rebuild(expr, {}, {source: value})
 
 
 def softmax_rows(out, row_index, rows, columns, lanes: int) -> None:

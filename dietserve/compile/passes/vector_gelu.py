@@ -1,4 +1,4 @@
-"""Replace exact-erf ``nn.gelu`` with the same GELU whose erf vectorises
+"""Replace exact-erf ``nn.gelu`` with the same GELU in float32 vector arithmetic
 (``dietserve/kernels/gelu.py``): libm's ``erff`` is a scalar call per element."""
 
 from __future__ import annotations
