@@ -19,6 +19,7 @@ def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, o
     the given expressions ``loads_seen``
     (buffer, list) collects the loads of one buffer."""
     loads = loads or {}
+    variables = dict(variables)
 
     def visit(node):
         if isinstance(node, tirx.Var):
@@ -44,6 +45,13 @@ def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, o
             return tirx.Select(visit(node.condition), visit(node.true_value), visit(node.false_value))
         if isinstance(node, tvm.ir.Call):
             return tvm.ir.Call(node.op, [visit(arg) for arg in node.args], node.attrs, node.ty_args, ret_ty=node.ty)
+        if isinstance(node, tirx.Let):
+            # a fresh variable per rebuilt copy: a kernel may hold many copies, and one variable
+            # bound in two places is not SSA (the vectoriser refuses it)
+            fresh = tirx.Var(node.var.name, node.var.ty)
+            value = visit(node.value)
+            variables[node.var] = fresh
+            return tirx.Let(fresh, value, visit(node.body))
         raise ScheduleMismatch(f"cannot rebase expression node {type(node).__name__} onto a tile")
 
     return visit(expr)
