@@ -20,7 +20,7 @@ from pathlib import Path
 import tvm
 
 from ..kernels.matching import is_dynamic_matmul, matmul_axes, workload_key
-from ..kernels.plan import KernelPlan, predicted_latency
+from ..kernels.plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
 from ..kernels.tasks import TaskDescription, TaskFile, TuningError
 from ..kernels.tree import names_in
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
@@ -157,7 +157,14 @@ def tune_model(request: TuneRequest, cache_dir: Path, progress: Progress = lambd
     progress(f"{len(tasks.tasks)} distinct operators ({total_calls} call sites) -> {task_file}")
     plans = out / PLANS_DIR
     run_tuner(task_file, request, plans)
-    linked = dataclasses.replace(request.compile, plans=(plans,))
+    # Link this model's plans only: a plan left in the folder by an earlier version of the model
+    # (or of the kernels' code) names a workload the model no longer has, and would be refused.
+    current = [plan_path(plans, task.workload) for task in tasks.tasks]
+    stale = sorted(set(plans.glob(f"*{PLAN_SUFFIX}")) - set(current))
+    if stale:
+        progress(f"not linking {len(stale)} plan(s) in {plans} for operators this model no longer has: "
+                 f"{', '.join(path.name for path in stale)}")
+    linked = dataclasses.replace(request.compile, plans=tuple(current))
     return compile_artifact(linked, cache_dir, out / ARTIFACT_DIR, progress=progress)
 
 

@@ -279,9 +279,14 @@ def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: P
     engine = Engine(load_artifact(artifact))
     for batch, seq in ((1, 9), (2, 33), (1, 300)):
         _check(engine, minilm_reference, batch, seq)
+    # A plan an earlier version of the model left in the folder (a workload it no longer has)
+    # is not linked: the second run is still a cache hit.
+    stale = plan_path(tmp_path / "out" / "plans", "0123456789abcdef")
+    dataclasses.replace(plan, workload="0123456789abcdef").write(stale)
     second = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert second.stderr.count("is up to date") == len(plans) + 1  # every plan, then the artifact
+    assert f"not linking 1 plan(s) in {tmp_path / 'out' / 'plans'}" in second.stderr
     records = (tmp_path / "records.jsonl").read_text().splitlines()
     assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
 
