@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert_baselines  # noqa: E402
 import kernel_baselines  # noqa: E402
 from operator_profile import profile_operators  # noqa: E402
+from timing import call_seconds  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan import read_plans  # noqa: E402
@@ -61,12 +62,7 @@ def median_latency(fn, args, repeats: int) -> float:
     fn(*args)  # warm up
     once = time.perf_counter() - start
     count = max(3, min(repeats, int(POINT_BUDGET_S / max(once, 1e-6))))
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        fn(*args)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(call_seconds(fn, args, count))
 
 
 def tune(model: str, args: argparse.Namespace, max_batch: int) -> tuple[Path, float]:

@@ -18,12 +18,14 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import call_seconds  # noqa: E402
 
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
@@ -32,12 +34,7 @@ WARMUP_RUNS = 3
 
 
 def round_median(engine: Engine, ids: np.ndarray, runs: int) -> float:
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        engine.run(ids)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(call_seconds(engine.run, (ids,), runs))
 
 
 def main() -> int:

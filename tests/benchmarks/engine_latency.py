@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import call_seconds  # noqa: E402
 
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
@@ -30,14 +32,7 @@ def main() -> int:
     engine = Engine(load_artifact(args.artifact), threads=args.threads)
     for seq in (int(v) for v in args.lengths.split(",")):
         ids = np.full((1, seq), 1000, np.int64)
-        for _ in range(3):
-            engine.run(ids)  # warm up
-        times = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            engine.run(ids)
-            times.append(time.perf_counter() - start)
-        ms = np.asarray(times) * 1e3
+        ms = np.asarray(call_seconds(engine.run, (ids,), args.runs, warmup=3)) * 1e3
         print(f"seq={seq} p50={np.median(ms):.2f} p90={np.percentile(ms, 90):.2f} p99={np.percentile(ms, 99):.2f} "
               f"max={ms.max():.2f} ms", flush=True)
     return 0
