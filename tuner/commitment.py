@@ -19,6 +19,10 @@ from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
+# One-row kernels of the committed packing measured on the smallest shape, every threading among
+# them: two tunes that measured one kernel each there differed by 1.8x at T = 1 (a serial one
+# measured, the parallel ones not), 13% of the whole model at seq 1.
+SMALL_REGIME_KERNELS = 3
 
 
 class PlanCommitment:
@@ -75,7 +79,7 @@ class PlanCommitment:
             except RuntimeError:  # nothing measured successfully: nothing to verify
                 return
             # The small-T regime first: the interval probes can use up the budget.
-            probes = self._small_regime_probe(plan.pack) + unverified_probes(plan, self.measured, self.failed,
+            probes = self._small_regime_probes(plan.pack) + unverified_probes(plan, self.measured, self.failed,
                                                                               self.default_measured)
             if not probes:
                 return
@@ -90,24 +94,33 @@ class PlanCommitment:
                 if self.trials >= budget:
                     return
 
-    def _small_regime_probe(self, pack: int) -> list[tuple[MicroKernel, dict]]:
-        """The smallest shape with a one-row kernel of the plan's packing, if none was measured
-        there: the search may have met the small-T regime (weight streaming) only in the other
-        panel width, and a plan can use one packing only; otherwise the smallest shapes go to
-        tiles sized for long sequences, padded row by row."""
+    def _small_regime_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+        """One-row kernels of the plan's packing for the smallest shape, until
+        ``SMALL_REGIME_KERNELS`` are measured there and each threading (every core, serial) is
+        among them: the search may have met the small-T regime (weight streaming) only in the
+        other panel width or one threading, and a plan can use one packing only; otherwise the
+        smallest shapes go to tiles sized for long sequences, padded row by row. The threadings
+        missing come first, then the cost model's next best."""
         if not pack:
             return []
         smallest = self.shapes[self.smallest]
         measured = self.measured.get(shape_key(smallest), {})
-        if any(k.pack == pack and k.tile_sizes("i")[0] == 1 for k in measured):
-            return []
-        candidates = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
-        if measured:  # the threading that won there (one row of work can still need every core)
-            threads = min(measured, key=measured.get).threads
-            candidates = [k for k in candidates if k.threads == threads] or candidates
+        one_row = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
+        done = [k for k in one_row if k in measured]
+        candidates = [k for k in one_row if k not in measured]
         if not candidates:
             return []
-        return [(self._predicted_fastest(candidates, smallest), smallest)]
+        predicted = self.model.predict_latency(candidates, self.task.axis_extents(smallest), self.task.flops(smallest))
+        ranked = [candidates[i] for i in np.argsort(predicted, kind="stable")]
+        probes = []
+        for threads in sorted({k.threads for k in ranked} - {k.threads for k in done}):
+            probes.append(next(k for k in ranked if k.threads == threads))
+        for kernel in ranked:
+            if len(done) + len(probes) >= SMALL_REGIME_KERNELS:
+                break
+            if kernel not in probes:
+                probes.append(kernel)
+        return [(kernel, smallest) for kernel in probes]
 
     def _predicted_fastest(self, candidates: list[MicroKernel], shape: dict) -> MicroKernel:
         """The candidate the cost model expects to run ``shape`` fastest."""

@@ -12,6 +12,7 @@ import pytest
 
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
+from tuner.commitment import SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import SMALL_REGIME_GAIN, nearest_measured_estimates, plan_layouts, shape_key
 from tuner.ops import dense
@@ -110,3 +111,23 @@ def test_no_estimate_goes_below_the_smallest_shapes_best() -> None:
     # Below the smallest measured shape no floor is known: 1/32 of the FLOPs, in a tile half padded.
     assert estimate(tall, {"T": 2}) == pytest.approx(16e-5 / 32 * 2)
     assert estimate(tall, {"T": 128}) > 16e-5
+
+
+def test_the_smallest_shape_is_probed_in_every_threading_of_the_committed_packing(tmp_path: Path) -> None:
+    """A serial one-row kernel measured at T = 1 does not settle the small-T regime: the
+    parallel ones are probed too, then the cost model's next best, up to SMALL_REGIME_KERNELS."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
+                  RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+    one_row = [k for k in tuner.space if k.pack == 16 and k.tile_sizes("i")[0] == 1]
+    serial = next(k for k in one_row if k.threads == 1)
+    tuner.measured[shape_key({"T": 1})] = {serial: 1e-4}
+    probes = tuner._small_regime_probes(16)
+    assert {shape["T"] for _, shape in probes} == {1}
+    kernels = [kernel for kernel, _ in probes]
+    assert len(kernels) == SMALL_REGIME_KERNELS - 1 and serial not in kernels
+    assert all(k.pack == 16 and k.tile_sizes("i")[0] == 1 for k in kernels)
+    assert kernels[0].threads == 0  # the threading not yet measured, first
+    for kernel in kernels:
+        tuner.measured[shape_key({"T": 1})][kernel] = 1e-4
+    assert tuner._small_regime_probes(16) == []  # enough measured, both threadings among them
