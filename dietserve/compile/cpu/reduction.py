@@ -48,7 +48,7 @@ def _split_by_lane(sch: s_tir.Schedule, info, lanes: int) -> s_tir.schedule.SBlo
     return sch.rfactor(lane, len(sch.get_loops(info.block_rv)) - 2)
 
 
-def _vectorize_partials(sch: s_tir.Schedule, partials: list, rows) -> None:
+def _vectorize_partials(sch: s_tir.Schedule, partials: list) -> None:
     """Each partials block, under the row loop as (lane, ..., reduction), becomes a vector
     accumulator: the lane loop innermost and vectorised, its initialisation split off. Every
     block is reordered before any is decomposed (a decomposed block no longer counts as a
@@ -110,7 +110,7 @@ class RowReduction(dlight.ScheduleRule):
             if vector_reductions:
                 raise
             return None
-        _vectorize_partials(sch, partials, rows)
+        _vectorize_partials(sch, partials)
         for info in infos:
             if info.is_injective():
                 vectorize_innermost(sch, info.block_rv, lanes)
