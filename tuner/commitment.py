@@ -62,7 +62,7 @@ class PlanCommitment:
                 candidates = [k for k in self.space if k.pack == width and k not in self.failed]
                 if not candidates:
                     continue
-                self.measure(self._predicted_fastest(candidates, shape), shape)
+                self.measure(self._by_prediction(candidates, shape)[0], shape)
         self.model.fit()
 
     def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
@@ -110,8 +110,7 @@ class PlanCommitment:
         candidates = [k for k in one_row if k not in measured]
         if not candidates:
             return []
-        predicted = self.model.predict_latency(candidates, self.task.axis_extents(smallest), self.task.flops(smallest))
-        ranked = [candidates[i] for i in np.argsort(predicted, kind="stable")]
+        ranked = self._by_prediction(candidates, smallest)
         probes = []
         for threads in sorted({k.threads for k in ranked} - {k.threads for k in done}):
             probes.append(next(k for k in ranked if k.threads == threads))
@@ -122,7 +121,7 @@ class PlanCommitment:
                 probes.append(kernel)
         return [(kernel, smallest) for kernel in probes]
 
-    def _predicted_fastest(self, candidates: list[MicroKernel], shape: dict) -> MicroKernel:
-        """The candidate the cost model expects to run ``shape`` fastest."""
+    def _by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:
+        """``candidates``, the one the cost model expects to run ``shape`` fastest first."""
         predicted = self.model.predict_latency(candidates, self.task.axis_extents(shape), self.task.flops(shape))
-        return candidates[int(np.argmin(predicted))]
+        return [candidates[i] for i in np.argsort(predicted, kind="stable")]
