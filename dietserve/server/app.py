@@ -229,5 +229,9 @@ async def serve(
             log.error("cannot write the traffic file %s: %s", config.traffic_file, err)
         state.decode_pool.shutdown(wait=False, cancel_futures=True)
         metrics_server.shutdown()
-        say("stopped")
+        # What the handlers answered: a client can tell a request the server never took (gRPC
+        # cancels calls that arrive while it shuts down, before any handler sees them) from a loss.
+        answered = metrics.calls_by_code("ModelInfer")
+        say("stopped; ModelInfer calls answered: "
+            + (", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"))
     return 0

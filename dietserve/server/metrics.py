@@ -98,6 +98,12 @@ class ServerMetrics:
         self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
                                    registry=r)
 
+    def calls_by_code(self, method: str) -> dict[str, int]:
+        """How many calls of ``method`` ended with each status code so far."""
+        return {sample.labels["code"]: int(sample.value)
+                for metric in self.requests.collect() for sample in metric.samples
+                if sample.name.endswith("_total") and sample.labels["method"] == method}
+
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
         """Starts /metrics in a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
