@@ -4,8 +4,9 @@
 - **the packing**: a plan reads one weight layout, so after the first rounds the search commits
   to the panel width the plan would take, measured against every other width on the same shapes;
 - **the plan's picks**: each tuned interval's variant is measured at the interval's ends and
-  middle (and the smallest shape's one-row regime in the committed packing), then the plan is
-  made again, until no choice rests on a prediction alone.
+  middle (and the smallest shape's one-row regime in the committed packing, and tiles exactly
+  as tall as a few short shapes: the single-pass regime), then the plan is made again, until
+  no choice rests on a prediction alone.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from dietserve.kernels.microkernel import MicroKernel
 
-from .dispatch import shape_key, unverified_probes
+from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 
@@ -23,6 +24,11 @@ VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at mo
 # them: a tune that had measured only serial ones there ran bert-base's residual 768x768 layer
 # at T = 1 on a 4-row tile, 1.6x slower than a parallel one-row kernel.
 SMALL_REGIME_KERNELS = 3
+# Row counts where a kernel whose tile is exactly that tall is measured (or the packing's
+# tallest, where it holds fewer rows): the plan sends each shape of 2 to SINGLE_PASS_ROWS rows
+# to a tile covering it, and with these every shape has one measured that pads at most a third
+# of its rows.
+SINGLE_PASS_PROBE_ROWS = (2, 4, 7, SINGLE_PASS_ROWS)
 
 
 class PlanCommitment:
@@ -31,8 +37,9 @@ class PlanCommitment:
     def commit_packing(self, until: int) -> None:
         """Search only the packing the plan would take now (the space's design: the packing
         first, then the variants that fit it). The smallest shapes' regime (one row, weight
-        streaming) is then searched in that packing too, not inferred from another; kernels of
-        other packings measured so far stay in the cost model's data. Measuring each packing on
+        streaming) is then searched in that packing too, not inferred from another, and its
+        single-pass tiles are measured at once (``_single_pass_probes``); kernels of other
+        packings measured so far stay in the cost model's data. Measuring each packing on
         the same shapes first stops at ``until`` trials."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
@@ -49,6 +56,11 @@ class PlanCommitment:
         self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
         self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
                  f" ({len(self.space)} kernels read it)")
+        # At once, not left to the verification: its interval probes can use up the budget.
+        for kernel, shape in self._single_pass_probes(packing):
+            if self.trials < until:
+                self.measure(kernel, shape)
+        self.model.fit()
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:
         """On every shape measured so far, the kernel the cost model likes best of each packing
@@ -79,8 +91,8 @@ class PlanCommitment:
             except RuntimeError:  # nothing measured successfully: nothing to verify
                 return
             # The small-T regime first: the interval probes can use up the budget.
-            probes = self._small_regime_probes(plan.pack) + unverified_probes(plan, self.measured, self.failed,
-                                                                              self.default_measured)
+            probes = self._small_regime_probes(plan.pack) + self._single_pass_probes(plan.pack) \
+                + unverified_probes(plan, self.measured, self.failed, self.default_measured)
             if not probes:
                 return
             for kernel, shape in probes:
@@ -120,6 +132,27 @@ class PlanCommitment:
             if kernel not in probes:
                 probes.append(kernel)
         return [(kernel, smallest) for kernel in probes]
+
+    def _single_pass_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+        """At each of ``SINGLE_PASS_PROBE_ROWS`` rows (or the packing's tallest tile, where it is
+        shorter), on the tuned shape with that many rows, the cost model's best kernel of the
+        plan's packing whose tile has exactly as many rows, unless one is measured there: the
+        plan's single-pass rule (``dispatch.SINGLE_PASS_ROWS``) needs covering kernels measured
+        on short shapes, which a search drawn to where the FLOPs are seldom reaches."""
+        if not pack:
+            return []
+        tiles = [k for k in self.space if k.pack == pack and k not in self.failed]
+        if not tiles:
+            return []
+        tallest = max(k.tile_sizes("i")[0] for k in tiles)
+        probes = []
+        for count in sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS}):
+            shape = next((s for s in self.shapes if self.task.axis_extents(s)["i"] == count), None)
+            exact = [k for k in tiles if k.tile_sizes("i")[0] == count]
+            if shape is None or not exact or any(k in exact for k in self.measured.get(shape_key(shape), {})):
+                continue
+            probes.append((self._by_prediction(exact, shape)[0], shape))
+        return probes
 
     def _by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:
         """``candidates``, the one the cost model expects to run ``shape`` fastest first."""

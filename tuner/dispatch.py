@@ -27,6 +27,17 @@ Estimate = Callable[[Variant, dict], float]  # (variant, shape) -> latency secon
 # streaming, one row), which a weighted set cover over all shapes would trade away for a
 # fraction of a percent elsewhere.
 SMALL_REGIME_GAIN = 1.2
+# Shapes of at most this many rows run one pass over the weight in a plan of packed kernels: a
+# register tile covering every row. The served model's weights together exceed the last-level
+# cache, so each dense layer's weight comes from DRAM; a kernel that passes over it again per row
+# tile leaves the memory bus idle while it computes from cache. Forced kernels of bert-base's
+# 768->3072 layer on a 2-core znver4, weight from DRAM (``tests/benchmarks/cold_weights.py``),
+# ms: a 7-row tile 0.27-0.29 at T = 4, 6 and 7, where two passes of 3 or 5 rows took 0.32-0.39
+# (and 0.14-0.24 with the weight in cache, as the tuner times them: as fast or faster); a 9-row
+# tile 0.33 at T = 9 against 0.38. Past about 10 rows the covering tile's FMAs take as long as
+# the stream and the gain goes: at T = 14 a 14-row tile took 0.40-0.50 against 0.44 for two
+# 7-row passes.
+SINGLE_PASS_ROWS = 10
 
 
 def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
@@ -53,9 +64,14 @@ def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights:
     return [kernels[c] for c in chosen], assignment, latency
 
 
+def covers_in_one_pass(kernel: Variant, rows: int) -> bool:
+    """A packed kernel whose register tile holds all ``rows``: it reads the weight once."""
+    return kernel is not None and kernel.pack > 0 and kernel.tile_sizes("i")[0] >= rows
+
+
 def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
                  estimate: Estimate, measured: dict, default_measured: dict, max_variants: int,
-                 max_intervals: int) -> tuple[list[Variant], list[int]]:
+                 max_intervals: int, rows: Sequence[int] | None = None) -> tuple[list[Variant], list[int]]:
     """(variants, per-shape variant index) of the best plan. Variants of one plan read the
     weight in one layout, so each packing (and the unpacked layout, with the default kernel) is
     planned on its own and the layout with the least weighted slowdown wins.
@@ -64,12 +80,25 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
     weighted latency: every request length counts in proportion to its weight, so a variant
     that makes short sequences 1.7x faster is kept though they add little time. ``shapes`` come
     in dispatch order: the first is the smallest, whose regime may add a variant
-    (``SMALL_REGIME_GAIN``). ``measured``/``default_measured`` as for
-    ``nearest_measured_estimates``."""
+    (``SMALL_REGIME_GAIN``). ``rows``: each shape's row count, for the single-pass rule in the
+    layout chosen (``SINGLE_PASS_ROWS``: at most that many rows, a packed kernel that passes
+    over the weight more than once is not dispatched where a covering one is in the plan; the
+    covering kernels are added as variants, each with an interval of its own to spare).
+    ``measured``/``default_measured`` as for ``nearest_measured_estimates``."""
     best = {shape_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
 
     def slowdown(variant: Variant, shape: dict) -> float:
         return estimate(variant, shape) / best[shape_key(shape)]
+
+    def guarded_cost(variants: list[Variant]) -> np.ndarray:
+        cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
+        for column, shape in enumerate(shapes):
+            untuned = default_measured.get(shape_key(shape))
+            for row, variant in enumerate(variants):
+                timed = None if variant is None else measured.get(shape_key(shape), {}).get(variant)
+                if untuned is not None and timed is not None and timed > untuned:
+                    cost[row, column] = np.inf  # measured slower than the untuned kernel here
+        return cost
 
     options = []
     for layout in sorted({_layout(k) for k in candidates}):
@@ -80,22 +109,25 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
             variants.append(regime)
         if None in group and None not in variants:
             variants.append(None)  # always a candidate: the guard below may need it
-        cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
-        for column, shape in enumerate(shapes):
-            untuned = default_measured.get(shape_key(shape))
-            for row, variant in enumerate(variants):
-                timed = None if variant is None else measured.get(shape_key(shape), {}).get(variant)
-                if untuned is not None and timed is not None and timed > untuned:
-                    cost[row, column] = np.inf  # measured slower than the untuned kernel here
+        cost = guarded_cost(variants)
         try:
             labels = segment(cost, max_intervals)
         except ValueError:  # some shape has no variant of this layout allowed
             continue
-        options.append((float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels))
+        options.append((float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels,
+                        group))
     if not options:
         raise RuntimeError("no weight layout has a variant allowed on every shape")
-    _total, variants, labels = min(options, key=lambda option: option[0])
-    return variants, labels
+    _total, variants, labels, group = min(options, key=lambda option: option[0])
+    if rows is None:
+        return variants, labels
+    # The single-pass rule only in the layout chosen: it makes a layout whose covering kernels
+    # were measured look slower (as timed, weight in cache) than one where none were.
+    passes = _single_pass_variants(group, variants, shapes, rows, estimate)
+    variants = variants + passes
+    cost = guarded_cost(variants)
+    _forbid_extra_passes(cost, variants, rows)
+    return variants, segment(cost, max_intervals + len(passes))
 
 
 def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], smallest: dict,
@@ -109,6 +141,33 @@ def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], s
     fastest = min(here, key=lambda k: estimate(k, smallest))
     current = min(estimate(v, smallest) for v in chosen)
     return fastest if current > SMALL_REGIME_GAIN * estimate(fastest, smallest) else None
+
+
+def _single_pass_variants(group: Sequence[Variant], chosen: Sequence[Variant], shapes: Sequence[dict],
+                          rows: Sequence[int], estimate: Estimate) -> list[Variant]:
+    """For each shape of 2 to ``SINGLE_PASS_ROWS`` rows no chosen variant covers in one pass,
+    the group's kernel estimated fastest there among those that do (and have an estimate)."""
+    added: list[Variant] = []
+    for shape, count in zip(shapes, rows, strict=True):
+        if not 1 < count <= SINGLE_PASS_ROWS or any(covers_in_one_pass(v, count) for v in [*chosen, *added]):
+            continue
+        covering = [(estimate(k, shape), i) for i, k in enumerate(group) if covers_in_one_pass(k, count)]
+        covering = [(latency, i) for latency, i in covering if math.isfinite(latency)]
+        if covering:
+            added.append(group[min(covering)[1]])
+    return added
+
+
+def _forbid_extra_passes(cost: np.ndarray, variants: Sequence[Variant], rows: Sequence[int]) -> None:
+    """``inf`` for a packed variant on a shape of at most ``SINGLE_PASS_ROWS`` rows that it
+    would pass over the weight more than once for, where a variant allowed there covers the rows."""
+    for column, count in enumerate(rows):
+        if count > SINGLE_PASS_ROWS or not any(covers_in_one_pass(v, count) and np.isfinite(cost[i, column])
+                                               for i, v in enumerate(variants)):
+            continue
+        for row, variant in enumerate(variants):
+            if variant is not None and variant.pack > 0 and not covers_in_one_pass(variant, count):
+                cost[row, column] = np.inf
 
 
 def _layout(variant: Variant) -> int:

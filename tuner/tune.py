@@ -11,8 +11,9 @@ rounds search every panel width, then the packing the plan would take is committ
 rest of the budget searches only kernels that read it (a plan reads one packing, so a kernel
 of another can never be dispatched; ``commitment.py``, with the plan's verification). It
 stops at the trial budget or the time budget, then turns the measurements into a dispatch
-plan: at most ``max_variants`` micro-kernels (and one for the smallest shape's regime) and a
-decision tree over the operator's row count.
+plan: at most ``max_variants`` micro-kernels (and one for the smallest shape's regime, and
+those covering short shapes' rows in one pass over the weight) and a decision tree over the
+operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
 works on and stays a candidate, so the plan never loses to it where both were measured.
 Records already in the database for the same workload and target, made by this version of the
@@ -43,7 +44,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 8  # bumped when the search or the kernels it times change: older plans are re-tuned
+TUNER_VERSION = 9  # bumped when the search or the kernels it times change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -331,7 +332,8 @@ class Tuner(PlanCommitment):
         weights = [self.weights[s] for s in order]
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
         variants, labels = plan_layouts(candidates, shapes, weights, estimate, self.measured, self.default_measured,
-                                        self.options.max_variants, self.options.max_intervals)
+                                        self.options.max_variants, self.options.max_intervals,
+                                        rows=[self.task.axis_extents(shape)["i"] for shape in shapes])
         return build_plan(self.task, variants, labels, shapes, weights, estimate, self.measured,
                           self.default_measured,
                           {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,

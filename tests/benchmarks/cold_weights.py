@@ -1,20 +1,19 @@
 """One dense operator's micro-kernels with the weight in cache and with it coming from DRAM, as in
 the served model (whose 340 MB of weights no cache holds): where a short sequence's time goes.
 
-    python tests/benchmarks/cold_weights.py --plans DIR --op dense_3072x768 --lengths 1,7 \
+    python tests/benchmarks/cold_weights.py --op dense_3072x768 --lengths 1,7 \
         --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3]
 
-``--plans DIR`` is a ``bench_kernels.py --save-plans`` folder (the operator's plan gives the
-weight layout); each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as the
-plan's only variant. "Hot" runs one argument set over and over; "cold" cycles through
-``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than the L3), so each call
-reads its weight from DRAM. Prints ms per call, median of ``--rounds``. Not a test.
+Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as a plan's only variant
+(``forced_kernels.py``) and timed at every length. "Hot" runs one argument set over and over;
+"cold" cycles through ``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than
+the L3), so each call reads its weight from DRAM. Prints ms per call, median of ``--rounds``.
+Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -26,17 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
+from forced_kernels import build, packed_kernel  # noqa: E402
 
-from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
 from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
-from dietserve.kernels.microkernel import MicroKernel  # noqa: E402
-from dietserve.kernels.plan import KernelPlan  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
-
-
-def packed_kernel(text: str, lanes: int) -> MicroKernel:
-    mr, panel, pk, groups, kc = (int(v) for v in text.split(","))
-    return MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=lanes, pack=panel)
 
 
 def per_call(function, argument_sets: list, rounds: int) -> float:
@@ -55,7 +47,6 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plans", type=Path, required=True, help="a bench_kernels.py --save-plans folder")
     parser.add_argument("--op", default="dense_3072x768", choices=[op for op in OPERATORS if op.startswith("dense")])
     parser.add_argument("--lengths", default="1,7")
     parser.add_argument("--kernel", action="append", required=True,
@@ -66,15 +57,13 @@ def main() -> int:
     where = resolve_target("llvm")
     configure_cpu_threads(where.cores)
     target = tvm.target.Target(where.target)
-    spec = OPERATORS[args.op]()
-    plan = KernelPlan.read(args.plans / f"{args.op}.plan.json")
     lanes = where.hardware.lanes(32)
-    print(f"{spec.name}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
+    print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
     print(f"{'T':>5} {'kernel':>16} {'hot':>8} {'cold':>8} {'cold/hot':>9}")
     for text in args.kernel:
         kernel = packed_kernel(text, lanes)
-        forced = dataclasses.replace(plan, tree={"variant": "v0"}, variants={"v0": kernel.to_dict()})
-        function = tvm.compile(dispatched_prim_func(spec.func, forced, target), target).jit()["main"]
+        spec, lib = build(args.op, kernel, where, target, gelu=True)
+        function = lib["main"]
         for length in (int(v) for v in args.lengths.split(",")):
             sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
                     for _ in range(args.copies)]

@@ -6,8 +6,8 @@ in one process (rounds interleaved, medians): where a kernel-level claim needs n
     python tests/benchmarks/forced_kernels.py --op attention_scores --lengths 4,7,13,16 \
         --kernel default --kernel clamped:11,1,1,0 --kernel clamped:4,1,1,1
 
-A kernel is ``mr,panel,panels_per_tile,tiles_per_task,kc`` (packed dense layers, as in
-``cold_weights.py``), ``clamped:mr,row_tiles,vectors,threads`` (threads: 0 every core, 1 serial),
+A kernel is ``mr,panel,panels_per_tile,tiles_per_task,kc`` (packed dense layers),
+``clamped:mr,row_tiles,vectors,threads`` (threads: 0 every core, 1 serial),
 or ``default`` (the model's default CPU rule). ``:no-gelu`` builds it with the GELU epilogue
 replaced by ``v / 2``: the GELU's share of the kernel. ``--reference`` adds the hand-scheduled
 dense + GELU kernel (dense_768x3072 only). Prints ms per call. Not a test.
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS, hand_reference  # noqa: E402
-from cold_weights import packed_kernel  # noqa: E402
 from tvm import tirx  # noqa: E402
 
 import tuner.ops  # noqa: E402
@@ -36,6 +35,11 @@ from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
 from dietserve.kernels.microkernel import MicroKernel  # noqa: E402
 from dietserve.kernels.plan import KernelPlan  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
+
+
+def packed_kernel(text: str, lanes: int) -> MicroKernel:
+    mr, panel, pk, groups, kc = (int(v) for v in text.split(","))
+    return MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=lanes, pack=panel)
 
 
 def parse_kernel(text: str, lanes: int) -> MicroKernel | None:

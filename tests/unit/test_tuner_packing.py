@@ -12,9 +12,9 @@ import pytest
 
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
-from tuner.commitment import SMALL_REGIME_KERNELS
+from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import SMALL_REGIME_GAIN, nearest_measured_estimates, plan_layouts, shape_key
+from tuner.dispatch import SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, nearest_measured_estimates, plan_layouts, shape_key
 from tuner.ops import dense
 from tuner.space.cpu import packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
@@ -131,3 +131,66 @@ def test_the_smallest_shape_is_probed_in_every_threading_of_the_committed_packin
     for kernel in kernels:
         tuner.measured[shape_key({"T": 1})][kernel] = 1e-4
     assert tuner._small_regime_probes(16) == []  # enough measured, both threadings among them
+
+
+def _packed(mr: int) -> MicroKernel:
+    return MicroKernel(tile=(("i", (mr,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+
+
+def test_short_shapes_pass_over_the_weight_once() -> None:
+    """Up to SINGLE_PASS_ROWS rows a tile covering every row is dispatched, though a shorter
+    tile that passes twice is estimated faster (as it times with the weight in cache): in the
+    served model the weight comes from DRAM, and the second pass leaves the bus idle."""
+    tall, covering = _packed(4), _packed(6)
+    shapes = [{"T": t} for t in range(1, 65)]
+
+    def estimate(kernel, shape):  # the 4-row tile is estimated 10% faster everywhere
+        return (0.9 if kernel is tall else 1.0) * shape["T"]
+
+    measured = {shape_key({"T": 6}): {covering: 6.0}, shape_key({"T": 8}): {tall: 7.2}}
+    rows = [shape["T"] for shape in shapes]
+    variants, labels = plan_layouts([tall, covering], shapes, [1.0] * len(shapes), estimate, measured, {}, 1, 2,
+                                    rows=rows)
+    chosen = {t: variants[label] for t, label in zip(rows, labels, strict=True)}
+    assert all(chosen[t] is tall for t in range(1, 5))  # the 4-row tile covers these
+    assert chosen[5] is covering and chosen[6] is covering  # two passes of the 4-row tile
+    # Past 6 rows no variant covers, and past SINGLE_PASS_ROWS the rule is off: the faster one.
+    assert all(chosen[t] is tall for t in range(7, 65))
+    assert len(variants) == 2  # the covering kernel beyond max_variants = 1
+    # Without the row counts (the rule off), the 4-row tile takes every shape.
+    variants, labels = plan_layouts([tall, covering], shapes, [1.0] * len(shapes), estimate, measured, {}, 1, 2)
+    assert variants == [tall] and set(labels) == {0}
+
+
+def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
+                  RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+    tallest = max(k.tile_sizes("i")[0] for k in tuner.space if k.pack == 16)  # 6 on AVX2's 16 registers
+    probes = tuner._single_pass_probes(16)
+    # The rows asked for, the taller ones probed with the packing's tallest tile instead.
+    expected = sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS})
+    assert [shape["T"] for _, shape in probes] == expected and expected[-1] == tallest < SINGLE_PASS_ROWS
+    assert all(k.pack == 16 and k.tile_sizes("i")[0] == shape["T"] for k, shape in probes)
+    for kernel, shape in probes:
+        tuner.measured[shape_key(shape)][kernel] = 1e-4
+    assert tuner._single_pass_probes(16) == []  # each measured once: nothing left to probe
+
+
+def test_the_single_pass_rule_does_not_choose_the_packing() -> None:
+    """Timed with the weight in cache, a covering tile can look slower than two passes of a
+    shorter one: the rule applies in the packing the plan takes, or a packing whose covering
+    kernels were never measured would win for that alone."""
+    tall, covering = _packed(4), _packed(6)
+    other = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 1)), ("k", (1,))), vector=8, pack=24)
+    shapes = [{"T": t} for t in range(1, 9)]
+    speed = {tall: 0.9, covering: 1.0, other: 0.91}
+
+    def estimate(kernel, shape):
+        return speed[kernel] * shape["T"]
+
+    measured = {shape_key({"T": 6}): {covering: 6.0}}
+    variants, labels = plan_layouts([tall, covering, other], shapes, [1.0] * 8, estimate, measured, {}, 1, 2,
+                                    rows=[s["T"] for s in shapes])
+    assert {variants[label] for label in labels} == {tall, covering}  # the 16-wide packing, as without the rule
+    assert variants[labels[4]] is covering and variants[labels[5]] is covering
