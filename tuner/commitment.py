@@ -42,7 +42,8 @@ class PlanCommitment:
         packings measured so far stay in the cost model's data. Measuring each packing on
         the same shapes first stops at ``until`` trials."""
         widths = {k.pack for k in self.space}
-        if len(widths) < 2:
+        if len(widths) < 2:  # nothing to choose; a packed one still gets its single-pass tiles
+            self._measure_single_pass(next(iter(widths), 0), until)
             return
         self._measure_every_packing(widths, until)
         try:
@@ -56,8 +57,12 @@ class PlanCommitment:
         self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
         self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
                  f" ({len(self.space)} kernels read it)")
-        # At once, not left to the verification: its interval probes can use up the budget.
-        for kernel, shape in self._single_pass_probes(packing):
+        self._measure_single_pass(packing, until)
+
+    def _measure_single_pass(self, pack: int, until: int) -> None:
+        """The single-pass tiles of ``pack`` at once, not left to the verification, whose interval
+        probes can use up the budget first."""
+        for kernel, shape in self._single_pass_probes(pack):
             if self.trials < until:
                 self.measure(kernel, shape)
         self.model.fit()
