@@ -150,15 +150,16 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
                 with T.Then():
                     _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
                 with T.Else():  # smaller than one tile
-                    _narrow(op, batch, (m, n, depth), nr, lanes, parallel, softmax_lanes)
+                    _narrow(op, batch, (m, n, depth), mr, nr, lanes, parallel, softmax_lanes)
     return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
 
 
-def _narrow(op, batch, extents, nr, lanes, parallel, softmax_lanes, widths=None) -> None:
-    """Shapes smaller than the kernel's tile: one row at a time, in the widest column tile of
-    whole vectors the columns hold (``nr``, then halved vectors down to 4 lanes), scalar below 4
-    columns. Attention's scores at T = 7 or 13 have fewer columns than one AVX-512 vector: as
-    scalar code they took 13.5 and 40 us, 3x and 10x the 16-column case."""
+def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, widths=None) -> None:
+    """Shapes smaller than the kernel's tile: the widest column tile of whole vectors the
+    columns hold (``nr``, then halved vectors down to 4 lanes), scalar below 4 columns; in each,
+    as many rows at a time as the rows hold (``_row_tiles``). Attention's scores at T = 7 or 13
+    have fewer columns than one AVX-512 vector: as scalar code they took 13.5 and 40 us, 3x and
+    10x the 16-column case."""
     m, n, depth = extents
     if widths is None:
         widths = [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr]
@@ -168,9 +169,27 @@ def _narrow(op, batch, extents, nr, lanes, parallel, softmax_lanes, widths=None)
     width, *narrower = widths
     with T.If(n >= width):
         with T.Then():
-            _tiled(op, batch, extents, (1, width, 1), min(width, lanes), False, parallel, softmax_lanes)
+            _row_tiles(op, batch, extents, mr, width, min(width, lanes), parallel, softmax_lanes)
         with T.Else():
-            _narrow(op, batch, extents, nr, lanes, parallel, softmax_lanes, narrower)
+            _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, narrower)
+
+
+def _row_tiles(op, batch, extents, mr, width, lanes, parallel, softmax_lanes, heights=None) -> None:
+    """``width``-column tiles of the kernel's ``mr`` rows where the rows hold them, else of 4,
+    else one row at a time: one row at a time, the scores at T = 13 (13 x 13 per head) ran as
+    156 tasks of one row, 2.5x the 16-column case."""
+    m = extents[0]
+    if heights is None:
+        heights = sorted({mr, min(mr, 4), 1}, reverse=True)
+    height, *shorter = heights
+    if not shorter:
+        _tiled(op, batch, extents, (height, width, 1), lanes, False, parallel, softmax_lanes)
+        return
+    with T.If(m >= height):
+        with T.Then():
+            _tiled(op, batch, extents, (height, width, 1), lanes, False, parallel, softmax_lanes)
+        with T.Else():
+            _row_tiles(op, batch, extents, mr, width, lanes, parallel, softmax_lanes, shorter)
 
 
 def softmax_after(scheduled: tirx.PrimFunc, func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
