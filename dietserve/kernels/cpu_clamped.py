@@ -19,8 +19,9 @@ clamped inside their task's own block of rows, so no two tasks write the same ro
 
 The body is built from the operator's own blocks (its product and its element-wise epilogue,
 rebased on the tile), so it computes exactly what the PrimFunc does. Shapes smaller than a tile
-(M < mr or N < nr) take a scalar path in the same function. The reduction needs no padding: its
-extent, symbolic or not, is the loop's.
+(M < mr or N < nr) take smaller tiles in the same function (``_narrow``): the widest column tile
+of whole vectors the columns hold, as many of the tile's rows as the rows hold; scalar code only
+below 4 columns. The reduction needs no padding: its extent, symbolic or not, is the loop's.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, widths=N
 
 def _row_tiles(op, batch, extents, mr, width, lanes, parallel, softmax_lanes, heights=None) -> None:
     """``width``-column tiles of the kernel's ``mr`` rows where the rows hold them, else of 4,
-    else one row at a time: one row at a time, the scores at T = 13 (13 x 13 per head) ran as
-    156 tasks of one row, 2.5x the 16-column case."""
+    else of one row. Taken one row at a time, the scores at T = 13 (13 x 13 per head) ran as
+    156 one-row tasks, 10.4 us against 3.9 at T = 16; with 13 rows at a time, 2.6 us."""
     m = extents[0]
     if heights is None:
         heights = sorted({mr, min(mr, 4), 1}, reverse=True)
