@@ -25,10 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
-from forced_kernels import build, packed_kernel  # noqa: E402
-
-from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
-from tuner.targets import resolve_target  # noqa: E402
+from forced_kernels import build, llvm_target, packed_kernel  # noqa: E402
 
 
 def per_call(function, argument_sets: list, rounds: int) -> float:
@@ -54,10 +51,7 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=40, help="weight copies cycled through for the cold run")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    where = resolve_target("llvm")
-    configure_cpu_threads(where.cores)
-    target = tvm.target.Target(where.target)
-    lanes = where.hardware.lanes(32)
+    where, target, lanes = llvm_target()
     print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
     print(f"{'T':>5} {'kernel':>16} {'hot':>8} {'cold':>8} {'cold/hot':>9}")
     for text in args.kernel:

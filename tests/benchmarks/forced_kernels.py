@@ -52,6 +52,13 @@ def parse_kernel(text: str, lanes: int) -> MicroKernel | None:
     return packed_kernel(text, lanes)
 
 
+def llvm_target():
+    """(this CPU's target description, its tvm Target, fp32 lanes), the thread pool sized to it."""
+    where = resolve_target("llvm")
+    configure_cpu_threads(where.cores)
+    return where, tvm.target.Target(where.target), where.hardware.lanes(32)
+
+
 def build(op: str, kernel: MicroKernel | None, where, target, gelu: bool):
     """The operator with only ``kernel`` (None: the default rule); ``gelu=False``: the GELU
     epilogue replaced by ``v / 2`` while the operator is built."""
@@ -77,10 +84,7 @@ def main() -> int:
     parser.add_argument("--reference", type=Path, help="the hand-scheduled dense + GELU kernel")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    where = resolve_target("llvm")
-    configure_cpu_threads(where.cores)
-    target = tvm.target.Target(where.target)
-    lanes = where.hardware.lanes(32)
+    where, target, lanes = llvm_target()
     timers = {}
     for text in args.kernel:
         kernel_text, _, option = text.partition(":no-") if ":no-" in text else (text, "", "")
