@@ -155,42 +155,39 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
     return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
 
 
-def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, widths=None) -> None:
+def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
     """Shapes smaller than the kernel's tile: the widest column tile of whole vectors the
     columns hold (``nr``, then halved vectors down to 4 lanes), scalar below 4 columns; in each,
-    as many rows at a time as the rows hold (``_row_tiles``). Attention's scores at T = 7 or 13
-    have fewer columns than one AVX-512 vector: as scalar code they took 13.5 and 40 us, 3x and
-    10x the 16-column case."""
-    m, n, depth = extents
-    if widths is None:
-        widths = [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr]
-    if not widths:
-        _tiled(op, batch, extents, (1, 1, 1), 1, False, parallel, softmax_lanes)
-        return
-    width, *narrower = widths
-    with T.If(n >= width):
-        with T.Then():
-            _row_tiles(op, batch, extents, mr, width, min(width, lanes), parallel, softmax_lanes)
-        with T.Else():
-            _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, narrower)
+    the kernel's ``mr`` rows at a time where the rows hold them, else 4, else one. Attention's
+    scores at T = 7 or 13 have fewer columns than one AVX-512 vector: as scalar code they took
+    13.5 and 40 us, 3x and 10x the 16-column case; one row at a time, T = 13 (13 x 13 per head)
+    ran as 156 one-row tasks, 10.4 us against 3.9 at T = 16; 13 rows at a time, 2.6 us."""
+    m, n, _depth = extents
+    widths = [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr]
+    heights = sorted({mr, min(mr, 4), 1}, reverse=True)
+
+    def columns(width) -> None:
+        if width is None:  # fewer than 4 columns: scalar
+            _tiled(op, batch, extents, (1, 1, 1), 1, False, parallel, softmax_lanes)
+            return
+        _first_that_fits(heights, lambda height: m >= height, lambda height: _tiled(
+            op, batch, extents, (height, width, 1), min(width, lanes), False, parallel, softmax_lanes))
+
+    _first_that_fits([*widths, None], lambda width: n >= width, columns)
 
 
-def _row_tiles(op, batch, extents, mr, width, lanes, parallel, softmax_lanes, heights=None) -> None:
-    """``width``-column tiles of the kernel's ``mr`` rows where the rows hold them, else of 4,
-    else of one row. Taken one row at a time, the scores at T = 13 (13 x 13 per head) ran as
-    156 one-row tasks, 10.4 us against 3.9 at T = 16; with 13 rows at a time, 2.6 us."""
-    m = extents[0]
-    if heights is None:
-        heights = sorted({mr, min(mr, 4), 1}, reverse=True)
-    height, *shorter = heights
-    if not shorter:
-        _tiled(op, batch, extents, (height, width, 1), lanes, False, parallel, softmax_lanes)
+def _first_that_fits(options: list, fits, emit) -> None:
+    """``emit(option)`` for the first of ``options`` that ``fits`` at run time (a chain of
+    conditions in the kernel), the last one unconditionally."""
+    first, *rest = options
+    if not rest:
+        emit(first)
         return
-    with T.If(m >= height):
+    with T.If(fits(first)):
         with T.Then():
-            _tiled(op, batch, extents, (height, width, 1), lanes, False, parallel, softmax_lanes)
+            emit(first)
         with T.Else():
-            _row_tiles(op, batch, extents, mr, width, lanes, parallel, softmax_lanes, shorter)
+            _first_that_fits(rest, fits, emit)
 
 
 def softmax_after(scheduled: tirx.PrimFunc, func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc:
