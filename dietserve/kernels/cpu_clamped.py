@@ -58,7 +58,8 @@ class _Operator(MatmulExpressions):
             if len(self.out_vars) != len(self.iter_vars) - 1:
                 raise ScheduleMismatch("the epilogue is not one element-wise store over the result")
             reads = []
-            rebuild(self.epilogue, {}, loads_seen=(self.result, reads))
+            rebuild(self.epilogue, {},
+                    on_load=lambda load: reads.append(load) if load.source.same_as(self.result) else None)
             if not reads or any([str(i) for i in r.indices] != [str(v) for v in self.out_vars] for r in reads):
                 raise ScheduleMismatch("the epilogue reads the result at another element")
 

@@ -35,6 +35,15 @@ from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .tir_rebuild import MatmulExpressions, rebuild
 
+# The first row tile of a task reads the task's weight block from DRAM (in the served model no
+# cache holds the weights) while it computes a fraction of the task's FMAs; the later row tiles
+# compute from the cache while the memory bus idles. So the later tiles prefetch the task's next
+# block, spread over them. Forced kernels of the plans' T = 13..128 picks, weight from DRAM
+# (``cold_weights.py --compare-prefetch``): 3-12% faster (the 3072 -> 768 layer at T = 31:
+# 0.88 -> 0.77 ms), as fast with the weight in cache.
+PREFETCH_NEXT_BLOCK = True
+CACHE_LINE_BYTES = 64
+
 
 def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
     """(mr, panel, panels per register tile, panels per task) of a packed micro-kernel."""
@@ -55,6 +64,11 @@ class _PackedOperator(MatmulExpressions):
             raise ScheduleMismatch("a packed kernel needs an epilogue to write the unpacked output")
         if len(self.out_vars) != 2:
             raise ScheduleMismatch("the epilogue is not one element-wise store over (rows, columns)")
+        weights = []
+        rebuild(self.product, {}, on_load=lambda load: weights.append(load.source) if len(load.indices) == 3 else None)
+        if len(weights) != 1:
+            raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
+        self.weight = weights[0]
 
     def term(self, row, panel, lane, k) -> tirx.Expr:
         return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)))
@@ -80,12 +94,16 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     tile = _Tile(op, mr, panel, pk, lanes, rows)
     loop = T.parallel if kernel.threads != 1 else T.serial
+    # The weight as one array, for the prefetches: their addresses then step by a constant.
+    tile.flat_weight = tirx.decl_buffer((int(panels) * int(depth) * panel,), op.weight.dtype, "weight_flat",
+                                        data=op.weight.data)
     with IRBuilder() as builder:
         if blocked:
             _blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc)
         else:
             _whole_reduction(tile, loop, int(panels) // nb, nb, depth)
-    return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
+    body = tirx.SeqStmt([tirx.DeclBuffer(tile.flat_weight, data=op.weight.data), builder.get()])
+    return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
 class _Tile:
@@ -102,7 +120,10 @@ class _Tile:
         return tirx.min(i0 + r, self.rows - 1) if self.padded and r else i0 + r
 
     def accumulators(self) -> list:
-        return [T.alloc_buffer((self.pk * self.panel,), self.dtype, scope="local") for _ in range(self.mr)]
+        # Scope "global": TVM makes such small buffers stack allocas, which LLVM keeps in vector
+        # registers with the prefetches in the loop; "local" ones it then kept in memory (the
+        # 3072 -> 768 layer at T = 31 ran 2.7x slower).
+        return [T.alloc_buffer((self.pk * self.panel,), self.dtype, scope="global") for _ in range(self.mr)]
 
     def vectors(self, body) -> None:
         """``body(p, offset)`` for every vector of the tile row: offset = lanes within panel p."""
@@ -148,29 +169,91 @@ class _Tile:
                 self.vectors(store)
 
 
+def _reduce(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _NextBlock | None = None, unit=0) -> None:
+    """``accs`` += the tile's products over reduction steps ``k_first`` .. ``+ extent - 1``;
+    with ``ahead``, step ``kk`` also fetches a line of the next block (``_NextBlock.prefetch``)."""
+    with T.serial(0, extent) as kk:
+        tile.multiply_add(accs, i0, panel0, k_first + kk)
+        if ahead is not None:
+            ahead.prefetch(unit, kk)
+
+
+class _NextBlock:
+    """The weight block a task reads next (``panels`` panels from ``first_panel``, reduction
+    steps ``k0`` .. ``+ span - 1``), fetched while the task's later row passes compute on the
+    current one, one line per step.
+
+    A panel's part of the block is a contiguous run of ``per_run`` x ``span`` lines. The
+    (pass, register tile) units of the later passes take a panel's run ``span`` lines at a
+    time, in order: unit ``u`` fetches lines ``(u % per_run) * span`` .. ``+ span - 1`` of
+    panel ``u // per_run``, so in the FMA loop the address steps by a line (the division is
+    per unit). Over the whole reduction that is the block in memory order, one stream.
+
+    Only where those units are enough for the block (``enough``): a row tile reads
+    ``per_step`` lines a step, so that takes ``per_step`` passes after the first. Fetching
+    faster, to cover the block in fewer passes, measured slower than not fetching at all (at
+    T = 13-24, 7-18% with the weight from DRAM): the stream then competes with the current
+    block's loads."""
+
+    def __init__(self, tile: _Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int):
+        self.tile, self.row_tiles, self.first_panel, self.panels, self.k0, self.span, self.depth = \
+            tile, row_tiles, first_panel, panels, k0, span, depth
+        self.line = CACHE_LINE_BYTES // (tile.dtype.bits // 8)  # elements per cache line
+        self.per_run = -(-tile.panel // self.line)  # lines per step of one panel
+        self.run_lines = -(-span * tile.panel // self.line)
+        self.per_step = tile.pk * self.per_run
+
+    def enough(self) -> tirx.Expr:
+        return self.row_tiles - 1 >= self.per_step
+
+    def prefetch(self, unit, step) -> None:
+        """Line ``step`` of ``unit``'s share (past the block's end: a line of its last run)."""
+        panel = tirx.min(unit // self.per_run, self.panels - 1)
+        line = tirx.min(unit % self.per_run * self.span + step, self.run_lines - 1)
+        element = ((self.first_panel + panel) * self.depth + self.k0) * self.tile.panel + line * self.line
+        # (address, read, keep in every cache level, data cache)
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                         T.address_of(self.tile.flat_weight[element]), 0, 3, 1))
+
+
+def _reduce_fetching(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _NextBlock, when, unit) -> None:
+    """The reduction, also fetching ``ahead`` where ``when`` holds (a row pass after the
+    task's first, with a next block) and its units are enough for the block."""
+    if not PREFETCH_NEXT_BLOCK:
+        _reduce(tile, accs, i0, panel0, k_first, extent)
+        return
+    with T.If(tirx.all(when, ahead.enough())):
+        with T.Then():
+            _reduce(tile, accs, i0, panel0, k_first, extent, ahead, unit)
+        with T.Else():
+            _reduce(tile, accs, i0, panel0, k_first, extent)
+
+
 def _whole_reduction(tile: _Tile, loop, blocks: int, nb: int, depth) -> None:
     row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
+    groups = nb // tile.pk
     with loop(0, blocks * row_tiles) as task:
-        first_panel = task // row_tiles * nb
-        i0 = task % row_tiles * tile.mr
-        with T.serial(0, nb // tile.pk) as group:
-            panel0 = first_panel + group * tile.pk
+        block, it = task // row_tiles, task % row_tiles
+        with T.serial(0, groups) as group:
+            panel0 = block * nb + group * tile.pk
             accs = tile.accumulators()
             tile.zero(accs)
-            with T.serial(0, depth) as k:
-                tile.multiply_add(accs, i0, panel0, k)
-            tile.finish(accs, i0, panel0)
+            _reduce_fetching(tile, accs, it * tile.mr, panel0, 0, depth,
+                             _NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)),
+                             tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
+            tile.finish(accs, it * tile.mr, panel0)
 
 
 def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) -> None:
     row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
     last = int(depth) // kc - 1
+    groups = nb // tile.pk
     with loop(0, blocks) as task:
         partial = T.alloc_buffer((row_tiles * tile.mr, nb * tile.panel), tile.dtype)
         with T.serial(0, last + 1) as ko:
             with T.serial(0, row_tiles) as it:
                 i0 = it * tile.mr
-                with T.serial(0, nb // tile.pk) as group:
+                with T.serial(0, groups) as group:
                     panel0 = task * nb + group * tile.pk
                     column0 = group * tile.pk * tile.panel
                     accs = tile.accumulators()
@@ -179,8 +262,12 @@ def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) 
                             tile.zero(accs)
                         with T.Else():
                             tile.load(accs, partial, i0, column0)
-                    with T.serial(0, kc) as kk:
-                        tile.multiply_add(accs, i0, panel0, ko * kc + kk)
+                    # Next: this task's next reduction block, or after its last the next task's first.
+                    ahead = _NextBlock(tile, row_tiles, tirx.Select(ko < last, task * nb, task * nb + nb), nb,
+                                       tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth))
+                    _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
+                                     tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
+                                     (it - 1) * groups + group)
                     with T.If(ko == last):
                         with T.Then():
                             tile.finish(accs, i0, panel0)

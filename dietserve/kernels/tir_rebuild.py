@@ -14,10 +14,9 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod,
            tirx.BitwiseAnd, tirx.BitwiseOr, tirx.BitwiseXor)
 
 
-def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, on_var=None) -> tirx.Expr:
+def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_load=None) -> tirx.Expr:
     """``expr`` with ``variables`` substituted and loads of the buffers in ``loads`` replaced by
-    the given expressions ``loads_seen``
-    (buffer, list) collects the loads of one buffer."""
+    the given expressions; ``on_var`` / ``on_load`` see every variable / buffer load met."""
     loads = loads or {}
     variables = dict(variables)
 
@@ -29,8 +28,8 @@ def rebuild(expr, variables: dict, loads: dict | None = None, loads_seen=None, o
         if isinstance(node, tirx.IntImm | tirx.FloatImm | tvm.ir.StringImm):
             return node
         if isinstance(node, tvm.ir.TensorLoad):
-            if loads_seen is not None and node.source.same_as(loads_seen[0]):
-                loads_seen[1].append(node)
+            if on_load is not None:
+                on_load(node)
             for buffer, replacement in loads.items():
                 if node.source.same_as(buffer):
                     return replacement

@@ -2,13 +2,14 @@
 the served model (whose 340 MB of weights no cache holds): where a short sequence's time goes.
 
     python tests/benchmarks/cold_weights.py --op dense_3072x768 --lengths 1,7 \
-        --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3]
+        --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3] [--compare-prefetch]
 
 Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as a plan's only variant
 (``forced_kernels.py``) and timed at every length. "Hot" runs one argument set over and over;
 "cold" cycles through ``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than
 the L3), so each call reads its weight from DRAM. Prints ms per call, median of ``--rounds``.
-Not a test.
+``--compare-prefetch`` builds each kernel also without the prefetch of the next weight block
+(``cpu_packed.PREFETCH_NEXT_BLOCK``) and times the two side by side. Not a test.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
 from forced_kernels import build, llvm_target, packed_kernel  # noqa: E402
 
+import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
+
 
 def per_call(function, argument_sets: list, rounds: int) -> float:
     for arguments in argument_sets[:3]:
@@ -42,6 +45,16 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
     return statistics.median(samples)
 
 
+def built(op: str, text: str, where, target, lanes: int, prefetch: bool):
+    kernel = packed_kernel(text, lanes)
+    cpu_packed.PREFETCH_NEXT_BLOCK = prefetch
+    try:
+        spec, lib = build(op, kernel, where, target, gelu=True)
+    finally:
+        cpu_packed.PREFETCH_NEXT_BLOCK = True
+    return spec, kernel, lib["main"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default="dense_3072x768", choices=[op for op in OPERATORS if op.startswith("dense")])
@@ -50,19 +63,32 @@ def main() -> int:
                         help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
     parser.add_argument("--copies", type=int, default=40, help="weight copies cycled through for the cold run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare-prefetch", action="store_true",
+                        help="also time each kernel built without the next block's prefetch")
     args = parser.parse_args()
     where, target, lanes = llvm_target()
+    builds = {(text, prefetch): built(args.op, text, where, target, lanes, prefetch)
+              for text in args.kernel for prefetch in ((False, True) if args.compare_prefetch else (True,))}
     print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
-    print(f"{'T':>5} {'kernel':>16} {'hot':>8} {'cold':>8} {'cold/hot':>9}")
-    for text in args.kernel:
-        kernel = packed_kernel(text, lanes)
-        spec, lib = build(args.op, kernel, where, target, gelu=True)
-        function = lib["main"]
-        for length in (int(v) for v in args.lengths.split(",")):
-            sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
-                    for _ in range(args.copies)]
-            hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
-            print(f"{length:>5} {text:>16} {hot * 1e3:>8.4f} {cold * 1e3:>8.4f} {cold / hot:>9.2f}", flush=True)
+    print(f"{'T':>5} {'kernel':>16} {'prefetch':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"
+          + (f" {'cold gain':>10}" if args.compare_prefetch else ""))
+    for length in (int(v) for v in args.lengths.split(",")):
+        sets_by_pack = {}
+        for text in args.kernel:
+            cold_without = None
+            for (name, prefetch), (spec, kernel, function) in builds.items():
+                if name != text:
+                    continue
+                if kernel.pack not in sets_by_pack:
+                    sets_by_pack[kernel.pack] = [
+                        baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
+                        for _ in range(args.copies)]
+                sets = sets_by_pack[kernel.pack]
+                hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
+                gain = f" {cold_without / cold:>9.2f}x" if prefetch and cold_without else ""
+                cold_without = cold if not prefetch else cold_without
+                print(f"{length:>5} {text:>16} {'yes' if prefetch else 'no':>9} {hot * 1e3:>8.4f} {cold * 1e3:>8.4f}"
+                      f" {cold / hot:>9.2f}{gain}", flush=True)
     return 0
 
 

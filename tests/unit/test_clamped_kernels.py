@@ -99,10 +99,10 @@ def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
     asm = tvm.compile(apply_kernel(attention_scores(12, 64).func, kernel, "llvm"), target).mod.inspect_source("asm")
     loops = fma_loops(asm)
     assert loops, "no FMA loop in the generated code"
-    fmas, loads, broadcasts, stack = max(loops)
+    fmas, loads, broadcasts, stack, prefetches = max(loops)
     # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step from 3 B loads and 4
     # broadcasts, nothing spilled, no compare in the loop body but the loop's own.
-    assert fmas % 12 == 0 and stack == 0, loops
+    assert fmas % 12 == 0 and stack == 0 and prefetches == 0, loops
     assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
 
 
