@@ -268,6 +268,12 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         points[None].append(point(None, key, latency))
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
     floor_value, floor = _smallest_measured_floor(task, measured, default_measured)
+    # No carried estimate runs faster than any kernel was measured to run, on any shape: an
+    # f_adapt that misjudges one shape (as one did narrow attention shapes, 32x) must not
+    # turn a kernel into the fastest thing the machine ever did where it was never measured.
+    fastest = max((task.flops(dict(key)) / latency for key, kernels in measured.items()
+                   for latency in kernels.values()), default=0.0)
+    fastest = max([fastest] + [task.flops(dict(key)) / latency for key, latency in default_measured.items()])
 
     def estimate(kernel: Variant, shape: dict) -> float:
         key = shape_key(shape)
@@ -279,7 +285,7 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
             return float("inf")
         value = task.dispatch_value(shape)
         nearest = int(np.argmin(np.abs(table[:, 0] - math.log(value))))
-        carried = task.flops(shape) / (table[nearest, 1] * factor(kernel, shape))
+        carried = max(task.flops(shape) / (table[nearest, 1] * factor(kernel, shape)), task.flops(shape) / fastest)
         return max(carried, floor) if value >= floor_value else carried
 
     return estimate

@@ -164,8 +164,7 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
     13.5 and 40 us, 3x and 10x the 16-column case; one row at a time, T = 13 (13 x 13 per head)
     ran as 156 one-row tasks, 10.4 us against 3.9 at T = 16; 13 rows at a time, 2.6 us."""
     m, n, _depth = extents
-    widths = [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr]
-    heights = sorted({mr, min(mr, 4), 1}, reverse=True)
+    widths, heights = _narrow_options(mr, nr, lanes)
 
     def columns(width) -> None:
         if width is None:  # fewer than 4 columns: scalar
@@ -175,6 +174,21 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
             op, batch, extents, (height, width, 1), min(width, lanes), False, parallel, softmax_lanes))
 
     _first_that_fits([*widths, None], lambda width: n >= width, columns)
+
+
+def _narrow_options(mr: int, nr: int, lanes: int) -> tuple[list[int], list[int]]:
+    """(column widths, row heights) of the tiles ``_narrow`` picks from, the first that fits."""
+    return [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr], sorted({mr, min(mr, 4), 1}, reverse=True)
+
+
+def tile_at(kernel: MicroKernel, rows: int, columns: int) -> tuple[int, int]:
+    """The (rows, columns) register tile a clamped kernel computes a ``rows x columns`` shape
+    with: its own where the shape holds one, else ``_narrow``'s (1 column: scalar)."""
+    (mr, *_), (nr,) = kernel.tile_sizes("i"), kernel.tile_sizes("j")
+    if rows >= mr and columns >= nr:
+        return mr, nr
+    widths, heights = _narrow_options(mr, nr, kernel.vector)
+    return next((h for h in heights if rows >= h), 1), next((w for w in widths if columns >= w), 1)
 
 
 def _first_that_fits(options: list, fits, emit) -> None:
@@ -258,4 +272,4 @@ def _vector_loop(width, lanes, store) -> None:
             store(jv * lanes + lane)
 
 
-__all__ = ["CLAMPED", "apply_cpu_clamped", "clamped_fits", "is_clamped"]
+__all__ = ["CLAMPED", "apply_cpu_clamped", "clamped_fits", "is_clamped", "tile_at"]

@@ -58,3 +58,23 @@ def test_bad_inputs_are_rejected() -> None:
         core_occupancy(0, 4)
     with pytest.raises(ValueError, match="tile sizes"):
         MicroKernel(tile=(("T", (0,)),))
+
+
+# Forced runs of the attention scores' 13-row, one-vector clamped kernel (12 heads, d = 64,
+# 2-core znver4, README "Narrow attention tiles"): GFLOP/s at T = 7, 13 (narrower than its
+# 16 columns: 4- and 8-lane tiles) and 16 (its own tile). Data, not a formula: the test is
+# that f_adapt carries one shape's rate to another within 2x of what was measured there.
+SCORES_KERNEL = MicroKernel(tile=(("i", (13, 1)), ("j", (16,)), ("k", (1,))), vector=16, cache_scopes=("clamped",))
+SCORES_GFLOPS = {7: 12 * 7 * 7 * 64 * 2 / 2.3e-6 / 1e9, 13: 12 * 13 * 13 * 64 * 2 / 2.6e-6 / 1e9,
+                 16: 12 * 16 * 16 * 64 * 2 / 3.8e-6 / 1e9}
+
+
+@pytest.mark.parametrize("measured_at, carried_to", [(13, 16), (7, 16), (16, 13), (16, 7), (7, 13)])
+def test_narrow_clamped_shapes_carry_within_2x_of_measured(measured_at: int, carried_to: int) -> None:
+    from tuner.cost_model.model import adapt
+
+    def factor(t: int) -> float:
+        return adapt({"b": 12, "i": t, "j": t, "k": 64}, SCORES_KERNEL, 2)
+
+    carried = SCORES_GFLOPS[measured_at] * factor(carried_to) / factor(measured_at)
+    assert 0.5 < carried / SCORES_GFLOPS[carried_to] < 2, (carried, SCORES_GFLOPS[carried_to])

@@ -204,3 +204,16 @@ def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_pat
     tuner.commit_packing(until=8)
     timed = [(MicroKernel.from_json(job["kernel"]).tile_sizes("i")[0], job["shapes"][0]["T"]) for job in machine.jobs]
     assert timed == [(rows, rows) for rows in (2, 4, 6)]  # each height on its own shape; AVX2's tallest is 6
+
+
+def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
+    """A 4-row tile measured only at T = 1 (3 of its 4 rows padding), carried to T = 4 by
+    f_adapt, would run 4x its measured rate; nothing measured ran faster than that rate, so the
+    estimate keeps it: 4x the T = 1 latency, not the T = 1 latency."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    tall = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    estimate = nearest_measured_estimates(task, {shape_key({"T": 1}): {tall: 3e-5}}, {}, cores=2)
+    assert estimate(tall, {"T": 4}) == pytest.approx(4 * 3e-5)
+    # Once something ran faster, the carry may go up to that rate.
+    faster = {shape_key({"T": 1}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 4}}
+    assert nearest_measured_estimates(task, faster, {}, cores=2)(tall, {"T": 4}) == pytest.approx(3e-5)

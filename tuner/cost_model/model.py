@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from dietserve.kernels.cpu_clamped import is_clamped
+from dietserve.kernels.cpu_clamped import is_clamped, tile_at
 from dietserve.kernels.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
@@ -28,14 +28,22 @@ def adapt(extents: Mapping[str, int], kernel: MicroKernel, cores: int) -> float:
     cores = 1 if kernel.threads == 1 else cores  # a serial kernel occupies its one core fully
     if is_clamped(kernel):
         # The overlap of a clamped edge tile wastes what padding to whole register tiles would;
-        # a task is ``ti`` row tiles (its column tiles run in turn); a shape smaller than the
-        # register tile takes the scalar path.
-        mr, nr = kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0]
+        # a task is ``ti`` row tiles (its column tiles run in turn). A shape smaller than the
+        # tile runs a smaller one (``tile_at``), one row tile per task, and vectors of as many
+        # lanes as its columns: forced (scores, 13-row tile), 8 of 16 lanes ran at the full
+        # tile's rate per useful FLOP (T = 13: 100 against 103 GFLOP/s at T = 16), 4 lanes at
+        # 0.42 of it (T = 7); scalar code (under 4 columns) far slower. A factor of 1 / 32
+        # here, from when every such shape was scalar, made a narrow shape's measurement
+        # carry to wider shapes 32x too fast (a plan sent T = 16-20 to a serial kernel
+        # estimated at 1 TFLOP/s).
+        height, width = tile_at(kernel, extents["i"], extents["j"])
         rows, columns = extents["i"], extents["j"]
-        overlap = rows / (math.ceil(rows / mr) * mr) * columns / (math.ceil(columns / nr) * nr)
-        instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i",))
-        factor = overlap * core_occupancy(instances, cores)
-        return factor / (2 * kernel.vector) if rows < mr or columns < nr else factor
+        overlap = rows / (math.ceil(rows / height) * height) * columns / (math.ceil(columns / width) * width)
+        whole = (height, width) == (kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0])
+        tile_rows = kernel.tile_of("i") if whole else height
+        instances = extents.get("b", 1) * math.ceil(rows / tile_rows)
+        lanes = 1 / (2 * kernel.vector) if width == 1 else min(1.0, 2 * min(width, kernel.vector) / kernel.vector)
+        return overlap * lanes * core_occupancy(instances, cores)
     padded = ("i", "j", "k") if kernel.tile_of("k") > 1 else ("i", "j")
     instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i", "j"))
     return padding_efficiency(extents, kernel, padded) * core_occupancy(instances, cores)
