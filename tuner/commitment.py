@@ -29,6 +29,7 @@ SMALL_REGIME_KERNELS = 3
 # to a tile covering it, and with these every shape has one measured that pads at most a third
 # of its rows.
 SINGLE_PASS_PROBE_ROWS = (2, 4, 7, SINGLE_PASS_ROWS)
+SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them (all 4 at 32 trials)
 
 
 class PlanCommitment:
@@ -61,7 +62,9 @@ class PlanCommitment:
 
     def _measure_single_pass(self, pack: int, until: int) -> None:
         """The single-pass tiles of ``pack`` at once, not left to the verification, whose interval
-        probes can use up the budget first."""
+        probes can use up the budget first; at most ``SINGLE_PASS_SHARE`` of the budget (a
+        6-trial tune spent half on them, and verified none of its choices)."""
+        until = min(until, self.trials + int(self.options.trials * SINGLE_PASS_SHARE))
         for kernel, shape in self._single_pass_probes(pack):
             if self.trials < until:
                 self.measure(kernel, shape)
