@@ -22,7 +22,8 @@ same plans 4-7% faster end to end (README, Benchmarks).
 With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels over all rows: a
 ``kc``-deep block of its panels stays in L2 while every row tile passes over it, and partial
 sums wait in the task's workspace between blocks; the last block applies the epilogue from
-the registers.
+the registers. Where a task has enough row passes, the ones after its first also prefetch the
+weight block it reads next, one cache line per reduction step (``_NextBlock``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from .tir_rebuild import MatmulExpressions, rebuild
 # The first row tile of a task reads the task's weight block from DRAM (in the served model no
 # cache holds the weights) while it computes a fraction of the task's FMAs; the later row tiles
 # compute from the cache while the memory bus idles. So the later tiles prefetch the task's next
-# block, spread over them. Forced kernels of the plans' T = 13..128 picks, weight from DRAM
-# (``cold_weights.py --compare-prefetch``): 3-12% faster (the 3072 -> 768 layer at T = 31:
-# 0.88 -> 0.77 ms), as fast with the weight in cache.
+# block, spread over them (``_NextBlock``). bert-base, the same plans built with and without,
+# interleaved (``compare_artifacts.py``, znver4): seq 31 1.07-1.08x, 48 1.04-1.05x, 64
+# 1.01-1.02x, other lengths within the machine's noise; hot, the kernels time as before.
 PREFETCH_NEXT_BLOCK = True
 CACHE_LINE_BYTES = 64
 
