@@ -271,9 +271,9 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     # No carried estimate runs faster than any kernel was measured to run, on any shape: an
     # f_adapt that misjudges one shape (as one did narrow attention shapes, 32x) must not
     # turn a kernel into the fastest thing the machine ever did where it was never measured.
-    fastest = max((task.flops(dict(key)) / latency for key, kernels in measured.items()
-                   for latency in kernels.values()), default=0.0)
-    fastest = max([fastest] + [task.flops(dict(key)) / latency for key, latency in default_measured.items()])
+    timed = [(key, latency) for key, kernels in measured.items() for latency in kernels.values()]
+    fastest = max((task.flops(dict(key)) / latency for key, latency in timed + list(default_measured.items())),
+                  default=0.0)
 
     def estimate(kernel: Variant, shape: dict) -> float:
         key = shape_key(shape)

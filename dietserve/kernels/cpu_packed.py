@@ -70,6 +70,11 @@ class _PackedOperator(MatmulExpressions):
         if len(weights) != 1:
             raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
         self.weight = weights[0]
+        # The weight as one array, for the prefetches: their addresses then step by a constant.
+        size = 1
+        for extent in self.weight.shape:
+            size *= int(extent)
+        self.flat_weight = tirx.decl_buffer((size,), self.weight.dtype, "weight_flat", data=self.weight.data)
 
     def term(self, row, panel, lane, k) -> tirx.Expr:
         return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)))
@@ -95,15 +100,14 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     tile = _Tile(op, mr, panel, pk, lanes, rows)
     loop = T.parallel if kernel.threads != 1 else T.serial
-    # The weight as one array, for the prefetches: their addresses then step by a constant.
-    tile.flat_weight = tirx.decl_buffer((int(panels) * int(depth) * panel,), op.weight.dtype, "weight_flat",
-                                        data=op.weight.data)
     with IRBuilder() as builder:
         if blocked:
             _blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc)
         else:
             _whole_reduction(tile, loop, int(panels) // nb, nb, depth)
-    body = tirx.SeqStmt([tirx.DeclBuffer(tile.flat_weight, data=op.weight.data), builder.get()])
+    body = builder.get()
+    if PREFETCH_NEXT_BLOCK:
+        body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
@@ -214,7 +218,7 @@ class _NextBlock:
         element = ((self.first_panel + panel) * self.depth + self.k0) * self.tile.panel + line * self.line
         # (address, read, keep in every cache level, data cache)
         T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                         T.address_of(self.tile.flat_weight[element]), 0, 3, 1))
+                                         T.address_of(self.tile.op.flat_weight[element]), 0, 3, 1))
 
 
 def _reduce_fetching(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _NextBlock, when, unit) -> None:
