@@ -5,11 +5,13 @@ a slow spell of the shared machine falls on all of them alike. For judging a cha
 than the change.
 
     python tests/benchmarks/compare_artifacts.py BASELINE_DIR CANDIDATE_DIR [...] \
-        --lengths 1,7,13,31,64,128 --runs 10 --rounds 5
+        --lengths 1,7,13,31,64,128 --runs 10 --rounds 5 [--control]
 
 Prints ms per artifact and length (median over rounds of each round's median over ``--runs``),
 each artifact's ratio against the first (above 1: faster than the first), and a last line
-``RESULT geomean_vs_first=X min_vs_first=Y`` per artifact after the first. Not a test.
+``RESULT geomean_vs_first=X min_vs_first=Y`` per artifact after the first. ``--control`` loads
+the baseline a second time and times it as one more artifact, last: its ratios are what the
+machine's noise alone makes of a comparison, the bar a candidate's must clear. Not a test.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="model runs per artifact, length and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--control", action="store_true", help="time the baseline twice (the noise floor)")
     args = parser.parse_args()
+    if args.control:
+        args.artifacts.append(args.artifacts[0])
     if len(args.artifacts) < 2:
-        parser.error("give at least two artifacts to compare")
+        parser.error("give at least two artifacts to compare (or one with --control)")
     lengths = [int(v) for v in args.lengths.split(",")]
     engines = [Engine(load_artifact(path), threads=args.threads) for path in args.artifacts]
     rng = np.random.default_rng(0)
@@ -63,7 +68,8 @@ def main() -> int:
                 times.setdefault((index, seq), []).append(round_median(engine, inputs[seq], args.runs))
     labels = [f"#{index}" for index in range(len(engines))]
     for index, path in enumerate(args.artifacts):
-        print(f"# {labels[index]}: {path}")
+        control = " (control: the baseline again)" if args.control and index == len(args.artifacts) - 1 else ""
+        print(f"# {labels[index]}: {path}{control}")
     print(f"{'seq':>5} " + " ".join(f"{label + ' ms':>10}" for label in labels)
           + " " + " ".join(f"{label + '/#0':>8}" for label in labels[1:]))
     ratios: dict[int, list[float]] = {index: [] for index in range(1, len(engines))}
@@ -75,7 +81,9 @@ def main() -> int:
               + " " + " ".join(f"{ratios[index][-1]:>8.3f}" for index in ratios))
     for index, values in ratios.items():
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
-        print(f"RESULT {labels[index]} geomean_vs_first={geomean:.3f} min_vs_first={min(values):.3f}")
+        control = " control" if args.control and index == len(engines) - 1 else ""
+        print(f"RESULT {labels[index]}{control} geomean_vs_first={geomean:.3f} min_vs_first={min(values):.3f}"
+              f" max_vs_first={max(values):.3f}")
     return 0
 
 
