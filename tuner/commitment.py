@@ -1,5 +1,6 @@
-"""The choices a search's measurements must earn before a plan trusts them (mixed into
-``tune.Tuner``, whose state they read and whose ``measure``/``plan`` they call):
+"""The choices a search's measurements must earn before a plan trusts them (a part of
+``tune.Tuner``, whose measurements it reads and whose ``measure``/``plan`` it calls; the
+search's own state, the space and the committed packing, stays the tuner's to change):
 
 - **the packing**: a plan reads one weight layout, so after the first rounds the search commits
   to the panel width the plan would take, measured against every other width on the same shapes;
@@ -17,7 +18,6 @@ from dietserve.kernels.microkernel import MicroKernel
 
 from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
 from .progress import ProgressBar
-from .search.evolution import EvolutionarySearch
 
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
 # One-row kernels of the committed packing measured on the smallest shape, every threading among
@@ -33,57 +33,54 @@ SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them
 
 
 class PlanCommitment:
-    """Packing commitment and plan verification for ``tune.Tuner``."""
+    """Packing commitment and plan verification for one ``tune.Tuner``."""
 
-    def commit_packing(self, until: int) -> None:
-        """Search only the packing the plan would take now (the space's design: the packing
-        first, then the variants that fit it). The smallest shapes' regime (one row, weight
-        streaming) is then searched in that packing too, not inferred from another, and its
-        single-pass tiles are measured at once (``_single_pass_probes``); kernels of other
-        packings measured so far stay in the cost model's data. Measuring each packing on
-        the same shapes first stops at ``until`` trials."""
-        widths = {k.pack for k in self.space}
+    def __init__(self, tuner) -> None:
+        self.tuner = tuner
+
+    def choose_packing(self, until: int) -> int | None:
+        """The packing the plan would take now, after measuring each packing on the same shapes
+        (stopping at ``until`` trials): the space's design, the packing first, then the variants
+        that fit it. None: nothing to choose (one packing, or the untuned kernel's layout won
+        everywhere so far, or nothing measured yet); a space of one packed width still gets its
+        single-pass tiles measured here."""
+        widths = {k.pack for k in self.tuner.space}
         if len(widths) < 2:  # nothing to choose; a packed one still gets its single-pass tiles
-            self._measure_single_pass(next(iter(widths), 0), until)
-            return
+            self.measure_single_pass(next(iter(widths), 0), until)
+            return None
         self._measure_every_packing(widths, until)
         try:
-            packing = self.plan().pack
+            packing = self.tuner.plan().pack
         except RuntimeError:  # nothing measured yet: keep searching every packing
-            return
-        if packing not in widths:  # the untuned kernel's layout won everywhere so far
-            return
-        self.packing = packing
-        self.space = [k for k in self.space if k.pack == packing]
-        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
-        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
-                 f" ({len(self.space)} kernels read it)")
-        self._measure_single_pass(packing, until)
+            return None
+        return packing if packing in widths else None
 
-    def _measure_single_pass(self, pack: int, until: int) -> None:
+    def measure_single_pass(self, pack: int, until: int) -> None:
         """The single-pass tiles of ``pack`` at once, not left to the verification, whose interval
         probes can use up the budget first; at most ``SINGLE_PASS_SHARE`` of the budget (a
         6-trial tune spent half on them, and verified none of its choices)."""
-        until = min(until, self.trials + int(self.options.trials * SINGLE_PASS_SHARE))
-        for kernel, shape in self._single_pass_probes(pack):
-            if self.trials < until:
-                self.measure(kernel, shape)
-        self.model.fit()
+        tuner = self.tuner
+        until = min(until, tuner.trials + int(tuner.options.trials * SINGLE_PASS_SHARE))
+        for kernel, shape in self.single_pass_probes(pack):
+            if tuner.trials < until:
+                tuner.measure(kernel, shape)
+        tuner.model.fit()
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:
         """On every shape measured so far, the kernel the cost model likes best of each packing
         not yet measured there: the choice compares packings on the same shapes, not one
         measured against another's extrapolation (the evolution may have favoured one)."""
-        for key in [key for key, kernels in self.measured.items() if kernels]:
+        tuner = self.tuner
+        for key in [key for key, kernels in tuner.measured.items() if kernels]:
             shape = dict(key)
             for width in sorted(widths):
-                if self.trials >= until or any(k.pack == width for k in self.measured[key]):
+                if tuner.trials >= until or any(k.pack == width for k in tuner.measured[key]):
                     continue
-                candidates = [k for k in self.space if k.pack == width and k not in self.failed]
+                candidates = [k for k in tuner.space if k.pack == width and k not in tuner.failed]
                 if not candidates:
                     continue
-                self.measure(self._by_prediction(candidates, shape)[0], shape)
-        self.model.fit()
+                tuner.measure(self._by_prediction(candidates, shape)[0], shape)
+        tuner.model.fit()
 
     def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
         """Measure each tuned interval's variant beside the default kernel at the interval's ends
@@ -93,28 +90,29 @@ class PlanCommitment:
         small budget can get badly wrong (a serial kernel calibrated on short sequences looks fast
         on long ones); a shape measured slower than the default kernel forbids that variant there.
         Stops when ``budget`` trials have been made."""
+        tuner = self.tuner
         for _round in range(VERIFY_ROUNDS):
             try:
-                plan = self.plan()
+                plan = tuner.plan()
             except RuntimeError:  # nothing measured successfully: nothing to verify
                 return
             # The small-T regime first: the interval probes can use up the budget.
-            probes = self._small_regime_probes(plan.pack) + self._single_pass_probes(plan.pack) \
-                + unverified_probes(plan, self.measured, self.failed, self.default_measured)
+            probes = self.small_regime_probes(plan.pack) + self.single_pass_probes(plan.pack) \
+                + unverified_probes(plan, tuner.measured, tuner.failed, tuner.default_measured)
             if not probes:
                 return
             for kernel, shape in probes:
-                if self.trials < budget and shape_key(shape) not in self.default_measured:
-                    self.measure_default(shape)
-                if self.trials < budget and kernel not in self.measured.get(shape_key(shape), {}) \
-                        and kernel not in self.failed:
-                    self.measure(kernel, shape)
+                if tuner.trials < budget and shape_key(shape) not in tuner.default_measured:
+                    tuner.measure_default(shape)
+                if tuner.trials < budget and kernel not in tuner.measured.get(shape_key(shape), {}) \
+                        and kernel not in tuner.failed:
+                    tuner.measure(kernel, shape)
                 if bar is not None:
-                    bar.update(self.trials, self._status())
-                if self.trials >= budget:
+                    bar.update(tuner.trials, tuner.status())
+                if tuner.trials >= budget:
                     return
 
-    def _small_regime_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+    def small_regime_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
         """One-row kernels of the plan's packing for the smallest shape, until
         ``SMALL_REGIME_KERNELS`` are measured there and each threading (every core, serial) is
         among them: the search may have met the small-T regime (weight streaming) only in the
@@ -123,9 +121,10 @@ class PlanCommitment:
         missing come first, then the cost model's next best."""
         if not pack:
             return []
-        smallest = self.shapes[self.smallest]
-        measured = self.measured.get(shape_key(smallest), {})
-        one_row = [k for k in self.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in self.failed]
+        tuner = self.tuner
+        smallest = tuner.shapes[tuner.smallest]
+        measured = tuner.measured.get(shape_key(smallest), {})
+        one_row = [k for k in tuner.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in tuner.failed]
         done = [k for k in one_row if k in measured]
         candidates = [k for k in one_row if k not in measured]
         if not candidates:
@@ -141,7 +140,7 @@ class PlanCommitment:
                 probes.append(kernel)
         return [(kernel, smallest) for kernel in probes]
 
-    def _single_pass_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
+    def single_pass_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:
         """At each of ``SINGLE_PASS_PROBE_ROWS`` rows (or the packing's tallest tile, where it is
         shorter), on the tuned shape with that many rows, the cost model's best kernel of the
         plan's packing whose tile has exactly as many rows, unless one is measured there: the
@@ -149,20 +148,22 @@ class PlanCommitment:
         on short shapes, which a search drawn to where the FLOPs are seldom reaches."""
         if not pack:
             return []
-        tiles = [k for k in self.space if k.pack == pack and k not in self.failed]
+        tuner = self.tuner
+        tiles = [k for k in tuner.space if k.pack == pack and k not in tuner.failed]
         if not tiles:
             return []
         tallest = max(k.tile_sizes("i")[0] for k in tiles)
         probes = []
         for count in sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS}):
-            shape = next((s for s in self.shapes if self.task.axis_extents(s)["i"] == count), None)
+            shape = next((s for s in tuner.shapes if tuner.task.axis_extents(s)["i"] == count), None)
             exact = [k for k in tiles if k.tile_sizes("i")[0] == count]
-            if shape is None or not exact or any(k in exact for k in self.measured.get(shape_key(shape), {})):
+            if shape is None or not exact or any(k in exact for k in tuner.measured.get(shape_key(shape), {})):
                 continue
             probes.append((self._by_prediction(exact, shape)[0], shape))
         return probes
 
     def _by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:
         """``candidates``, the one the cost model expects to run ``shape`` fastest first."""
-        predicted = self.model.predict_latency(candidates, self.task.axis_extents(shape), self.task.flops(shape))
+        task = self.tuner.task
+        predicted = self.tuner.model.predict_latency(candidates, task.axis_extents(shape), task.flops(shape))
         return [candidates[i] for i in np.argsort(predicted, kind="stable")]

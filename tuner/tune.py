@@ -88,7 +88,7 @@ def check_shape_for(task: TuningTask) -> dict:
     return {**task.fixed, var: value}
 
 
-class Tuner(PlanCommitment):
+class Tuner:
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner, database: RecordDatabase,
                  options: TuneOptions = TuneOptions(), log: Callable[[str], None] = lambda _m: None,
                  progress_stream=None):
@@ -118,6 +118,7 @@ class Tuner(PlanCommitment):
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
+        self.commitment = PlanCommitment(self)
         self._reuse_records()
 
     def _reuse_records(self) -> None:
@@ -281,13 +282,27 @@ class Tuner(PlanCommitment):
         self._search(int(budget * PACKING_SHARE), started, bar)
         self.commit_packing(until=budget - budget // 4)
         self._search(budget - budget // 4, started, bar)
-        self.verify(budget - final_check, bar)
+        self.commitment.verify(budget - final_check, bar)
         self._search(budget - final_check, started, bar)
-        self.verify(budget, bar)
+        self.commitment.verify(budget, bar)
         self._search(budget, started, bar)  # the trials the final verification did not need
-        bar.close(self.trials, self._status())
+        bar.close(self.trials, self.status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
+
+    def commit_packing(self, until: int) -> None:
+        """Search only the packing the plan would take now (``PlanCommitment.choose_packing``,
+        by ``until`` trials): kernels of other packings measured so far stay in the cost model's
+        data, and the committed packing's single-pass tiles are measured at once."""
+        packing = self.commitment.choose_packing(until)
+        if packing is None:
+            return
+        self.packing = packing
+        self.space = [k for k in self.space if k.pack == packing]
+        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
+        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
+                 f" ({len(self.space)} kernels read it)")
+        self.commitment.measure_single_pass(packing, until)
 
     def _search(self, until: int, started: float, bar: ProgressBar) -> None:
         while self.trials < until:
@@ -311,10 +326,10 @@ class Tuner(PlanCommitment):
                     if self.trials >= until:
                         break
                     self.measure(kernel, shape)
-                    bar.update(self.trials, self._status())
+                    bar.update(self.trials, self.status())
             self.model.fit()
 
-    def _status(self) -> str:
+    def status(self) -> str:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 

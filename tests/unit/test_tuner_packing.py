@@ -122,7 +122,7 @@ def test_the_smallest_shape_is_probed_in_every_threading_of_the_committed_packin
     one_row = [k for k in tuner.space if k.pack == 16 and k.tile_sizes("i")[0] == 1]
     serial = next(k for k in one_row if k.threads == 1)
     tuner.measured[shape_key({"T": 1})] = {serial: 1e-4}
-    probes = tuner._small_regime_probes(16)
+    probes = tuner.commitment.small_regime_probes(16)
     assert {shape["T"] for _, shape in probes} == {1}
     kernels = [kernel for kernel, _ in probes]
     assert len(kernels) == SMALL_REGIME_KERNELS - 1 and serial not in kernels
@@ -130,7 +130,7 @@ def test_the_smallest_shape_is_probed_in_every_threading_of_the_committed_packin
     assert kernels[0].threads == 0  # the threading not yet measured, first
     for kernel in kernels:
         tuner.measured[shape_key({"T": 1})][kernel] = 1e-4
-    assert tuner._small_regime_probes(16) == []  # enough measured, both threadings among them
+    assert tuner.commitment.small_regime_probes(16) == []  # enough measured, both threadings among them
 
 
 def _packed(mr: int) -> MicroKernel:
@@ -167,14 +167,14 @@ def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
                   RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
     tallest = max(k.tile_sizes("i")[0] for k in tuner.space if k.pack == 16)  # 6 on AVX2's 16 registers
-    probes = tuner._single_pass_probes(16)
+    probes = tuner.commitment.single_pass_probes(16)
     # The rows asked for, the taller ones probed with the packing's tallest tile instead.
     expected = sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS})
     assert [shape["T"] for _, shape in probes] == expected and expected[-1] == tallest < SINGLE_PASS_ROWS
     assert all(k.pack == 16 and k.tile_sizes("i")[0] == shape["T"] for k, shape in probes)
     for kernel, shape in probes:
         tuner.measured[shape_key(shape)][kernel] = 1e-4
-    assert tuner._single_pass_probes(16) == []  # each measured once: nothing left to probe
+    assert tuner.commitment.single_pass_probes(16) == []  # each measured once: nothing left to probe
 
 
 def test_the_single_pass_rule_does_not_choose_the_packing() -> None:
