@@ -28,8 +28,8 @@ SMALL_REGIME_KERNELS = 3
 # tallest, where it holds fewer rows): the plan sends each shape of 2 to SINGLE_PASS_ROWS rows
 # to a tile covering it, and with these every shape has one measured that pads at most a third
 # of its rows.
-SINGLE_PASS_PROBE_ROWS = (2, 4, 7, SINGLE_PASS_ROWS)
-SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them (all 4 at 32 trials)
+SINGLE_PASS_PROBE_ROWS = (2, 4, 7, 10, SINGLE_PASS_ROWS)
+SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them (all 5 at 40 trials)
 
 
 class PlanCommitment:

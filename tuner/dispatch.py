@@ -31,13 +31,16 @@ SMALL_REGIME_GAIN = 1.2
 # register tile covering every row. The served model's weights together exceed the last-level
 # cache, so each dense layer's weight comes from DRAM; a kernel that passes over it again per row
 # tile leaves the memory bus idle while it computes from cache. Forced kernels of bert-base's
-# 768->3072 layer on a 2-core znver4, weight from DRAM (``tests/benchmarks/cold_weights.py``),
-# ms: a 7-row tile 0.27-0.29 at T = 4, 6 and 7, where two passes of 3 or 5 rows took 0.32-0.39
-# (and 0.14-0.24 with the weight in cache, as the tuner times them: as fast or faster); a 9-row
-# tile 0.33 at T = 9 against 0.38. Past about 10 rows the covering tile's FMAs take as long as
-# the stream and the gain goes: at T = 14 a 14-row tile took 0.40-0.50 against 0.44 for two
-# 7-row passes.
-SINGLE_PASS_ROWS = 10
+# layers on a 2-core znver4, weight from DRAM (``tests/benchmarks/cold_weights.py``), ms:
+# - 768->3072: a 7-row tile 0.27-0.29 at T = 4, 6 and 7, where two passes of 3 or 5 rows took
+#   0.32-0.39 (and 0.14-0.24 with the weight in cache, as the tuner times them: as fast or
+#   faster); a 9-row tile 0.33 at T = 9 against 0.38; a 13-row tile 0.40 at T = 13 against 0.51
+#   for two 7-row passes.
+# - 768x768 at T = 11 and 13: a 12- or 13-row tile 0.085-0.087, two 7-row passes 0.100-0.101,
+#   three 5-row passes 0.129-0.132 (the plan's pick before; hot 0.070, 0.074, 0.079).
+# Past 13 rows the gain goes: at T = 14 a 14-row tile and two 7-row passes tied (0.094 and 0.089
+# here, 0.40-0.50 and 0.44 for the 768->3072 layer), and at T = 16-28 no tile height won.
+SINGLE_PASS_ROWS = 13
 
 
 def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
