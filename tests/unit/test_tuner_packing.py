@@ -177,6 +177,20 @@ def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     assert tuner.commitment.single_pass_probes(16) == []  # each measured once: nothing left to probe
 
 
+def test_avx512_probes_a_tile_as_tall_as_the_single_pass_rule_reaches(tmp_path: Path) -> None:
+    """With 32 registers the 32-wide packing's tiles reach 14 rows: every shape the rule covers
+    (up to SINGLE_PASS_ROWS) gets a probe at most a third padding, the tallest at the rule's
+    last row; the 48-wide packing's tallest (9 rows) stands in for 10 and 13."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx512"]), 2, SyntheticMachine(),
+                  RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+    rows = {pack: [shape["T"] for _, shape in tuner.commitment.single_pass_probes(pack)] for pack in (32, 48)}
+    assert rows == {32: [2, 4, 7, 10, SINGLE_PASS_ROWS], 48: [2, 4, 7, 9]}
+    for count in range(2, SINGLE_PASS_ROWS + 1):
+        probe = min(r for r in rows[32] if r >= count)
+        assert probe - count <= probe / 3
+
+
 def test_the_single_pass_rule_does_not_choose_the_packing() -> None:
     """Timed with the weight in cache, a covering tile can look slower than two passes of a
     shorter one: the rule applies in the packing the plan takes, or a packing whose covering
