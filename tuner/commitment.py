@@ -38,16 +38,11 @@ class PlanCommitment:
     def __init__(self, tuner) -> None:
         self.tuner = tuner
 
-    def choose_packing(self, until: int) -> int | None:
-        """The packing the plan would take now, after measuring each packing on the same shapes
-        (stopping at ``until`` trials): the space's design, the packing first, then the variants
-        that fit it. None: nothing to choose (one packing, or the untuned kernel's layout won
-        everywhere so far, or nothing measured yet); a space of one packed width still gets its
-        single-pass tiles measured here."""
-        widths = {k.pack for k in self.tuner.space}
-        if len(widths) < 2:  # nothing to choose; a packed one still gets its single-pass tiles
-            self.measure_single_pass(next(iter(widths), 0), until)
-            return None
+    def choose_packing(self, widths: set[int], until: int) -> int | None:
+        """The packing of ``widths`` the plan would take now, after measuring each on the same
+        shapes (stopping at ``until`` trials): the space's design, the packing first, then the
+        variants that fit it. None where the untuned kernel's layout won everywhere so far, or
+        nothing was measured yet."""
         self._measure_every_packing(widths, until)
         try:
             packing = self.tuner.plan().pack

@@ -39,7 +39,8 @@ SMALL_REGIME_GAIN = 1.2
 # - 768x768 at T = 11 and 13: a 12- or 13-row tile 0.085-0.087, two 7-row passes 0.100-0.101,
 #   three 5-row passes 0.129-0.132 (the plan's pick before; hot 0.070, 0.074, 0.079).
 # Past 13 rows the gain goes: at T = 14 a 14-row tile and two 7-row passes tied (0.094 and 0.089
-# here, 0.40-0.50 and 0.44 for the 768->3072 layer), and at T = 16-28 no tile height won.
+# here, 0.40-0.50 and 0.44 for the 768->3072 layer); at T = 16-28 the best height changed from
+# length to length, 5-15% ahead, the noise of that size.
 SINGLE_PASS_ROWS = 13
 
 

@@ -293,8 +293,13 @@ class Tuner:
     def commit_packing(self, until: int) -> None:
         """Search only the packing the plan would take now (``PlanCommitment.choose_packing``,
         by ``until`` trials): kernels of other packings measured so far stay in the cost model's
-        data, and the committed packing's single-pass tiles are measured at once."""
-        packing = self.commitment.choose_packing(until)
+        data, and the committed packing's single-pass tiles are measured at once (a space of
+        one packing: its own)."""
+        widths = {k.pack for k in self.space}
+        if len(widths) < 2:
+            self.commitment.measure_single_pass(next(iter(widths), 0), until)
+            return
+        packing = self.commitment.choose_packing(widths, until)
         if packing is None:
             return
         self.packing = packing
