@@ -42,6 +42,12 @@ SMALL_REGIME_GAIN = 1.2
 # here, 0.40-0.50 and 0.44 for the 768->3072 layer); at T = 16-28 the best height changed from
 # length to length, 5-15% ahead, the noise of that size.
 SINGLE_PASS_ROWS = 13
+# Layouts whose plans' weighted slowdowns are this close are a tie: the measurements cannot tell
+# them apart (repeated timings of one kernel differ by 1-3%). The tie goes to the layout whose
+# tiles cover more short shapes' rows in one pass, a gain the weight in cache hides: a tune put
+# bert-base's 768x768 layers on 48-wide panels (9-row tiles at most) over 32-wide ones (14)
+# at 1.0103 against 1.0113, losing the single pass at T = 11-13 (1.08-1.12x end to end).
+LAYOUT_TIE = 0.01
 
 
 def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
@@ -75,7 +81,8 @@ def covers_in_one_pass(kernel: Variant, rows: int) -> bool:
 
 def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
                  estimate: Estimate, measured: dict, default_measured: dict, max_variants: int,
-                 max_intervals: int, rows: Sequence[int] | None = None) -> tuple[list[Variant], list[int]]:
+                 max_intervals: int, rows: Sequence[int] | None = None,
+                 tallest: dict[int, int] | None = None) -> tuple[list[Variant], list[int]]:
     """(variants, per-shape variant index) of the best plan. Variants of one plan read the
     weight in one layout, so each packing (and the unpacked layout, with the default kernel) is
     planned on its own and the layout with the least weighted slowdown wins.
@@ -87,8 +94,9 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
     (``SMALL_REGIME_GAIN``). ``rows``: each shape's row count, for the single-pass rule in the
     layout chosen (``SINGLE_PASS_ROWS``: at most that many rows, a packed kernel that passes
     over the weight more than once is not dispatched where a covering one is in the plan; the
-    covering kernels are added as variants, each with an interval of its own to spare).
-    ``measured``/``default_measured`` as for ``nearest_measured_estimates``."""
+    covering kernels are added as variants, each with an interval of its own to spare), and for
+    the tie between layouts (``LAYOUT_TIE``), broken by ``tallest``: each packing's tallest tile
+    in the space. ``measured``/``default_measured`` as for ``nearest_measured_estimates``."""
     best = {shape_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
 
     def slowdown(variant: Variant, shape: dict) -> float:
@@ -119,10 +127,17 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
         except ValueError:  # some shape has no variant of this layout allowed
             continue
         options.append((float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels,
-                        group))
+                        group, layout))
     if not options:
         raise RuntimeError("no weight layout has a variant allowed on every shape")
-    _total, variants, labels, group = min(options, key=lambda option: option[0])
+    choice = min(options, key=lambda option: option[0])
+    if rows is not None and tallest:
+        def single_pass_reach(option) -> int:  # rows its tiles cover in one pass, up to the rule's
+            return min(SINGLE_PASS_ROWS, tallest.get(option[4], 0)) if option[4] else 0
+
+        tied = [option for option in options if option[0] <= choice[0] * (1 + LAYOUT_TIE)]
+        choice = max(tied, key=lambda option: (single_pass_reach(option), -option[0]))
+    _total, variants, labels, group, _ = choice
     if rows is None:
         return variants, labels
     # The single-pass rule only in the layout chosen: it makes a layout whose covering kernels

@@ -44,7 +44,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 13  # bumped when the search or the kernels it times change: older plans are re-tuned
+TUNER_VERSION = 14  # bumped when the search or the kernels it times change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -101,6 +101,12 @@ class Tuner:
         self.cores = cores
         self.model = CostModel(cores, options.seed)
         self.space = task_space(space, task.spec.func)
+        # Each packing's tallest register tile (the committed packing's space drops the others):
+        # how many rows a plan in that packing could cover in one pass over the weight.
+        self.tallest_tiles: dict[int, int] = {}
+        for kernel in self.space:
+            if kernel.pack > 0:
+                self.tallest_tiles[kernel.pack] = max(self.tallest_tiles.get(kernel.pack, 0), kernel.tile_sizes("i")[0])
         self.search = EvolutionarySearch(self.space, seed=options.seed)
         self.packing: int | None = None  # the committed panel width (``commit_packing``); None: any
         self.rng = random.Random(options.seed)
@@ -353,7 +359,8 @@ class Tuner:
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
         variants, labels = plan_layouts(candidates, shapes, weights, estimate, self.measured, self.default_measured,
                                         self.options.max_variants, self.options.max_intervals,
-                                        rows=[self.task.axis_extents(shape)["i"] for shape in shapes])
+                                        rows=[self.task.axis_extents(shape)["i"] for shape in shapes],
+                                        tallest=self.tallest_tiles)
         return build_plan(self.task, variants, labels, shapes, weights, estimate, self.measured,
                           self.default_measured,
                           {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,

@@ -14,7 +14,14 @@ from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, nearest_measured_estimates, plan_layouts, shape_key
+from tuner.dispatch import (
+    LAYOUT_TIE,
+    SINGLE_PASS_ROWS,
+    SMALL_REGIME_GAIN,
+    nearest_measured_estimates,
+    plan_layouts,
+    shape_key,
+)
 from tuner.ops import dense
 from tuner.space.cpu import packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
@@ -208,6 +215,30 @@ def test_the_single_pass_rule_does_not_choose_the_packing() -> None:
                                     rows=[s["T"] for s in shapes])
     assert {variants[label] for label in labels} == {tall, covering}  # the 16-wide packing, as without the rule
     assert variants[labels[4]] is covering and variants[labels[5]] is covering
+
+
+def test_a_tie_between_layouts_goes_to_the_one_covering_more_short_shapes_in_one_pass() -> None:
+    """Within LAYOUT_TIE (the measurements' noise) the layout whose tallest tile covers more rows
+    takes the plan: the single pass's gain shows only with the weight from DRAM. Past the tie,
+    or without the packings' tallest tiles, the least weighted slowdown wins as before."""
+    narrow, wide = _packed(4), MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 1)), ("k", (1,))), vector=8, pack=24)
+    shapes = [{"T": t} for t in range(1, 65)]
+    rows = [s["T"] for s in shapes]
+    tallest = {16: 6, 24: 4}  # AVX2: 16-wide tiles reach 6 rows, 24-wide 4
+
+    def plan(wide_speedup: float, **extra):
+        def estimate(kernel, shape):
+            return shape["T"] / (wide_speedup if kernel is wide else 1.0)
+
+        variants, labels = plan_layouts([narrow, wide], shapes, [1.0] * len(shapes), estimate, {}, {}, 1, 2,
+                                        rows=rows, **extra)
+        return {variants[label].pack for label in labels}
+
+    inside, outside = 1 + LAYOUT_TIE / 2, 1 + 2 * LAYOUT_TIE
+    assert plan(inside, tallest=tallest) == {16}  # a tie: the taller tiles
+    assert plan(inside) == {24}  # no tallest tiles known: the least slowdown
+    assert plan(outside, tallest=tallest) == {24}  # past the tie
+    assert plan(inside, tallest={16: 4, 24: 4}) == {24}  # both reach as far: the least slowdown
 
 
 def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_path: Path) -> None:
