@@ -131,12 +131,9 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
     if not options:
         raise RuntimeError("no weight layout has a variant allowed on every shape")
     choice = min(options, key=lambda option: option[0])
-    if rows is not None and tallest:
-        def single_pass_reach(option) -> int:  # rows its tiles cover in one pass, up to the rule's
-            return min(SINGLE_PASS_ROWS, tallest.get(option[4], 0)) if option[4] else 0
-
+    if rows is not None and tallest:  # (the unpacked layout, 0, has no tallest tile: reach 0)
         tied = [option for option in options if option[0] <= choice[0] * (1 + LAYOUT_TIE)]
-        choice = max(tied, key=lambda option: (single_pass_reach(option), -option[0]))
+        choice = max(tied, key=lambda option: (min(SINGLE_PASS_ROWS, tallest.get(option[4], 0)), -option[0]))
     _total, variants, labels, group, _ = choice
     if rows is None:
         return variants, labels

@@ -28,6 +28,8 @@ weight block it reads next, one cache line per reduction step (``_NextBlock``).
 
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
@@ -71,9 +73,7 @@ class _PackedOperator(MatmulExpressions):
             raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
         self.weight = weights[0]
         # The weight as one array, for the prefetches: their addresses then step by a constant.
-        size = 1
-        for extent in self.weight.shape:
-            size *= int(extent)
+        size = math.prod(int(extent) for extent in self.weight.shape)
         self.flat_weight = tirx.decl_buffer((size,), self.weight.dtype, "weight_flat", data=self.weight.data)
 
     def term(self, row, panel, lane, k) -> tirx.Expr:

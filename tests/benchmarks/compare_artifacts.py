@@ -52,6 +52,7 @@ def main() -> int:
         args.artifacts.append(args.artifacts[0])
     if len(args.artifacts) < 2:
         parser.error("give at least two artifacts to compare (or one with --control)")
+    control = len(args.artifacts) - 1 if args.control else None  # the index of the baseline's second load
     lengths = [int(v) for v in args.lengths.split(",")]
     engines = [Engine(load_artifact(path), threads=args.threads) for path in args.artifacts]
     rng = np.random.default_rng(0)
@@ -68,8 +69,7 @@ def main() -> int:
                 times.setdefault((index, seq), []).append(round_median(engine, inputs[seq], args.runs))
     labels = [f"#{index}" for index in range(len(engines))]
     for index, path in enumerate(args.artifacts):
-        control = " (control: the baseline again)" if args.control and index == len(args.artifacts) - 1 else ""
-        print(f"# {labels[index]}: {path}{control}")
+        print(f"# {labels[index]}: {path}{' (control: the baseline again)' if index == control else ''}")
     print(f"{'seq':>5} " + " ".join(f"{label + ' ms':>10}" for label in labels)
           + " " + " ".join(f"{label + '/#0':>8}" for label in labels[1:]))
     ratios: dict[int, list[float]] = {index: [] for index in range(1, len(engines))}
@@ -81,8 +81,8 @@ def main() -> int:
               + " " + " ".join(f"{ratios[index][-1]:>8.3f}" for index in ratios))
     for index, values in ratios.items():
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
-        control = " control" if args.control and index == len(engines) - 1 else ""
-        print(f"RESULT {labels[index]}{control} geomean_vs_first={geomean:.3f} min_vs_first={min(values):.3f}"
+        name = f"{labels[index]} control" if index == control else labels[index]
+        print(f"RESULT {name} geomean_vs_first={geomean:.3f} min_vs_first={min(values):.3f}"
               f" max_vs_first={max(values):.3f}")
     return 0
 
