@@ -24,11 +24,17 @@ With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels ov
 sums wait in the task's workspace between blocks; the last block applies the epilogue from
 the registers. Where a task has enough row passes, the ones after its first also prefetch the
 weight block it reads next, one cache line per reduction step (``_NextBlock``).
+
+A tile whose rows would crowd one L1 set (``rows_crowd_l1_set``: a row stride of a multiple of
+4 KB, more rows than the set's ways) reads its rows from a k-major copy made first, in parallel
+(``_packed_rows``; the padded rows again repeat the last real one): each step's broadcasts then
+come from one line.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -46,6 +52,18 @@ from .tir_rebuild import MatmulExpressions, rebuild
 # 1.01-1.02x, other lengths within the machine's noise; hot, the kernels time as before.
 PREFETCH_NEXT_BLOCK = True
 CACHE_LINE_BYTES = 64
+# A register tile broadcasts one element of each of its rows per reduction step. Where the rows'
+# stride is a multiple of 4 KB (K = 1024, 3072 floats) they all fall in one L1 set (x86 L1 data
+# caches index within a 4 KB page: 64 sets of 64-byte lines), and a tile taller than the set's
+# ways evicts its own rows every step. Such tiles read a k-major copy of their rows instead
+# (``_packed_rows``): one line holds a step's broadcasts. bert-base's 3072 -> 768 layer, forced
+# 13-row tile, weight in cache / from DRAM (``cold_weights.py --without row-copy``, znver4):
+# 1.14x / 1.52x at T = 13, 1.12-1.27x / 1.08-1.39x at T = 16-512. Tiles of 4-8 rows there, and
+# 768-deep layers (4 sets), ran 2-9% slower with the copy: it is made only where rows crowd a set.
+PACK_ROWS = True
+L1_SET_SPAN_BYTES = 4096
+L1_WAYS = 8  # the fewest of the x86 cores in view (AMD Zen: 32 KB, 8 ways; Intel: 48 KB, 12)
+PACK_CHUNK = 256  # reduction steps per job of the copy
 
 
 def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
@@ -67,17 +85,24 @@ class _PackedOperator(MatmulExpressions):
             raise ScheduleMismatch("a packed kernel needs an epilogue to write the unpacked output")
         if len(self.out_vars) != 2:
             raise ScheduleMismatch("the epilogue is not one element-wise store over (rows, columns)")
-        weights = []
-        rebuild(self.product, {}, on_load=lambda load: weights.append(load.source) if len(load.indices) == 3 else None)
+        weights, others = [], []
+        rebuild(self.product, {}, on_load=lambda load: (weights if len(load.indices) == 3 else others).append(load))
         if len(weights) != 1:
             raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
-        self.weight = weights[0]
+        self.weight = weights[0].source
+        # The activation X[row, k], when the product reads one: what ``_packed_rows`` copies.
+        self.activation = others[0] if len(others) == 1 and len(others[0].indices) == 2 else None
         # The weight as one array, for the prefetches: their addresses then step by a constant.
         size = math.prod(int(extent) for extent in self.weight.shape)
         self.flat_weight = tirx.decl_buffer((size,), self.weight.dtype, "weight_flat", data=self.weight.data)
 
-    def term(self, row, panel, lane, k) -> tirx.Expr:
-        return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)))
+    def term(self, row, panel, lane, k, activation=None) -> tirx.Expr:
+        """The product at (row, panel, lane, k); ``activation``: X[row, k] read from elsewhere."""
+        loads = {} if activation is None else {self.activation.source: activation}
+        return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)), loads)
+
+    def activation_at(self, row, k) -> tirx.Expr:
+        return rebuild(self.activation, {self.iter_vars[0]: row, self.iter_vars[3]: k})
 
     def finish(self, value, row, column) -> tirx.Expr:
         return rebuild(self.epilogue, dict(zip(self.out_vars, [row, column], strict=True)), {self.result: value})
@@ -100,15 +125,25 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     tile = _Tile(op, mr, panel, pk, lanes, rows)
     loop = T.parallel if kernel.threads != 1 else T.serial
-    with IRBuilder() as builder:
+    with IRBuilder() as builder, T.seq_scope():
+        if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) \
+                and rows_crowd_l1_set(mr, int(depth) * tile.dtype.bits // 8):
+            tile.packed = _packed_rows(tile, loop, int(depth))
         if blocked:
             _blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc)
         else:
             _whole_reduction(tile, loop, int(panels) // nb, nb, depth)
-    body = builder.get()
+    body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if PREFETCH_NEXT_BLOCK:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
+
+
+def rows_crowd_l1_set(mr: int, row_bytes: int) -> bool:
+    """Whether more of an ``mr``-row tile's rows, ``row_bytes`` apart, share one L1 set than it
+    has ways (``L1_WAYS``)."""
+    sets = Counter(r * row_bytes % L1_SET_SPAN_BYTES // CACHE_LINE_BYTES for r in range(mr))
+    return max(sets.values()) > L1_WAYS
 
 
 class _Tile:
@@ -119,6 +154,8 @@ class _Tile:
         self.dtype = op.result.dtype
         # Rows past the end exist only when the row count is not known to be whole tiles.
         self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
+        self.packed = None  # the row tiles' activations, k-major (``_packed_rows``), if copied
+        self.depth = op.extents[3]
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
@@ -155,8 +192,9 @@ class _Tile:
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
-            self.vectors(lambda p, c, acc=acc, row=row: T.buffer_store(
-                acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k), [p * self.panel + c]))
+            x = None if self.packed is None else self.packed[i0 * self.depth + k * self.mr + r]
+            self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
+                acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
 
     def finish(self, accs, i0, panel0) -> None:
         """The epilogue of each real row, stored once: a padded row is never written."""
@@ -172,6 +210,22 @@ class _Tile:
                         self.vectors(store)
             else:
                 self.vectors(store)
+
+
+def _packed_rows(tile: _Tile, loop, depth: int):
+    """X's rows copied per row tile, k-major: row ``r`` of the tile at ``i0``, step ``k``, at
+    ``i0 * depth + k * mr + r`` (padded rows repeat the last real one)."""
+    row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
+    chunk = math.gcd(depth, PACK_CHUNK)
+    chunks = depth // chunk
+    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.dtype)
+    with loop(0, row_tiles * chunks) as job:
+        i0, k0 = job // chunks * tile.mr, job % chunks * chunk
+        for r in range(tile.mr):
+            with T.serial(0, chunk) as kk:
+                T.buffer_store(packed, tile.op.activation_at(tile.row(i0, r), k0 + kk),
+                               [i0 * depth + (k0 + kk) * tile.mr + r])
+    return packed
 
 
 def _reduce(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _NextBlock | None = None, unit=0) -> None:
@@ -280,4 +334,4 @@ def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) 
                             tile.save(accs, partial, i0, column0)
 
 
-__all__ = ["apply_cpu_packed", "packed_tile"]
+__all__ = ["apply_cpu_packed", "packed_tile", "rows_crowd_l1_set"]

@@ -2,14 +2,16 @@
 the served model (whose 340 MB of weights no cache holds): where a short sequence's time goes.
 
     python tests/benchmarks/cold_weights.py --op dense_3072x768 --lengths 1,7 \
-        --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3] [--compare-prefetch]
+        --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3] [--without prefetch]
 
 Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as a plan's only variant
 (``forced_kernels.py``) and timed at every length. "Hot" runs one argument set over and over;
 "cold" cycles through ``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than
 the L3), so each call reads its weight from DRAM. Prints ms per call, median of ``--rounds``.
-``--compare-prefetch`` builds each kernel also without the prefetch of the next weight block
-(``cpu_packed.PREFETCH_NEXT_BLOCK``) and times the two side by side. Not a test.
+``--without prefetch`` builds each kernel also without the prefetch of the next weight block
+(``cpu_packed.PREFETCH_NEXT_BLOCK``), ``--without row-copy`` without the k-major copy of the
+activations' rows (``cpu_packed.PACK_ROWS``), and times them side by side: "gain" is the full
+kernel's speed over each. Not a test.
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
     return statistics.median(samples)
 
 
-def built(op: str, text: str, where, target, lanes: int, prefetch: bool):
+# Features of the packed kernel that ``--without`` can switch off, by their module flags.
+FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS"}
+
+
+def built(op: str, text: str, where, target, lanes: int, without: str | None):
     kernel = packed_kernel(text, lanes)
-    cpu_packed.PREFETCH_NEXT_BLOCK = prefetch
+    flag = FEATURES.get(without)
+    if flag is not None:
+        setattr(cpu_packed, flag, False)
     try:
         spec, lib = build(op, kernel, where, target, gelu=True)
     finally:
-        cpu_packed.PREFETCH_NEXT_BLOCK = True
+        if flag is not None:
+            setattr(cpu_packed, flag, True)
     return spec, kernel, lib["main"]
 
 
@@ -63,32 +72,32 @@ def main() -> int:
                         help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
     parser.add_argument("--copies", type=int, default=40, help="weight copies cycled through for the cold run")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also time each kernel built without the next block's prefetch")
+    parser.add_argument("--without", action="append", default=[], choices=list(FEATURES),
+                        help="also time each kernel built without this feature (repeatable)")
     args = parser.parse_args()
     where, target, lanes = llvm_target()
-    builds = {(text, prefetch): built(args.op, text, where, target, lanes, prefetch)
-              for text in args.kernel for prefetch in ((False, True) if args.compare_prefetch else (True,))}
+    builds = {(text, without): built(args.op, text, where, target, lanes, without)
+              for text in args.kernel for without in [None, *args.without]}
     print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
-    print(f"{'T':>5} {'kernel':>16} {'prefetch':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"
-          + (f" {'cold gain':>10}" if args.compare_prefetch else ""))
+    print(f"{'T':>5} {'kernel':>16} {'without':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"
+          f" {'hot gain':>9} {'cold gain':>10}")
     for length in (int(v) for v in args.lengths.split(",")):
         sets_by_pack = {}
         for text in args.kernel:
-            cold_without = None
-            for (name, prefetch), (spec, kernel, function) in builds.items():
-                if name != text:
-                    continue
+            full = None
+            for without in [None, *args.without]:
+                spec, kernel, function = builds[text, without]
                 if kernel.pack not in sets_by_pack:
                     sets_by_pack[kernel.pack] = [
                         baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
                         for _ in range(args.copies)]
                 sets = sets_by_pack[kernel.pack]
                 hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
-                gain = f" {cold_without / cold:>9.2f}x" if prefetch and cold_without else ""
-                cold_without = cold if not prefetch else cold_without
-                print(f"{length:>5} {text:>16} {'yes' if prefetch else 'no':>9} {hot * 1e3:>8.4f} {cold * 1e3:>8.4f}"
-                      f" {cold / hot:>9.2f}{gain}", flush=True)
+                # the full kernel's gain over this one built without the feature
+                gains = f" {hot / full[0]:>8.2f}x {cold / full[1]:>9.2f}x" if full else ""
+                full = full or (hot, cold)
+                print(f"{length:>5} {text:>16} {without or '-':>9} {hot * 1e3:>8.4f} {cold * 1e3:>8.4f}"
+                      f" {cold / hot:>9.2f}{gains}", flush=True)
     return 0
 
 

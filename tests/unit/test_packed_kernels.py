@@ -12,7 +12,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.cpu_packed import packed_tile
+from dietserve.kernels.cpu_packed import packed_tile, rows_crowd_l1_set
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.matching import ScheduleMismatch
 from dietserve.kernels.microkernel import MicroKernel
@@ -167,6 +167,45 @@ def fma_loops(asm: str) -> list[tuple[int, int, int, int, int]]:
                 len(re.findall(r"\(%rsp\)", body)), len(re.findall(r"prefetch", body))))
             # (%rbp may be a plain base register)
     return loops
+
+
+def step_broadcasts(asm: str) -> list[list[tuple[str, int]]]:
+    """Per FMA loop: the (base registers, offset) each broadcast reads, as written in the code."""
+    loops = []
+    for block in re.split(r"\n(?=\.LBB)", asm):
+        label = re.match(r"(\.LBB\w+):", block)
+        back = label and re.search(rf"\n\tj\w+\s+{re.escape(label.group(1))}\n", block + "\n")
+        if back and len(re.findall(r"vfmadd\d+ps", block)) >= 8:
+            loops.append([(base, int(offset or 0)) for offset, base in
+                          re.findall(r"vbroadcastss\s+(-?\d*)\(([^)]*)\)", block[:back.start()])])
+    return loops
+
+
+@pytest.mark.parametrize("tile", [(9, 8, 1, 2, 1), (13, 8, 1, 1, 256)])
+def test_tiles_whose_rows_share_an_l1_set_read_a_k_major_copy(tile: tuple) -> None:
+    """Rows 1024 floats apart all fall in one L1 set: a tile of more rows than its 8 ways reads
+    them from a k-major copy (each step's broadcasts from one line), and still matches numpy at
+    every length, padded rows included; a 768-deep layer's rows spread over 4 sets and are read
+    in place."""
+    mr, panel, pk, groups, kc = tile
+    assert rows_crowd_l1_set(mr, 1024 * 4) and not rows_crowd_l1_set(8, 1024 * 4)
+    assert not rows_crowd_l1_set(14, 768 * 4) and rows_crowd_l1_set(9, 3072 * 4)
+    spec = dense(1024, 48, "bias_residual")
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    for length in SHAPES:
+        got, expected = run(function, spec, kernel, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{kernel} T={length}")
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    loops = step_broadcasts(tvm.compile(apply_kernel(spec.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
+    assert loops and all(len(reads) == mr for reads in loops), loops
+    for reads in loops:  # one base, the rows' elements side by side
+        offsets = sorted(offset for _, offset in reads)
+        assert len({base for base, _ in reads}) == 1, reads
+        assert offsets == list(range(offsets[0], offsets[0] + 4 * mr, 4)), reads
+    shallow = dense(768, 48, "bias_residual")
+    loops = step_broadcasts(tvm.compile(apply_kernel(shallow.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
+    assert loops and all(len({base for base, _ in reads}) > 1 for reads in loops), loops  # read in place
 
 
 def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
