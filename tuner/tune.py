@@ -44,7 +44,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 15  # bumped when the search or the kernels it times change: older plans are re-tuned
+TUNER_VERSION = 16  # bumped when the search or the kernels it times change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -346,8 +346,14 @@ class Tuner:
 
     def plan(self, provenance: dict | None = None) -> KernelPlan:
         """The best plan over the measurements (``dispatch.plan_layouts``: one weight layout per
-        plan, least weighted slowdown)."""
+        plan, least weighted slowdown), of the committed packing once there is one."""
         candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
+        if self.packing is not None:
+            # Only the committed packing's kernels (and the untuned one): its small-regime and
+            # single-pass tiles are the ones probed. Another packing's kernels measured before the
+            # commit took a bert-base tune's 3072 -> 768 layer back to 32-wide panels, none of
+            # its tiles covering T = 10-13 (seq 11-13 0.89-0.91x end to end).
+            candidates = [k for k in candidates if k.pack == self.packing]
         if self.default_measured:
             candidates.append(None)
         if not candidates:

@@ -82,6 +82,38 @@ def test_the_packing_is_committed_and_its_small_regime_searched(tmp_path: Path) 
     assert result.plan.kernel(t128["variant"]).tile_sizes("i")[0] >= 4
 
 
+class PackingFlipMachine(SyntheticMachine):
+    """The synthetic machine, but packs of 24 time 4x faster from ``flip`` on (the noise that
+    can make a packing measured before the commit look best after it)."""
+
+    flip = False
+
+    def run(self, job: dict) -> dict:
+        result = super().run(job)
+        if self.flip and job["kernel"] is not None and MicroKernel.from_json(job["kernel"]).pack == 24:
+            result["latencies"] = {name: value / 4 for name, value in result["latencies"].items()}
+        return result
+
+
+def test_the_plan_keeps_to_the_committed_packing(tmp_path: Path) -> None:
+    """Kernels of another packing (measured before the commit, or faster by chance) do not take
+    the plan away from the committed packing, whose short shapes' tiles were the ones probed."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    machine = PackingFlipMachine()
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=48, seed=3))
+    assert tuner.run().plan.pack == tuner.packing == 16
+    machine.flip = True
+    other = [k for k in packed_cpu_space(CPU_PRESETS["avx2"]) if k.pack == 24][:4]
+    for shape in tuner.shapes[::8]:
+        for kernel in other:
+            tuner.measure(kernel, shape)
+    plan = tuner.plan()
+    assert plan.pack == 16 and all(v is None or v["pack"] == 16 for v in plan.variants.values())
+    tuner.packing = None  # uncommitted, the same measurements plan on the faster packing
+    assert tuner.plan().pack == 24
+
+
 def _plan(t1_speedup: float, max_variants: int = 1):
     tall = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
     one_row = MicroKernel(tile=(("i", (1,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
