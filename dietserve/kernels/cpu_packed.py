@@ -25,10 +25,10 @@ sums wait in the task's workspace between blocks; the last block applies the epi
 the registers. Where a task has enough row passes, the ones after its first also prefetch the
 weight block it reads next, one cache line per reduction step (``_NextBlock``).
 
-A tile whose rows would crowd one L1 set (``rows_crowd_l1_set``: a row stride of a multiple of
-4 KB, more rows than the set's ways) reads its rows from a k-major copy made first, in parallel
-(``_packed_rows``; the padded rows again repeat the last real one): each step's broadcasts then
-come from one line.
+A tile whose rows would crowd one L1 set (``crowding_rows``: a row stride of a multiple of
+4 KB, more rows than the set's ways, and at least as many rows to compute) reads its rows from
+a k-major copy made first, in parallel (``_packed_rows``; the padded rows again repeat the last
+real one): each step's broadcasts then come from one line.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ CACHE_LINE_BYTES = 64
 # (``_packed_rows``): one line holds a step's broadcasts. bert-base's 3072 -> 768 layer, forced
 # 13-row tile, weight in cache / from DRAM (``cold_weights.py --without row-copy``, znver4):
 # 1.14x / 1.52x at T = 13, 1.12-1.27x / 1.08-1.39x at T = 16-512. Tiles of 4-8 rows there, and
-# 768-deep layers (4 sets), ran 2-9% slower with the copy: it is made only where rows crowd a set.
+# 768-deep layers (4 sets), ran 2-9% slower with the copy: it is made only where rows crowd a set
+# (``crowding_rows``), and only for row counts that fill that many of the tile's rows.
 PACK_ROWS = True
 L1_SET_SPAN_BYTES = 4096
 L1_WAYS = 8  # the fewest of the x86 cores in view (AMD Zen: 32 KB, 8 ways; Intel: 48 KB, 12)
@@ -125,25 +126,44 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     tile = _Tile(op, mr, panel, pk, lanes, rows)
     loop = T.parallel if kernel.threads != 1 else T.serial
-    with IRBuilder() as builder, T.seq_scope():
-        if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) \
-                and rows_crowd_l1_set(mr, int(depth) * tile.dtype.bits // 8):
-            tile.packed = _packed_rows(tile, loop, int(depth))
+    crowding = crowding_rows(mr, int(depth) * tile.dtype.bits // 8) \
+        if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) else None
+
+    def reduction() -> None:
         if blocked:
             _blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc)
         else:
             _whole_reduction(tile, loop, int(panels) // nb, nb, depth)
+
+    with IRBuilder() as builder, T.seq_scope():
+        if crowding is None:
+            reduction()
+        else:
+            # With fewer rows the tile's padded rows read the last real one again: they crowd
+            # no set, and the copy would only cost (T = 7 on a 9-row tile: 2-7% slower with it).
+            with T.If(rows >= crowding):
+                with T.Then():
+                    tile.packed = _packed_rows(tile, loop, int(depth))
+                    reduction()
+                with T.Else():
+                    tile.packed = None
+                    reduction()
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if PREFETCH_NEXT_BLOCK:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
-def rows_crowd_l1_set(mr: int, row_bytes: int) -> bool:
-    """Whether more of an ``mr``-row tile's rows, ``row_bytes`` apart, share one L1 set than it
-    has ways (``L1_WAYS``)."""
-    sets = Counter(r * row_bytes % L1_SET_SPAN_BYTES // CACHE_LINE_BYTES for r in range(mr))
-    return max(sets.values()) > L1_WAYS
+def crowding_rows(mr: int, row_bytes: int) -> int | None:
+    """The fewest of an ``mr``-row tile's rows, ``row_bytes`` apart, of which more share one L1
+    set than it has ways (``L1_WAYS``); None where its rows never crowd a set."""
+    sets: Counter = Counter()
+    for r in range(mr):
+        line = r * row_bytes % L1_SET_SPAN_BYTES // CACHE_LINE_BYTES
+        sets[line] += 1
+        if sets[line] > L1_WAYS:
+            return r + 1
+    return None
 
 
 class _Tile:
@@ -334,4 +354,4 @@ def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) 
                             tile.save(accs, partial, i0, column0)
 
 
-__all__ = ["apply_cpu_packed", "packed_tile", "rows_crowd_l1_set"]
+__all__ = ["apply_cpu_packed", "packed_tile", "crowding_rows"]
