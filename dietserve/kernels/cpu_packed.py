@@ -58,8 +58,8 @@ CACHE_LINE_BYTES = 64
 # ways evicts its own rows every step. Such tiles read a k-major copy of their rows instead
 # (``_packed_rows``): one line holds a step's broadcasts. bert-base's 3072 -> 768 layer, forced
 # 13-row tile, weight in cache / from DRAM (``cold_weights.py --without row-copy``, znver4):
-# 1.14x / 1.52x at T = 13, 1.12-1.27x / 1.08-1.39x at T = 16-512. Tiles of 4-8 rows there, and
-# 768-deep layers (4 sets), ran 2-9% slower with the copy: it is made only where rows crowd a set
+# 1.14x / 1.52x at T = 13, 1.12-1.27x / 1.08-1.39x at T = 16-512. Tiles of 4-8 rows there ran
+# 0.85-1.01x hot with the copy, and 768-deep layers' (4 sets) 0.91-0.96x: it is made only where rows crowd a set
 # (``crowding_rows``), and only for row counts that fill that many of the tile's rows.
 PACK_ROWS = True
 L1_SET_SPAN_BYTES = 4096
