@@ -126,7 +126,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     tile = _Tile(op, mr, panel, pk, lanes, rows)
     loop = T.parallel if kernel.threads != 1 else T.serial
-    crowding = crowding_rows(mr, int(depth) * tile.dtype.bits // 8) \
+    crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8) \
         if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) else None
 
     def reduction() -> None:
@@ -238,7 +238,7 @@ def _packed_rows(tile: _Tile, loop, depth: int):
     row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
     chunk = math.gcd(depth, PACK_CHUNK)
     chunks = depth // chunk
-    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.dtype)
+    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.op.activation.source.dtype)
     with loop(0, row_tiles * chunks) as job:
         i0, k0 = job // chunks * tile.mr, job % chunks * chunk
         for r in range(tile.mr):
