@@ -33,6 +33,7 @@ real one): each step's broadcasts then come from one line.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -129,7 +130,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8) \
         if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) else None
 
-    def reduction() -> None:
+    def reduction(tile: _Tile) -> None:
         if blocked:
             _blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc)
         else:
@@ -137,17 +138,17 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
 
     with IRBuilder() as builder, T.seq_scope():
         if crowding is None:
-            reduction()
+            reduction(tile)
         else:
             # With fewer rows the tile's padded rows read the last real one again: they crowd
             # no set, and the copy would only cost (T = 7 on a 9-row tile: 2-7% slower with it).
             with T.If(rows >= crowding):
                 with T.Then():
-                    tile.packed = _packed_rows(tile, loop, int(depth))
-                    reduction()
+                    copying = copy.copy(tile)
+                    copying.packed = _packed_rows(tile, loop, int(depth))
+                    reduction(copying)
                 with T.Else():
-                    tile.packed = None
-                    reduction()
+                    reduction(tile)
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if PREFETCH_NEXT_BLOCK:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
@@ -175,7 +176,6 @@ class _Tile:
         # Rows past the end exist only when the row count is not known to be whole tiles.
         self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
         self.packed = None  # the row tiles' activations, k-major (``_packed_rows``), if copied
-        self.depth = op.extents[3]
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
@@ -212,7 +212,7 @@ class _Tile:
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
-            x = None if self.packed is None else self.packed[i0 * self.depth + k * self.mr + r]
+            x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.mr + r]
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
                 acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
 

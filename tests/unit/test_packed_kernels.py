@@ -149,36 +149,30 @@ def test_packed_space_follows_the_register_file() -> None:
     assert (14, 32, 1) in avx512 and (9, 48, 1) in avx512  # 32 registers: taller tiles than AVX2's
 
 
-def fma_loops(asm: str) -> list[tuple[int, int, int, int, int]]:
-    """(FMAs, vector loads, broadcasts, stack references, prefetches) of each single-block loop (a block
-    that jumps back to its own label) with >= 8 FMAs; straight-line code such as the GELU
-    epilogue's polynomial is not a loop."""
-    loops = []
+def fma_loop_bodies(asm: str) -> list[str]:
+    """The body of each single-block loop (a block that jumps back to its own label) with >= 8
+    FMAs; straight-line code such as the GELU epilogue's polynomial is not a loop."""
+    bodies = []
     for block in re.split(r"\n(?=\.LBB)", asm):
         label = re.match(r"(\.LBB\w+):", block)
         back = label and re.search(rf"\n\tj\w+\s+{re.escape(label.group(1))}\n", block + "\n")
-        if not back:
-            continue
-        body = block[:back.start()]
-        fmas = len(re.findall(r"vfmadd\d+ps\s+[^\n]*%ymm", body))
-        if fmas >= 8:
-            loops.append((fmas, len(re.findall(r"vmov[au]ps\s+-?\d*\(", body)) + len(re.findall(
-                r"vfmadd\d+ps\s+-?\d*\(%", body)), len(re.findall(r"vbroadcastss", body)),
-                len(re.findall(r"\(%rsp\)", body)), len(re.findall(r"prefetch", body))))
-            # (%rbp may be a plain base register)
-    return loops
+        if back and len(re.findall(r"vfmadd\d+ps\s+[^\n]*%ymm", block[:back.start()])) >= 8:
+            bodies.append(block[:back.start()])
+    return bodies
+
+
+def fma_loops(asm: str) -> list[tuple[int, int, int, int, int]]:
+    """(FMAs, vector loads, broadcasts, stack references, prefetches) of each FMA loop."""
+    return [(len(re.findall(r"vfmadd\d+ps\s+[^\n]*%ymm", body)),
+             len(re.findall(r"vmov[au]ps\s+-?\d*\(", body)) + len(re.findall(r"vfmadd\d+ps\s+-?\d*\(%", body)),
+             len(re.findall(r"vbroadcastss", body)), len(re.findall(r"\(%rsp\)", body)),  # (%rbp may be a base)
+             len(re.findall(r"prefetch", body))) for body in fma_loop_bodies(asm)]
 
 
 def step_broadcasts(asm: str) -> list[list[tuple[str, int]]]:
     """Per FMA loop: the (base registers, offset) each broadcast reads, as written in the code."""
-    loops = []
-    for block in re.split(r"\n(?=\.LBB)", asm):
-        label = re.match(r"(\.LBB\w+):", block)
-        back = label and re.search(rf"\n\tj\w+\s+{re.escape(label.group(1))}\n", block + "\n")
-        if back and len(re.findall(r"vfmadd\d+ps", block)) >= 8:
-            loops.append([(base, int(offset or 0)) for offset, base in
-                          re.findall(r"vbroadcastss\s+(-?\d*)\(([^)]*)\)", block[:back.start()])])
-    return loops
+    return [[(base, int(offset or 0)) for offset, base in re.findall(r"vbroadcastss\s+(-?\d*)\(([^)]*)\)", body)]
+            for body in fma_loop_bodies(asm)]
 
 
 def copied_rows(reads: list[tuple[str, int]], mr: int) -> bool:
