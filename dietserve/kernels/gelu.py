@@ -42,25 +42,31 @@ def _horner(coefficients, t):
     return result
 
 
-def _let(name: str, value, body):
+def _let(name: str, value, body, bind: bool = True):
     """``body(x)`` with ``x`` bound to ``value`` once: an expression used several times stays one
-    node, where a tree would copy it into every use (the GELU's tree grew 12x the compile time)."""
+    node, where a tree would copy it into every use (the GELU's tree grew 12x the compile time).
+    ``bind=False`` writes ``value`` at each use instead: the same arithmetic (LLVM merges the
+    copies), for tools that cannot walk a ``Let`` (MetaSchedule's FLOP estimate)."""
+    if not bind:
+        return body(value)
     var = tirx.Var(name, "float32")
     return tirx.Let(var, value, body(var))
 
 
-def erfc_expr(a):
+def erfc_expr(a, bind: bool = True):
     """erfc of a float32 TIR expression ``a >= 0``, vectorisable, relative error ~1e-7."""
     return _let("erfc_a", a, lambda a: _let(
         "erfc_t", _f32(1.0) / (_f32(1.0) + _f32(0.5) * a), lambda t: _let(
-            "erfc_exponent", _horner(ERFC_P, t) - a * a, lambda exponent: t * fast_exp(exponent))))
+            "erfc_exponent", _horner(ERFC_P, t) - a * a, lambda exponent: t * fast_exp(exponent), bind), bind),
+        bind)
 
 
-def gelu_expr(v):
-    """0.5 * v * (1 + erf(v / sqrt(2))), as Relax's legalization defines it, in float32 vectors."""
+def gelu_expr(v, bind: bool = True):
+    """0.5 * v * (1 + erf(v / sqrt(2))), as Relax's legalization defines it, in float32 vectors;
+    ``bind``: shared subexpressions bound once (``_let``), else written as a tree."""
     return _let("gelu_v", v, lambda v: _let(
-        "gelu_half_v_erfc", _f32(0.5) * v * erfc_expr(tirx.abs(v) * _f32(1.0 / math.sqrt(2.0))),
-        lambda h: tirx.Select(v >= _f32(0.0), v - h, h)))
+        "gelu_half_v_erfc", _f32(0.5) * v * erfc_expr(tirx.abs(v) * _f32(1.0 / math.sqrt(2.0)), bind),
+        lambda h: tirx.Select(v >= _f32(0.0), v - h, h), bind), bind)
 
 
 def numpy_erfc(a):

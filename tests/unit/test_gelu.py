@@ -10,6 +10,7 @@ from scipy.special import erf, erfc
 from tvm import te
 
 from dietserve.kernels.gelu import gelu_expr, numpy_erfc
+from tuner.ops import EPILOGUES, dense
 
 
 def test_erfc_approximation_is_within_float32_resolution_relatively() -> None:
@@ -17,10 +18,10 @@ def test_erfc_approximation_is_within_float32_resolution_relatively() -> None:
     assert (np.abs(numpy_erfc(a) / erfc(a) - 1) < 1.2e-7).all()  # float32's ulp is 1.2e-7 relative
 
 
-def _compiled_gelu(mcpu: str, length: int | None = None):
+def _compiled_gelu(mcpu: str, length: int | None = None, bind: bool = True):
     n = te.var("n", "int64") if length is None else length
     x = te.placeholder((n,), "float32", name="x")
-    y = te.compute((n,), lambda i: gelu_expr(x[i]), name="gelu")
+    y = te.compute((n,), lambda i: gelu_expr(x[i], bind), name="gelu")
     func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
     sch = tvm.s_tir.Schedule(func)
     (loop,) = sch.get_loops(sch.get_sblock("gelu"))
@@ -54,3 +55,22 @@ def test_compiled_gelu_is_float32_vector_code_without_libm() -> None:
     calls = [line for line in asm.splitlines() if line.strip().startswith("call")]
     assert not [call for call in calls if "erf" in call or "exp" in call]  # no libm call
     assert "vdivps\t%ymm" in asm and "pd\t" not in asm  # float32 vectors, nothing in float64
+
+
+def test_gelu_written_as_a_tree_computes_what_the_bound_form_does() -> None:
+    v = np.linspace(-12, 12, 48_001).astype(np.float32)
+    outputs = []
+    for bind in (True, False):
+        out = tvm.runtime.tensor(np.zeros_like(v))
+        _compiled_gelu("haswell", bind=bind)["main"](tvm.runtime.tensor(v), out)
+        outputs.append(out.numpy())
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_metaschedule_can_estimate_every_static_dense_operator() -> None:
+    # Its task scheduler estimates each workload's FLOPs first; a Let in the GELU made that
+    # raise, and the MetaSchedule baseline went without the GELU layer.
+    for epilogue in EPILOGUES:
+        func = dense(64, 48, epilogue).static({"T": 16})
+        flops = tvm.s_tir.analysis.estimate_tir_flops(tvm.IRModule({"main": func}))
+        assert flops >= 2 * 16 * 64 * 48, (epilogue, flops)
