@@ -42,31 +42,35 @@ def _horner(coefficients, t):
     return result
 
 
-def _let(name: str, value, body, bind: bool = True):
+def _let(name: str, value, body):
     """``body(x)`` with ``x`` bound to ``value`` once: an expression used several times stays one
-    node, where a tree would copy it into every use (the GELU's tree grew 12x the compile time).
-    ``bind=False`` writes ``value`` at each use instead: the same arithmetic (LLVM merges the
-    copies), for tools that cannot walk a ``Let`` (MetaSchedule's FLOP estimate)."""
-    if not bind:
-        return body(value)
+    node, where a tree would copy it into every use (the GELU's tree grew 12x the compile time)."""
     var = tirx.Var(name, "float32")
     return tirx.Let(var, value, body(var))
 
 
+def _inline(_name: str, value, body):
+    """``body(value)``: ``value`` written at each use, the same arithmetic as ``_let`` (LLVM
+    merges the copies), for tools that cannot walk a ``Let`` (MetaSchedule's FLOP estimate)."""
+    return body(value)
+
+
 def erfc_expr(a, bind: bool = True):
-    """erfc of a float32 TIR expression ``a >= 0``, vectorisable, relative error ~1e-7."""
-    return _let("erfc_a", a, lambda a: _let(
-        "erfc_t", _f32(1.0) / (_f32(1.0) + _f32(0.5) * a), lambda t: _let(
-            "erfc_exponent", _horner(ERFC_P, t) - a * a, lambda exponent: t * fast_exp(exponent), bind), bind),
-        bind)
+    """erfc of a float32 TIR expression ``a >= 0``, vectorisable, relative error ~1e-7;
+    ``bind``: shared subexpressions bound once (``_let``), else written as a tree (``_inline``)."""
+    let = _let if bind else _inline
+    return let("erfc_a", a, lambda a: let(
+        "erfc_t", _f32(1.0) / (_f32(1.0) + _f32(0.5) * a), lambda t: let(
+            "erfc_exponent", _horner(ERFC_P, t) - a * a, lambda exponent: t * fast_exp(exponent))))
 
 
 def gelu_expr(v, bind: bool = True):
     """0.5 * v * (1 + erf(v / sqrt(2))), as Relax's legalization defines it, in float32 vectors;
-    ``bind``: shared subexpressions bound once (``_let``), else written as a tree."""
-    return _let("gelu_v", v, lambda v: _let(
+    ``bind`` as for ``erfc_expr``."""
+    let = _let if bind else _inline
+    return let("gelu_v", v, lambda v: let(
         "gelu_half_v_erfc", _f32(0.5) * v * erfc_expr(tirx.abs(v) * _f32(1.0 / math.sqrt(2.0)), bind),
-        lambda h: tirx.Select(v >= _f32(0.0), v - h, h), bind), bind)
+        lambda h: tirx.Select(v >= _f32(0.0), v - h, h)))
 
 
 def numpy_erfc(a):
