@@ -11,10 +11,13 @@ product and epilogue expressions (as ``cpu_clamped.py`` does), not scheduled fro
                 for r, p, v: acc[r][p, v] += X[row(r), k] * Wp[panel + p, k, v]
             for r: if row r is real: out[row, cols] = epilogue(acc[r])   stored once, vectorised
 
-A symbolic row count is padded to whole ``mr`` tiles *locally*: a padded row reads the last
-real row of X (``min(i0 + r, T - 1)``, loop-invariant in k) and its results are never stored,
-so no copy of the activations is made and the inner loop is the same straight-line code for
-every T. Against the scheduled form this replaced (a padded copy of X, one accumulator buffer
+A row count that is not whole ``mr`` tiles ends in a *remainder tile*: the last row pass runs
+a tile of exactly the rows left (one of ``mr - 1`` shorter copies of the loop, chosen by a
+branch per pass, as a BLAS library's edge kernels are), so no padded row is computed and the
+inner loop is still straight-line code with no bound checks. Built without them
+(``REMAINDER_TILES``), the row count is padded to whole tiles *locally*: a padded row reads
+the last real row of X (``min(i0 + r, T - 1)``, loop-invariant in k) and its results are never
+stored. Against the scheduled form this replaced (a padded copy of X, one accumulator buffer
 for the whole tile), the same tiles ran 9-11% faster geomean (0.99-1.6x per point: five tiles of
 the 3072 -> 768 layer at T = 1..512, znver4, weights cached or streamed), and bert-base with the
 same plans 4-7% faster end to end (README, Benchmarks).
@@ -66,6 +69,9 @@ PACK_ROWS = True
 L1_SET_SPAN_BYTES = 4096
 L1_WAYS = 8  # the fewest of the x86 cores in view (AMD Zen: 32 KB, 8 ways; Intel: 48 KB, 12)
 PACK_CHUNK = 256  # reduction steps per job of the copy
+# The last row pass of a tile that does not divide T runs a tile of the rows left instead of
+# computing padded rows (``_Tile.passes``): T = 11 on a 9-row tile computes 11 rows, not 18.
+REMAINDER_TILES = True
 
 
 def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
@@ -155,6 +161,12 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
+def remainder_heights(mr: int) -> list[int]:
+    """The remainder tiles of an ``mr``-row tile, tallest first: each power of two below ``mr``
+    (any count of rows left, 1 .. mr - 1, is a sum of distinct ones)."""
+    return [1 << bit for bit in reversed(range((mr - 1).bit_length()))]
+
+
 def crowding_rows(mr: int, row_bytes: int) -> int | None:
     """The fewest of an ``mr``-row tile's rows, ``row_bytes`` apart, of which more share one L1
     set than it has ways (``L1_WAYS``); None where its rows never crowd a set."""
@@ -175,11 +187,48 @@ class _Tile:
         self.dtype = op.result.dtype
         # Rows past the end exist only when the row count is not known to be whole tiles.
         self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
+        # With remainder tiles every row a tile computes is real: no clamped reads, no guards.
+        self.exact = not self.padded or REMAINDER_TILES
+        self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
+        self.first = 0  # a remainder tile's first row within its row tile (the copy's layout)
+        self.remainder = False
         self.packed = None  # the row tiles' activations, k-major (``_packed_rows``), if copied
+
+    def row_tiles(self):
+        return (self.rows + (self.mr - 1)) // self.mr
+
+    def shorter(self, height: int, first) -> _Tile:
+        """This tile's rows ``first`` .. ``first + height - 1``: a remainder pass's tile."""
+        tile = copy.copy(self)
+        tile.mr, tile.first, tile.padded, tile.exact, tile.remainder = height, first, False, True, True
+        return tile
+
+    def passes(self, i0, body) -> None:
+        """``body(tile, accumulators, first row)`` for the row pass at ``i0``: this tile, or
+        where fewer than ``mr`` rows are left, remainder tiles of exactly those rows, one of
+        each power of two in their count (7 = 4 + 2 + 1), shortest last. They share this
+        tile's accumulators. One tile per count (1 .. mr - 1 rows) made TVM's buffer passes
+        take 5 s to build a 13-row kernel (FlattenBuffer, CompactBufferAllocation: they grow
+        with the code), 12x the kernel without; the powers of two add 15 rows of code, not 78."""
+        accs = self.accumulators()
+        if not (self.padded and REMAINDER_TILES):
+            body(self, accs, i0)
+            return
+        left = self.rows - i0
+        with T.If(left >= self.mr):
+            with T.Then():
+                body(self, accs, i0)
+            with T.Else():
+                for height in remainder_heights(self.mr):
+                    # the rows above ``height``'s bit went to the taller remainder tiles
+                    done = left - left % (2 * height)
+                    with T.If(left % (2 * height) >= height):
+                        with T.Then():
+                            body(self.shorter(height, done), accs[:height], i0 + done)
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
-        return tirx.min(i0 + r, self.rows - 1) if self.padded and r else i0 + r
+        return i0 + r if self.exact or not r else tirx.min(i0 + r, self.rows - 1)
 
     def accumulators(self) -> list:
         # Scope "global": TVM makes such small buffers stack allocas, which LLVM keeps in vector
@@ -212,7 +261,8 @@ class _Tile:
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
-            x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.mr + r]
+            x = None if self.packed is None else \
+                self.packed[(i0 - self.first) * self.op.extents[3] + k * self.stride + self.first + r]
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
                 acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
 
@@ -224,7 +274,7 @@ class _Tile:
                 T.buffer_store(self.op.out, self.op.finish(acc[p * self.panel + c], i0 + r, column),
                                [i0 + r, column])
 
-            if self.padded and r:
+            if not self.exact and r:
                 with T.If(i0 + r < self.rows):
                     with T.Then():
                         self.vectors(store)
@@ -235,15 +285,16 @@ class _Tile:
 def _packed_rows(tile: _Tile, loop, depth: int):
     """X's rows copied per row tile, k-major: row ``r`` of the tile at ``i0``, step ``k``, at
     ``i0 * depth + k * mr + r`` (padded rows repeat the last real one)."""
-    row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
+    row_tiles = tile.row_tiles()
     chunk = math.gcd(depth, PACK_CHUNK)
     chunks = depth // chunk
     packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.op.activation.source.dtype)
     with loop(0, row_tiles * chunks) as job:
         i0, k0 = job // chunks * tile.mr, job % chunks * chunk
         for r in range(tile.mr):
+            row = tirx.min(i0 + r, tile.rows - 1) if tile.padded and r else i0 + r
             with T.serial(0, chunk) as kk:
-                T.buffer_store(packed, tile.op.activation_at(tile.row(i0, r), k0 + kk),
+                T.buffer_store(packed, tile.op.activation_at(row, k0 + kk),
                                [i0 * depth + (k0 + kk) * tile.mr + r])
     return packed
 
@@ -298,7 +349,9 @@ class _NextBlock:
 def _reduce_fetching(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _NextBlock, when, unit) -> None:
     """The reduction, also fetching ``ahead`` where ``when`` holds (a row pass after the
     task's first, with a next block) and its units are enough for the block."""
-    if not PREFETCH_NEXT_BLOCK:
+    if not PREFETCH_NEXT_BLOCK or tile.remainder:
+        # (a remainder pass leaves its share of the block to the hardware: its own copy of the
+        # loop with the prefetches would add as much code again to every kernel)
         _reduce(tile, accs, i0, panel0, k_first, extent)
         return
     with T.If(tirx.all(when, ahead.enough())):
@@ -309,49 +362,54 @@ def _reduce_fetching(tile: _Tile, accs, i0, panel0, k_first, extent, ahead: _Nex
 
 
 def _whole_reduction(tile: _Tile, loop, blocks: int, nb: int, depth) -> None:
-    row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
+    row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with loop(0, blocks * row_tiles) as task:
         block, it = task // row_tiles, task % row_tiles
         with T.serial(0, groups) as group:
             panel0 = block * nb + group * tile.pk
-            accs = tile.accumulators()
-            tile.zero(accs)
-            _reduce_fetching(tile, accs, it * tile.mr, panel0, 0, depth,
-                             _NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)),
-                             tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
-            tile.finish(accs, it * tile.mr, panel0)
+
+            def row_pass(tile: _Tile, accs: list, i0) -> None:
+                tile.zero(accs)
+                _reduce_fetching(tile, accs, i0, panel0, 0, depth,
+                                 _NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)),
+                                 tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
+                tile.finish(accs, i0, panel0)
+
+            tile.passes(it * tile.mr, row_pass)
 
 
 def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) -> None:
-    row_tiles = (tile.rows + (tile.mr - 1)) // tile.mr
+    row_tiles = tile.row_tiles()
     last = int(depth) // kc - 1
     groups = nb // tile.pk
     with loop(0, blocks) as task:
         partial = T.alloc_buffer((row_tiles * tile.mr, nb * tile.panel), tile.dtype)
         with T.serial(0, last + 1) as ko:
             with T.serial(0, row_tiles) as it:
-                i0 = it * tile.mr
                 with T.serial(0, groups) as group:
                     panel0 = task * nb + group * tile.pk
                     column0 = group * tile.pk * tile.panel
-                    accs = tile.accumulators()
-                    with T.If(ko == 0):
-                        with T.Then():
-                            tile.zero(accs)
-                        with T.Else():
-                            tile.load(accs, partial, i0, column0)
-                    # Next: this task's next reduction block, or after its last the next task's first.
-                    ahead = _NextBlock(tile, row_tiles, tirx.Select(ko < last, task * nb, task * nb + nb), nb,
-                                       tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth))
-                    _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
-                                     tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
-                                     (it - 1) * groups + group)
-                    with T.If(ko == last):
-                        with T.Then():
-                            tile.finish(accs, i0, panel0)
-                        with T.Else():
-                            tile.save(accs, partial, i0, column0)
+
+                    def row_pass(tile: _Tile, accs: list, i0) -> None:
+                        with T.If(ko == 0):
+                            with T.Then():
+                                tile.zero(accs)
+                            with T.Else():
+                                tile.load(accs, partial, i0, column0)
+                        # Next: this task's next reduction block, or after its last the next task's first.
+                        ahead = _NextBlock(tile, row_tiles, tirx.Select(ko < last, task * nb, task * nb + nb), nb,
+                                           tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth))
+                        _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
+                                         tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
+                                         (it - 1) * groups + group)
+                        with T.If(ko == last):
+                            with T.Then():
+                                tile.finish(accs, i0, panel0)
+                            with T.Else():
+                                tile.save(accs, partial, i0, column0)
+
+                    tile.passes(it * tile.mr, row_pass)
 
 
-__all__ = ["apply_cpu_packed", "packed_tile", "crowding_rows"]
+__all__ = ["apply_cpu_packed", "packed_tile", "crowding_rows", "remainder_heights"]

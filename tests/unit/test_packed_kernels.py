@@ -12,7 +12,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.cpu_packed import crowding_rows, packed_tile
+from dietserve.kernels.cpu_packed import crowding_rows, packed_tile, remainder_heights
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.matching import ScheduleMismatch
 from dietserve.kernels.microkernel import MicroKernel
@@ -110,6 +110,26 @@ def test_padded_rows_are_never_stored(tile: tuple) -> None:
         assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
 
 
+@pytest.mark.parametrize("tile, depth", [((13, 16, 1, 1, 1), K), ((9, 16, 1, 1, 256), 1024)])
+def test_every_remainder_of_a_tall_tile_is_computed_exactly(tile: tuple, depth: int) -> None:
+    """A tall tile's last row pass runs remainder tiles (powers of two summing to the rows
+    left): every count of rows left, 0 .. mr - 1, before and after a whole tile, matches numpy
+    and writes nothing past the output; the 1024-deep case also reads the rows' k-major copy
+    and blocks its reduction."""
+    mr, panel, pk, groups, kc = tile
+    spec = dense(depth, 48, "bias_residual")
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
+    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    for length in range(1, 2 * mr + 1):
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
+        guarded = aligned_full((length + mr, 48), 7.0)
+        function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
+        np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=2e-4,
+                                   err_msg=f"{kernel} T={length}")
+        assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+
+
 def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
     spec = dense(K, N, "bias")
     assert weight_param(spec.func) == (1, K, N)
@@ -175,6 +195,12 @@ def step_broadcasts(asm: str) -> list[list[tuple[str, int]]]:
             for body in fma_loop_bodies(asm)]
 
 
+def in_place_rows(reads: list[tuple[str, int]]) -> bool:
+    """A step's broadcasts read X's rows where they lie: from several bases, or a row apart."""
+    offsets = [offset for _, offset in reads]
+    return len({base for base, _ in reads}) > 1 or max(offsets) - min(offsets) >= 4096
+
+
 def copied_rows(reads: list[tuple[str, int]], mr: int) -> bool:
     """A step's broadcasts read from one base, the rows' elements side by side."""
     offsets = sorted(offset for _, offset in reads)
@@ -200,8 +226,8 @@ def test_tiles_whose_rows_share_an_l1_set_read_a_k_major_copy(tile: tuple) -> No
     loops = step_broadcasts(tvm.compile(apply_kernel(spec.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
     copied = [reads for reads in loops if copied_rows(reads, mr)]
     assert copied and all(len(reads) == mr for reads in copied), loops
-    # and the in-place path (LLVM may merge a padded row's broadcast with the last real one's)
-    assert any(len({base for base, _ in reads}) > 1 for reads in loops), loops
+    # and the in-place path: the rows a whole row (4 KB) apart, or from separate bases
+    assert any(in_place_rows(reads) for reads in loops), loops
     shallow = dense(768, 48, "bias_residual")
     loops = step_broadcasts(tvm.compile(apply_kernel(shallow.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
     assert loops and not any(copied_rows(reads, mr) for reads in loops), loops  # read in place
@@ -217,8 +243,15 @@ def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
     # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step, fed by 3 panel loads and
     # 4 broadcasts, nothing spilled; the loop body has no compare besides the loop's own. The
     # row passes after a task's first run the same loop with one prefetch of the next block.
+    # The remainder tiles (2 and 1 rows, for T not a multiple of 4) are the same loop on fewer
+    # rows, which LLVM may unroll over a few steps: per step r x 3 FMAs, 3 loads, r broadcasts.
+    heights = set()
     for fmas, loads, broadcasts, stack, prefetches in loops:
-        assert fmas % 12 == 0 and stack == 0, loops
-        assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
-        assert prefetches in (0, fmas // 12), loops
-    assert {prefetches > 0 for *_, prefetches in loops} == {False, True}, loops
+        steps = loads // 3
+        rows = broadcasts // max(steps, 1)
+        assert stack == 0 and loads == 3 * steps and broadcasts == rows * steps, loops
+        assert 1 <= rows <= 4 and fmas == 3 * rows * steps and prefetches in (0, steps), loops
+        heights.add(rows)
+    assert heights == {4, *remainder_heights(4)} == {4, 2, 1}, loops
+    full = [prefetches > 0 for fmas, loads, broadcasts, stack, prefetches in loops if broadcasts == 4 * loads // 3]
+    assert set(full) == {False, True}, loops
