@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kernels.cpu_packed import computed_extent
 from .kernels.microkernel import MicroKernel
 from .kernels.plan import DEFAULT_VARIANT, KernelPlan, read_plans
 from .kernels.tree import TreeError, choose, evaluate_text
@@ -176,11 +177,10 @@ def _waste(kernel: MicroKernel | None, extents: dict[str, int] | None, axis: str
     if kernel is None or extents is None or axis not in extents or extents[axis] < 1:
         return None
     try:
-        tile = kernel.tile_of(axis)
+        computed = computed_extent(kernel, axis, extents[axis])
     except KeyError:
         return None
-    extent = extents[axis]
-    return 100.0 * (1.0 - extent / (math.ceil(extent / tile) * tile))
+    return 100.0 * (1.0 - extents[axis] / computed)
 
 
 def _usable(latency: object) -> bool:

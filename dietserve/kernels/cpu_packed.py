@@ -12,15 +12,12 @@ product and epilogue expressions (as ``cpu_clamped.py`` does), not scheduled fro
             for r: if row r is real: out[row, cols] = epilogue(acc[r])   stored once, vectorised
 
 A row count that is not whole ``mr`` tiles ends in a *remainder tile*: the last row pass runs
-a tile of exactly the rows left (one of ``mr - 1`` shorter copies of the loop, chosen by a
-branch per pass, as a BLAS library's edge kernels are), so no padded row is computed and the
-inner loop is still straight-line code with no bound checks. Built without them
-(``REMAINDER_TILES``), the row count is padded to whole tiles *locally*: a padded row reads
-the last real row of X (``min(i0 + r, T - 1)``, loop-invariant in k) and its results are never
-stored. Against the scheduled form this replaced (a padded copy of X, one accumulator buffer
-for the whole tile), the same tiles ran 9-11% faster geomean (0.99-1.6x per point: five tiles of
-the 3072 -> 768 layer at T = 1..512, znver4, weights cached or streamed), and bert-base with the
-same plans 4-7% faster end to end (README, Benchmarks).
+the shortest of a few shorter copies of the tile (``remainder_heights``: 1, 2, 4, 7, 10 rows)
+that holds the rows left, chosen by a branch per pass, as a BLAS library's edge kernels are;
+its few padded rows read the last real row of X (``min(i0 + r, T - 1)``, loop-invariant in k)
+and the epilogue runs on the real rows only, in a loop after it. So a short shape passes over
+the weight once, on a tile at most a third padding. Built without them (``REMAINDER_TILES``),
+the last pass computes the whole tile, its padded rows never stored.
 
 With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels over all rows: a
 ``kc``-deep block of its panels stays in L2 while every row tile passes over it, and partial
@@ -72,6 +69,7 @@ PACK_CHUNK = 256  # reduction steps per job of the copy
 # The last row pass of a tile that does not divide T runs a tile of the rows left instead of
 # computing padded rows (``_Tile.passes``): T = 11 on a 9-row tile computes 11 rows, not 18.
 REMAINDER_TILES = True
+REMAINDER_LADDER = (1, 2, 4, 7, 10)
 
 
 def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
@@ -162,9 +160,20 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
 
 
 def remainder_heights(mr: int) -> list[int]:
-    """The remainder tiles of an ``mr``-row tile, tallest first: each power of two below ``mr``
-    (any count of rows left, 1 .. mr - 1, is a sum of distinct ones)."""
-    return [1 << bit for bit in reversed(range((mr - 1).bit_length()))]
+    """The remainder tiles of an ``mr``-row tile, shortest first: the rows left (1 .. mr - 1)
+    run on the shortest that holds them (``mr`` itself, padded, past the ladder's tallest), so
+    at most a third of its rows are padding."""
+    return [height for height in REMAINDER_LADDER if height < mr] + [mr]
+
+
+def computed_extent(kernel: MicroKernel, axis: str, extent: int) -> int:
+    """How much of ``axis`` ``kernel`` computes for a shape ``extent`` long, padding included:
+    whole tiles, but a packed kernel's rows end in a remainder tile (``remainder_heights``)."""
+    tile = kernel.tile_of(axis)
+    if not (kernel.pack and axis == "i" and REMAINDER_TILES) or extent % tile == 0:
+        return -(-extent // tile) * tile
+    left = extent % tile
+    return extent - left + next(height for height in remainder_heights(tile) if height >= left)
 
 
 def crowding_rows(mr: int, row_bytes: int) -> int | None:
@@ -187,44 +196,53 @@ class _Tile:
         self.dtype = op.result.dtype
         # Rows past the end exist only when the row count is not known to be whole tiles.
         self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
-        # With remainder tiles every row a tile computes is real: no clamped reads, no guards.
+        # With remainder tiles a whole tile's rows are all real: no clamped reads, no guards.
         self.exact = not self.padded or REMAINDER_TILES
         self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
-        self.first = 0  # a remainder tile's first row within its row tile (the copy's layout)
-        self.remainder = False
+        self.remainder = False  # a remainder pass's tile (``passes``)
         self.packed = None  # the row tiles' activations, k-major (``_packed_rows``), if copied
 
     def row_tiles(self):
         return (self.rows + (self.mr - 1)) // self.mr
 
-    def shorter(self, height: int, first) -> _Tile:
-        """This tile's rows ``first`` .. ``first + height - 1``: a remainder pass's tile."""
-        tile = copy.copy(self)
-        tile.mr, tile.first, tile.padded, tile.exact, tile.remainder = height, first, False, True, True
-        return tile
-
-    def passes(self, i0, body) -> None:
-        """``body(tile, accumulators, first row)`` for the row pass at ``i0``: this tile, or
-        where fewer than ``mr`` rows are left, remainder tiles of exactly those rows, one of
-        each power of two in their count (7 = 4 + 2 + 1), shortest last. They share this
-        tile's accumulators. One tile per count (1 .. mr - 1 rows) made TVM's buffer passes
-        take 5 s to build a 13-row kernel (FlattenBuffer, CompactBufferAllocation: they grow
-        with the code), 12x the kernel without; the powers of two add 15 rows of code, not 78."""
+    def passes(self, i0, whole, remainder, finish_remainder) -> None:
+        """The row pass at ``i0``. Where ``mr`` rows are left: ``whole(tile, accumulators)``,
+        this tile. Else the shortest remainder tile (``remainder_heights``) holding the rows
+        left, ``remainder(tile, accumulators)``, which leaves its sums in memory, then
+        ``finish_remainder(left)`` applies the epilogue to the ``left`` real rows in one loop.
+        All share this tile's accumulators, and the remainder tiles one epilogue: with the
+        epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
+        the code: FlattenBuffer, CompactBufferAllocation)."""
         accs = self.accumulators()
         if not (self.padded and REMAINDER_TILES):
-            body(self, accs, i0)
+            whole(self, accs)
             return
         left = self.rows - i0
         with T.If(left >= self.mr):
             with T.Then():
-                body(self, accs, i0)
+                whole(self, accs)
             with T.Else():
+                below = 0
                 for height in remainder_heights(self.mr):
-                    # the rows above ``height``'s bit went to the taller remainder tiles
-                    done = left - left % (2 * height)
-                    with T.If(left % (2 * height) >= height):
+                    with T.If(tirx.all(left > below, left <= height)):
                         with T.Then():
-                            body(self.shorter(height, done), accs[:height], i0 + done)
+                            tile = copy.copy(self)
+                            # its padded rows (past ``left``) read the last real row, in place
+                            tile.mr, tile.exact, tile.remainder = height, height == 1, True
+                            remainder(tile, accs[:height])
+                    below = height
+                finish_remainder(left)
+
+    def finish_rows(self, sums, row0, column0, i0, panel0, count) -> None:
+        """The epilogue of ``count`` rows from ``i0``, their sums read from ``sums`` at
+        (``row0``, ``column0``): a loop over rows, vectorised along them."""
+        with T.serial(0, count) as r:
+            def store(p, c):
+                column = (panel0 + p) * self.panel + c
+                value = sums[row0 + r, column0 + p * self.panel + c]
+                T.buffer_store(self.op.out, self.op.finish(value, i0 + r, column), [i0 + r, column])
+
+            self.vectors(store)
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
@@ -261,8 +279,7 @@ class _Tile:
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
-            x = None if self.packed is None else \
-                self.packed[(i0 - self.first) * self.op.extents[3] + k * self.stride + self.first + r]
+            x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
                 acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
 
@@ -369,14 +386,27 @@ def _whole_reduction(tile: _Tile, loop, blocks: int, nb: int, depth) -> None:
         with T.serial(0, groups) as group:
             panel0 = block * nb + group * tile.pk
 
-            def row_pass(tile: _Tile, accs: list, i0) -> None:
+            i0 = it * tile.mr
+
+            def reduce(tile: _Tile, accs: list) -> None:
                 tile.zero(accs)
                 _reduce_fetching(tile, accs, i0, panel0, 0, depth,
                                  _NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)),
                                  tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
+
+            def whole(tile: _Tile, accs: list) -> None:
+                reduce(tile, accs)
                 tile.finish(accs, i0, panel0)
 
-            tile.passes(it * tile.mr, row_pass)
+            # a remainder tile's sums, for the epilogue loop (scope "global": a stack array)
+            sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
+                if tile.padded and REMAINDER_TILES else None
+
+            def remainder(tile: _Tile, accs: list) -> None:
+                reduce(tile, accs)
+                tile.save(accs, sums, 0, 0)
+
+            tile.passes(i0, whole, remainder, lambda left: tile.finish_rows(sums, 0, 0, i0, panel0, left))
 
 
 def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) -> None:
@@ -391,7 +421,9 @@ def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) 
                     panel0 = task * nb + group * tile.pk
                     column0 = group * tile.pk * tile.panel
 
-                    def row_pass(tile: _Tile, accs: list, i0) -> None:
+                    i0 = it * tile.mr
+
+                    def reduce(tile: _Tile, accs: list) -> None:
                         with T.If(ko == 0):
                             with T.Then():
                                 tile.zero(accs)
@@ -403,13 +435,25 @@ def _blocked_reduction(tile: _Tile, loop, blocks: int, nb: int, depth, kc: int) 
                         _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
                                          tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
                                          (it - 1) * groups + group)
+
+                    def whole(tile: _Tile, accs: list) -> None:
+                        reduce(tile, accs)
                         with T.If(ko == last):
                             with T.Then():
                                 tile.finish(accs, i0, panel0)
                             with T.Else():
                                 tile.save(accs, partial, i0, column0)
 
-                    tile.passes(it * tile.mr, row_pass)
+                    def remainder(tile: _Tile, accs: list) -> None:
+                        reduce(tile, accs)
+                        tile.save(accs, partial, i0, column0)  # (the partial sums hold whole tiles)
+
+                    def finish_remainder(left) -> None:
+                        with T.If(ko == last):
+                            with T.Then():
+                                tile.finish_rows(partial, i0, column0, i0, panel0, left)
+
+                    tile.passes(i0, whole, remainder, finish_remainder)
 
 
-__all__ = ["apply_cpu_packed", "packed_tile", "crowding_rows", "remainder_heights"]
+__all__ = ["apply_cpu_packed", "computed_extent", "crowding_rows", "packed_tile", "remainder_heights"]

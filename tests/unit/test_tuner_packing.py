@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dietserve.kernels.cpu_packed import computed_extent
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
@@ -36,8 +37,8 @@ STREAM_S = 3e-5  # the synthetic machine's pass over the weight
 class SyntheticMachine:
     """A kernel takes the longer of one pass over the weight and its compute: packs of 16 run
     1.5x the FLOP rate of packs of 24, and tiles of fewer than 4 rows run at ``mr / 4`` of it
-    (one row: 0.4; their loads bound them). At T = 1 only the weight pass counts for kernels of
-    1 or 2 rows; taller tiles compute padding rows."""
+    (one row: 0.4; their loads bound them). Rows are computed as the packed kernels compute
+    them: whole tiles, then a remainder tile (``computed_extent``), whose padding counts."""
 
     def __init__(self) -> None:
         self.jobs: list[dict] = []
@@ -50,7 +51,7 @@ class SyntheticMachine:
         if kernel is None:
             return 1e-3 * rows
         mr = kernel.tile_sizes("i")[0]
-        padded = -(-rows // mr) * mr
+        padded = computed_extent(kernel, "i", rows)
         rate = (1.5 if kernel.pack == 16 else 1.0) * (0.4 if mr == 1 else min(1.0, mr / 4))
         return max(STREAM_S, 1e-5 * padded / rate) * (1 + 0.01 * kernel.tile_sizes("j")[2])
 
@@ -147,8 +148,9 @@ def test_no_estimate_goes_below_the_smallest_shapes_best() -> None:
     estimate = nearest_measured_estimates(task, measured, {}, cores=2)
     assert estimate(tall, {"T": 64}) == 16e-5  # measured: as measured
     assert estimate(tall, {"T": 8}) == 3e-5  # carried over: 2e-5, below the floor
-    # Below the smallest measured shape no floor is known: 1/32 of the FLOPs, in a tile half padded.
-    assert estimate(tall, {"T": 2}) == pytest.approx(16e-5 / 32 * 2)
+    # Below the smallest measured shape no floor is known: 1/32 of the FLOPs, at the same rate
+    # (the 4-row tile runs T = 2 on its 2-row remainder tile, no padded row).
+    assert estimate(tall, {"T": 2}) == pytest.approx(16e-5 / 32)
     assert estimate(tall, {"T": 128}) > 16e-5
 
 
@@ -289,13 +291,13 @@ def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_pat
 
 
 def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
-    """A 4-row tile measured only at T = 1 (3 of its 4 rows padding), carried to T = 4 by
-    f_adapt, would run 4x its measured rate; nothing measured ran faster than that rate, so the
-    estimate keeps it: 4x the T = 1 latency, not the T = 1 latency."""
+    """A 13-row tile measured only at T = 8 (run on its 10-row remainder tile, 2 rows padding),
+    carried to T = 10 by f_adapt, would run 1.25x its measured rate; nothing measured ran faster
+    than that rate, so the estimate keeps it: 10/8 of the T = 8 latency, not the T = 8 latency."""
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
-    tall = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
-    estimate = nearest_measured_estimates(task, {shape_key({"T": 1}): {tall: 3e-5}}, {}, cores=2)
-    assert estimate(tall, {"T": 4}) == pytest.approx(4 * 3e-5)
+    tall = MicroKernel(tile=(("i", (13,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    estimate = nearest_measured_estimates(task, {shape_key({"T": 8}): {tall: 3e-5}}, {}, cores=2)
+    assert estimate(tall, {"T": 10}) == pytest.approx(10 / 8 * 3e-5)
     # Once something ran faster, the carry may go up to that rate.
-    faster = {shape_key({"T": 1}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 4}}
-    assert nearest_measured_estimates(task, faster, {}, cores=2)(tall, {"T": 4}) == pytest.approx(3e-5)
+    faster = {shape_key({"T": 8}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 10}}
+    assert nearest_measured_estimates(task, faster, {}, cores=2)(tall, {"T": 10}) == pytest.approx(3e-5)

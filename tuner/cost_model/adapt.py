@@ -3,7 +3,8 @@
 A micro-kernel's throughput on a shape is its shape-independent throughput (f_microkernel,
 learned) times two analytic penalties:
 - padding efficiency: shapes are padded up to whole tiles, and the padded work is wasted:
-  prod over axes of S / (ceil(S / t) * t);
+  prod over axes of S / (ceil(S / t) * t) (a packed kernel's last row pass runs a shorter
+  remainder tile: ``cpu_packed.computed_extent``);
 - core occupancy: instances run in waves over the cores (SMs on a GPU); a last, partial wave
   leaves cores idle: P / (ceil(P / cores) * cores) for P instances.
 """
@@ -13,16 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from dietserve.kernels.cpu_packed import computed_extent
 from dietserve.kernels.microkernel import MicroKernel
 
 
 def padding_efficiency(shape: Mapping[str, int], kernel: MicroKernel, axes: Iterable[str]) -> float:
     efficiency = 1.0
     for axis in axes:
-        extent, tile = shape[axis], kernel.tile_of(axis)
+        extent = shape[axis]
         if extent < 1:
             raise ValueError(f"shape extent of {axis!r} must be positive, got {extent}")
-        efficiency *= extent / (math.ceil(extent / tile) * tile)
+        efficiency *= extent / computed_extent(kernel, axis, extent)
     return efficiency
 
 
