@@ -246,7 +246,11 @@ class _Tile:
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
-        return i0 + r if self.exact or not r else tirx.min(i0 + r, self.rows - 1)
+        return i0 + r if self.exact else self.clamped_row(i0, r)
+
+    def clamped_row(self, i0, r):
+        """Row ``i0 + r`` of X, or its last row where the tile may run past it."""
+        return tirx.min(i0 + r, self.rows - 1) if self.padded and r else i0 + r
 
     def accumulators(self) -> list:
         # Scope "global": TVM makes such small buffers stack allocas, which LLVM keeps in vector
@@ -309,9 +313,8 @@ def _packed_rows(tile: _Tile, loop, depth: int):
     with loop(0, row_tiles * chunks) as job:
         i0, k0 = job // chunks * tile.mr, job % chunks * chunk
         for r in range(tile.mr):
-            row = tirx.min(i0 + r, tile.rows - 1) if tile.padded and r else i0 + r
             with T.serial(0, chunk) as kk:
-                T.buffer_store(packed, tile.op.activation_at(row, k0 + kk),
+                T.buffer_store(packed, tile.op.activation_at(tile.clamped_row(i0, r), k0 + kk),
                                [i0 * depth + (k0 + kk) * tile.mr + r])
     return packed
 
