@@ -1,0 +1,136 @@
+"""The packed GEMM kernel's loop nests (``cpu_packed.py``): the tasks and row passes of the
+whole and the blocked reduction, and the k-major copy of crowding rows."""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from .packed_prefetch import NextBlock
+from .packed_tile import Tile
+
+PACK_CHUNK = 256  # reduction steps per job of the copy
+
+
+def packed_rows(tile: Tile, loop, depth: int):
+    """X's rows copied per row tile, k-major: row ``r`` of the tile at ``i0``, step ``k``, at
+    ``i0 * depth + k * mr + r`` (padded rows repeat the last real one)."""
+    row_tiles = tile.row_tiles()
+    chunk = math.gcd(depth, PACK_CHUNK)
+    chunks = depth // chunk
+    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.op.activation.source.dtype)
+    with loop(0, row_tiles * chunks) as job:
+        i0, k0 = job // chunks * tile.mr, job % chunks * chunk
+        for r in range(tile.mr):
+            with T.serial(0, chunk) as kk:
+                T.buffer_store(packed, tile.op.activation_at(tile.clamped_row(i0, r), k0 + kk),
+                               [i0 * depth + (k0 + kk) * tile.mr + r])
+    return packed
+
+
+def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0) -> None:
+    """``accs`` += the tile's products over reduction steps ``k_first`` .. ``+ extent - 1``;
+    with ``ahead``, step ``kk`` also fetches a line of the next block (``NextBlock.prefetch``)."""
+    with T.serial(0, extent) as kk:
+        tile.multiply_add(accs, i0, panel0, k_first + kk)
+        if ahead is not None:
+            ahead.prefetch(unit, kk)
+
+
+def _reduce_fetching(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None, when, unit) -> None:
+    """The reduction, also fetching ``ahead`` (None: no prefetches) where ``when`` holds (a
+    row pass after the task's first, with a next block) and its units are enough for the block."""
+    if ahead is None or tile.remainder:
+        # (a remainder pass leaves its share of the block to the hardware: its own copy of the
+        # loop with the prefetches would add as much code again to every kernel)
+        _reduce(tile, accs, i0, panel0, k_first, extent)
+        return
+    with T.If(tirx.all(when, ahead.enough())):
+        with T.Then():
+            _reduce(tile, accs, i0, panel0, k_first, extent, ahead, unit)
+        with T.Else():
+            _reduce(tile, accs, i0, panel0, k_first, extent)
+
+
+def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: bool) -> None:
+    """Each task: one row tile over ``nb`` panels, the whole reduction in registers."""
+    row_tiles = tile.row_tiles()
+    groups = nb // tile.pk
+    with loop(0, blocks * row_tiles) as task:
+        block, it = task // row_tiles, task % row_tiles
+        with T.serial(0, groups) as group:
+            panel0 = block * nb + group * tile.pk
+
+            i0 = it * tile.mr
+
+            def reduce(tile: Tile, accs: list) -> None:
+                tile.zero(accs)
+                ahead = NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)) if prefetch else None
+                _reduce_fetching(tile, accs, i0, panel0, 0, depth, ahead,
+                                 tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
+
+            def whole(tile: Tile, accs: list) -> None:
+                reduce(tile, accs)
+                tile.finish(accs, i0, panel0)
+
+            # a remainder tile's sums, for the epilogue loop (scope "global": a stack array)
+            sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
+                if tile.remainder_tiles else None
+
+            def remainder(tile: Tile, accs: list) -> None:
+                reduce(tile, accs)
+                tile.save(accs, sums, 0, 0)
+
+            tile.passes(i0, whole, remainder, lambda left: tile.finish_rows(sums, 0, 0, i0, panel0, left))
+
+
+def blocked_reduction(tile: Tile, loop, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
+    """Each task: ``nb`` panels over every row tile, the reduction in ``kc``-deep blocks (the
+    block stays in L2 while the row tiles pass over it), partial sums in the task's workspace."""
+    row_tiles = tile.row_tiles()
+    last = int(depth) // kc - 1
+    groups = nb // tile.pk
+    with loop(0, blocks) as task:
+        partial = T.alloc_buffer((row_tiles * tile.mr, nb * tile.panel), tile.dtype)
+        with T.serial(0, last + 1) as ko:
+            with T.serial(0, row_tiles) as it:
+                with T.serial(0, groups) as group:
+                    panel0 = task * nb + group * tile.pk
+                    column0 = group * tile.pk * tile.panel
+
+                    i0 = it * tile.mr
+
+                    def reduce(tile: Tile, accs: list) -> None:
+                        with T.If(ko == 0):
+                            with T.Then():
+                                tile.zero(accs)
+                            with T.Else():
+                                tile.load(accs, partial, i0, column0)
+                        # Next: this task's next reduction block, or after its last the next task's first.
+                        ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task * nb, task * nb + nb), nb,
+                                           tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
+                            if prefetch else None
+                        _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
+                                         tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
+                                         (it - 1) * groups + group)
+
+                    def whole(tile: Tile, accs: list) -> None:
+                        reduce(tile, accs)
+                        with T.If(ko == last):
+                            with T.Then():
+                                tile.finish(accs, i0, panel0)
+                            with T.Else():
+                                tile.save(accs, partial, i0, column0)
+
+                    def remainder(tile: Tile, accs: list) -> None:
+                        reduce(tile, accs)
+                        tile.save(accs, partial, i0, column0)  # (the partial sums hold whole tiles)
+
+                    def finish_remainder(left) -> None:
+                        with T.If(ko == last):
+                            with T.Then():
+                                tile.finish_rows(partial, i0, column0, i0, panel0, left)
+
+                    tile.passes(i0, whole, remainder, finish_remainder)

@@ -1,0 +1,49 @@
+"""Prefetching the weight block a packed GEMM task reads next (``cpu_packed.py``), spread over
+the task's later row passes, one cache line per reduction step."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from .packed_tile import Tile
+
+CACHE_LINE_BYTES = 64
+
+
+class NextBlock:
+    """The weight block a task reads next (``panels`` panels from ``first_panel``, reduction
+    steps ``k0`` .. ``+ span - 1``), fetched while the task's later row passes compute on the
+    current one, one line per step.
+
+    A panel's part of the block is a contiguous run of ``per_run`` x ``span`` lines. The
+    (pass, register tile) units of the later passes take a panel's run ``span`` lines at a
+    time, in order: unit ``u`` fetches lines ``(u % per_run) * span`` .. ``+ span - 1`` of
+    panel ``u // per_run``, so in the FMA loop the address steps by a line (the division is
+    per unit). Over the whole reduction that is the block in memory order, one stream.
+
+    Only where those units are enough for the block (``enough``): a row tile reads
+    ``per_step`` lines a step, so that takes ``per_step`` passes after the first. Fetching
+    faster, to cover the block in fewer passes, ran slower than not fetching at all (bert-base
+    seq 13 and 20 at 0.89x and 0.92x end to end): the stream then competes with the current
+    block's loads."""
+
+    def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int):
+        self.tile, self.row_tiles, self.first_panel, self.panels, self.k0, self.span, self.depth = \
+            tile, row_tiles, first_panel, panels, k0, span, depth
+        self.line = CACHE_LINE_BYTES // (tile.dtype.bits // 8)  # elements per cache line
+        self.per_run = -(-tile.panel // self.line)  # lines per step of one panel
+        self.run_lines = -(-span * tile.panel // self.line)
+        self.per_step = tile.pk * self.per_run
+
+    def enough(self) -> tirx.Expr:
+        return self.row_tiles - 1 >= self.per_step
+
+    def prefetch(self, unit, step) -> None:
+        """Line ``step`` of ``unit``'s share (past the block's end: a line of its last run)."""
+        panel = tirx.min(unit // self.per_run, self.panels - 1)
+        line = tirx.min(unit % self.per_run * self.span + step, self.run_lines - 1)
+        element = ((self.first_panel + panel) * self.depth + self.k0) * self.tile.panel + line * self.line
+        # (address, read, keep in every cache level, data cache)
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                         T.address_of(self.tile.op.flat_weight[element]), 0, 3, 1))

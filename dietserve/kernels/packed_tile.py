@@ -1,0 +1,186 @@
+"""The packed GEMM kernel's register tile (``cpu_packed.py``): the operator's expressions and
+the code of one ``mr x (pk * panel)`` tile: accumulators, multiply-adds, epilogue, and the
+remainder tiles a last row pass with fewer rows runs instead (``Tile.passes``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from .matching import ScheduleMismatch
+from .tir_rebuild import MatmulExpressions, rebuild
+
+REMAINDER_LADDER = (1, 2, 4, 7, 10)
+
+
+def remainder_heights(mr: int) -> list[int]:
+    """The remainder tiles of an ``mr``-row tile, shortest first: the rows left (1 .. mr - 1)
+    run on the shortest that holds them (``mr`` itself, padded, past the ladder's tallest), so
+    at most a third of its rows are padding."""
+    return [height for height in REMAINDER_LADDER if height < mr] + [mr]
+
+
+class PackedOperator(MatmulExpressions):
+    """The packed dense layer's product and epilogue as expressions of (row, panel, lane, k)
+    and (row, column)."""
+
+    def __init__(self, func: tirx.PrimFunc):
+        super().__init__(func)
+        if len(self.iter_vars) != 4:
+            raise ScheduleMismatch("expected a packed dense layer: rows, panels, panel columns, reduction")
+        if self.epilogue is None:
+            raise ScheduleMismatch("a packed kernel needs an epilogue to write the unpacked output")
+        if len(self.out_vars) != 2:
+            raise ScheduleMismatch("the epilogue is not one element-wise store over (rows, columns)")
+        weights, others = [], []
+        rebuild(self.product, {}, on_load=lambda load: (weights if len(load.indices) == 3 else others).append(load))
+        if len(weights) != 1:
+            raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
+        self.weight = weights[0].source
+        # The activation X[row, k], when the product reads one: what ``packed_rows`` copies.
+        self.activation = others[0] if len(others) == 1 and len(others[0].indices) == 2 else None
+        # The weight as one array, for the prefetches: their addresses then step by a constant.
+        size = math.prod(int(extent) for extent in self.weight.shape)
+        self.flat_weight = tirx.decl_buffer((size,), self.weight.dtype, "weight_flat", data=self.weight.data)
+
+    def term(self, row, panel, lane, k, activation=None) -> tirx.Expr:
+        """The product at (row, panel, lane, k); ``activation``: X[row, k] read from elsewhere."""
+        loads = {} if activation is None else {self.activation.source: activation}
+        return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)), loads)
+
+    def activation_at(self, row, k) -> tirx.Expr:
+        return rebuild(self.activation, {self.iter_vars[0]: row, self.iter_vars[3]: k})
+
+    def finish(self, value, row, column) -> tirx.Expr:
+        return rebuild(self.epilogue, dict(zip(self.out_vars, [row, column], strict=True)), {self.result: value})
+
+
+
+class Tile:
+    """One ``mr x (pk * panel)`` register tile's code: accumulators, FMAs, stores."""
+
+    def __init__(self, op: PackedOperator, mr: int, panel: int, pk: int, lanes: int, rows, remainder_tiles: bool):
+        self.op, self.mr, self.panel, self.pk, self.lanes, self.rows = op, mr, panel, pk, lanes, rows
+        self.dtype = op.result.dtype
+        # Rows past the end exist only when the row count is not known to be whole tiles.
+        self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
+        # Whether the last row pass runs a remainder tile (``passes``) or the whole tile, padded.
+        self.remainder_tiles = self.padded and remainder_tiles
+        # With remainder tiles a whole tile's rows are all real: no clamped reads, no guards.
+        self.exact = not self.padded or remainder_tiles
+        self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
+        self.remainder = False  # a remainder pass's tile (``remainder_tile``)
+        self.packed = None  # the row tiles' activations, k-major (``packed_rows``), if copied
+
+    def row_tiles(self):
+        return (self.rows + (self.mr - 1)) // self.mr
+
+    def passes(self, i0, whole, remainder, finish_remainder) -> None:
+        """The row pass at ``i0``. Where ``mr`` rows are left: ``whole(tile, accumulators)``,
+        this tile. Else the shortest remainder tile (``remainder_heights``) holding the rows
+        left, ``remainder(tile, accumulators)``, which leaves its sums in memory, then
+        ``finish_remainder(left)`` applies the epilogue to the ``left`` real rows in one loop.
+        All share this tile's accumulators, and the remainder tiles one epilogue: with the
+        epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
+        the code: FlattenBuffer, CompactBufferAllocation)."""
+        accs = self.accumulators()
+        if not self.remainder_tiles:
+            whole(self, accs)
+            return
+        left = self.rows - i0
+        with T.If(left >= self.mr):
+            with T.Then():
+                whole(self, accs)
+            with T.Else():
+                below = 0
+                for height in remainder_heights(self.mr):
+                    with T.If(tirx.all(left > below, left <= height)):
+                        with T.Then():
+                            remainder(self.remainder_tile(height), accs[:height])
+                    below = height
+                finish_remainder(left)
+
+    def remainder_tile(self, height: int) -> Tile:
+        """This tile cut to its first ``height`` rows, for a last pass with fewer rows left:
+        its padded rows (past the rows left) read the last real row, in place."""
+        tile = copy.copy(self)
+        tile.mr, tile.exact, tile.remainder = height, height == 1, True
+        return tile
+
+    def with_rows_copied(self, packed) -> Tile:
+        """This tile reading its rows from ``packed``, the k-major copy of ``packed_rows``."""
+        tile = copy.copy(self)
+        tile.packed = packed
+        return tile
+
+    def finish_rows(self, sums, row0, column0, i0, panel0, count) -> None:
+        """The epilogue of ``count`` rows from ``i0``, their sums read from ``sums`` at
+        (``row0``, ``column0``): a loop over rows, vectorised along them."""
+        with T.serial(0, count) as r:
+            def store(p, c):
+                column = (panel0 + p) * self.panel + c
+                value = sums[row0 + r, column0 + p * self.panel + c]
+                T.buffer_store(self.op.out, self.op.finish(value, i0 + r, column), [i0 + r, column])
+
+            self.vectors(store)
+
+    def row(self, i0, r):
+        """The X row tile row ``r`` reads: a padded row repeats the last real one."""
+        return i0 + r if self.exact else self.clamped_row(i0, r)
+
+    def clamped_row(self, i0, r):
+        """Row ``i0 + r`` of X, or its last row where the tile may run past it."""
+        return tirx.min(i0 + r, self.rows - 1) if self.padded and r else i0 + r
+
+    def accumulators(self) -> list:
+        # Scope "global": TVM makes such small buffers stack allocas, which LLVM keeps in vector
+        # registers with the prefetches in the loop; "local" ones it then kept in memory (the
+        # 3072 -> 768 layer at T = 31 ran 2.7x slower).
+        return [T.alloc_buffer((self.pk * self.panel,), self.dtype, scope="global") for _ in range(self.mr)]
+
+    def vectors(self, body) -> None:
+        """``body(p, offset)`` for every vector of the tile row: offset = lanes within panel p."""
+        for p in range(self.pk):
+            for v in range(self.panel // self.lanes):
+                with T.vectorized(0, self.lanes) as lane:
+                    body(p, v * self.lanes + lane)
+
+    def zero(self, accs) -> None:
+        zero = tirx.const(0, self.dtype)
+        for acc in accs:
+            self.vectors(lambda p, c, acc=acc: T.buffer_store(acc, zero, [p * self.panel + c]))
+
+    def load(self, accs, partial, i0, column0) -> None:
+        for r, acc in enumerate(accs):
+            self.vectors(lambda p, c, r=r, acc=acc: T.buffer_store(
+                acc, partial[i0 + r, column0 + p * self.panel + c], [p * self.panel + c]))
+
+    def save(self, accs, partial, i0, column0) -> None:
+        for r, acc in enumerate(accs):
+            self.vectors(lambda p, c, r=r, acc=acc: T.buffer_store(
+                partial, acc[p * self.panel + c], [i0 + r, column0 + p * self.panel + c]))
+
+    def multiply_add(self, accs, i0, panel0, k) -> None:
+        for r, acc in enumerate(accs):
+            row = self.row(i0, r)
+            x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
+            self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
+                acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
+
+    def finish(self, accs, i0, panel0) -> None:
+        """The epilogue of each real row, stored once: a padded row is never written."""
+        for r, acc in enumerate(accs):
+            def store(p, c, r=r, acc=acc):
+                column = (panel0 + p) * self.panel + c
+                T.buffer_store(self.op.out, self.op.finish(acc[p * self.panel + c], i0 + r, column),
+                               [i0 + r, column])
+
+            if not self.exact and r:
+                with T.If(i0 + r < self.rows):
+                    with T.Then():
+                        self.vectors(store)
+            else:
+                self.vectors(store)
