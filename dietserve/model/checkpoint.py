@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from .bert import BertModel, PoolingOptions, transposed_weight_names
+from .bert import BertModel, PoolingOptions, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
 
 # Prefixes under which task heads (BertForMaskedLM, ...) nest the encoder.
@@ -72,16 +72,23 @@ def _canonical_name(name: str) -> str:
 def load_parameters(
     checkpoint: Checkpoint, model: BertModel, expected: list[tuple[str, tuple[int, ...]]]
 ) -> dict[str, np.ndarray]:
-    """Read the checkpoint's tensors, rename, transpose linear weights and check every shape."""
+    """Read the checkpoint's tensors, rename, transpose linear weights, concatenate the ones a
+    layer computes side by side (the query, key and value projections) and check every shape."""
     raw = {_canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
     transposed = transposed_weight_names(model)
+    sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}
     for name, shape in expected:
-        if name not in raw:
-            raise CheckpointError(f"{checkpoint.weights_file} has no tensor {name!r}")
-        tensor = raw[name].astype(np.float32, copy=False)
-        if name in transposed:
-            tensor = tensor.T
+        tensors = []
+        for part in sources[name]:
+            if part not in raw:
+                raise CheckpointError(f"{checkpoint.weights_file} has no tensor {part!r}")
+            tensor = raw[part].astype(np.float32, copy=False)
+            tensors.append(tensor.T if name in transposed else tensor)
+        if len({t.shape[:-1] for t in tensors}) > 1:
+            raise CheckpointError(f"tensors {list(sources[name])} have shapes {[t.shape for t in tensors]}: "
+                                  "they do not stack side by side")
+        tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors, axis=-1)
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {shape}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from .bert import BertModel, PoolingOptions, export_relax, transposed_weight_names
+from .bert import BertModel, PoolingOptions, checkpoint_parts, export_relax, transposed_weight_names
 from .config import BERT_BASE, BertConfig
 
 DEFAULT_MODEL = "default"
@@ -47,16 +47,20 @@ def random_hf_weights(config: BertConfig, seed: int, std: float = 0.02) -> dict[
     model = BertModel(config, PoolingOptions())
     _, parameters = export_relax(model, max_batch=1)
     transposed = transposed_weight_names(model)
+    sources = checkpoint_parts(model)
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
     for name, shape in parameters:
-        if name.endswith("LayerNorm.weight"):
-            tensor = 1.0 + 0.02 * rng.standard_normal(shape)
-        else:
-            tensor = std * rng.standard_normal(shape)
-        if name in transposed:
-            tensor = tensor.T  # checkpoints store linear weights [out, in]
-        weights[name] = np.ascontiguousarray(tensor, dtype=np.float32)
+        parts = sources[name]  # the checkpoint's tensors, side by side along our last axis
+        shape = (*shape[:-1], shape[-1] // len(parts))
+        for part in parts:
+            if name.endswith("LayerNorm.weight"):
+                tensor = 1.0 + 0.02 * rng.standard_normal(shape)
+            else:
+                tensor = std * rng.standard_normal(shape)
+            if name in transposed:
+                tensor = tensor.T  # checkpoints store linear weights [out, in]
+            weights[part] = np.ascontiguousarray(tensor, dtype=np.float32)
     return weights
 
 

@@ -170,7 +170,7 @@ def test_packed_weight_kernels_match_transformers_and_pack_once_at_load(minilm_t
     loaded = load_artifact(artifact)
     stored = {name: shape for name, shape in manifest.parameters}
     packed_shapes = [list(p.shape) for p in loaded.params if len(p.shape) == 3]
-    assert len(packed_shapes) == 6 * 6  # every layer's six dense weights, packed once at load
+    assert len(packed_shapes) == 6 * 4  # every layer's four dense weights (q/k/v in one), packed once at load
     assert all(shape[2] == 3 * LANES for shape in packed_shapes)
     assert len(loaded.params) < len(stored) + 1  # the unpacked copies are not kept besides
     engine = Engine(loaded)
@@ -183,7 +183,7 @@ def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact
     assert {entry["workload"] for entry in manifest.dispatch.values()} == {t.workload for t in minilm_tasks.tasks}
     dense = [e for e in manifest.dispatch.values() if e["tree"].get("var") == "batch * seq_len"]
     assert dense and all(sorted(e["variants"]) == sorted(VARIANTS) and e["plan"] for e in dense)
-    assert sum(e["calls"] for e in dense) == 6 * 6  # q, k, v, attention output, intermediate, output per layer
+    assert sum(e["calls"] for e in dense) == 6 * 4  # q/k/v (one), attention output, intermediate, output per layer
     assert all(not name.startswith(("reshape", "cast")) for name in manifest.dispatch)
     # attention's scores and softmax became one kernel, one call per layer
     fused = [e for name, e in manifest.dispatch.items() if name.endswith(FUSED_SUFFIX)]

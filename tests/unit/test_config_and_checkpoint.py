@@ -55,9 +55,13 @@ def test_linear_weights_are_transposed_and_prefixes_stripped(tmp_path: Path) -> 
     model = BertModel(TINY, PoolingOptions())
     _, expected = export_relax(model, max_batch=2)
     params = load_parameters(checkpoint, model, expected)
-    query = "encoder.layer.0.attention.self.query.weight"
-    assert query in transposed_weight_names(model)
-    np.testing.assert_array_equal(params[query], hf[query].T)
+    qkv = "encoder.layer.0.attention.self.qkv.weight"
+    assert qkv in transposed_weight_names(model)
+    layer = "encoder.layer.0.attention.self"
+    np.testing.assert_array_equal(  # the query, key and value projections side by side, [in, 3 * out]
+        params[qkv], np.concatenate([hf[f"{layer}.{part}.weight"].T for part in ("query", "key", "value")], axis=1))
+    np.testing.assert_array_equal(
+        params[f"{layer}.qkv.bias"], np.concatenate([hf[f"{layer}.{part}.bias"] for part in ("query", "key", "value")]))
     np.testing.assert_array_equal(params["embeddings.LayerNorm.weight"], hf["embeddings.LayerNorm.weight"])
 
 
