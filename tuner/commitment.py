@@ -154,6 +154,10 @@ class PlanCommitment:
             exact = [k for k in tiles if k.tile_sizes("i")[0] == count]
             if shape is None or not exact or any(k in exact for k in tuner.measured.get(shape_key(shape), {})):
                 continue
+            # A single pass is to keep the memory bus busy: a tile on every core, where the
+            # space has one (one core's tiles measured alone ran 2x slower, and the plan's rule
+            # then had only them: ``dispatch.SINGLE_PASS_SLACK``).
+            exact = [k for k in exact if k.threads != 1] or exact
             probes.append((self._by_prediction(exact, shape)[0], shape))
         return probes
 

@@ -42,6 +42,12 @@ SMALL_REGIME_GAIN = 1.2
 # here, 0.40-0.50 and 0.44 for the 768->3072 layer); at T = 16-28 the best height changed from
 # length to length, 5-15% ahead, the noise of that size.
 SINGLE_PASS_ROWS = 13
+# The rule holds where a covering kernel is estimated (weight in cache) at most this much slower
+# than the fastest kernel there: the largest gain a single pass showed from DRAM above was 1.28x
+# (0.40 against 0.51 ms). A covering kernel further behind is not worth a pass saved: a tune of
+# the 768 -> 2304 layer had measured only one-core 10- to 13-row tiles (0.31-0.41 ms, 2x the
+# two-core 8-row tile's estimate), and the rule sent T = 9-13 to them: 0.88-0.92x end to end.
+SINGLE_PASS_SLACK = 1.3
 # Layouts whose plans' weighted slowdowns are this close are a tie: the measurements cannot tell
 # them apart (repeated timings of one kernel differ by 1-3%). The tie goes to the layout whose
 # tiles cover more short shapes' rows in one pass, a gain the weight in cache hides: a tune put
@@ -162,24 +168,28 @@ def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], s
 def _single_pass_variants(group: Sequence[Variant], chosen: Sequence[Variant], shapes: Sequence[dict],
                           rows: Sequence[int], estimate: Estimate) -> list[Variant]:
     """For each shape of 2 to ``SINGLE_PASS_ROWS`` rows no chosen variant covers in one pass,
-    the group's kernel estimated fastest there among those that do (and have an estimate)."""
+    the group's kernel estimated fastest there among those that do (and have an estimate), if
+    within ``SINGLE_PASS_SLACK`` of the fastest kernel there."""
     added: list[Variant] = []
     for shape, count in zip(shapes, rows, strict=True):
         if not 1 < count <= SINGLE_PASS_ROWS or any(covers_in_one_pass(v, count) for v in [*chosen, *added]):
             continue
         covering = [(estimate(k, shape), i) for i, k in enumerate(group) if covers_in_one_pass(k, count)]
         covering = [(latency, i) for latency, i in covering if math.isfinite(latency)]
-        if covering:
+        fastest = min(estimate(k, shape) for k in [*group, *chosen])
+        if covering and min(covering)[0] <= SINGLE_PASS_SLACK * fastest:
             added.append(group[min(covering)[1]])
     return added
 
 
 def _forbid_extra_passes(cost: np.ndarray, variants: Sequence[Variant], rows: Sequence[int]) -> None:
     """``inf`` for a packed variant on a shape of at most ``SINGLE_PASS_ROWS`` rows that it
-    would pass over the weight more than once for, where a variant allowed there covers the rows."""
+    would pass over the weight more than once for, where a variant allowed there covers the rows
+    at a cost within ``SINGLE_PASS_SLACK`` of the least there."""
     for column, count in enumerate(rows):
+        near = SINGLE_PASS_SLACK * cost[:, column].min()
         if count > SINGLE_PASS_ROWS or not any(covers_in_one_pass(v, count) and np.isfinite(cost[i, column])
-                                               for i, v in enumerate(variants)):
+                                               and cost[i, column] <= near for i, v in enumerate(variants)):
             continue
         for row, variant in enumerate(variants):
             if variant is not None and variant.pack > 0 and not covers_in_one_pass(variant, count):

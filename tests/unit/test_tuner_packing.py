@@ -203,6 +203,27 @@ def test_short_shapes_pass_over_the_weight_once() -> None:
     assert variants == [tall] and set(labels) == {0}
 
 
+def test_a_covering_tile_far_behind_is_not_forced() -> None:
+    """The single-pass rule holds only where a covering tile is estimated within
+    SINGLE_PASS_SLACK of the fastest kernel: a pass saved is not worth a kernel twice as slow
+    (a one-core tile, all the tuner had measured covering T = 9-13)."""
+    fast, covering = _packed(4), _packed(6)
+    shapes = [{"T": t} for t in range(1, 33)]
+    rows = [shape["T"] for shape in shapes]
+    for behind, forced in ((1.2, True), (2.0, False)):
+        def estimate(kernel, shape, behind=behind):
+            return (behind if kernel is covering else 1.0) * shape["T"]
+
+        measured = {shape_key({"T": 6}): {covering: 6.0 * behind}, shape_key({"T": 8}): {fast: 8.0}}
+        variants, labels = plan_layouts([fast, covering], shapes, [1.0] * len(shapes), estimate, measured, {}, 1, 2,
+                                        rows=rows)
+        chosen = {t: variants[label] for t, label in zip(rows, labels, strict=True)}
+        assert (chosen[5] is covering and chosen[6] is covering) == forced, behind
+        assert all(chosen[t] is fast for t in [1, 2, 3, 4, *range(7, 33)])
+        if not forced:
+            assert variants == [fast]  # the covering tile is not added as a variant
+
+
 def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
     tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
@@ -213,6 +234,8 @@ def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     expected = sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS})
     assert [shape["T"] for _, shape in probes] == expected and expected[-1] == tallest < SINGLE_PASS_ROWS
     assert all(k.pack == 16 and k.tile_sizes("i")[0] == shape["T"] for k, shape in probes)
+    # the tiles on every core: a single pass is to keep the memory bus busy, which one core cannot
+    assert any(k.threads == 1 for k in tuner.space) and all(k.threads != 1 for k, _ in probes)
     for kernel, shape in probes:
         tuner.measured[shape_key(shape)][kernel] = 1e-4
     assert tuner.commitment.single_pass_probes(16) == []  # each measured once: nothing left to probe
