@@ -176,7 +176,7 @@ def _single_pass_variants(group: Sequence[Variant], chosen: Sequence[Variant], s
             continue
         covering = [(estimate(k, shape), i) for i, k in enumerate(group) if covers_in_one_pass(k, count)]
         covering = [(latency, i) for latency, i in covering if math.isfinite(latency)]
-        fastest = min(estimate(k, shape) for k in [*group, *chosen])
+        fastest = min(estimate(k, shape) for k in group)  # (the chosen variants are of the group)
         if covering and min(covering)[0] <= SINGLE_PASS_SLACK * fastest:
             added.append(group[min(covering)[1]])
     return added
