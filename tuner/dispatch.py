@@ -168,32 +168,39 @@ def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], s
 def _single_pass_variants(group: Sequence[Variant], chosen: Sequence[Variant], shapes: Sequence[dict],
                           rows: Sequence[int], estimate: Estimate) -> list[Variant]:
     """For each shape of 2 to ``SINGLE_PASS_ROWS`` rows no chosen variant covers in one pass,
-    the group's kernel estimated fastest there among those that do (and have an estimate), if
-    within ``SINGLE_PASS_SLACK`` of the fastest kernel there."""
+    the group's covering kernel near the fastest there (``_covering_near_fastest``), if any.
+    (The chosen variants are of the group: the fastest kernel there is the group's.)"""
     added: list[Variant] = []
     for shape, count in zip(shapes, rows, strict=True):
         if not 1 < count <= SINGLE_PASS_ROWS or any(covers_in_one_pass(v, count) for v in [*chosen, *added]):
             continue
-        covering = [(estimate(k, shape), i) for i, k in enumerate(group) if covers_in_one_pass(k, count)]
-        covering = [(latency, i) for latency, i in covering if math.isfinite(latency)]
-        fastest = min(estimate(k, shape) for k in group)  # (the chosen variants are of the group)
-        if covering and min(covering)[0] <= SINGLE_PASS_SLACK * fastest:
-            added.append(group[min(covering)[1]])
+        index = _covering_near_fastest(group, [estimate(k, shape) for k in group], count)
+        if index is not None:
+            added.append(group[index])
     return added
 
 
 def _forbid_extra_passes(cost: np.ndarray, variants: Sequence[Variant], rows: Sequence[int]) -> None:
     """``inf`` for a packed variant on a shape of at most ``SINGLE_PASS_ROWS`` rows that it
     would pass over the weight more than once for, where a variant allowed there covers the rows
-    at a cost within ``SINGLE_PASS_SLACK`` of the least there."""
+    near the least cost there (``_covering_near_fastest``; a column's costs are its latencies
+    times one factor, so their ratios are the latencies')."""
     for column, count in enumerate(rows):
-        near = SINGLE_PASS_SLACK * cost[:, column].min()
-        if count > SINGLE_PASS_ROWS or not any(covers_in_one_pass(v, count) and np.isfinite(cost[i, column])
-                                               and cost[i, column] <= near for i, v in enumerate(variants)):
+        if count > SINGLE_PASS_ROWS or _covering_near_fastest(variants, list(cost[:, column]), count) is None:
             continue
         for row, variant in enumerate(variants):
             if variant is not None and variant.pack > 0 and not covers_in_one_pass(variant, count):
                 cost[row, column] = np.inf
+
+
+def _covering_near_fastest(kernels: Sequence[Variant], latencies: Sequence[float], rows: int) -> int | None:
+    """The index of the fastest of ``kernels`` covering ``rows`` in one pass (finite latency
+    only), if within ``SINGLE_PASS_SLACK`` of the fastest of all; else None."""
+    covering = [i for i, k in enumerate(kernels) if covers_in_one_pass(k, rows) and math.isfinite(latencies[i])]
+    if not covering:
+        return None
+    best = min(covering, key=lambda i: latencies[i])
+    return best if latencies[best] <= SINGLE_PASS_SLACK * min(latencies) else None
 
 
 def _layout(variant: Variant) -> int:

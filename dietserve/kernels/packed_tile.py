@@ -23,6 +23,11 @@ def remainder_heights(mr: int) -> list[int]:
     return [height for height in REMAINDER_LADDER if height < mr] + [mr]
 
 
+def _holding(heights: list[int], rows: int) -> int:
+    """The index of the first of ``heights`` (ascending) that holds ``rows``."""
+    return next(index for index, height in enumerate(heights) if height >= rows)
+
+
 class PackedOperator(MatmulExpressions):
     """The packed dense layer's product and epilogue as expressions of (row, panel, lane, k)
     and (row, column)."""
@@ -74,6 +79,7 @@ class Tile:
         self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
         self.remainder = False  # a remainder pass's tile (``remainder_tile``)
         self.packed = None  # the row tiles' activations, k-major (``packed_rows``), if copied
+        self.fewer_than = None  # a bound the row count is known to be below (``with_fewer_rows_than``)
 
     def row_tiles(self):
         return (self.rows + (self.mr - 1)) // self.mr
@@ -85,23 +91,40 @@ class Tile:
         ``finish_remainder(left)`` applies the epilogue to the ``left`` real rows in one loop.
         All share this tile's accumulators, and the remainder tiles one epilogue: with the
         epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
-        the code: FlattenBuffer, CompactBufferAllocation)."""
+        the code: FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer
+        than a whole tile (``with_fewer_rows_than``) only the remainder tiles that can hold
+        them are emitted."""
         accs = self.accumulators()
         if not self.remainder_tiles:
             whole(self, accs)
             return
         left = self.rows - i0
+        heights = remainder_heights(self.mr)
+        if self.fewer_than is not None and self.fewer_than <= self.mr:
+            self._remainder_passes(left, heights[:_holding(heights, self.fewer_than - 1) + 1], accs, remainder)
+            finish_remainder(left)
+            return
         with T.If(left >= self.mr):
             with T.Then():
                 whole(self, accs)
             with T.Else():
-                below = 0
-                for height in remainder_heights(self.mr):
-                    with T.If(tirx.all(left > below, left <= height)):
-                        with T.Then():
-                            remainder(self.remainder_tile(height), accs[:height])
-                    below = height
+                self._remainder_passes(left, heights, accs, remainder)
                 finish_remainder(left)
+
+    def _remainder_passes(self, left, heights: list[int], accs: list, remainder) -> None:
+        below = 0
+        for height in heights:
+            with T.If(tirx.all(left > below, left <= height)):
+                with T.Then():
+                    remainder(self.remainder_tile(height), accs[:height])
+            below = height
+
+    def with_fewer_rows_than(self, bound: int) -> Tile:
+        """This tile where the row count is known to be below ``bound`` (at most ``mr``): its
+        one row pass is a remainder tile, and the whole tile's code would be dead."""
+        tile = copy.copy(self)
+        tile.fewer_than = bound
+        return tile
 
     def remainder_tile(self, height: int) -> Tile:
         """This tile cut to its first ``height`` rows, for a last pass with fewer rows left:

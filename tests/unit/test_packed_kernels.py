@@ -236,6 +236,27 @@ def test_tiles_whose_rows_share_an_l1_set_read_a_k_major_copy(tile: tuple) -> No
     assert loops and not any(copied_rows(reads, mr) for reads in loops), loops  # read in place
 
 
+def test_rows_too_few_to_copy_run_only_remainder_tiles() -> None:
+    """Below the rows that crowd an L1 set the kernel reads its rows in place, and there they
+    are fewer than one tile: that branch holds only the remainder tiles, so the whole tile's
+    epilogue (a store per row and vector) is emitted once, in the copied branch, and every
+    length before and after the bound still matches numpy."""
+    mr, panel, lanes = 13, 16, 8
+    spec = dense(1024, 48, "bias_residual")
+    assert crowding_rows(mr, 1024 * 4) == 9
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, 1, 1)), ("k", (1,))), vector=lanes, pack=panel)
+    func = apply_kernel(spec.func, kernel, "llvm")
+    output = str(func.params[-1].name)  # (the output buffer's name, as the script prints it)
+    stores = [line for line in func.script().splitlines() if line.strip().startswith(f"{output}[")]
+    per_row = panel // lanes
+    # the whole tile's rows once, and one epilogue loop over a remainder's rows per branch
+    assert len(stores) == mr * per_row + 2 * per_row, len(stores)
+    function = tvm.compile(func, TARGET)["main"]
+    for length in range(1, 2 * mr + 1):
+        got, expected = run(function, spec, kernel, length)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{kernel} T={length}")
+
+
 def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
     spec = dense(768, 3072, "bias_gelu")
     kernel = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 4)), ("k", (1,))), vector=8, pack=24)
