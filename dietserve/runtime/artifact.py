@@ -12,6 +12,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from ..kernels.host import cpu_flags, missing_cpu_flags
 from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
+from .huge_pages import on_huge_pages
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
 
 
@@ -83,7 +84,10 @@ def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact
         if tensor is None or list(tensor.shape) != list(shape):
             raise ArtifactError(f"{PARAMS_FILE} in {directory} lacks {name} with shape {shape}")
         params.append(tvm.runtime.tensor(np.ascontiguousarray(tensor), device))
+    del stored  # (copied: not held through the packing and the copy below)
     if manifest.transform_params is not None:
         # Pack the weights the kernels read in panels, once; the stored layout is then dropped.
         params = list(vm[manifest.transform_params](params))  # takes the parameters as one tuple
+    if manifest.target.get("kind") == "llvm":
+        params = on_huge_pages(params)  # each request streams them all: see huge_pages.py
     return LoadedArtifact(directory, manifest, device, vm, params)

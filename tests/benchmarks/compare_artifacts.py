@@ -29,10 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import call_seconds  # noqa: E402
 
+from dietserve.runtime import artifact as artifact_module  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
 
 WARMUP_RUNS = 3
+
+
+def load_tvm_allocated(path: Path):
+    """The artifact loaded as before ``huge_pages.py``: its weights where TVM allocates them."""
+    original = artifact_module.on_huge_pages
+    artifact_module.on_huge_pages = lambda params: params
+    try:
+        return load_artifact(path)
+    finally:
+        artifact_module.on_huge_pages = original
 
 
 def round_median(engine: Engine, ids: np.ndarray, runs: int) -> float:
@@ -47,14 +58,22 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--control", action="store_true", help="time the baseline twice (the noise floor)")
+    parser.add_argument("--tvm-allocated", action="store_true",
+                        help="baseline: the first artifact with its weights where TVM allocates them")
     args = parser.parse_args()
-    if args.control:
-        args.artifacts.append(args.artifacts[0])
-    if len(args.artifacts) < 2:
-        parser.error("give at least two artifacts to compare (or one with --control)")
-    control = len(args.artifacts) - 1 if args.control else None  # the index of the baseline's second load
+    if len(args.artifacts) + args.tvm_allocated + args.control < 2:
+        parser.error("give at least two artifacts to compare (or one with --control or --tvm-allocated)")
     lengths = [int(v) for v in args.lengths.split(",")]
-    engines = [Engine(load_artifact(path), threads=args.threads) for path in args.artifacts]
+    loaded = [load_artifact(path) for path in args.artifacts]
+    if args.tvm_allocated:
+        loaded.insert(0, load_tvm_allocated(args.artifacts[0]))
+        args.artifacts.insert(0, Path(f"{args.artifacts[0]} (weights where TVM allocates them)"))
+    control = None
+    if args.control:  # the baseline (#0) loaded again, the same way
+        loaded.append(load_tvm_allocated(args.artifacts[1]) if args.tvm_allocated else load_artifact(args.artifacts[0]))
+        args.artifacts.append(args.artifacts[0])
+        control = len(loaded) - 1
+    engines = [Engine(artifact, threads=args.threads) for artifact in loaded]
     rng = np.random.default_rng(0)
     inputs = {seq: rng.integers(1000, engines[0].vocab_size, (1, seq)).astype(np.int64) for seq in lengths}
     for engine in engines:
