@@ -113,22 +113,29 @@ class PlanCommitment:
         among them: the search may have met the small-T regime (weight streaming) only in the
         other panel width or one threading, and a plan can use one packing only; otherwise the
         smallest shapes go to tiles sized for long sequences, padded row by row. The threadings
-        missing come first, then the cost model's next best."""
-        if not pack:
-            return []
+        missing come first, then the cost model's next best.
+
+        An unpacked space (attention) gets each threading missing on the smallest shape, any
+        tile: the plan floors the estimates of kernels on every core by the best of theirs
+        measured on the smallest shape (``dispatch.nearest_measured_estimates``), and where
+        only serial ones were measured there, a parallel kernel carried down from longer
+        sequences looked as fast as them."""
         tuner = self.tuner
         smallest = tuner.shapes[tuner.smallest]
         measured = tuner.measured.get(shape_key(smallest), {})
-        one_row = [k for k in tuner.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in tuner.failed]
-        done = [k for k in one_row if k in measured]
-        candidates = [k for k in one_row if k not in measured]
+        if pack:
+            kernels = [k for k in tuner.space if k.pack == pack and k.tile_sizes("i")[0] == 1 and k not in tuner.failed]
+        else:
+            kernels = [k for k in tuner.space if not k.pack and k not in tuner.failed]
+        done = [k for k in kernels if k in measured]
+        candidates = [k for k in kernels if k not in measured]
         if not candidates:
             return []
         ranked = self._by_prediction(candidates, smallest)
         probes = []
         for threads in sorted({k.threads for k in ranked} - {k.threads for k in done}):
             probes.append(next(k for k in ranked if k.threads == threads))
-        for kernel in ranked:
+        for kernel in ranked if pack else []:
             if len(done) + len(probes) >= SMALL_REGIME_KERNELS:
                 break
             if kernel not in probes:

@@ -301,6 +301,15 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         points[None].append(point(None, key, latency))
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
     floor_value, floor = _smallest_measured_floor(task, measured, default_measured)
+    # A CPU kernel on every core wakes the thread pool however little it computes (about 1 us on
+    # a 2-core znver4), which a serial kernel measured on the smallest shape does not pay: kernels
+    # on every core get a floor of their own, the best of theirs on the smallest shape one of
+    # them was measured on. With only the shared floor a two-core attention kernel, carried down
+    # to T = 1 at the serial kernels' 0.17 us, took T = 1 from them and ran 1-2 us there.
+    parallel_value, parallel_floor = math.inf, 0.0
+    if task.target.get("kind") == "llvm":
+        on_every_core = {key: {k: t for k, t in kernels.items() if k.threads != 1} for key, kernels in measured.items()}
+        parallel_value, parallel_floor = _smallest_measured_floor(task, on_every_core, {})
     # No carried estimate runs faster than any kernel was measured to run, on any shape: an
     # f_adapt that misjudges one shape (as one did narrow attention shapes, 32x) must not
     # turn a kernel into the fastest thing the machine ever did where it was never measured.
@@ -319,6 +328,8 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         value = task.dispatch_value(shape)
         nearest = int(np.argmin(np.abs(table[:, 0] - math.log(value))))
         carried = max(task.flops(shape) / (table[nearest, 1] * factor(kernel, shape)), task.flops(shape) / fastest)
+        if kernel is not None and kernel.threads != 1 and value >= parallel_value:
+            carried = max(carried, parallel_floor)
         return max(carried, floor) if value >= floor_value else carried
 
     return estimate

@@ -71,13 +71,13 @@ def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: boo
                 _reduce_fetching(tile, accs, i0, panel0, 0, depth, ahead,
                                  tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
 
-            def whole(tile: Tile, accs: list) -> None:
-                reduce(tile, accs)
-                tile.finish(accs, i0, panel0)
-
             # a remainder tile's sums, for the epilogue loop (scope "global": a stack array)
             sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
-                if tile.remainder_tiles else None
+                if tile.remainder_tiles or tile.epilogue_loop else None
+
+            def whole(tile: Tile, accs: list) -> None:
+                reduce(tile, accs)
+                tile.finish(accs, i0, panel0, sums, 0, 0)
 
             def remainder(tile: Tile, accs: list) -> None:
                 reduce(tile, accs)
@@ -120,7 +120,7 @@ def blocked_reduction(tile: Tile, loop, blocks: int, nb: int, depth, kc: int, pr
                         reduce(tile, accs)
                         with T.If(ko == last):
                             with T.Then():
-                                tile.finish(accs, i0, panel0)
+                                tile.finish(accs, i0, panel0, partial, i0, column0)
                             with T.Else():
                                 tile.save(accs, partial, i0, column0)
 

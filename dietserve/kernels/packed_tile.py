@@ -67,8 +67,11 @@ class PackedOperator(MatmulExpressions):
 class Tile:
     """One ``mr x (pk * panel)`` register tile's code: accumulators, FMAs, stores."""
 
-    def __init__(self, op: PackedOperator, mr: int, panel: int, pk: int, lanes: int, rows, remainder_tiles: bool):
+    def __init__(self, op: PackedOperator, mr: int, panel: int, pk: int, lanes: int, rows, remainder_tiles: bool,
+                 epilogue_loop: bool = False):
         self.op, self.mr, self.panel, self.pk, self.lanes, self.rows = op, mr, panel, pk, lanes, rows
+        # The epilogue in one loop over the tile's rows (``finish``), not once per row.
+        self.epilogue_loop = epilogue_loop
         self.dtype = op.result.dtype
         # Rows past the end exist only when the row count is not known to be whole tiles.
         self.padded = mr > 1 and not (isinstance(rows, tirx.IntImm) and int(rows) % mr == 0)
@@ -193,8 +196,15 @@ class Tile:
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
                 acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
 
-    def finish(self, accs, i0, panel0) -> None:
-        """The epilogue of each real row, stored once: a padded row is never written."""
+    def finish(self, accs, i0, panel0, sums, row0, column0) -> None:
+        """The epilogue of each real row, stored once: a padded row is never written. With
+        ``epilogue_loop`` the sums go to ``sums`` at (``row0``, ``column0``) first and the
+        epilogue runs in a loop over the rows (``finish_rows``), its code written once."""
+        if self.epilogue_loop:
+            self.save(accs, sums, row0, column0)
+            real = self.mr if self.exact else tirx.min(self.mr, self.rows - i0)
+            self.finish_rows(sums, row0, column0, i0, panel0, real)
+            return
         for r, acc in enumerate(accs):
             def store(p, c, r=r, acc=acc):
                 column = (panel0 + p) * self.panel + c

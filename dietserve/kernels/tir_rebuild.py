@@ -14,13 +14,16 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod,
            tirx.BitwiseAnd, tirx.BitwiseOr, tirx.BitwiseXor)
 
 
-def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_load=None) -> tirx.Expr:
+def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_load=None, on_node=None) -> tirx.Expr:
     """``expr`` with ``variables`` substituted and loads of the buffers in ``loads`` replaced by
-    the given expressions; ``on_var`` / ``on_load`` see every variable / buffer load met."""
+    the given expressions; ``on_var`` / ``on_load`` / ``on_node`` see every variable / buffer
+    load / node met."""
     loads = loads or {}
     variables = dict(variables)
 
     def visit(node):
+        if on_node is not None:
+            on_node(node)
         if isinstance(node, tirx.Var):
             if on_var is not None:
                 on_var(node)
@@ -54,6 +57,17 @@ def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_lo
         raise ScheduleMismatch(f"cannot rebase expression node {type(node).__name__} onto a tile")
 
     return visit(expr)
+
+
+def expression_size(expr) -> int:
+    """How many nodes ``expr`` has (a ``Let``'s value counted once)."""
+    count = [0]
+
+    def on_node(_node) -> None:
+        count[0] += 1
+
+    rebuild(expr, {}, on_node=on_node)
+    return count[0]
 
 
 def uses(expr, var) -> bool:

@@ -63,7 +63,9 @@ def choose_device(manifest: Manifest) -> tvm.runtime.Device:
     raise ArtifactError(f"artifact target kind {kind!r} is not supported")
 
 
-def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact:
+def load_artifact(directory: Path, verify_hashes: bool = True, huge_pages: bool = True) -> LoadedArtifact:
+    """The artifact in ``directory``, ready to run; ``huge_pages``: a CPU artifact's weights
+    copied onto transparent huge pages (``huge_pages.py``), else left where TVM allocated them."""
     directory = Path(directory)
     manifest = Manifest.read(directory)
     if manifest.tvm_version != str(tvm.__version__):
@@ -88,6 +90,6 @@ def load_artifact(directory: Path, verify_hashes: bool = True) -> LoadedArtifact
     if manifest.transform_params is not None:
         # Pack the weights the kernels read in panels, once; the stored layout is then dropped.
         params = list(vm[manifest.transform_params](params))  # takes the parameters as one tuple
-    if manifest.target.get("kind") == "llvm":
+    if huge_pages and manifest.target.get("kind") == "llvm":
         params = on_huge_pages(params)  # each request streams them all: see huge_pages.py
     return LoadedArtifact(directory, manifest, device, vm, params)

@@ -48,7 +48,8 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
 
 
 # Features of the packed kernel that ``--without`` can switch off, by their module flags.
-FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES"}
+FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES",
+            "epilogue-loop": "EPILOGUE_LOOP"}
 
 
 def built(op: str, text: str, where, target, lanes: int, without: str | None):

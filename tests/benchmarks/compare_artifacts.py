@@ -29,21 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import call_seconds  # noqa: E402
 
-from dietserve.runtime import artifact as artifact_module  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
 
 WARMUP_RUNS = 3
-
-
-def load_tvm_allocated(path: Path):
-    """The artifact loaded as before ``huge_pages.py``: its weights where TVM allocates them."""
-    original = artifact_module.on_huge_pages
-    artifact_module.on_huge_pages = lambda params: params
-    try:
-        return load_artifact(path)
-    finally:
-        artifact_module.on_huge_pages = original
 
 
 def round_median(engine: Engine, ids: np.ndarray, runs: int) -> float:
@@ -66,11 +55,12 @@ def main() -> int:
     lengths = [int(v) for v in args.lengths.split(",")]
     loaded = [load_artifact(path) for path in args.artifacts]
     if args.tvm_allocated:
-        loaded.insert(0, load_tvm_allocated(args.artifacts[0]))
+        loaded.insert(0, load_artifact(args.artifacts[0], huge_pages=False))
         args.artifacts.insert(0, Path(f"{args.artifacts[0]} (weights where TVM allocates them)"))
     control = None
     if args.control:  # the baseline (#0) loaded again, the same way
-        loaded.append(load_tvm_allocated(args.artifacts[1]) if args.tvm_allocated else load_artifact(args.artifacts[0]))
+        baseline = args.artifacts[1] if args.tvm_allocated else args.artifacts[0]  # (#0's folder)
+        loaded.append(load_artifact(baseline, huge_pages=not args.tvm_allocated))
         args.artifacts.append(args.artifacts[0])
         control = len(loaded) - 1
     engines = [Engine(artifact, threads=args.threads) for artifact in loaded]

@@ -257,6 +257,33 @@ def test_rows_too_few_to_copy_run_only_remainder_tiles() -> None:
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{kernel} T={length}")
 
 
+@pytest.mark.parametrize("kc", [1, 32])
+def test_a_large_epilogue_runs_in_one_loop_over_the_tile_rows(kc: int) -> None:
+    """BERT's GELU (hundreds of TIR nodes) runs in one loop over a tile's rows after the sums
+    are stored, not written out on every row's registers (LLVM spent most of a GELU kernel's
+    build on those copies): the output is stored by one row's vectors for the whole tile and one
+    for its remainder tiles, where bias and residual store every row from the registers. Every
+    length before and after a whole tile matches numpy and nothing is written past the output."""
+    mr, panel, lanes = 8, 24, 8
+    per_row = panel // lanes
+    for epilogue, stores_expected in (("bias_gelu", 2 * per_row), ("bias_residual", mr * per_row + per_row)):
+        spec = dense(64, 48, epilogue)
+        kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, 1, 1)), ("k", (kc,))), vector=lanes, pack=panel)
+        func = apply_kernel(spec.func, kernel, "llvm")
+        output = str(func.params[-1].name)
+        stores = [line for line in func.script().splitlines() if line.strip().startswith(f"{output}[")]
+        assert len(stores) == stores_expected, (epilogue, len(stores))
+        function = tvm.compile(func, TARGET)["main"]
+        for length in range(1, 2 * mr + 2):
+            inputs = random_inputs(spec, {"T": length}, seed=length)
+            arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
+            guarded = aligned_full((length + mr, 48), 7.0)
+            function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
+            np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=2e-4,
+                                       err_msg=f"{epilogue} {kernel} T={length}")
+            assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+
+
 def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
     spec = dense(768, 3072, "bias_gelu")
     kernel = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 4)), ("k", (1,))), vector=8, pack=24)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dietserve.kernels.cpu_clamped import CLAMPED
 from dietserve.kernels.cpu_packed import computed_extent
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
@@ -23,8 +24,8 @@ from tuner.dispatch import (
     plan_layouts,
     shape_key,
 )
-from tuner.ops import dense
-from tuner.space.cpu import packed_cpu_space
+from tuner.ops import attention_scores, dense
+from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TuneOptions, Tuner
 
@@ -324,3 +325,50 @@ def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
     # Once something ran faster, the carry may go up to that rate.
     faster = {shape_key({"T": 8}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 10}}
     assert nearest_measured_estimates(task, faster, {}, cores=2)(tall, {"T": 10}) == pytest.approx(3e-5)
+
+
+def _attention_kernel(mr: int, threads: int) -> MicroKernel:
+    return MicroKernel(tile=(("i", (mr, 8)), ("j", (16,)), ("k", (1,))), vector=16, cache_scopes=(CLAMPED,),
+                       threads=threads)
+
+
+def test_kernels_on_every_core_are_floored_by_their_own_best_on_the_smallest_shape() -> None:
+    """Waking the thread pool costs a kernel on every core more than a tiny shape's work: a
+    two-core kernel measured only on long sequences, carried down to T = 1, is not estimated
+    below the best two-core kernel measured there (a serial kernel's faster time there does not
+    lower it), nor where no two-core kernel was measured on a shape that small; a serial kernel
+    keeps the shared floor."""
+    task = TuningTask.create(attention_scores(12, 64), TARGET, ShapeVar("T", range(1, 129)))
+    serial, parallel, wide = _attention_kernel(4, 1), _attention_kernel(4, 0), _attention_kernel(8, 0)
+    measured = {shape_key({"T": 1}): {serial: 2e-7, parallel: 1.5e-6}, shape_key({"T": 128}): {wide: 1e-4}}
+    estimate = nearest_measured_estimates(task, measured, {}, cores=2)
+    assert estimate(serial, {"T": 1}) == 2e-7 and estimate(parallel, {"T": 1}) == 1.5e-6  # as measured
+    assert estimate(wide, {"T": 1}) == 1.5e-6 and estimate(wide, {"T": 2}) == 1.5e-6  # carried: 2e-7, 8e-7
+    assert estimate(serial, {"T": 2}) < 1.5e-6  # carried from its own T = 1 time, 4 rows padding
+    assert estimate(wide, {"T": 128}) == 1e-4
+    only_serial = {shape_key({"T": 1}): {serial: 2e-7}, shape_key({"T": 64}): {parallel: 5e-5},
+                   shape_key({"T": 128}): {wide: 1e-4}}
+    # The smallest shape a two-core kernel was measured on is T = 64: its floor holds from there.
+    estimate = nearest_measured_estimates(task, only_serial, {}, cores=2)
+    assert estimate(wide, {"T": 64}) == pytest.approx(5e-5)  # carried: 2.5e-5
+    assert estimate(wide, {"T": 1}) == pytest.approx(2e-7)  # the shared floor only
+    variants, labels = plan_layouts([serial, wide], [{"T": t} for t in range(1, 129)], [1.0] * 128,
+                                    nearest_measured_estimates(task, measured, {}, cores=2), measured, {}, 4, 4)
+    assert variants[labels[0]] is serial  # T = 1: the serial kernel, measured faster than any two-core one
+
+
+def test_an_unpacked_space_probes_the_smallest_shape_in_every_threading(tmp_path: Path) -> None:
+    """Attention's kernels are unpacked: where only serial ones were measured at T = 1, the
+    verification probes the best predicted kernel on every core there (any tile), and no more
+    once both threadings are measured there."""
+    task = TuningTask.create(attention_scores(12, 64), TARGET, ShapeVar("T", range(1, 129)))
+    tuner = Tuner(task, clamped_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
+                  RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+    serial = next(k for k in tuner.space if k.threads == 1)
+    tuner.measured[shape_key({"T": 1})] = {serial: 2e-7}
+    probes = tuner.commitment.small_regime_probes(0)
+    assert len(probes) == 1 and probes[0][1] == {"T": 1}
+    kernel = probes[0][0]
+    assert kernel.threads == 0 and not kernel.pack
+    tuner.measured[shape_key({"T": 1})][kernel] = 1e-6
+    assert tuner.commitment.small_regime_probes(0) == []
