@@ -253,6 +253,7 @@ class Tuner:
             meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "streamed": self.streams_weights,
                   "time": time.time(),
                   "flops": self.task.flops(shape), "build_s": result.get("build_seconds"),
+                  "build_reused": result.get("build_reused", False),
                   "check_shape": self.check_shape},
         ))
         return latency

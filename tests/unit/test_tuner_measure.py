@@ -52,6 +52,22 @@ def test_a_wrong_kernel_is_rejected_before_its_time_counts() -> None:
     assert "latencies" not in result
 
 
+def test_a_kernel_is_built_once_for_every_shape_it_is_timed_on() -> None:
+    """Kernels are symbolic in the shape: the worker keeps a checked build and times it on the
+    next shape it is asked for without building it again; another kernel is built, and a wrong
+    one is rejected each time it comes (never kept)."""
+    wrong = "tests.unit.test_tuner_measure:wrong_schedule"
+    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60)) as runner:
+        first = runner.run(job(kernel(4)))
+        again = runner.run({**job(kernel(4)), "shapes": [{"T": 7}]})
+        other = runner.run(job(kernel(2)))
+        rejected = [runner.run(job(kernel(4), wrong)) for _ in range(2)]
+    assert first["error"] is None and not first["build_reused"]
+    assert again["error"] is None and again["build_reused"] and set(again["latencies"]) == {"T=7"}
+    assert other["error"] is None and not other["build_reused"]
+    assert all(result["error"].startswith("wrong result on") for result in rejected)
+
+
 def wrong_schedule(func, kernel, target_kind, loop_partition=False):
     """A "schedule" with the same signature that computes something else: no GELU."""
     from dietserve.kernels.apply import apply_kernel

@@ -12,6 +12,7 @@ import pickle
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
@@ -121,15 +122,66 @@ def measure(job: dict) -> dict:
         return _measure(job, started)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
         _SESSIONS.clear()  # the remote end may be what failed: reconnect for the next job
+        _BUILDS.clear()  # (modules loaded there go with it)
         detail = traceback.format_exc(limit=8)
         return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": detail[-2000:],
                 "seconds": time.perf_counter() - started}
 
 
-def _measure(job: dict, started: float) -> dict:
+# Candidates built and checked, kept for the worker's life (the most recently used): a kernel
+# is symbolic in the shape, so one build serves every shape it is timed on (the default rule's
+# kernel on each shape the search works on, a plan's variant at its interval's ends and middle).
+BUILDS_KEPT = 16
+_BUILDS: OrderedDict[str, object] = OrderedDict()
+
+
+def _build_key(job: dict) -> str:
+    """What decides the compiled module and its check: everything of the job but the shapes
+    timed and how they are timed."""
+    return repr([job["recipe"], sorted(job["target"].items()), job["kernel"], job.get("apply"),
+                 job.get("loop_partition", False), sorted(job["device"].items()), sorted(job["check_shape"].items())])
+
+
+def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: int):
+    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was
+    kept from before: ``_BUILDS``); or the error result of a wrong one (not kept)."""
     import tvm
 
     from dietserve.kernels.apply import apply_default
+    from dietserve.kernels.microkernel import MicroKernel
+
+    key = _build_key(job)
+    if key in _BUILDS:
+        _BUILDS.move_to_end(key)
+        return _BUILDS[key], True
+    target_kind = job["target"]["kind"]
+    host = job["target"].get("host")
+    device_target = {name: value for name, value in job["target"].items() if name != "host"}
+    target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    if job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
+        scheduled = apply_default(spec.func, target)
+    else:
+        kernel = MicroKernel.from_json(job["kernel"])
+        scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
+    module = session.load(tvm.compile(scheduled, target))
+
+    # Correctness first: on the sample shape, against the independent reference.
+    check_key = tuple(sorted(job["check_shape"].items()))
+    inputs = _kernel_inputs(recipe, check_key, pack)
+    expected = _expected(recipe, check_key)
+    output = session.tensor(np.full(expected.shape, np.nan, "float32"))
+    module["main"](*spec.call_arguments(dict(check_key), [session.tensor(x) for x in inputs], output))
+    got = output.numpy()
+    if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+        worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
+        return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}"}
+    _BUILDS[key] = module
+    while len(_BUILDS) > BUILDS_KEPT:
+        _BUILDS.popitem(last=False)
+    return module, False
+
+
+def _measure(job: dict, started: float) -> dict:
     from dietserve.kernels.microkernel import MicroKernel
 
     from ..ops import weight_input
@@ -137,34 +189,15 @@ def _measure(job: dict, started: float) -> dict:
     recipe = _freeze(job["recipe"])
     spec = _spec(recipe)
     target_kind = job["target"]["kind"]
-    host = job["target"].get("host")
-    device_target = {key: value for key, value in job["target"].items() if key != "host"}
-    target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
-    pack = 0
-    if job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
-        scheduled = apply_default(spec.func, target)
-    else:
-        kernel = MicroKernel.from_json(job["kernel"])
-        scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
-        pack = kernel.pack
-    executable = tvm.compile(scheduled, target)
-    built = time.perf_counter()
+    pack = 0 if job["kernel"] is None else MicroKernel.from_json(job["kernel"]).pack
     cores = job["target"].get("num-cores")
     session = _session(job["device"], target_kind, int(cores) if cores else None)
-    module = session.load(executable)
+    built = _built_and_checked(job, spec, recipe, session, pack)
+    if isinstance(built, dict):
+        return {**built, "seconds": time.perf_counter() - started}
+    module, reused = built
+    built = time.perf_counter()
     function = module["main"]
-
-    # Correctness first: on the sample shape, against the independent reference.
-    check_key = tuple(sorted(job["check_shape"].items()))
-    inputs = _kernel_inputs(recipe, check_key, pack)
-    expected = _expected(recipe, check_key)
-    output = session.tensor(np.full(expected.shape, np.nan, "float32"))
-    function(*spec.call_arguments(dict(check_key), [session.tensor(x) for x in inputs], output))
-    got = output.numpy()
-    if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
-        worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
-        return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}",
-                "seconds": time.perf_counter() - started}
 
     latencies = {}
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
@@ -195,7 +228,7 @@ def _measure(job: dict, started: float) -> dict:
                 latencies[_shape_text(key)] = time.perf_counter() - probe  # hopeless: not worth repeats
                 continue
         latencies[_shape_text(key)] = float(np.median(timer(*args).results))
-    return {"latencies": latencies, "error": None, "build_seconds": built - started,
+    return {"latencies": latencies, "error": None, "build_seconds": built - started, "build_reused": reused,
             "seconds": time.perf_counter() - started}
 
 

@@ -1,0 +1,104 @@
+"""How long one packed micro-kernel takes to build (what each tuning trial pays before it is
+timed), and where that time goes: applying the kernel (our IR builder), TVM's passes, and LLVM.
+
+    python tests/benchmarks/build_time.py --op dense_768x3072 --kernel 8,48,1,4,1 --kernel 6,48,1,1,384 \
+        [--without epilogue-loop] [--repeats 3] [--passes 8]
+
+Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is built ``--repeats`` times for
+this CPU (the median printed); ``--without FEATURE`` builds it also without one of the packed
+kernel's features (``cold_weights.FEATURES``), side by side. ``--passes N`` prints the N
+slowest TVM passes of one build (``PassTimingInstrument``); the rest of the compile time is
+LLVM's code generation. Not a test: run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tvm  # noqa: E402
+from bench_kernels import OPERATORS  # noqa: E402
+from cold_weights import FEATURES  # noqa: E402
+from forced_kernels import llvm_target, packed_kernel  # noqa: E402
+from tvm.ir.instrument import PassTimingInstrument  # noqa: E402
+
+import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
+from dietserve.kernels.apply import apply_kernel  # noqa: E402
+
+
+def build_once(op: str, kernel, target, instruments=()) -> tuple[float, float]:
+    """(seconds applying the kernel, seconds compiling it) of one build."""
+    spec = OPERATORS[op]()
+    start = time.perf_counter()
+    func = apply_kernel(spec.func, kernel, "llvm")
+    applied = time.perf_counter()
+    with tvm.transform.PassContext(instruments=list(instruments)):
+        tvm.compile(func, target)
+    return applied - start, time.perf_counter() - applied
+
+
+def slowest_passes(rendered: str, count: int) -> list[tuple[float, str]]:
+    """The ``count`` passes with the most time of their own (the bracketed figure) in a
+    ``PassTimingInstrument.render()`` report, in seconds."""
+    own = []
+    for line in rendered.splitlines():
+        match = re.match(r"\s*([\w.]+): \d+us \[(\d+)us\]", line)
+        if match:
+            own.append((int(match.group(2)) / 1e6, match.group(1)))
+    return sorted(own, reverse=True)[:count]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", default="dense_768x3072", choices=[op for op in OPERATORS if op.startswith("dense")])
+    parser.add_argument("--kernel", action="append", required=True,
+                        help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
+    parser.add_argument("--without", action="append", default=[], choices=list(FEATURES),
+                        help="also build each kernel without this feature (repeatable)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=0, help="print this many of the slowest TVM passes")
+    args = parser.parse_args()
+    _where, target, lanes = llvm_target()
+    print(f"{args.op}, seconds per build (median of {args.repeats})")
+    print(f"{'kernel':>16} {'without':>14} {'apply':>7} {'compile':>8} {'total':>7} {'vs full':>8}")
+    for text in args.kernel:
+        kernel = packed_kernel(text, lanes)
+        full = None
+        for without in [None, *args.without]:
+            flag = FEATURES.get(without)
+            if flag is not None:
+                setattr(cpu_packed, flag, False)
+            try:
+                builds = [build_once(args.op, kernel, target) for _ in range(args.repeats)]
+                timing = PassTimingInstrument()
+                if args.passes:
+                    build_once(args.op, kernel, target, [timing])
+                    rendered = timing.render()
+            finally:
+                if flag is not None:
+                    setattr(cpu_packed, flag, True)
+            apply_s = statistics.median(b[0] for b in builds)
+            compile_s = statistics.median(b[1] for b in builds)
+            total = apply_s + compile_s
+            ratio = f"{total / full:>7.2f}x" if full else f"{'-':>8}"
+            full = full or total
+            print(f"{text:>16} {without or '-':>14} {apply_s:>7.2f} {compile_s:>8.2f} {total:>7.2f} {ratio}",
+                  flush=True)
+            if args.passes:
+                passes = slowest_passes(rendered, args.passes)
+                in_passes = sum(seconds for seconds, _ in slowest_passes(rendered, 10_000))
+                print(f"{'':>16}   TVM passes {in_passes:.2f} s in all, LLVM and the rest "
+                      f"{compile_s - in_passes:.2f} s; slowest: "
+                      + ", ".join(f"{name} {seconds:.2f}" for seconds, name in passes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
