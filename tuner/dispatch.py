@@ -54,6 +54,12 @@ SINGLE_PASS_SLACK = 1.3
 # bert-base's 768x768 layers on 48-wide panels (9-row tiles at most) over 32-wide ones (14)
 # at 1.0103 against 1.0113, losing the single pass at T = 11-13 (1.08-1.12x end to end).
 LAYOUT_TIE = 0.01
+# The floors of ``nearest_measured_estimates`` are bounds, not measurements: a carried estimate
+# stays this much above them, so the kernel measured at the floor's time on the smallest shape
+# keeps that shape and the small regime its variant (``SMALL_REGIME_GAIN``). At the floor
+# itself, a tune sent the GELU layer's T = 1 to a 12-row tile carried down to the one-row
+# kernel's measured 54 us; the tile, one row of 2 vectors a pass there, ran 109 us.
+FLOOR_MARGIN = 1.25
 
 
 def choose_variants(kernels: Sequence[Variant], shapes: Sequence[dict], weights: Sequence[float],
@@ -275,10 +281,11 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     """Plans rest on measurements: a variant's latency on a shape is its measured one, else its
     throughput at the nearest shape (by log of the dispatch value) where it was measured,
     carried over by f_adapt (the padding waste and core occupancy of both shapes), times the
-    shape's FLOPs; inf where it was never measured. No extrapolation goes below the best
-    latency measured on the smallest measured shape (for shapes at or above it): carried over at
-    constant GFLOP/s, a kernel measured on long sequences would look faster on short ones than
-    one pass over the weight, which every kernel makes. The learned cost model only steers the
+    shape's FLOPs; inf where it was never measured. No extrapolation goes below
+    ``FLOOR_MARGIN`` times the best latency measured on the smallest measured shape (for shapes
+    at or above it): carried over at constant GFLOP/s, a kernel measured on long sequences would
+    look faster on short ones than one pass over the weight, which every kernel makes. The
+    learned cost model only steers the
     search: with a small budget its predictions far from the measured shapes can be badly wrong
     (a serial kernel calibrated on short sequences looks fast on long ones), and without f_adapt
     a 6-row tile measured at T=63 would look as fast per FLOP at T=1, where 5 of its 6 rows pad.
@@ -328,9 +335,10 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         value = task.dispatch_value(shape)
         nearest = int(np.argmin(np.abs(table[:, 0] - math.log(value))))
         carried = max(task.flops(shape) / (table[nearest, 1] * factor(kernel, shape)), task.flops(shape) / fastest)
+        bound = floor if value >= floor_value else 0.0
         if kernel is not None and kernel.threads != 1 and value >= parallel_value:
-            carried = max(carried, parallel_floor)
-        return max(carried, floor) if value >= floor_value else carried
+            bound = max(bound, parallel_floor)
+        return max(carried, bound * FLOOR_MARGIN)
 
     return estimate
 

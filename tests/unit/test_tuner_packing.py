@@ -17,6 +17,7 @@ from dietserve.kernels.microkernel import MicroKernel
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import (
+    FLOOR_MARGIN,
     LAYOUT_TIE,
     SINGLE_PASS_ROWS,
     SMALL_REGIME_GAIN,
@@ -148,7 +149,7 @@ def test_no_estimate_goes_below_the_smallest_shapes_best() -> None:
     measured = {shape_key({"T": 4}): {one_row: 3e-5}, shape_key({"T": 64}): {tall: 16e-5}}
     estimate = nearest_measured_estimates(task, measured, {}, cores=2)
     assert estimate(tall, {"T": 64}) == 16e-5  # measured: as measured
-    assert estimate(tall, {"T": 8}) == 3e-5  # carried over: 2e-5, below the floor
+    assert estimate(tall, {"T": 8}) == pytest.approx(FLOOR_MARGIN * 3e-5)  # carried over: 2e-5, below the floor
     # Below the smallest measured shape no floor is known: 1/32 of the FLOPs, at the same rate
     # (the 4-row tile runs T = 2 on its 2-row remainder tile, no padded row).
     assert estimate(tall, {"T": 2}) == pytest.approx(16e-5 / 32)
@@ -323,7 +324,8 @@ def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
     estimate = nearest_measured_estimates(task, {shape_key({"T": 8}): {tall: 3e-5}}, {}, cores=2)
     assert estimate(tall, {"T": 10}) == pytest.approx(10 / 8 * 3e-5)
     # Once something ran faster, the carry may go up to that rate.
-    faster = {shape_key({"T": 8}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 10}}
+    faster = {shape_key({"T": 8}): {tall: 3e-5}, shape_key({"T": 64}): {tall: 64 * 3e-5 / 10},
+              shape_key({"T": 1}): {tall: 1e-5}}  # (the floor: 1e-5 from T = 1 on)
     assert nearest_measured_estimates(task, faster, {}, cores=2)(tall, {"T": 10}) == pytest.approx(3e-5)
 
 
@@ -343,15 +345,16 @@ def test_kernels_on_every_core_are_floored_by_their_own_best_on_the_smallest_sha
     measured = {shape_key({"T": 1}): {serial: 2e-7, parallel: 1.5e-6}, shape_key({"T": 128}): {wide: 1e-4}}
     estimate = nearest_measured_estimates(task, measured, {}, cores=2)
     assert estimate(serial, {"T": 1}) == 2e-7 and estimate(parallel, {"T": 1}) == 1.5e-6  # as measured
-    assert estimate(wide, {"T": 1}) == 1.5e-6 and estimate(wide, {"T": 2}) == 1.5e-6  # carried: 2e-7, 8e-7
+    floor = FLOOR_MARGIN * 1.5e-6  # carried: 2e-7 at T = 1, 8e-7 at T = 2
+    assert estimate(wide, {"T": 1}) == pytest.approx(floor) and estimate(wide, {"T": 2}) == pytest.approx(floor)
     assert estimate(serial, {"T": 2}) < 1.5e-6  # carried from its own T = 1 time, 4 rows padding
     assert estimate(wide, {"T": 128}) == 1e-4
     only_serial = {shape_key({"T": 1}): {serial: 2e-7}, shape_key({"T": 64}): {parallel: 5e-5},
                    shape_key({"T": 128}): {wide: 1e-4}}
     # The smallest shape a two-core kernel was measured on is T = 64: its floor holds from there.
     estimate = nearest_measured_estimates(task, only_serial, {}, cores=2)
-    assert estimate(wide, {"T": 64}) == pytest.approx(5e-5)  # carried: 2.5e-5
-    assert estimate(wide, {"T": 1}) == pytest.approx(2e-7)  # the shared floor only
+    assert estimate(wide, {"T": 64}) == pytest.approx(FLOOR_MARGIN * 5e-5)  # carried: 2.5e-5
+    assert estimate(wide, {"T": 1}) == pytest.approx(FLOOR_MARGIN * 2e-7)  # the shared floor only
     variants, labels = plan_layouts([serial, wide], [{"T": t} for t in range(1, 129)], [1.0] * 128,
                                     nearest_measured_estimates(task, measured, {}, cores=2), measured, {}, 4, 4)
     assert variants[labels[0]] is serial  # T = 1: the serial kernel, measured faster than any two-core one
@@ -372,3 +375,20 @@ def test_an_unpacked_space_probes_the_smallest_shape_in_every_threading(tmp_path
     assert kernel.threads == 0 and not kernel.pack
     tuner.measured[shape_key({"T": 1})][kernel] = 1e-6
     assert tuner.commitment.small_regime_probes(0) == []
+
+
+def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_down_to_its_time() -> None:
+    """A 12-row tile measured only on long sequences, carried down to T = 1, would look as fast
+    there as the one-row kernel measured at the floor's time (it ran 2x slower: one row of two
+    vectors a pass); the floor is a bound, so T = 1 stays with the kernel measured there."""
+    task = TuningTask.create(dense(768, 3072, "bias_gelu"), TARGET, ShapeVar("T", range(1, 129)))
+    tall = MicroKernel(tile=(("i", (12,)), ("j", (32, 1, 4)), ("k", (1,))), vector=16, pack=32)
+    one_row = MicroKernel(tile=(("i", (1,)), ("j", (32, 4, 6)), ("k", (1,))), vector=16, pack=32)
+    measured = {shape_key({"T": 1}): {one_row: 54e-6}, shape_key({"T": 64}): {tall: 1.5e-3},
+                shape_key({"T": 128}): {tall: 3e-3}}
+    estimate = nearest_measured_estimates(task, measured, {}, cores=2)
+    assert estimate(tall, {"T": 1}) == pytest.approx(FLOOR_MARGIN * 54e-6)  # carried: 2.3e-5
+    shapes = [{"T": t} for t in range(1, 129)]
+    variants, labels = plan_layouts([tall, one_row], shapes, [1.0] * len(shapes), estimate, measured, {}, 4, 8,
+                                    rows=list(range(1, 129)), tallest={32: 12})
+    assert variants[labels[0]] is one_row and variants[labels[-1]] is tall
