@@ -33,15 +33,18 @@ import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
 from dietserve.kernels.apply import apply_kernel  # noqa: E402
 
 
-def build_once(op: str, kernel, target, instruments=()) -> tuple[float, float]:
-    """(seconds applying the kernel, seconds compiling it) of one build."""
+def build_once(op: str, kernel, target, profile: bool = False) -> tuple[float, float, str]:
+    """(seconds applying the kernel, seconds compiling it, the TVM passes' timing report if
+    ``profile``) of one build."""
     spec = OPERATORS[op]()
     start = time.perf_counter()
     func = apply_kernel(spec.func, kernel, "llvm")
     applied = time.perf_counter()
-    with tvm.transform.PassContext(instruments=list(instruments)):
+    timing = PassTimingInstrument()
+    with tvm.transform.PassContext(instruments=[timing] if profile else []):
         tvm.compile(func, target)
-    return applied - start, time.perf_counter() - applied
+        report = timing.render() if profile else ""  # (inside: leaving the context clears it)
+    return applied - start, time.perf_counter() - applied, report
 
 
 def slowest_passes(rendered: str, count: int) -> list[tuple[float, str]]:
@@ -67,7 +70,7 @@ def main() -> int:
     args = parser.parse_args()
     _where, target, lanes = llvm_target()
     print(f"{args.op}, seconds per build (median of {args.repeats})")
-    print(f"{'kernel':>16} {'without':>14} {'apply':>7} {'compile':>8} {'total':>7} {'vs full':>8}")
+    print(f"{'kernel':>16} {'without':>14} {'apply':>7} {'compile':>8} {'total':>7} {'x full':>8}")
     for text in args.kernel:
         kernel = packed_kernel(text, lanes)
         full = None
@@ -77,10 +80,7 @@ def main() -> int:
                 setattr(cpu_packed, flag, False)
             try:
                 builds = [build_once(args.op, kernel, target) for _ in range(args.repeats)]
-                timing = PassTimingInstrument()
-                if args.passes:
-                    build_once(args.op, kernel, target, [timing])
-                    rendered = timing.render()
+                rendered = build_once(args.op, kernel, target, profile=True)[2] if args.passes else ""
             finally:
                 if flag is not None:
                     setattr(cpu_packed, flag, True)
