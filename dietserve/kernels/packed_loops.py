@@ -71,7 +71,8 @@ def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: boo
                 _reduce_fetching(tile, accs, i0, panel0, 0, depth, ahead,
                                  tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
 
-            # a remainder tile's sums, for the epilogue loop (scope "global": a stack array)
+            # the sums the epilogue loop reads: a remainder tile's, and with ``epilogue_loop``
+            # the whole tile's (scope "global": a stack array)
             sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
                 if tile.remainder_tiles or tile.epilogue_loop else None
 

@@ -192,10 +192,10 @@ def _measure(job: dict, started: float) -> dict:
     pack = 0 if job["kernel"] is None else MicroKernel.from_json(job["kernel"]).pack
     cores = job["target"].get("num-cores")
     session = _session(job["device"], target_kind, int(cores) if cores else None)
-    built = _built_and_checked(job, spec, recipe, session, pack)
-    if isinstance(built, dict):
-        return {**built, "seconds": time.perf_counter() - started}
-    module, reused = built
+    outcome = _built_and_checked(job, spec, recipe, session, pack)
+    if isinstance(outcome, dict):  # a wrong result
+        return {**outcome, "seconds": time.perf_counter() - started}
+    module, reused = outcome
     built = time.perf_counter()
     function = module["main"]
 
