@@ -135,11 +135,12 @@ class PlanCommitment:
         probes = []
         for threads in sorted({k.threads for k in ranked} - {k.threads for k in done}):
             probes.append(next(k for k in ranked if k.threads == threads))
-        for kernel in ranked if pack else []:
-            if len(done) + len(probes) >= SMALL_REGIME_KERNELS:
-                break
-            if kernel not in probes:
-                probes.append(kernel)
+        if pack:  # (the one-row regime: the cost model's next best too)
+            for kernel in ranked:
+                if len(done) + len(probes) >= SMALL_REGIME_KERNELS:
+                    break
+                if kernel not in probes:
+                    probes.append(kernel)
         return [(kernel, smallest) for kernel in probes]
 
     def single_pass_probes(self, pack: int) -> list[tuple[MicroKernel, dict]]:

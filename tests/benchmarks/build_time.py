@@ -25,11 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
-from cold_weights import FEATURES  # noqa: E402
+from cold_weights import FEATURES, without_feature  # noqa: E402
 from forced_kernels import llvm_target, packed_kernel  # noqa: E402
 from tvm.ir.instrument import PassTimingInstrument  # noqa: E402
 
-import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
 from dietserve.kernels.apply import apply_kernel  # noqa: E402
 
 
@@ -47,15 +46,15 @@ def build_once(op: str, kernel, target, profile: bool = False) -> tuple[float, f
     return applied - start, time.perf_counter() - applied, report
 
 
-def slowest_passes(rendered: str, count: int) -> list[tuple[float, str]]:
-    """The ``count`` passes with the most time of their own (the bracketed figure) in a
-    ``PassTimingInstrument.render()`` report, in seconds."""
+def pass_times(rendered: str) -> list[tuple[float, str]]:
+    """(seconds of its own, name) of every pass in a ``PassTimingInstrument.render()`` report
+    (the bracketed figure), the slowest first."""
     own = []
     for line in rendered.splitlines():
         match = re.match(r"\s*([\w.]+): \d+us \[(\d+)us\]", line)
         if match:
             own.append((int(match.group(2)) / 1e6, match.group(1)))
-    return sorted(own, reverse=True)[:count]
+    return sorted(own, reverse=True)
 
 
 def main() -> int:
@@ -75,15 +74,9 @@ def main() -> int:
         kernel = packed_kernel(text, lanes)
         full = None
         for without in [None, *args.without]:
-            flag = FEATURES.get(without)
-            if flag is not None:
-                setattr(cpu_packed, flag, False)
-            try:
+            with without_feature(without):
                 builds = [build_once(args.op, kernel, target) for _ in range(args.repeats)]
                 rendered = build_once(args.op, kernel, target, profile=True)[2] if args.passes else ""
-            finally:
-                if flag is not None:
-                    setattr(cpu_packed, flag, True)
             apply_s = statistics.median(b[0] for b in builds)
             compile_s = statistics.median(b[1] for b in builds)
             total = apply_s + compile_s
@@ -92,11 +85,11 @@ def main() -> int:
             print(f"{text:>16} {without or '-':>14} {apply_s:>7.2f} {compile_s:>8.2f} {total:>7.2f} {ratio}",
                   flush=True)
             if args.passes:
-                passes = slowest_passes(rendered, args.passes)
-                in_passes = sum(seconds for seconds, _ in slowest_passes(rendered, 10_000))
+                passes = pass_times(rendered)
+                in_passes = sum(seconds for seconds, _ in passes)
                 print(f"{'':>16}   TVM passes {in_passes:.2f} s in all, LLVM and the rest "
                       f"{compile_s - in_passes:.2f} s; slowest: "
-                      + ", ".join(f"{name} {seconds:.2f}" for seconds, name in passes))
+                      + ", ".join(f"{name} {seconds:.2f}" for seconds, name in passes[:args.passes]))
     return 0
 
 

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -52,16 +53,23 @@ FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remaind
             "epilogue-loop": "EPILOGUE_LOOP"}
 
 
-def built(op: str, text: str, where, target, lanes: int, without: str | None):
-    kernel = packed_kernel(text, lanes)
-    flag = FEATURES.get(without)
+@contextmanager
+def without_feature(name: str | None):
+    """Kernels built inside are built without the feature ``name`` (``FEATURES``; None: all)."""
+    flag = FEATURES.get(name)
     if flag is not None:
         setattr(cpu_packed, flag, False)
     try:
-        spec, lib = build(op, kernel, where, target, gelu=True)
+        yield
     finally:
         if flag is not None:
             setattr(cpu_packed, flag, True)
+
+
+def built(op: str, text: str, where, target, lanes: int, without: str | None):
+    kernel = packed_kernel(text, lanes)
+    with without_feature(without):
+        spec, lib = build(op, kernel, where, target, gelu=True)
     return spec, kernel, lib["main"]
 
 

@@ -93,6 +93,27 @@ def aligned_full(shape: tuple, value: float) -> np.ndarray:
     return storage[start:start + count].reshape(shape)
 
 
+def assert_exact_within_the_output(function, spec, kernel: MicroKernel, lengths, columns: int,
+                                   atol: float = 2e-4) -> None:
+    """At every T of ``lengths`` the kernel matches numpy and writes nothing past its output
+    (``mr`` guard rows after it, in the same allocation)."""
+    (mr,) = kernel.tile_sizes("i")
+    for length in lengths:
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        arguments = [tvm.runtime.tensor(pack_array(x, kernel.pack) if i == 1 else x) for i, x in enumerate(inputs)]
+        guarded = aligned_full((length + mr, columns), 7.0)
+        function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
+        np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=atol,
+                                   err_msg=f"{kernel} T={length}")
+        assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+
+
+def output_stores(func) -> list[str]:
+    """The lines of a kernel's script that store to its output (the last parameter)."""
+    output = str(func.params[-1].name)  # (the output buffer's name, as the script prints it)
+    return [line for line in func.script().splitlines() if line.strip().startswith(f"{output}[")]
+
+
 @pytest.mark.parametrize("tile", [(5, 24, 1, 2, 1), (3, 24, 2, 1, 32)])
 def test_padded_rows_are_never_stored(tile: tuple) -> None:
     """Rows are padded locally, in registers: the output's neighbour in memory (here the rows
@@ -101,13 +122,7 @@ def test_padded_rows_are_never_stored(tile: tuple) -> None:
     spec = dense(K, N, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
     function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
-    for length in (1, 2, 7, 13, 127):
-        inputs = random_inputs(spec, {"T": length}, seed=length)
-        arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
-        guarded = aligned_full((length + mr, N), 7.0)  # the output's rows, then mr guard rows
-        function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
-        np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=1e-4)
-        assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+    assert_exact_within_the_output(function, spec, kernel, (1, 2, 7, 13, 127), N, atol=1e-4)
 
 
 @pytest.mark.parametrize("tile, depth", [((13, 16, 1, 1, 1), K), ((9, 16, 1, 1, 256), 1024)])
@@ -120,14 +135,7 @@ def test_every_remainder_of_a_tall_tile_is_computed_exactly(tile: tuple, depth: 
     spec = dense(depth, 48, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
     function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
-    for length in range(1, 2 * mr + 1):
-        inputs = random_inputs(spec, {"T": length}, seed=length)
-        arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
-        guarded = aligned_full((length + mr, 48), 7.0)
-        function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
-        np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=2e-4,
-                                   err_msg=f"{kernel} T={length}")
-        assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+    assert_exact_within_the_output(function, spec, kernel, range(1, 2 * mr + 1), 48)
 
 
 def test_packing_is_one_map_for_the_prim_func_and_the_data() -> None:
@@ -246,8 +254,7 @@ def test_rows_too_few_to_copy_run_only_remainder_tiles() -> None:
     assert crowding_rows(mr, 1024 * 4) == 9
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, 1, 1)), ("k", (1,))), vector=lanes, pack=panel)
     func = apply_kernel(spec.func, kernel, "llvm")
-    output = str(func.params[-1].name)  # (the output buffer's name, as the script prints it)
-    stores = [line for line in func.script().splitlines() if line.strip().startswith(f"{output}[")]
+    stores = output_stores(func)
     per_row = panel // lanes
     # the whole tile's rows once, and one epilogue loop over a remainder's rows per branch
     assert len(stores) == mr * per_row + 2 * per_row, len(stores)
@@ -270,18 +277,9 @@ def test_a_large_epilogue_runs_in_one_loop_over_the_tile_rows(kc: int) -> None:
         spec = dense(64, 48, epilogue)
         kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, 1, 1)), ("k", (kc,))), vector=lanes, pack=panel)
         func = apply_kernel(spec.func, kernel, "llvm")
-        output = str(func.params[-1].name)
-        stores = [line for line in func.script().splitlines() if line.strip().startswith(f"{output}[")]
+        stores = output_stores(func)
         assert len(stores) == stores_expected, (epilogue, len(stores))
-        function = tvm.compile(func, TARGET)["main"]
-        for length in range(1, 2 * mr + 2):
-            inputs = random_inputs(spec, {"T": length}, seed=length)
-            arguments = [tvm.runtime.tensor(pack_array(x, panel) if i == 1 else x) for i, x in enumerate(inputs)]
-            guarded = aligned_full((length + mr, 48), 7.0)
-            function(*arguments, tvm.runtime.from_dlpack(guarded[:length]))
-            np.testing.assert_allclose(guarded[:length], spec.reference(*inputs), rtol=1e-4, atol=2e-4,
-                                       err_msg=f"{epilogue} {kernel} T={length}")
-            assert (guarded[length:] == 7.0).all(), f"{kernel} wrote past row {length}"
+        assert_exact_within_the_output(tvm.compile(func, TARGET)["main"], spec, kernel, range(1, 2 * mr + 2), 48)
 
 
 def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
