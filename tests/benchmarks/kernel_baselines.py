@@ -268,11 +268,15 @@ def machine_ceiling(target: TargetLike, repeats: int = 5) -> tuple[float, float]
     """(sgemm GFLOP/s of numpy's BLAS on 2048^3, read GB/s of a parallel read-only pass over a
     BERT-base weight-sized array in TVM): the compute and weight-streaming ceilings of this
     machine, measured in the same run as the kernels they judge."""
+    return sgemm_rate(repeats), read_rate(target, 128, repeats * 4)  # 128 panels: a 768 x 3072 weight
+
+
+def sgemm_rate(repeats: int = 5) -> float:
+    """GFLOP/s of numpy's BLAS on 2048^3."""
     rng = np.random.default_rng(0)
     a, b = rng.random((2048, 2048), dtype=np.float32), rng.random((2048, 2048), dtype=np.float32)
     time.sleep(0.2)
-    sgemm = 2 * 2048**3 / median_seconds(lambda: a @ b, repeats, warmup=1, number=1) / 1e9
-    return sgemm, read_rate(target, 128, repeats * 4)  # 128 panels: a 768 x 3072 weight
+    return 2 * 2048**3 / median_seconds(lambda: a @ b, repeats, warmup=1, number=1) / 1e9
 
 
 PANEL_BYTES = 192 * 4 * 24 * 4  # one panel of the read-only pass: 192 x 96 floats
@@ -288,6 +292,21 @@ def read_rate(target: TargetLike, panels: int, repeats: int = 20) -> float:
     time.sleep(0.2)
     seconds = median_seconds(lambda: stream(weight, out), repeats, warmup=3)
     return panels * PANEL_BYTES / seconds / 1e9
+
+
+def read_pass(target: TargetLike, nbytes: int) -> Callable[[], object]:
+    """One parallel read-only pass over ``nbytes`` (rounded up to a panel) on huge pages, where a
+    served model keeps its weights (``dietserve.runtime.huge_pages``): a call takes as long as
+    reading that model's weights once from DRAM takes at that moment. Timed beside the model in
+    each round, since on a shared machine the DRAM rate moves by half over minutes."""
+    from dietserve.runtime.huge_pages import on_huge_pages
+
+    panels = -(-nbytes // PANEL_BYTES)
+    stream = _stream_function(_as_target(target), panels)
+    weight = on_huge_pages([tvm.runtime.tensor(
+        np.random.default_rng(0).random((panels, 192, 4, 24), dtype=np.float32))])[0]
+    out = tvm.runtime.tensor(np.zeros((panels, 4, 24), np.float32))
+    return lambda: stream(weight, out)
 
 
 def _stream_function(target: Target, panels: int):
@@ -442,6 +461,7 @@ def tune_metaschedule(spec: OperatorSpec, shapes: Sequence[ShapeLike], target: T
 
 __all__ = [
     "check_against_reference", "compile_tvm_default", "dense_epilogue", "machine_ceiling", "median_seconds",
-    "numpy_computation", "read_rate", "time_default_rule", "time_numpy", "time_torch", "time_tvm_default",
+    "numpy_computation", "read_pass", "read_rate", "sgemm_rate", "time_default_rule", "time_numpy", "time_torch",
+    "time_tvm_default",
     "time_tvm_module", "torch_computation", "tune_metaschedule", "tvm_arguments", "tvm_arguments_packed",
 ]
