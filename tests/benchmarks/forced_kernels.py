@@ -64,7 +64,7 @@ def build(op: str, kernel: MicroKernel | None, where, target, gelu: bool):
     epilogue replaced by ``v / 2`` while the operator is built."""
     original = tuner.ops.gelu_expr
     if not gelu:
-        tuner.ops.gelu_expr = lambda v: v * tirx.const(0.5, "float32")
+        tuner.ops.gelu_expr = lambda v, *_: v * tirx.const(0.5, "float32")
     try:
         spec = OPERATORS[op]()
     finally:
