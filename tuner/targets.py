@@ -33,9 +33,17 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
         return TuningTarget(target, gpu_space(hardware), hardware.sm_count, hardware)
     if kind != "llvm":
         raise ValueError(f"target must be llvm or cuda, got {kind!r}")
-    from dietserve.kernels.host import cpu_flags, host_cpu
+    from dietserve.kernels.host import cpu_flags, host_cpu, target_cpu_flags
 
-    hardware = detect_cpu(cpu_flags() or set())
+    flags = cpu_flags() or set()
+    if mcpu:
+        # The named CPU's instruction sets, not this machine's: tuning here for an AVX2 CPU
+        # (``--mcpu znver3`` on an AVX-512 host) must size the register tiles to 16 registers
+        # of 8 lanes, not to this CPU's 32 of 16. (The caches are still this machine's.)
+        import tvm
+
+        flags = target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+    hardware = detect_cpu(flags)
     if cores:
         hardware = hardware.with_overrides(cores=cores)
     target = {"kind": "llvm", "mcpu": mcpu or host_cpu(), "num-cores": hardware.cores}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from ..kernels.host import LLVM_TO_CPUINFO
+from ..kernels.host import target_cpu_flags
 from ..kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
@@ -65,12 +65,7 @@ def compiler_source_hash() -> str:
 
 
 def required_cpu_flags(target) -> list[str]:
-    if target.kind.name != "llvm":
-        return []
-    from tvm.target.codegen import llvm_get_cpu_features
-
-    features = set(llvm_get_cpu_features(target))
-    return sorted(LLVM_TO_CPUINFO[name] for name in features if name in LLVM_TO_CPUINFO)
+    return sorted(target_cpu_flags(target)) if target.kind.name == "llvm" else []
 
 
 def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int,

@@ -45,6 +45,14 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     return None
 
 
+def target_cpu_flags(target) -> set[str]:
+    """The /proc/cpuinfo flags of what an llvm ``target`` (a tvm Target) may use: its ``mcpu``'s
+    features as LLVM knows them, within ``LLVM_TO_CPUINFO``."""
+    from tvm.target.codegen import llvm_get_cpu_features
+
+    return {LLVM_TO_CPUINFO[name] for name in llvm_get_cpu_features(target) if name in LLVM_TO_CPUINFO}
+
+
 def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[str]:
     if available is None:
         return []  # cannot tell; let the load try

@@ -6,7 +6,8 @@ shape (64 trials on each of 6 T by default), with the machine's ceiling measured
 
     python tests/benchmarks/bench_kernels.py [--trials 64] [--ms-trials 64] [--ms-lengths 1,64,512]
                                              [--ops dense_768x3072,attention_scores]
-                                             [--target llvm|cuda] [--skip-metaschedule] [--save-plans DIR]
+                                             [--target llvm|cuda] [--mcpu znver3] [--skip-metaschedule]
+                                             [--save-plans DIR]
                                              [--load-plans DIR] [--reference PATH] [--rounds 5]
 
 Per operator it prints the plan's variants and a table of latency, GFLOP/s and % of the sgemm
@@ -146,6 +147,8 @@ def main() -> int:
                         help="the static T MetaSchedule tunes")
     parser.add_argument("--ops", default=",".join(MODEL_OPERATORS), help=f"comma-separated subset of {list(OPERATORS)}")
     parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
+    parser.add_argument("--mcpu", help="llvm: the CPU to build and tune for (default this one's), e.g. znver3 for "
+                                       "AVX2 code on an AVX-512 machine; every TVM baseline is built for it too")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--skip-metaschedule", action="store_true")
     parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
@@ -161,7 +164,7 @@ def main() -> int:
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
     ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
-    where = resolve_target(args.target)
+    where = resolve_target(args.target, mcpu=args.mcpu)
     target, space, cores = where.target, where.space, where.cores
     on_cpu = args.target == "llvm"
     if on_cpu:

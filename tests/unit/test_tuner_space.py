@@ -47,3 +47,20 @@ def test_microkernel_round_trips_and_hashes() -> None:
     assert again == kernel and hash(again) == hash(kernel)
     assert str(kernel) == "MicroKernel(T=6x2 N=16 K=4 vec=8 unroll=16 local)"
     assert len({kernel, again}) == 1
+
+
+@pytest.mark.parametrize(("mcpu", "lanes"), [("haswell", 8), ("znver3", 8), ("skylake-avx512", 16)])
+def test_a_named_cpu_gets_the_space_of_its_own_instruction_sets(mcpu: str, lanes: int) -> None:
+    """``--mcpu`` naming an older CPU (the artifact is to run there) sizes the tiles to that
+    CPU's vector registers, not to this machine's: an AVX-512 host tuning for an AVX2 CPU must
+    not hand it 16-lane tiles of 28 accumulators."""
+    from tuner.targets import resolve_target
+
+    where = resolve_target("llvm", mcpu=mcpu)
+    assert where.target["mcpu"] == mcpu and where.hardware.lanes() == lanes
+    assert {kernel.vector for kernel in where.space} == {lanes}
+    registers = where.hardware.vector_registers
+    for kernel in (kernel for kernel in where.space if kernel.pack):
+        (mr,) = kernel.tile_sizes("i")
+        panel, pk, _groups = kernel.tile_sizes("j")
+        assert mr * pk * panel // lanes < registers, kernel  # the accumulators, with room to load
