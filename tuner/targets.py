@@ -37,12 +37,14 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
 
     flags = cpu_flags() or set()
     if mcpu:
-        # The named CPU's instruction sets, not this machine's: tuning here for an AVX2 CPU
-        # (``--mcpu znver3`` on an AVX-512 host) must size the register tiles to 16 registers
-        # of 8 lanes, not to this CPU's 32 of 16. (The caches are still this machine's.)
+        # The named CPU's instruction sets, as far as this machine has them (the kernels are
+        # measured here): tuning for an AVX2 CPU (``--mcpu znver3``) on an AVX-512 host must
+        # size the register tiles to 16 registers of 8 lanes, not to this CPU's 32 of 16. (The
+        # caches are still this machine's.)
         import tvm
 
-        flags = target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+        named = target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
+        flags = named & flags if flags else named
     hardware = detect_cpu(flags)
     if cores:
         hardware = hardware.with_overrides(cores=cores)
