@@ -1,8 +1,9 @@
 """Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
 OpenVINO on the CPU, same thread count, measured one backend after another per point, in
 ``--rounds`` rounds over the whole table (median of the rounds), in one run. Beside them, a
-floor: the encoder's dense layers at numpy's sgemm rate, or their weights read once at the DRAM
-rate, whichever is longer, both measured in every round (``WeightFloor``). No fp32 backend goes
+floor: the encoder's matrix products (dense layers and attention) at numpy's sgemm rate, or its
+dense weights read once at the DRAM rate, whichever is longer, both measured in every round
+(``WeightFloor``). No fp32 backend goes
 far below it: numpy's sgemm is not the FMA peak, so a dense kernel can beat it by a few percent.
 
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
@@ -87,9 +88,10 @@ def variants_per_operator(artifact: Path) -> str:
 
 
 class WeightFloor:
-    """The time no fp32 backend can beat on this machine for the encoder's dense layers alone:
-    their FLOPs at numpy's sgemm rate (2048^3), or their weights read once from DRAM (a parallel
-    read-only pass over as many bytes, on huge pages as the model's), whichever is longer.
+    """The time no fp32 backend can beat on this machine for the encoder's matrix products
+    alone (the dense layers and attention's two batched products): their FLOPs at numpy's sgemm
+    rate (2048^3), or the dense layers' weights read once from DRAM (a parallel read-only pass
+    over as many bytes, on huge pages as the model's), whichever is longer.
     Both are measured in every round beside the backends: on this shared machine the DRAM rate
     moves between about 32 and 50 GB/s over minutes, so a floor measured once, at another time,
     says little about a short sequence's run. Printed beside the backends so a ratio between
@@ -102,6 +104,8 @@ class WeightFloor:
         config = Checkpoint.open(checkpoint).config
         hidden, inner = config.hidden_size, config.intermediate_size
         self.params = config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inner)
+        # attention's scores and context products: 2 x (2 * seq^2 * hidden) FLOPs per sequence and layer
+        self.attention_flops = lambda batch, seq: config.num_hidden_layers * batch * 4 * seq * seq * hidden
         self.read_weights = kernel_baselines.read_pass(resolve_target("llvm", cores=threads).target,
                                                        4 * self.params)
         self.sgemm: list[float] = []  # GFLOP/s, one per round
@@ -110,11 +114,13 @@ class WeightFloor:
     def start_round(self) -> None:
         self.sgemm.append(kernel_baselines.sgemm_rate(repeats=3))
 
-    def seconds(self, tokens: int, repeats: int) -> float:
-        """This round's floor for ``tokens`` tokens, the weights' read pass timed now."""
+    def seconds(self, batch: int, seq: int, repeats: int) -> float:
+        """This round's floor for ``batch`` sequences of ``seq`` tokens, the weights' read pass
+        timed now."""
         read = median_latency(self.read_weights, (), repeats)
         self.dram.append(4 * self.params / read / 1e9)
-        return max(2 * self.params * tokens / (self.sgemm[-1] * 1e9), read)
+        flops = 2 * self.params * batch * seq + self.attention_flops(batch, seq)
+        return max(flops / (self.sgemm[-1] * 1e9), read)
 
     def summary(self) -> str:
         return (f"{self.params / 1e6:.1f} M dense weights; sgemm {min(self.sgemm):.1f}-{max(self.sgemm):.1f} GFLOP/s"
@@ -167,12 +173,12 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
         for point, inputs in points.items():
             for name, fn in backends.items():
                 samples[point][name].append(median_latency(fn, inputs, args.repeats))
-            floors[point].append(floor.seconds(point[0] * point[1], args.repeats))
+            floors[point].append(floor.seconds(*point, args.repeats))
     say(f"floor: {floor.summary()}")
     for batch in args.batches:
         print(f"# model={model} batch={batch} threads={args.threads} (median ms over {args.rounds} rounds); floor: "
-              f"the encoder's dense layers at the sgemm rate or their weights read once from DRAM, both measured"
-              f" in each round ({floor.summary()}); best: the faster of ORT and OpenVINO")
+              f"the encoder's matrix products at the sgemm rate or its dense weights read once from DRAM, both"
+              f" measured in each round ({floor.summary()}); best: the faster of ORT and OpenVINO")
         print(f"{'seq':>5} " + " ".join(f"{name:>9}" for name in backends)
               + f" {'floor':>8} {'tun/unt':>8} {'vs_ort':>7} {'vs_ov':>7} {'vs_best':>7} {'vs_torch':>8}"
               + f" {'floor/ours':>10} {'floor/best':>10}")
@@ -225,7 +231,7 @@ def main() -> int:
           f"geomean_vs_torch={geomean(ratios['vs_torch']):.3f} geomean_vs_best={geomean(ratios['vs_best']):.3f} "
           f"min_vs_best={min(ratios['vs_best']):.3f}")
     print(f"FLOOR geomean_floor_vs_ours={geomean(ratios['floor_vs_ours']):.3f} "
-          f"geomean_floor_vs_best={geomean(ratios['floor_vs_best']):.3f} (1.0: at the dense layers' floor); "
+          f"geomean_floor_vs_best={geomean(ratios['floor_vs_best']):.3f} (1.0: at the matrix products' floor); "
           f"a backend at the floor at every point would be {1 / geomean(ratios['floor_vs_best']):.3f}x the best")
     return 0
 
