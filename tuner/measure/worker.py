@@ -18,6 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from dietserve.kernels.hardware import last_level_cache_bytes
+from dietserve.kernels.huge_pages import on_huge_pages
 
 from .streaming import copies, time_streaming
 
@@ -239,7 +240,8 @@ def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarr
     if key not in session.kept:
         session.kept.clear()  # one operator's copies at a time (a 3072 x 768 weight: 7 x 9.4 MB)
         count = copies(weight.nbytes, last_level_cache_bytes())
-        session.kept[key] = [session.tensor(weight) for _ in range(count)]
+        # (only local CPU jobs stream) on huge pages, where the served model keeps its weights
+        session.kept[key] = on_huge_pages([session.tensor(weight) for _ in range(count)])
     return session.kept[key]
 
 
