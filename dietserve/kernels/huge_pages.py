@@ -1,4 +1,6 @@
-"""The model's weights on transparent huge pages (CPU artifacts, Linux).
+"""The model's weights on transparent huge pages (CPU artifacts, Linux): where the runtime
+puts a loaded artifact's weights, and the tuner the weight copies it streams
+(``--stream-weights``), so both read weights the same way.
 
 A served model reads every weight once per request (bert-base: 340 MB, far more than any
 cache), so at short sequences it runs at the rate memory streams them. On 4 KB pages that
