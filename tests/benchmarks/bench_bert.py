@@ -3,8 +3,8 @@ OpenVINO on the CPU, same thread count, measured one backend after another per p
 ``--rounds`` rounds over the whole table (median of the rounds), in one run. Beside them, a
 floor: the encoder's matrix products (dense layers and attention) at numpy's sgemm rate, or its
 dense weights read once at the DRAM rate, whichever is longer, both measured in every round
-(``WeightFloor``). No fp32 backend goes
-far below it: numpy's sgemm is not the FMA peak, so a dense kernel can beat it by a few percent.
+(``WeightFloor``). No fp32 backend goes far below it: numpy's sgemm is not the FMA peak, so a
+dense kernel can beat it by a few percent.
 
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
@@ -88,12 +88,12 @@ def variants_per_operator(artifact: Path) -> str:
 
 
 class WeightFloor:
-    """The time no fp32 backend can beat on this machine for the encoder's matrix products
-    alone (the dense layers and attention's two batched products): their FLOPs at numpy's sgemm
-    rate (2048^3), or the dense layers' weights read once from DRAM (a parallel read-only pass
-    over as many bytes, on huge pages as the model's), whichever is longer.
+    """The time below which no fp32 backend goes far on this machine for the encoder's matrix
+    products alone (the dense layers and attention's two batched products): their FLOPs at
+    numpy's sgemm rate (2048^3), or the dense layers' weights read once from DRAM (a parallel
+    read-only pass over as many bytes, on huge pages as the model's), whichever is longer.
     Both are measured in every round beside the backends: on this shared machine the DRAM rate
-    moves between about 32 and 50 GB/s over minutes, so a floor measured once, at another time,
+    moved between 29 and 65 GB/s within one run, so a floor measured once, at another time,
     says little about a short sequence's run. Printed beside the backends so a ratio between
     them can be read against what is left to gain."""
 
