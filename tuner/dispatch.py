@@ -285,10 +285,10 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     ``FLOOR_MARGIN`` times the best latency measured on the smallest measured shape (for shapes
     at or above it): carried over at constant GFLOP/s, a kernel measured on long sequences would
     look faster on short ones than one pass over the weight, which every kernel makes. The
-    learned cost model only steers the
-    search: with a small budget its predictions far from the measured shapes can be badly wrong
-    (a serial kernel calibrated on short sequences looks fast on long ones), and without f_adapt
-    a 6-row tile measured at T=63 would look as fast per FLOP at T=1, where 5 of its 6 rows pad.
+    learned cost model only steers the search: with a small budget its predictions far from the
+    measured shapes can be badly wrong (a serial kernel calibrated on short sequences looks fast
+    on long ones), and without f_adapt a 6-row tile measured at T=63 would look as fast per FLOP
+    at T=1, where 5 of its 6 rows pad.
 
     ``measured``: shape key -> {kernel: latency}; ``default_measured``: shape key -> latency."""
     from .cost_model.model import adapt

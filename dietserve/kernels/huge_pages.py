@@ -29,7 +29,8 @@ def _aligned(nbytes: int) -> int:
 
 
 def on_huge_pages(tensors: list) -> list:
-    """Copies of CPU ``tensors`` in one anonymous mapping advised for huge pages, in order.
+    """Copies of CPU ``tensors`` (TVM tensors or numpy arrays) in one anonymous mapping advised
+    for huge pages, in order, as TVM tensors.
     The mapping lives as long as any of the returned tensors does (each holds a view of it)."""
     if not tensors:
         return []

@@ -104,8 +104,7 @@ class WeightFloor:
         config = Checkpoint.open(checkpoint).config
         hidden, inner = config.hidden_size, config.intermediate_size
         self.params = config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inner)
-        # attention's scores and context products: 2 x (2 * seq^2 * hidden) FLOPs per sequence and layer
-        self.attention_flops = lambda batch, seq: config.num_hidden_layers * batch * 4 * seq * seq * hidden
+        self.layers, self.hidden = config.num_hidden_layers, hidden
         self.read_weights = kernel_baselines.read_pass(resolve_target("llvm", cores=threads).target,
                                                        4 * self.params)
         self.sgemm: list[float] = []  # GFLOP/s, one per round
@@ -119,7 +118,9 @@ class WeightFloor:
         timed now."""
         read = median_latency(self.read_weights, (), repeats)
         self.dram.append(4 * self.params / read / 1e9)
-        flops = 2 * self.params * batch * seq + self.attention_flops(batch, seq)
+        # the dense layers, and attention's scores and context products: 2 x 2 * seq^2 * hidden per
+        # sequence and layer
+        flops = 2 * self.params * batch * seq + self.layers * batch * 4 * seq * seq * self.hidden
         return max(flops / (self.sgemm[-1] * 1e9), read)
 
     def summary(self) -> str:

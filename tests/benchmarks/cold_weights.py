@@ -57,13 +57,15 @@ FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remaind
 def without_feature(name: str | None):
     """Kernels built inside are built without the feature ``name`` (``FEATURES``; None: all)."""
     flag = FEATURES.get(name)
-    if flag is not None:
-        setattr(cpu_packed, flag, False)
+    if flag is None:
+        yield
+        return
+    value = getattr(cpu_packed, flag)
+    setattr(cpu_packed, flag, False)
     try:
         yield
     finally:
-        if flag is not None:
-            setattr(cpu_packed, flag, True)
+        setattr(cpu_packed, flag, value)
 
 
 def built(op: str, text: str, where, target, lanes: int, without: str | None):

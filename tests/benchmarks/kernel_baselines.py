@@ -283,15 +283,12 @@ PANEL_BYTES = 192 * 4 * 24 * 4  # one panel of the read-only pass: 192 x 96 floa
 
 
 def read_rate(target: TargetLike, panels: int, repeats: int = 20) -> float:
-    """GB/s of a parallel read-only pass over ``panels`` x PANEL_BYTES: a weight that stays in
-    cache (a BERT-base weight: 128 panels) or, with a few hundred MB, the DRAM rate at which a
-    model streams every weight once per run."""
-    stream = _stream_function(_as_target(target), panels)
-    weight = tvm.runtime.tensor(np.random.default_rng(0).random((panels, 192, 4, 24), dtype=np.float32))
-    out = tvm.runtime.tensor(np.zeros((panels, 4, 24), np.float32))
+    """GB/s of a parallel read-only pass over ``panels`` x PANEL_BYTES (``read_pass``): a weight
+    that stays in cache (a BERT-base weight: 128 panels) or, with a few hundred MB, the DRAM
+    rate at which a model streams every weight once per run."""
+    stream = read_pass(target, panels * PANEL_BYTES)
     time.sleep(0.2)
-    seconds = median_seconds(lambda: stream(weight, out), repeats, warmup=3)
-    return panels * PANEL_BYTES / seconds / 1e9
+    return panels * PANEL_BYTES / median_seconds(stream, repeats, warmup=3) / 1e9
 
 
 def read_pass(target: TargetLike, nbytes: int) -> Callable[[], object]:
@@ -303,8 +300,7 @@ def read_pass(target: TargetLike, nbytes: int) -> Callable[[], object]:
 
     panels = -(-nbytes // PANEL_BYTES)
     stream = _stream_function(_as_target(target), panels)
-    weight = on_huge_pages([tvm.runtime.tensor(
-        np.random.default_rng(0).random((panels, 192, 4, 24), dtype=np.float32))])[0]
+    weight = on_huge_pages([np.random.default_rng(0).random((panels, 192, 4, 24), dtype=np.float32)])[0]
     out = tvm.runtime.tensor(np.zeros((panels, 4, 24), np.float32))
     return lambda: stream(weight, out)
 

@@ -240,8 +240,8 @@ def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarr
     if key not in session.kept:
         session.kept.clear()  # one operator's copies at a time (a 3072 x 768 weight: 7 x 9.4 MB)
         count = copies(weight.nbytes, last_level_cache_bytes())
-        # (only local CPU jobs stream) on huge pages, where the served model keeps its weights
-        session.kept[key] = on_huge_pages([session.tensor(weight) for _ in range(count)])
+        # on huge pages, where the served model keeps its weights (only local CPU jobs stream)
+        session.kept[key] = on_huge_pages([weight] * count)
     return session.kept[key]
 
 
