@@ -52,9 +52,10 @@ def parse_kernel(text: str, lanes: int) -> MicroKernel | None:
     return packed_kernel(text, lanes)
 
 
-def llvm_target():
-    """(this CPU's target description, its tvm Target, fp32 lanes), the thread pool sized to it."""
-    where = resolve_target("llvm")
+def llvm_target(mcpu: str | None = None):
+    """(the target description of this CPU or of ``mcpu``, its tvm Target, fp32 lanes), the
+    thread pool sized to this machine."""
+    where = resolve_target("llvm", mcpu=mcpu)
     configure_cpu_threads(where.cores)
     return where, tvm.target.Target(where.target), where.hardware.lanes(32)
 
@@ -83,8 +84,9 @@ def main() -> int:
     parser.add_argument("--kernel", action="append", required=True, help="see above (repeatable)")
     parser.add_argument("--reference", type=Path, help="the hand-scheduled dense + GELU kernel")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mcpu", help="build for this CPU (default this one's), e.g. znver3 for AVX2 code here")
     args = parser.parse_args()
-    where, target, lanes = llvm_target()
+    where, target, lanes = llvm_target(args.mcpu)
     timers = {}
     for text in args.kernel:
         kernel_text, _, option = text.partition(":no-") if ":no-" in text else (text, "", "")
