@@ -12,11 +12,12 @@ sum cancels: a float32 ``erf`` near -1 leaves only a few correct bits in it). Th
 halves the decay the rational has to follow (``Phi(-6)`` is 1e-9, its square root 3e-5), so
 it follows it without cancelling, and amplifies the rational's rounding only twice. Past
 ``u = 6`` the tail is held at ``Phi(-6)``, and ``v`` at -6 in the product, so the GELU of
-any ``v < -6`` is -5.9e-9 (the exact one is closer to 0 than that). Our own fit: iteratively
-reweighted linear least squares (Sanathanan-Koerner, then Lawson's weights) of
-``sqrt(Phi(-u))``, weighted so that the float32 GELU stays within its rounding of the exact
-one. In float64 the approximation is within 1.7e-7 of ``Phi(-u)`` relatively up to u = 3,
-9.1e-7 up to 4 and 1.4e-3 at 6, and ``u * |error|`` (the GELU's share) is at most 4.1e-9.
+any ``v < -6`` is -5.9e-9 (the exact one is closer to 0 than that). Our own fit
+(``tests/benchmarks/fit_gelu_tail.py``): iteratively reweighted linear least squares
+(Sanathanan-Koerner, then Lawson's weights) of ``sqrt(Phi(-u))``, weighted so that the float32
+GELU stays within its rounding of the exact one. In float64 the approximation is within 1.7e-7
+of ``Phi(-u)`` relatively up to u = 3, 9.1e-7 up to 4 and 1.4e-3 at 6, and ``u * |error|``
+(the GELU's share) is at most 4.1e-9.
 
 Evaluated in float32 the GELU is within 2.4e-7 of the exact one on [-12, 12] (the rounding of
 results near 4-8, whose ulp is 4.8e-7), within 2.3 ulps relatively for ``v > 0`` and 9e-5 for
@@ -26,7 +27,7 @@ GELU (1.1e-6).
 
 It costs 23 vector operations and one division, where the previous form (``erfc`` as
 ``t * exp(P(t) - a^2)``, ``t = 1 / (1 + a/2)``, with TOPI's ``fast_exp``) took about 45: a
-16-lane GELU on znver4 in 20 cycles instead of 41, and the 768 -> 3072 + GELU layer 3.3-3.5%
+16-lane GELU on znver4 in 20 cycles instead of 41, and the 768 -> 3072 + GELU layer 2.9-3.6%
 faster at T = 64-512 (a forced 8 x 32 tile). The exp was most of it.
 """
 
