@@ -81,11 +81,15 @@ def gelu_expr(v, bind: bool = True):
     """0.5 * v * (1 + erf(v / sqrt(2))), as Relax's legalization defines it, in float32 vectors;
     ``bind`` as for ``normal_tail_expr``."""
     let = _let if bind else _inline
-    nonnegative = lambda v: v >= _f32(0.0)  # noqa: E731
-    # One product, added once: ``v - v * tail`` above 0 rounds once (a fused multiply-add),
-    # where ``v * (1 - tail)`` rounded twice (3.8e-7 off near v = 5).
-    return let("gelu_v", v, lambda v: tirx.Select(nonnegative(v), -v, tirx.max(v, _f32(-TAIL_END)))
-               * normal_tail_expr(tirx.abs(v), bind) + tirx.Select(nonnegative(v), v, _f32(0.0)))
+
+    def gelu(v):
+        above = v >= _f32(0.0)
+        # One product, added once: ``v - v * tail`` above 0 rounds once (a fused multiply-add),
+        # where ``v * (1 - tail)`` rounded twice (3.8e-7 off near v = 5).
+        factor = tirx.Select(above, -v, tirx.max(v, _f32(-TAIL_END)))
+        return factor * normal_tail_expr(tirx.abs(v), bind) + tirx.Select(above, v, _f32(0.0))
+
+    return let("gelu_v", v, gelu)
 
 
 def numpy_normal_tail(u):
