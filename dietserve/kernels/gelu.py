@@ -92,9 +92,11 @@ def gelu_expr(v, bind: bool = True):
     return let("gelu_v", v, gelu)
 
 
-def numpy_normal_tail(u):
-    """The same approximation in numpy, in float64: its approximation error without float32's."""
+def numpy_normal_tail(u, p=TAIL_P, q=TAIL_Q):
+    """The same approximation in numpy, in float64: its approximation error without float32's
+    (``p``, ``q``: other coefficients of the same form, as ``fit_gelu_tail.py`` checks a fit)."""
     import numpy as np
 
     u = np.minimum(np.asarray(u, dtype=np.float64), TAIL_END)
-    return (np.polyval(TAIL_P[::-1], u) / np.polyval(TAIL_Q[::-1], u)) ** 2
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    return (np.polyval(p[::-1], u) / np.polyval(q[::-1], u)) ** 2
