@@ -28,19 +28,21 @@ def test_normal_tail_approximation_is_within_float32_resolution_where_the_gelu_n
 
 def _run_gelu(v: np.ndarray, mcpu: str = "haswell", bind: bool = True) -> np.ndarray:
     out = tvm.runtime.tensor(np.zeros_like(v))
-    _compiled_gelu(mcpu, bind=bind)["main"](tvm.runtime.tensor(v), out)
+    compiled_gelu(mcpu, bind=bind)["main"](tvm.runtime.tensor(v), out)
     return out.numpy()
 
 
-def _compiled_gelu(mcpu: str, length: int | None = None, bind: bool = True):
+def compiled_gelu(mcpu: str, length: int | None = None, bind: bool = True, lanes: int = 8):
+    """The GELU over a float32 vector of ``length`` (None: any), ``lanes`` at a time, for ``mcpu``
+    (also used by ``tests/benchmarks/gelu_accuracy.py``)."""
     n = te.var("n", "int64") if length is None else length
     x = te.placeholder((n,), "float32", name="x")
     y = te.compute((n,), lambda i: gelu_expr(x[i], bind), name="gelu")
     func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
     sch = tvm.s_tir.Schedule(func)
     (loop,) = sch.get_loops(sch.get_sblock("gelu"))
-    _, lanes = sch.split(loop, [None, 8])
-    sch.vectorize(lanes)
+    _, inner = sch.split(loop, [None, lanes])
+    sch.vectorize(inner)
     return tvm.compile(sch.mod, tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
 
 
@@ -63,7 +65,7 @@ def test_compiled_gelu_is_closer_to_exact_than_the_float32_textbook_formula() ->
 
 def test_compiled_gelu_is_float32_vector_code_without_libm() -> None:
     # a static length: whole vectors, no predicated tail (which LLVM would scalarise)
-    asm = _compiled_gelu("haswell", length=4096).mod.inspect_source("asm")
+    asm = compiled_gelu("haswell", length=4096).mod.inspect_source("asm")
     calls = [line for line in asm.splitlines() if line.strip().startswith("call")]
     assert not [call for call in calls if "erf" in call or "exp" in call]  # no libm call
     assert "vdivps\t%ymm" in asm and "pd\t" not in asm  # float32 vectors, nothing in float64
