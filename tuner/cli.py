@@ -38,7 +38,7 @@ def _measure_options(args: argparse.Namespace):
     from .measure.runner import MeasureOptions
 
     return MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                          timeout_s=args.timeout, stream_weights=args.stream_weights)
+                          timeout_s=args.timeout, stream_weights=args.stream_weights, workers=args.workers)
 
 
 def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
@@ -203,6 +203,9 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-weights", action="store_true",
                         help="time dense layers with each call reading its weight from DRAM, as the served model "
                              "does (default: one weight, cached after the first call; local runs only)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes building candidates in parallel (default: one per core, at most 4; "
+                             "timings run one at a time)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

@@ -56,7 +56,9 @@ class PlanCommitment:
         6-trial tune spent half on them, and verified none of its choices)."""
         tuner = self.tuner
         until = min(until, tuner.trials + int(tuner.options.trials * SINGLE_PASS_SHARE))
-        for kernel, shape in self.single_pass_probes(pack):
+        probes = self.single_pass_probes(pack)
+        tuner.prepare(probes[:max(0, until - tuner.trials)])
+        for kernel, shape in probes:
             if tuner.trials < until:
                 tuner.measure(kernel, shape)
         tuner.model.fit()
@@ -66,15 +68,19 @@ class PlanCommitment:
         not yet measured there: the choice compares packings on the same shapes, not one
         measured against another's extrapolation (the evolution may have favoured one)."""
         tuner = self.tuner
+        probes = []
         for key in [key for key, kernels in tuner.measured.items() if kernels]:
             shape = dict(key)
             for width in sorted(widths):
-                if tuner.trials >= until or any(k.pack == width for k in tuner.measured[key]):
+                if any(k.pack == width for k in tuner.measured[key]):
                     continue
                 candidates = [k for k in tuner.space if k.pack == width and k not in tuner.failed]
-                if not candidates:
-                    continue
-                tuner.measure(self._by_prediction(candidates, shape)[0], shape)
+                if candidates:
+                    probes.append((self._by_prediction(candidates, shape)[0], shape))
+        probes = probes[:max(0, until - tuner.trials)]
+        tuner.prepare(probes)
+        for kernel, shape in probes:
+            tuner.measure(kernel, shape)
         tuner.model.fit()
 
     def verify(self, budget: int, bar: ProgressBar | None = None) -> None:
@@ -96,6 +102,8 @@ class PlanCommitment:
                 + unverified_probes(plan, tuner.measured, tuner.failed, tuner.default_measured)
             if not probes:
                 return
+            defaults = len({shape_key(shape) for _, shape in probes} - set(tuner.default_measured))
+            tuner.prepare(probes[:max(0, budget - tuner.trials - defaults)])
             for kernel, shape in probes:
                 if tuner.trials < budget and shape_key(shape) not in tuner.default_measured:
                     tuner.measure_default(shape)

@@ -237,10 +237,27 @@ class Tuner:
             return float("inf")
         return self.task.flops(shape) / (throughput * adapt(self.task.axis_extents(shape), kernel, self.cores))
 
+    def _job(self, shape: dict, job: dict) -> dict:
+        return {"recipe": self.task.spec.recipe, "target": self.task.target, "shapes": [shape],
+                "check_shape": self.check_shape, **job}
+
+    def _kernel_job(self, kernel: MicroKernel) -> dict:
+        return {"kernel": kernel.to_json(), "apply": self.options.apply, "loop_partition": self.options.loop_partition}
+
+    def prepare(self, probes: list[tuple[MicroKernel, dict]]) -> None:
+        """Have the runner build the kernels of ``probes`` ahead, in parallel where it can
+        (``LocalRunner.prepare``): as many as the trials left will time."""
+        prepare = getattr(self.runner, "prepare", None)
+        if prepare is None:
+            return
+        left = self.options.trials - self.trials
+        probes = [(kernel, shape) for kernel, shape in probes
+                  if kernel not in self.failed and kernel not in self.measured.get(shape_key(shape), {})]
+        prepare([self._job(shape, self._kernel_job(kernel)) for kernel, shape in probes[:left]])
+
     def _run_job(self, kernel: MicroKernel | None, shape: dict, job: dict) -> float | None:
         """Run one measurement job and record it (append-only); returns the latency or None."""
-        result = self.runner.run({"recipe": self.task.spec.recipe, "target": self.task.target, "shapes": [shape],
-                                  "check_shape": self.check_shape, **job})
+        result = self.runner.run(self._job(shape, job))
         self.trials += 1
         error = result.get("error")
         latency = None if error is not None else next(iter(result["latencies"].values()))
@@ -265,7 +282,7 @@ class Tuner:
             self.default_measured[shape_key(shape)] = latency
 
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
-        job = {"kernel": kernel.to_json(), "apply": self.options.apply, "loop_partition": self.options.loop_partition}
+        job = self._kernel_job(kernel)
         best = self.measured.get(shape_key(shape))
         if best:
             job["abandon_above_s"] = ABANDON_FACTOR * min(best.values())
@@ -334,7 +351,9 @@ class Tuner:
                 exclude = set(self.measured.get(shape_key(shape), {})) | self.failed
                 seeds = sorted(filter(self._searchable, self.calibrated()),
                                key=lambda k, shape=shape: self.estimate(k, shape))[:16]
-                for kernel in self.search.propose(score, per_shape, exclude, seeds):
+                proposed = self.search.propose(score, per_shape, exclude, seeds)[:max(0, until - self.trials)]
+                self.prepare([(kernel, shape) for kernel in proposed])
+                for kernel in proposed:
                     if self.trials >= until:
                         break
                     self.measure(kernel, shape)

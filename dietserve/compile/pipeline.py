@@ -15,6 +15,7 @@ from tvm import relax
 from tvm.s_tir import dlight
 from tvm.target import Target
 
+from ..kernels.build import TIR_PIPELINE
 from .cpu import cpu_schedule_rules
 from .passes import FastSoftmax, VectorGelu
 
@@ -118,4 +119,4 @@ def compile_module(
         with target:
             return tvm.transform.Sequential(passes)(module)
 
-    return tvm.compile(mod, target, relax_pipeline=pipeline)
+    return tvm.compile(mod, target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)

@@ -32,6 +32,7 @@ from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from .build import with_exact_buffers
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .row_softmax import softmax_rows
@@ -153,7 +154,7 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
                     _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
                 with T.Else():  # smaller than one tile
                     _narrow(op, batch, (m, n, depth), mr, nr, lanes, parallel, softmax_lanes)
-    return func.with_body(builder.get()).with_attr("tirx.is_scheduled", True)
+    return with_exact_buffers(func.with_body(builder.get()).with_attr("tirx.is_scheduled", True))
 
 
 def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:

@@ -45,6 +45,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from .build import with_exact_buffers
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .packed_loops import blocked_reduction, packed_rows, whole_reduction
@@ -132,7 +133,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if PREFETCH_NEXT_BLOCK:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
-    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+    return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True))
 
 
 def computed_extent(kernel: MicroKernel, axis: str, extent: int) -> int:

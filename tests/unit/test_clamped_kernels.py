@@ -10,6 +10,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.build import build
 from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
@@ -28,7 +29,7 @@ AVX2 = CPU_PRESETS["avx2"]
 def _check_every_kernel(spec) -> None:
     kernels = task_space(cpu_space(AVX2) + packed_cpu_space(AVX2) + clamped_cpu_space(AVX2), spec.func)
     assert kernels and all(is_clamped(k) for k in kernels)
-    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
         "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
     for length in SHAPES:
         shape = {"T": length}
@@ -81,7 +82,7 @@ def test_clamped_kernel_applies_the_models_scale_and_mask(model_scores, tile: tu
     spec = model_scores
     kernel = MicroKernel(tile=(("i", (tile[0],)), ("j", (tile[1],)), ("k", (1,))), vector=8,
                          cache_scopes=("clamped",))
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     rng = np.random.default_rng(0)
     for batch, length in ((1, 1), (2, 7), (1, 64), (3, 129), (1, 300)):
         shape = {"batch": batch, "seq_len": length}
@@ -96,7 +97,7 @@ def test_clamped_kernel_applies_the_models_scale_and_mask(model_scores, tile: tu
 def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
     kernel = MicroKernel(tile=(("i", (4,)), ("j", (24,)), ("k", (1,))), vector=8, cache_scopes=("clamped",))
     target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA
-    asm = tvm.compile(apply_kernel(attention_scores(12, 64).func, kernel, "llvm"), target).mod.inspect_source("asm")
+    asm = build(apply_kernel(attention_scores(12, 64).func, kernel, "llvm"), target).mod.inspect_source("asm")
     loops = fma_loops(asm)
     assert loops, "no FMA loop in the generated code"
     fmas, loads, broadcasts, stack, prefetches = max(loops)
@@ -122,7 +123,7 @@ def test_fused_softmax_matches_numpy_at_every_length(variant: str) -> None:
         mr, nr, ti = (int(v) for v in variant.rstrip("p").split("x"))
         kernel = MicroKernel(tile=(("i", (mr, ti)), ("j", (nr,)), ("k", (1,))), vector=8,
                              cache_scopes=("clamped", "B.local") if variant.endswith("p") else ("clamped",))
-    function = tvm.compile(apply_variant(spec.func, kernel, TARGET, row_softmax=True), TARGET)["main"]
+    function = build(apply_variant(spec.func, kernel, TARGET, row_softmax=True), TARGET)["main"]
     for length in SHAPES:
         inputs = random_inputs(spec, {"T": length}, seed=length)
         out = tvm.runtime.tensor(np.full(spec.output_shape({"T": length}), np.nan, "float32"))
@@ -152,7 +153,7 @@ def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_produc
     spec = spec_from_prim_func(*found[0])
     kernels = task_space(clamped_cpu_space(AVX2), spec.func)
     assert kernels and all(is_clamped(k) for k in kernels)
-    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
         "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
     rng = np.random.default_rng(0)
     for batch, length in ((1, 1), (2, 7), (1, 129)):

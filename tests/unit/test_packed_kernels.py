@@ -12,6 +12,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.build import build
 from dietserve.kernels.cpu_packed import crowding_rows, packed_tile, remainder_heights
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.matching import ScheduleMismatch
@@ -45,7 +46,7 @@ def test_every_packed_kernel_matches_numpy_at_every_length() -> None:
     kernels = fitting_space(spec)
     assert kernels and all(k.pack for k in kernels)
     assert {packed_tile(k)[0] for k in kernels} == {1, 2, 3, 4, 5, 6}  # every register-tile height
-    functions = tvm.compile(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
+    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
         "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
     for index, kernel in enumerate(kernels):
         for length in SHAPES:
@@ -63,7 +64,7 @@ def test_packed_kernels_apply_bert_epilogues(epilogue: str, tile: tuple) -> None
         with pytest.raises(ScheduleMismatch, match="epilogue"):
             apply_kernel(spec.func, kernel, "llvm")
         return
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     for length in SHAPES:
         got, expected = run(function, spec, kernel, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{epilogue} T={length}")
@@ -76,7 +77,7 @@ def test_reduction_blocked_kernels_match_numpy(epilogue: str, tile: tuple) -> No
     mr, panel, pk, groups, kc = tile
     spec = dense(512, 96, epilogue)
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     for length in SHAPES:
         got, expected = run(function, spec, kernel, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{epilogue} T={length}")
@@ -121,7 +122,7 @@ def test_padded_rows_are_never_stored(tile: tuple) -> None:
     mr, panel, pk, groups, kc = tile
     spec = dense(K, N, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     assert_exact_within_the_output(function, spec, kernel, (1, 2, 7, 13, 127), N, atol=1e-4)
 
 
@@ -134,7 +135,7 @@ def test_every_remainder_of_a_tall_tile_is_computed_exactly(tile: tuple, depth: 
     mr, panel, pk, groups, kc = tile
     spec = dense(depth, 48, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     assert_exact_within_the_output(function, spec, kernel, range(1, 2 * mr + 1), 48)
 
 
@@ -229,18 +230,18 @@ def test_tiles_whose_rows_share_an_l1_set_read_a_k_major_copy(tile: tuple) -> No
     assert crowding_rows(14, 768 * 4) is None and crowding_rows(13, 3072 * 4) == 9
     spec = dense(1024, 48, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
-    function = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
+    function = build(apply_kernel(spec.func, kernel, "llvm"), TARGET)["main"]
     for length in SHAPES:  # 1, 2, 7 in place; 13 and longer from the copy
         got, expected = run(function, spec, kernel, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{kernel} T={length}")
     haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
-    loops = step_broadcasts(tvm.compile(apply_kernel(spec.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
+    loops = step_broadcasts(build(apply_kernel(spec.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
     copied = [reads for reads in loops if copied_rows(reads, mr)]
     assert copied and all(len(reads) == mr for reads in copied), loops
     # and the in-place path: the rows a whole row (4 KB) apart, or from separate bases
     assert any(in_place_rows(reads) for reads in loops), loops
     shallow = dense(768, 48, "bias_residual")
-    loops = step_broadcasts(tvm.compile(apply_kernel(shallow.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
+    loops = step_broadcasts(build(apply_kernel(shallow.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
     assert loops and not any(copied_rows(reads, mr) for reads in loops), loops  # read in place
 
 
@@ -258,7 +259,7 @@ def test_rows_too_few_to_copy_run_only_remainder_tiles() -> None:
     per_row = panel // lanes
     # the whole tile's rows once, and one epilogue loop over a remainder's rows per branch
     assert len(stores) == mr * per_row + 2 * per_row, len(stores)
-    function = tvm.compile(func, TARGET)["main"]
+    function = build(func, TARGET)["main"]
     for length in range(1, 2 * mr + 1):
         got, expected = run(function, spec, kernel, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-4, err_msg=f"{kernel} T={length}")
@@ -279,14 +280,14 @@ def test_a_large_epilogue_runs_in_one_loop_over_the_tile_rows(kc: int) -> None:
         func = apply_kernel(spec.func, kernel, "llvm")
         stores = output_stores(func)
         assert len(stores) == stores_expected, (epilogue, len(stores))
-        assert_exact_within_the_output(tvm.compile(func, TARGET)["main"], spec, kernel, range(1, 2 * mr + 2), 48)
+        assert_exact_within_the_output(build(func, TARGET)["main"], spec, kernel, range(1, 2 * mr + 2), 48)
 
 
 def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
     spec = dense(768, 3072, "bias_gelu")
     kernel = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 4)), ("k", (1,))), vector=8, pack=24)
     target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA
-    asm = tvm.compile(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
+    asm = build(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
     loops = fma_loops(asm)
     assert loops, "no FMA loop in the generated code"
     # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step, fed by 3 panel loads and

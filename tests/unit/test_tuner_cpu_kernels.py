@@ -9,6 +9,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.build import build
 from dietserve.kernels.dispatch import dispatched_prim_func
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
@@ -51,7 +52,7 @@ def run(lib, spec, length: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_micro_kernel_matches_numpy_at_every_length(operator: str, name: str) -> None:
     spec = OPERATORS[operator]()
-    lib = tvm.compile(apply_kernel(spec.func, KERNELS[name], "llvm"), TARGET)
+    lib = build(apply_kernel(spec.func, KERNELS[name], "llvm"), TARGET)
     for length in SHAPES:
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{operator} T={length}")
@@ -62,7 +63,7 @@ def test_loop_partitioned_kernels_match_numpy(operator: str) -> None:
     spec = OPERATORS[operator]()
     scheduled = apply_kernel(spec.func, KERNELS["6x16 per register tile, 4x2 of them"], "llvm", loop_partition=True)
     assert "pragma_loop_partition_hint" in scheduled.script()
-    lib = tvm.compile(scheduled, TARGET)
+    lib = build(scheduled, TARGET)
     for length in SHAPES:
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
@@ -112,14 +113,14 @@ def test_dispatched_function_branches_to_each_variant() -> None:
     assert tree == {"var": "T", "le": 8, "then": {"variant": "small"}, "else": {"variant": "large"}}
     plan = _plan({"small": small, "large": large}, tree)
     assert choose(plan.tree, {"T": 8}) == "small" and choose(plan.tree, {"T": 9}) == "large"
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
+    lib = build(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in (1, 8, 9, 13, 300):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
     # One variant reached from two leaves (small, large, small again).
     plan = _plan({"small": small, "large": large},
                  interval_tree("T", [1, 8, 9, 100, 101, 512], ["small", "small", "large", "large", "small", "small"]))
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
+    lib = build(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in (1, 9, 100, 101, 300):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
@@ -136,7 +137,7 @@ def test_every_length_of_a_small_operator_lands_on_a_correct_variant() -> None:
                       target={"kind": "llvm"}, tvm_version=tvm.__version__,
                       variants={**{n: k.to_dict() for n, k in variants.items()}, DEFAULT_VARIANT: None}, tree=tree,
                       tuned_range={"var": "T", "min": 1, "max": 256})
-    lib = tvm.compile(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
+    lib = build(dispatched_prim_func(spec.func, plan, TARGET), TARGET)
     for length in range(1, 301):
         got, expected = run(lib, spec, length)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"T={length}")

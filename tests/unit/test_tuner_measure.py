@@ -15,6 +15,7 @@ import pytest
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase
 from tuner.measure.runner import LocalRunner, MeasureOptions, RPCRunner
+from tuner.measure.worker import build_key
 from tuner.ops import dense
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TuneOptions, Tuner
@@ -66,6 +67,30 @@ def test_a_kernel_is_built_once_for_every_shape_it_is_timed_on() -> None:
     assert again["error"] is None and again["build_reused"] and set(again["latencies"]) == {"T=7"}
     assert other["error"] is None and not other["build_reused"]
     assert all(result["error"].startswith("wrong result on") for result in rejected)
+
+
+def test_candidates_built_ahead_on_every_worker_are_timed_where_they_were_built() -> None:
+    """``prepare`` builds a round's candidates on two workers at once; each is then timed on the
+    worker holding its build (not built again), and a build that failed ahead (a wrong result,
+    a crash) comes back as that candidate's result without costing the others."""
+    wrong = "tests.unit.test_tuner_measure:wrong_schedule"
+    jobs = [job(kernel(4)), job(kernel(1)), job(kernel(3), wrong)]
+    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60, workers=2)) as runner:
+        runner.prepare(jobs)
+        workers_used = {runner._built_on[build_key(runner._job(each))] for each in jobs}
+        results = [runner.run(each) for each in jobs]
+        again = runner.run({**job(kernel(4)), "shapes": [{"T": 7}]})
+        crashing = [job(kernel(2), FAULTY), job(kernel(4), FAULTY), job(kernel(1), FAULTY)]
+        runner.prepare(crashing)
+        crashed, *fine = [runner.run(each) for each in crashing]
+    assert workers_used == {0, 1}  # (each worker takes the next job as it finishes one)
+    for good in results[:2]:
+        assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
+        assert good["built_ahead"] and good["build_seconds"] > 0 and not good["build_reused"]
+    assert results[2]["error"].startswith("wrong result on") and "latencies" not in results[2]
+    assert again["error"] is None and again["build_reused"] and not again.get("built_ahead")
+    assert "died" in crashed["error"] and "SIGSEGV" in crashed["error"]
+    assert all(result["error"] is None and result["latencies"]["T=64"] > 0 for result in fine)
 
 
 def wrong_schedule(func, kernel, target_kind, loop_partition=False):

@@ -4,6 +4,12 @@ A candidate that crashes the worker (a segfault in generated code, an abort in t
 or hangs past the timeout costs only that candidate: the worker is killed if needed and a
 fresh one starts for the next job. Two device kinds: this machine (``LocalRunner``) or a
 remote device reached through a TVM RPC tracker (``RPCRunner``); both build in the worker.
+
+Building is most of a CPU trial (TVM's lowering of a kernel: 0.2-0.7 s, timing it 0.1-0.2 s), so
+a local runner keeps one worker per core (``MeasureOptions.workers``) and ``prepare`` builds the
+candidates the tuner is about to measure on all of them at once, as MetaSchedule's builder does.
+Each is then timed on the worker that holds its build, one at a time, the others idle: a timing
+never shares the machine with a build.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +44,16 @@ class MeasureOptions:
     # it (``streaming.py``). Off by default: plans tuned so ran no faster in the model than
     # plans tuned on a cached weight (README, Benchmarks). Local only.
     stream_weights: bool = False
+    # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
+    # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
+
+MAX_WORKERS = 4
 
 
 class _Worker:
@@ -120,10 +138,18 @@ class _Worker:
             self.process.wait(timeout=5)
         self.process = None
 
-    def close(self) -> None:
+    def close_input(self) -> None:
+        """EOF to the worker: it exits after its current job."""
         if self.process is not None and self.process.poll() is None:
             try:
                 self.process.stdin.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.close_input()
                 self.process.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -148,7 +174,10 @@ class LocalRunner:
 
     def __init__(self, options: MeasureOptions = MeasureOptions()):
         self.options = options
-        self._worker = _Worker()
+        count = options.workers or min(os.cpu_count() or 1, MAX_WORKERS)
+        self._workers = [_Worker() for _ in range(count)]
+        self._built_on: dict[str, int] = {}  # build key -> the worker that built it (ahead)
+        self._built_ahead: dict[str, dict] = {}  # build key -> its prepare result, until timed
 
     @property
     def streams_weights(self) -> bool:
@@ -158,13 +187,66 @@ class LocalRunner:
     def describe(self) -> str:
         return "local, weights from DRAM" if self.streams_weights else "local"
 
+    def _job(self, job: dict) -> dict:
+        return {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
+                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights}
+
+    def prepare(self, jobs: list[dict]) -> None:
+        """Build and check the candidates of ``jobs`` ahead, over every worker at once; ``run``
+        then times each on the worker holding its build (or returns its build's error)."""
+        pending = deque()
+        for job in map(self._job, jobs):
+            key = worker.build_key(job)
+            # (skipping what a worker already holds: a kernel timed before, on another shape)
+            if key not in self._built_on and all(key != queued for queued, _ in pending):
+                pending.append((key, job))
+        if len(self._workers) < 2 or len(pending) < 2:
+            return  # nothing to overlap: built when timed
+
+        def drain(index: int) -> None:
+            while True:
+                try:
+                    key, job = pending.popleft()  # (atomic: the threads share the queue)
+                except IndexError:
+                    return
+                result = self._workers[index].run({**job, "build_only": True}, self.options.timeout_s)
+                if self._workers[index].process is None:  # it died or was killed: its builds are gone
+                    self._forget(index)
+                self._built_ahead[key] = result
+                self._built_on[key] = index
+
+        with ThreadPoolExecutor(len(self._workers)) as pool:
+            list(pool.map(drain, range(len(self._workers))))
+
     def run(self, job: dict) -> dict:
-        job = {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
-               "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights}
-        return self._worker.run(job, self.options.timeout_s)
+        job = self._job(job)
+        key = worker.build_key(job)
+        index = self._built_on.get(key, 0)  # (a kernel timed on several shapes stays where it was built)
+        ahead = self._built_ahead.pop(key, None)
+        if ahead is not None and ahead.get("error") is not None:
+            return ahead  # the build failed: as its timing job would have
+        result = self._workers[index].run(job, self.options.timeout_s)
+        if ahead is not None and result.get("build_reused"):
+            # (the record shows what building it cost, ahead)
+            result = {**result, "build_seconds": ahead["build_seconds"], "build_reused": False, "built_ahead": True}
+        if self._workers[index].process is None:
+            self._forget(index)
+        elif result.get("error") is None:
+            self._built_on[key] = index  # (it keeps its most recent builds: ``worker.BUILDS_KEPT``)
+        return result
+
+    def _forget(self, index: int) -> None:
+        """Worker ``index`` died or was killed: whatever it had built (ahead) is gone with it."""
+        for key in [key for key, holder in self._built_on.items() if holder == index]:
+            del self._built_on[key]
+            if self._built_ahead.get(key, {}).get("error") is None:
+                self._built_ahead.pop(key, None)  # (a failed build's error is kept: it is its result)
 
     def close(self) -> None:
-        self._worker.close()
+        for each in self._workers:  # (all told to finish first: each takes a while to exit)
+            each.close_input()
+        for each in self._workers:
+            each.close()
 
     def __enter__(self):
         return self
@@ -179,7 +261,9 @@ class RPCRunner(LocalRunner):
 
     def __init__(self, tracker: str, key: str, options: MeasureOptions = MeasureOptions(),
                  priority: int = 1, session_timeout_s: int = 120):
-        super().__init__(options)
+        # One worker: each holds its own session, and a second would wait on the tracker for a
+        # device the first holds.
+        super().__init__(MeasureOptions(**{**options.__dict__, "workers": 1}))
         host, _, port = tracker.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"tracker must be host:port, got {tracker!r}")

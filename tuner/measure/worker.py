@@ -136,7 +136,7 @@ BUILDS_KEPT = 16
 _BUILDS: OrderedDict[str, object] = OrderedDict()
 
 
-def _build_key(job: dict) -> str:
+def build_key(job: dict) -> str:
     """What decides the compiled module and its check: everything of the job but the shapes
     timed and how they are timed."""
     return repr([job["recipe"], sorted(job["target"].items()), job["kernel"], job.get("apply"),
@@ -149,9 +149,10 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
     import tvm
 
     from dietserve.kernels.apply import apply_default
+    from dietserve.kernels.build import build
     from dietserve.kernels.microkernel import MicroKernel
 
-    key = _build_key(job)
+    key = build_key(job)
     if key in _BUILDS:
         _BUILDS.move_to_end(key)
         return _BUILDS[key], True
@@ -164,7 +165,7 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
     else:
         kernel = MicroKernel.from_json(job["kernel"])
         scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
-    module = session.load(tvm.compile(scheduled, target))
+    module = session.load(build(scheduled, target))
 
     # Correctness first: on the sample shape, against the independent reference.
     check_key = tuple(sorted(job["check_shape"].items()))
@@ -198,6 +199,8 @@ def _measure(job: dict, started: float) -> dict:
         return {**outcome, "seconds": time.perf_counter() - started}
     module, reused = outcome
     built = time.perf_counter()
+    if job.get("build_only"):  # built ahead (``LocalRunner.prepare``): timed by a later job
+        return {"error": None, "build_seconds": built - started, "build_reused": reused, "seconds": built - started}
     function = module["main"]
 
     latencies = {}
