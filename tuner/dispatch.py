@@ -340,7 +340,19 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
             bound = max(bound, parallel_floor)
         return max(carried, bound * FLOOR_MARGIN)
 
-    return estimate
+    # A plan asks for each (kernel, shape) several times (the best per shape, each layout's
+    # set cover, the guard, the plan's rows): 60 candidates x 512 shapes, over and over. The
+    # measurements it reads are the tuner's of the moment; a plan is made from them at once.
+    known: dict[tuple, float] = {}
+
+    def remembered(kernel: Variant, shape: dict) -> float:
+        key = (kernel, shape_key(shape))
+        value = known.get(key)
+        if value is None:
+            value = known[key] = estimate(kernel, shape)
+        return value
+
+    return remembered
 
 
 def _smallest_measured_floor(task, measured: dict, default_measured: dict) -> tuple[float, float]:
