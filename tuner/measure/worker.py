@@ -85,6 +85,12 @@ class _Session:
 
                 configure_cpu_threads(threads)
 
+    def load_library(self, path: str):
+        """A candidate another worker compiled (``compile_only``); local only."""
+        import tvm
+
+        return tvm.runtime.load_module(path)
+
     def load(self, executable):
         if self.remote is None:
             return executable.jit()
@@ -143,19 +149,14 @@ def build_key(job: dict) -> str:
                  job.get("loop_partition", False), sorted(job["device"].items()), sorted(job["check_shape"].items())])
 
 
-def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: int):
-    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was
-    kept from before: ``_BUILDS``); or the error result of a wrong one (not kept)."""
+def _compiled(job: dict, spec):
+    """The job's candidate scheduled and compiled (not loaded, not run)."""
     import tvm
 
     from dietserve.kernels.apply import apply_default
     from dietserve.kernels.build import build
     from dietserve.kernels.microkernel import MicroKernel
 
-    key = build_key(job)
-    if key in _BUILDS:
-        _BUILDS.move_to_end(key)
-        return _BUILDS[key], True
     target_kind = job["target"]["kind"]
     host = job["target"].get("host")
     device_target = {name: value for name, value in job["target"].items() if name != "host"}
@@ -165,7 +166,34 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
     else:
         kernel = MicroKernel.from_json(job["kernel"])
         scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
-    module = session.load(build(scheduled, target))
+    return build(scheduled, target)
+
+
+def compile_only(job: dict) -> dict:
+    """Compile the job's candidate into a shared library at ``job["compile_to"]`` and stop: a
+    builder worker (``LocalRunner.prepare``) never runs a kernel, so its TVM thread pool never
+    starts (an idle pool's threads spin on the cores for a while after each parallel call, and
+    kernels timed meanwhile in another process ran up to 3x slower). Never raises."""
+    started = time.perf_counter()
+    try:
+        _compiled(job, _spec(_freeze(job["recipe"]))).export_library(job["compile_to"])
+        return {"error": None, "library": job["compile_to"], "build_seconds": time.perf_counter() - started}
+    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
+        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
+                "seconds": time.perf_counter() - started}
+
+
+def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: int):
+    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was
+    kept from before: ``_BUILDS``); or the error result of a wrong one (not kept)."""
+    key = build_key(job)
+    if key in _BUILDS:
+        _BUILDS.move_to_end(key)
+        return _BUILDS[key], True
+    if job.get("library"):  # compiled by another worker (``compile_only``): loaded, then checked here
+        module = session.load_library(job["library"])
+    else:
+        module = session.load(_compiled(job, spec))
 
     # Correctness first: on the sample shape, against the independent reference.
     check_key = tuple(sorted(job["check_shape"].items()))
@@ -288,7 +316,7 @@ def main() -> None:
         job = _read_frame(protocol_in)
         if job is None:
             return
-        write_frame(protocol_out, measure(job))
+        write_frame(protocol_out, compile_only(job) if job.get("compile_to") else measure(job))
 
 
 if __name__ == "__main__":
