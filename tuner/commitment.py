@@ -125,7 +125,7 @@ class PlanCommitment:
 
         An unpacked space (attention) gets each threading missing on the smallest shape, any
         tile: the plan floors the estimates of kernels on every core by the best of theirs
-        measured on the smallest shape (``dispatch.nearest_measured_estimates``), and where
+        measured on the smallest shape (``estimates.nearest_measured_estimates``), and where
         only serial ones were measured there, a parallel kernel carried down from longer
         sequences looked as fast as them."""
         tuner = self.tuner

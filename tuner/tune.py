@@ -38,7 +38,8 @@ from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
 from .commitment import PlanCommitment
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import build_plan, nearest_measured_estimates, plan_layouts, shape_key
+from .dispatch import build_plan, plan_layouts, shape_key
+from .estimates import nearest_measured_estimates
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space

@@ -16,15 +16,8 @@ from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import (
-    FLOOR_MARGIN,
-    LAYOUT_TIE,
-    SINGLE_PASS_ROWS,
-    SMALL_REGIME_GAIN,
-    nearest_measured_estimates,
-    plan_layouts,
-    shape_key,
-)
+from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
+from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
 from tuner.ops import attention_scores, dense
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask

@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import worker
@@ -275,7 +275,7 @@ class RPCRunner(LocalRunner):
                  priority: int = 1, session_timeout_s: int = 120):
         # One worker: each holds its own session, and a second would wait on the tracker for a
         # device the first holds.
-        super().__init__(MeasureOptions(**{**options.__dict__, "workers": 1}))
+        super().__init__(replace(options, workers=1))
         host, _, port = tracker.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"tracker must be host:port, got {tracker!r}")
