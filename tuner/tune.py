@@ -272,7 +272,6 @@ class Tuner:
                   "time": time.time(),
                   "flops": self.task.flops(shape), "build_s": result.get("build_seconds"),
                   "build_reused": result.get("build_reused", False),
-                  "spells": result.get("spells", 0),  # timings a slow spell spoiled and taken again
                   "check_shape": self.check_shape},
         ))
         return latency

@@ -52,9 +52,6 @@ class MeasureOptions:
     # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
     # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
     workers: int | None = None
-    # Local CPU timings taken again while a canary kernel reads the machine in a slow spell
-    # (``canary.py``): a neighbour on the shared host slowed kernels up to 2x for seconds.
-    spell_check: bool = True
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
@@ -200,8 +197,7 @@ class LocalRunner:
 
     def _job(self, job: dict) -> dict:
         return {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
-                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights,
-                "spell_check": self.options.spell_check}
+                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights}
 
     def prepare(self, jobs: list[dict]) -> None:
         """Build the candidates of ``jobs`` ahead, on every worker at once: the timing worker

@@ -13,14 +13,13 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import numpy as np
 
 from dietserve.kernels.hardware import last_level_cache_bytes
 from dietserve.kernels.huge_pages import on_huge_pages
 
-from .canary import Canary, gated
 from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
@@ -67,7 +66,6 @@ class _Session:
         self.remote = None
         self.uploads = 0
         self.kept: dict[tuple, list] = {}  # (recipe, packing) -> weight copies (``_weight_copies``)
-        self.canaries: dict[str, Canary] = {}  # target -> its canary (``canary_for``)
         if device_config["kind"] == "rpc":
             from tvm import rpc
 
@@ -110,23 +108,6 @@ class _Session:
         import tvm
 
         return tvm.runtime.tensor(array, device=self.device)
-
-    def canary_for(self, target: dict) -> Canary | None:
-        """The canary of a local CPU ``target`` (``canary.py``), built once; None elsewhere (a
-        remote device's timings come over the network, a GPU's cores are not the host's)."""
-        if self.remote is not None or target["kind"] != "llvm":
-            return None
-        key = repr(sorted(target.items()))
-        if key not in self.canaries:
-            import tvm
-
-            from dietserve.kernels.host import available_cpus, target_cpu_flags
-
-            built_for = tvm.target.Target(target)
-            lanes = 16 if "avx512f" in target_cpu_flags(built_for) else 8
-            cores = int(target.get("num-cores") or len(available_cpus()))
-            self.canaries[key] = Canary(built_for, cores, lanes)
-        return self.canaries[key]
 
 
 _SESSIONS: dict[tuple, _Session] = {}
@@ -251,10 +232,8 @@ def _measure(job: dict, started: float) -> dict:
     function = module["main"]
 
     latencies = {}
-    spells = 0
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
-    canary = session.canary_for(job["target"]) if job.get("spell_check") else None
     # A dense layer's weight comes from DRAM in the served model: cycle through copies of it
     # (``streaming.py``). Only here: over RPC each call would be a round trip.
     weight_index = weight_input(spec) if job.get("stream_weights") and session.remote is None \
@@ -267,9 +246,8 @@ def _measure(job: dict, started: float) -> dict:
         if weight_index is not None:
             sets = [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
                     for w in _weight_copies(session, recipe, pack, arrays[weight_index])]
-            latencies[_shape_text(key)], spoiled = gated(partial(time_streaming, function, sets, job.get("repeat", 5),
-                                                                 job.get("min_repeat_ms", 0) / 1e3), canary)
-            spells += spoiled
+            latencies[_shape_text(key)] = time_streaming(function, sets, job.get("repeat", 5),
+                                                         job.get("min_repeat_ms", 0) / 1e3)
             continue
         args = spec.call_arguments(shape, inputs, output)
         function(*args)  # warm-up: caches, page faults, thread pool
@@ -278,19 +256,12 @@ def _measure(job: dict, started: float) -> dict:
             # for page faults and waking the pool: at small shapes several times the kernel).
             probe = time.perf_counter()
             function(*args)
-            probed = time.perf_counter() - probe
-            # (not where the canary reads a spell: then the probe says nothing of the kernel)
-            if probed > job.get("abandon_above_s", float("inf")) and not (canary and canary.slow(canary.time())):
-                latencies[_shape_text(key)] = probed  # hopeless: not worth repeats
+            if time.perf_counter() - probe > job.get("abandon_above_s", float("inf")):
+                latencies[_shape_text(key)] = time.perf_counter() - probe  # hopeless: not worth repeats
                 continue
-        latencies[_shape_text(key)], spoiled = gated(partial(_median_timing, timer, args), canary)
-        spells += spoiled
+        latencies[_shape_text(key)] = float(np.median(timer(*args).results))
     return {"latencies": latencies, "error": None, "build_seconds": built - started, "build_reused": reused,
-            "spells": spells, "seconds": time.perf_counter() - started}
-
-
-def _median_timing(timer, args) -> float:
-    return float(np.median(timer(*args).results))
+            "seconds": time.perf_counter() - started}
 
 
 def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
