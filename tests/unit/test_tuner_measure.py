@@ -186,3 +186,17 @@ def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "tuner", "tune", "--op", "dense", "--t", "1:8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--k and --n" in bad.stderr
+
+
+def test_the_runner_forgets_builds_the_timing_worker_has_evicted() -> None:
+    """The runner's view of the timing worker's cache keeps what the worker keeps (its most
+    recently used ``BUILDS_KEPT``), so an evicted kernel is built ahead again, not assumed held."""
+    from tuner.measure.worker import BUILDS_KEPT
+
+    with LocalRunner(MeasureOptions(workers=1)) as runner:
+        for index in range(BUILDS_KEPT + 3):
+            runner._held(f"k{index}")
+        runner._held("k3")  # used again: most recent
+        runner._held("new")
+        assert len(runner._timed) == BUILDS_KEPT
+        assert "k3" in runner._timed and "k4" not in runner._timed and "k0" not in runner._timed

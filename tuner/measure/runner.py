@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -184,7 +184,9 @@ class LocalRunner:
         self._libraries = tempfile.TemporaryDirectory(prefix="dietserve-candidates-") if count > 1 else None
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
         self._ahead: dict[str, dict] = {}  # build key -> its prepare result, until it is timed
-        self._timed: set[str] = set()  # build keys the timing worker has built (it keeps the latest)
+        # The build keys the timing worker holds, least recently used first: what its cache keeps
+        # (``worker.BUILDS_KEPT``), so an evicted build is built ahead again.
+        self._timed: OrderedDict[str, None] = OrderedDict()
         self._names = itertools.count()
 
     @property
@@ -223,7 +225,7 @@ class LocalRunner:
                     if self._workers[0].process is None:  # died or killed: its builds went with it
                         self._timed.clear()
                     elif result.get("error") is None:
-                        self._timed.add(key)
+                        self._held(key)
                 else:
                     # (a fresh name each: loading a path already loaded would return the old library)
                     library = os.path.join(self._libraries.name, f"candidate-{next(self._names)}.so")
@@ -249,8 +251,15 @@ class LocalRunner:
         if timer.process is None:  # it died or was killed: its builds went with it (not the libraries)
             self._timed.clear()
         elif result.get("error") is None:
-            self._timed.add(key)
+            self._held(key)
         return result
+
+    def _held(self, key: str) -> None:
+        """The timing worker built or used ``key``: as its cache does, keep it, most recent last."""
+        self._timed[key] = None
+        self._timed.move_to_end(key)
+        while len(self._timed) > worker.BUILDS_KEPT:
+            self._timed.popitem(last=False)
 
     def close(self) -> None:
         for each in self._workers:  # (all told to finish first: each takes a while to exit)
