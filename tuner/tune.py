@@ -45,7 +45,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 20  # bumped when the search or the kernels it times change: older plans are re-tuned
+TUNER_VERSION = 21  # bumped when the search or the kernels it times change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed

@@ -16,14 +16,16 @@ from .packing import packed_form
 
 
 def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
-                 loop_partition: bool = False) -> tirx.PrimFunc:
+                 loop_partition: bool = False, workers: int | None = None) -> tirx.PrimFunc:
+    """``workers`` (CPU packed kernels): the threads that take the kernel's tasks at run time
+    (the target's cores); None: TVM's even split (``cpu_packed.apply_cpu_packed``)."""
     if target_kind == "cuda":
         from .cuda import apply_cuda
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
         if kernel.pack:
-            return apply_cpu_packed(packed_form(func, kernel.pack), kernel)
+            return apply_cpu_packed(packed_form(func, kernel.pack), kernel, workers)
         if is_clamped(kernel):
             return apply_cpu_clamped(func, kernel)
         return apply_cpu(func, kernel, loop_partition=loop_partition)
@@ -53,6 +55,12 @@ def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     raise ScheduleMismatch(f"no default rule schedules this PrimFunc for {target.kind.name}")
 
 
+def target_cores(target: Target) -> int | None:
+    """The cores a CPU target's kernels run on (its ``num-cores``), None where it names none."""
+    cores = target.attrs.get("num-cores") if target.kind.name == "llvm" else None
+    return int(cores) if cores else None
+
+
 def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,
                   loop_partition: bool = False, row_softmax: bool = False) -> tirx.PrimFunc:
     """``kernel`` None means the default rule's kernel. ``row_softmax`` (CPU): the result is
@@ -62,8 +70,8 @@ def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Targe
         raise ValueError(f"a fused row softmax is built for CPU kernels, not {target.kind.name}")
     if row_softmax and kernel is not None and is_clamped(kernel):
         return apply_cpu_clamped(func, kernel, row_softmax=True)
-    scheduled = apply_default(func, target) if kernel is None else apply_kernel(func, kernel, target.kind.name,
-                                                                                 loop_partition)
+    scheduled = apply_default(func, target) if kernel is None else apply_kernel(
+        func, kernel, target.kind.name, loop_partition, workers=target_cores(target))
     if row_softmax:
         return softmax_after(scheduled, func, float_lanes(target))
     return scheduled

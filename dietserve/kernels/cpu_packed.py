@@ -40,12 +40,14 @@ tiles), ``packed_loops`` (the two reduction loop nests, the row copy), ``packed_
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from .build import with_exact_buffers
+from .claimed_tasks import claimed_tasks, static_tasks
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .packed_loops import blocked_reduction, packed_rows, whole_reduction
@@ -60,6 +62,9 @@ from .tir_rebuild import expression_size
 # interleaved (``compare_artifacts.py``, znver4): seq 31 1.07-1.08x, 48 1.04-1.05x, 64
 # 1.01-1.02x, other lengths within the machine's noise; hot, the kernels time as before.
 PREFETCH_NEXT_BLOCK = True
+# The tasks are taken at run time by the target's cores (``claimed_tasks``), not split evenly in
+# advance: on a shared machine a call then waits less for a core slowed by a neighbour.
+CLAIMED_TASKS = True
 # A register tile broadcasts one element of each of its rows per reduction step. Where the rows'
 # stride is a multiple of 4 KB (K = 1024, 3072 floats) they all fall in one L1 set (x86 L1 data
 # caches index within a 4 KB page: 64 sets of 64-byte lines), and a tile taller than the set's
@@ -90,8 +95,10 @@ def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
     return mr, panel, pk, pk * groups
 
 
-def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
-    """``func`` (already reading its weight packed, ``pack_prim_func``) as ``kernel``'s loop nest."""
+def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | None = None) -> tirx.PrimFunc:
+    """``func`` (already reading its weight packed, ``pack_prim_func``) as ``kernel``'s loop nest;
+    ``workers``: the threads that take its tasks at run time (``claimed_tasks``: the target's
+    cores), None: TVM's even split of them."""
     mr, panel, pk, nb = packed_tile(kernel)
     lanes = kernel.vector
     if panel % lanes:
@@ -108,14 +115,18 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel) -> tirx.PrimFunc:
     epilogue_loop = EPILOGUE_LOOP and expression_size(op.epilogue) > EPILOGUE_UNROLLED_NODES
     tile = Tile(op, mr, panel, pk, lanes, rows, REMAINDER_TILES, epilogue_loop)
     loop = T.parallel if kernel.threads != 1 else T.serial
+    if kernel.threads != 1 and workers and CLAIMED_TASKS:
+        tasks = partial(claimed_tasks, workers=workers)
+    else:
+        tasks = partial(static_tasks, loop)
     crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8) \
         if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) else None
 
     def reduction(tile: Tile) -> None:
         if blocked:
-            blocked_reduction(tile, loop, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK)
+            blocked_reduction(tile, tasks, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK)
         else:
-            whole_reduction(tile, loop, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK)
+            whole_reduction(tile, tasks, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK)
 
     with IRBuilder() as builder, T.seq_scope():
         if crowding is None:

@@ -54,12 +54,17 @@ def _reduce_fetching(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextB
             _reduce(tile, accs, i0, panel0, k_first, extent)
 
 
-def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: bool) -> None:
-    """Each task: one row tile over ``nb`` panels, the whole reduction in registers."""
+def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bool) -> None:
+    """Each task: one row tile over ``nb`` panels, the whole reduction in registers. ``tasks``:
+    the task loop (``claimed_tasks``, ``static_tasks``)."""
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
-    with loop(0, blocks * row_tiles) as task:
-        block, it = task // row_tiles, task % row_tiles
+    with tasks(blocks * row_tiles) as claim:
+        block, it = claim.task // row_tiles, claim.task % row_tiles
+        # A worker going backward passes over a block's row tiles from the last: its passes
+        # after the block's first count from there, and its next block is the one before.
+        later_pass = tirx.Select(claim.forward, it - 1, row_tiles - 2 - it)
+        next_block = tirx.Select(claim.forward, block + 1, block - 1)
         with T.serial(0, groups) as group:
             panel0 = block * nb + group * tile.pk
 
@@ -67,9 +72,10 @@ def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: boo
 
             def reduce(tile: Tile, accs: list) -> None:
                 tile.zero(accs)
-                ahead = NextBlock(tile, row_tiles, block * nb + nb, nb, 0, int(depth), int(depth)) if prefetch else None
+                ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth)) if prefetch else None
                 _reduce_fetching(tile, accs, i0, panel0, 0, depth, ahead,
-                                 tirx.all(it >= 1, block + 1 < blocks), (it - 1) * groups + group)
+                                 tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
+                                 later_pass * groups + group)
 
             # the sums the epilogue loop reads: a remainder tile's, and with ``epilogue_loop``
             # the whole tile's (scope "global": a stack array)
@@ -87,13 +93,15 @@ def whole_reduction(tile: Tile, loop, blocks: int, nb: int, depth, prefetch: boo
             tile.passes(i0, whole, remainder, lambda left: tile.finish_rows(sums, 0, 0, i0, panel0, left))
 
 
-def blocked_reduction(tile: Tile, loop, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
+def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
     """Each task: ``nb`` panels over every row tile, the reduction in ``kc``-deep blocks (the
-    block stays in L2 while the row tiles pass over it), partial sums in the task's workspace."""
+    block stays in L2 while the row tiles pass over it), partial sums in the task's workspace.
+    ``tasks``: the task loop (``claimed_tasks``, ``static_tasks``)."""
     row_tiles = tile.row_tiles()
     last = int(depth) // kc - 1
     groups = nb // tile.pk
-    with loop(0, blocks) as task:
+    with tasks(blocks) as claim:
+        task = claim.task
         partial = T.alloc_buffer((row_tiles * tile.mr, nb * tile.panel), tile.dtype)
         with T.serial(0, last + 1) as ko:
             with T.serial(0, row_tiles) as it:
@@ -110,11 +118,11 @@ def blocked_reduction(tile: Tile, loop, blocks: int, nb: int, depth, kc: int, pr
                             with T.Else():
                                 tile.load(accs, partial, i0, column0)
                         # Next: this task's next reduction block, or after its last the next task's first.
-                        ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task * nb, task * nb + nb), nb,
-                                           tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
+                        ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task, claim.successor()) * nb,
+                                           nb, tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
                             if prefetch else None
                         _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
-                                         tirx.all(it >= 1, tirx.any(ko < last, task + 1 < blocks)),
+                                         tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),
                                          (it - 1) * groups + group)
 
                     def whole(tile: Tile, accs: list) -> None:

@@ -58,7 +58,7 @@ OPERATORS = {  # BERT-base's dynamic operators, with the epilogues the model fus
     "attention_context": lambda: attention_context(12, 64),
 }
 # Before the model computed query, key and value in one layer, each was a 768 -> 768 layer of
-# its own: kept for ``cold_weights.py`` and the README's earlier measurements (``--ops``).
+# its own: kept for ``cold_weights.py`` and the earlier measurements in HISTORY.md (``--ops``).
 OPERATORS["dense_768x768"] = lambda: dense(768, 768, "bias")
 MODEL_OPERATORS = [op for op in OPERATORS if op != "dense_768x768"]
 

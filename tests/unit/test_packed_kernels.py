@@ -283,11 +283,12 @@ def test_a_large_epilogue_runs_in_one_loop_over_the_tile_rows(kc: int) -> None:
         assert_exact_within_the_output(build(func, TARGET)["main"], spec, kernel, range(1, 2 * mr + 2), 48)
 
 
-def test_large_tile_inner_loop_is_register_resident_fma_code() -> None:
+@pytest.mark.parametrize("workers", [None, 2])  # TVM's even split; tasks taken at run time
+def test_large_tile_inner_loop_is_register_resident_fma_code(workers: int | None) -> None:
     spec = dense(768, 3072, "bias_gelu")
     kernel = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 4)), ("k", (1,))), vector=8, pack=24)
     target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA
-    asm = build(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
+    asm = build(apply_kernel(spec.func, kernel, "llvm", workers=workers), target).mod.inspect_source("asm")
     loops = fma_loops(asm)
     assert loops, "no FMA loop in the generated code"
     # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step, fed by 3 panel loads and

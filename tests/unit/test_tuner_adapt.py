@@ -81,7 +81,7 @@ def test_bad_inputs_are_rejected() -> None:
 
 
 # Forced runs of the attention scores' 13-row, one-vector clamped kernel (12 heads, d = 64,
-# 2-core znver4, README "Narrow attention tiles"): GFLOP/s at T = 7, 13 (narrower than its
+# 2-core znver4, tests/benchmarks/HISTORY.md, "Narrow attention tiles"): GFLOP/s at T = 7, 13 (narrower than its
 # 16 columns: 4- and 8-lane tiles) and 16 (its own tile). Data, not a formula: the test is
 # that f_adapt carries one shape's rate to another within 2x of what was measured there.
 SCORES_KERNEL = MicroKernel(tile=(("i", (13, 1)), ("j", (16,)), ("k", (1,))), vector=16, cache_scopes=("clamped",))

@@ -47,7 +47,7 @@ class MeasureOptions:
     timeout_s: float = 60.0  # per job: build + check + timing of every shape
     # CPU dense layers: time each call on a weight fresh from DRAM, as the served model reads
     # it (``streaming.py``). Off by default: plans tuned so ran no faster in the model than
-    # plans tuned on a cached weight (README, Benchmarks). Local only.
+    # plans tuned on a cached weight (tests/benchmarks/HISTORY.md). Local only.
     stream_weights: bool = False
     # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
     # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
