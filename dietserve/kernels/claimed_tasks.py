@@ -61,9 +61,10 @@ def static_tasks(loop, extent):
 
 
 @contextmanager
-def claimed_tasks(extent: int, workers: int):
+def claimed_tasks(extent, workers: int):
     """A body run once for each of ``extent`` tasks (a ``Claim``; one task of a segment at most
-    twice, see above), by ``workers`` parallel workers that take their tasks at run time."""
+    twice, see above), by ``workers`` parallel workers that take their tasks at run time;
+    ``extent`` may be symbolic (a share is then empty where it is below ``workers``)."""
     workers = max(1, int(workers))
     if isinstance(extent, (int, tirx.IntImm)):
         workers = min(workers, max(1, int(extent)))

@@ -5,6 +5,7 @@ Knows nothing about transports. Calls are serialised: a VM instance is not re-en
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -16,6 +17,9 @@ from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
 from .errors import InputError
 from .memory import PoolBound
+
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,12 @@ class Engine:
         self.artifact = artifact
         on_cpu = artifact.manifest.target.get("kind") == "llvm"
         self.threads = configure_cpu_threads(threads) if on_cpu else None
+        cores = int(artifact.manifest.target.get("num-cores") or 0) if on_cpu else 0
+        if cores and self.threads > cores:
+            # (its packed kernels' tasks are taken by that many workers: kernels/claimed_tasks.py)
+            LOG.warning("the artifact was compiled for %d cores (--num-cores) and runs on %d threads: its dense "
+                        "kernels use %d of them; compile it with --num-cores %d", cores, self.threads, cores,
+                        self.threads)
         # TVM's CPU thread pool is per calling thread: a thread that runs the VM without
         # configuring its own pool gets TVM's default (half the cores on x86). Each calling
         # thread configures once, on its first call.

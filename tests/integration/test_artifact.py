@@ -115,3 +115,20 @@ def test_cli_reports_a_bad_model_folder(tmp_path: Path) -> None:
     )
     assert completed.returncode == 2
     assert "does not exist" in completed.stderr
+
+
+def test_more_threads_than_the_artifact_was_compiled_for_are_warned_of(minilm_artifact: Path, caplog) -> None:
+    """Its dense kernels share their tasks among the target's num-cores workers: threads beyond
+    that idle there, and the engine says so, naming the flag that fixes it."""
+    loaded = load_artifact(minilm_artifact)
+    cores = int(loaded.manifest.target["num-cores"])
+    try:
+        with caplog.at_level("WARNING", logger="dietserve.runtime.engine"):
+            Engine(loaded, threads=cores)
+            assert not caplog.records
+            Engine(loaded, threads=cores + 2)
+        (record,) = caplog.records
+        assert f"compiled for {cores} cores" in record.getMessage()
+        assert f"--num-cores {cores + 2}" in record.getMessage()
+    finally:
+        Engine(loaded)  # (the thread pool back to every CPU, for the tests after this one)
