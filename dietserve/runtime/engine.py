@@ -18,7 +18,6 @@ from .dispatch import KernelDispatch
 from .errors import InputError
 from .memory import PoolBound
 
-
 LOG = logging.getLogger(__name__)
 
 
