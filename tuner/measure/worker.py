@@ -7,6 +7,7 @@ hang (TVM's compiler, generated code) runs here, never in the tuner's own proces
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import tempfile
@@ -153,7 +154,7 @@ def _compiled(job: dict, spec):
     """The job's candidate scheduled and compiled (not loaded, not run)."""
     import tvm
 
-    from dietserve.kernels.apply import apply_default
+    from dietserve.kernels.apply import apply_default, target_cores
     from dietserve.kernels.build import build
     from dietserve.kernels.microkernel import MicroKernel
 
@@ -165,7 +166,11 @@ def _compiled(job: dict, spec):
         scheduled = apply_default(spec.func, target)
     else:
         kernel = MicroKernel.from_json(job["kernel"])
-        scheduled = resolve(job["apply"])(spec.func, kernel, target_kind, job.get("loop_partition", False))
+        apply = resolve(job["apply"])
+        # Built as the model builds it: a CPU kernel's tasks taken by the target's cores (a custom
+        # schedule without ``workers`` is called as before).
+        workers = {"workers": target_cores(target)} if "workers" in inspect.signature(apply).parameters else {}
+        scheduled = apply(spec.func, kernel, target_kind, job.get("loop_partition", False), **workers)
     return build(scheduled, target)
 
 
