@@ -21,7 +21,10 @@ from tuner.ops import dense, random_inputs
 from .test_packed_kernels import SHAPES, fitting_space
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-SPIN_STEPS = 200_000  # a slowed worker's extra work per task (volatile adds: ~0.2 ms)
+# A slowed worker's extra work per task (volatile adds: ~2 ms): its own share then lasts ~64 ms,
+# ample for the other worker's thread to start even on a busy machine (at 0.2 ms a task it once
+# had not started when the slow one had run every task).
+SPIN_STEPS = 2_000_000
 
 
 def counting_kernel(extent: int, workers: int, slow_worker: int | None = None):
