@@ -41,6 +41,24 @@ def _measure_options(args: argparse.Namespace):
                           timeout_s=args.timeout, stream_weights=args.stream_weights, workers=args.workers)
 
 
+def _dram_rates(args: argparse.Namespace, where):
+    """The machine's DRAM read rates, measured here (a few seconds), for plans that rank dense
+    kernels as served (``weight_stream``); None where the kernels are timed elsewhere (RPC), on
+    weights already from DRAM (``--stream-weights``), on a GPU, or ``--plan-weights cache``."""
+    if args.plan_weights == "cache" or args.stream_weights or args.rpc_tracker or where.target.get("kind") != "llvm":
+        return None
+    from dietserve.kernels.hardware import last_level_cache_bytes
+
+    from .measure.streaming import dram_read_rate
+    from .weight_stream import DramRates
+
+    cache = last_level_cache_bytes()
+    rates = DramRates(every_core=dram_read_rate(where.cores, cache), one_core=dram_read_rate(1, cache))
+    _say(f"DRAM read rate {rates.every_core / 1e9:.1f} GB/s on {where.cores} cores, {rates.one_core / 1e9:.1f} on one:"
+         " plans rank dense kernels with their weight read from DRAM")
+    return rates
+
+
 def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
     """``--weights FILE``: JSON {value: weight}; values it does not name get weight 0."""
     if path is None:
@@ -59,7 +77,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
-                          loop_partition=args.loop_partition, seed=args.seed)
+                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where))
     measure = _measure_options(args)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
@@ -137,6 +155,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     started = time.monotonic()
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     _say(f"measuring on {runner.describe()}")
+    dram = _dram_rates(args, where)
     with runner:
         for index, description in enumerate(tasks.tasks, 1):
             out = plan_path(Path(args.plans), description.workload)
@@ -150,7 +169,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
                                      description.weights or None, description.fixed)
             _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials")
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
-                                  seed=args.seed)
+                                  seed=args.seed, dram=dram)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
                           log=_say if args.verbose else lambda _message: None)
             result = tuner.run()
@@ -203,6 +222,9 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-weights", action="store_true",
                         help="time dense layers with each call reading its weight from DRAM, as the served model "
                              "does (default: one weight, cached after the first call; local runs only)")
+    parser.add_argument("--plan-weights", choices=["dram", "cache"], default="dram",
+                        help="rank dense kernels in the plan with their weight read from DRAM, as served (default; "
+                             "the DRAM rate is measured first), or as timed, the weight cached")
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes building candidates in parallel (default: one per core, at most 4; "
                              "timings run one at a time)")

@@ -44,8 +44,9 @@ from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
+from .weight_stream import DramRates, served_estimates
 
-TUNER_VERSION = 21  # bumped when the search or the kernels it times change: older plans are re-tuned
+TUNER_VERSION = 22  # bumped when the search or the kernels it times change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -62,6 +63,9 @@ class TuneOptions:
     loop_partition: bool = False
     apply: str = DEFAULT_APPLY  # "module:function" applying a kernel (a custom schedule)
     seed: int = 0
+    # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
+    # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.
+    dram: DramRates | None = None
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -384,11 +388,14 @@ class Tuner:
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
         estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
-        variants, labels = plan_layouts(candidates, shapes, weights, estimate, self.measured, self.default_measured,
+        # Chosen as served (weight from DRAM); the plan's rows keep the latencies as timed.
+        served = served_estimates(estimate, self.task, self.options.dram)
+        variants, labels = plan_layouts(candidates, shapes, weights, served, self.measured, self.default_measured,
                                         self.options.max_variants, self.options.max_intervals,
                                         rows=[self.task.axis_extents(shape)["i"] for shape in shapes],
                                         tallest=self.tallest_tiles)
         return build_plan(self.task, variants, labels, shapes, weights, estimate, self.measured,
                           self.default_measured,
                           {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
-                           "failures": self.failures, **(provenance or {})})
+                           "failures": self.failures, **(self.options.dram.describe() if self.options.dram else {}),
+                           **(provenance or {})})

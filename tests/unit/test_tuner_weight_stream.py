@@ -1,0 +1,161 @@
+"""Plans rank dense kernels as served, their weight read from DRAM (``tuner/weight_stream.py``):
+the model of the first pass's stream, the rates it is fed, and a plan it changes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from dietserve.kernels.microkernel import MicroKernel
+from tuner.cli import _dram_rates
+from tuner.database.records import RecordDatabase
+from tuner.dispatch import plan_layouts, shape_key
+from tuner.measure.streaming import dram_read_rate
+from tuner.ops import attention_scores, dense
+from tuner.space.cpu import packed_cpu_space
+from tuner.targets import resolve_target
+from tuner.task import ShapeVar, TuningTask
+from tuner.tune import TuneOptions, Tuner
+from tuner.weight_stream import (
+    OVERLAP_LOSS,
+    DramRates,
+    first_pass_share,
+    served_estimates,
+    served_latency,
+    weight_bytes,
+)
+
+TARGET = {"kind": "llvm", "num-cores": 2}
+GELU_LAYER = dense(768, 3072, "bias_gelu")  # bert-base's 768 -> 3072 layer: a 9.4 MB weight
+RATES = DramRates(every_core=33e9, one_core=21e9)
+
+
+def _packed(mr: int, threads: int = 0) -> MicroKernel:
+    return MicroKernel(tile=(("i", (mr,)), ("j", (48, 1, 1)), ("k", (1,))), vector=16, pack=48, threads=threads)
+
+
+def _task(spec=GELU_LAYER, values=range(1, 65)) -> TuningTask:
+    return TuningTask.create(spec, TARGET, ShapeVar("T", values))
+
+
+def test_the_weight_and_the_first_pass() -> None:
+    assert weight_bytes(_task()) == 768 * 3072 * 4
+    assert weight_bytes(TuningTask.create(attention_scores(12, 64, 1), TARGET, ShapeVar("T", [4, 8]))) is None
+    assert first_pass_share(_packed(9), 16) == 9 / 16
+    assert first_pass_share(_packed(9), 7) == 1.0  # the tile covers every row: one pass
+    assert first_pass_share(None, 16) == 1.0  # the untuned kernel: taken as one pass
+
+
+def test_the_model_against_its_own_terms() -> None:
+    stream = 0.28
+    # One pass, stream-bound: the stream, and a tenth of the FMAs it could not hide.
+    assert served_latency(0.1, stream, 1.0) == pytest.approx(stream + OVERLAP_LOSS * 0.1)
+    # One pass, compute-bound: the FMAs, and a tenth of the stream.
+    assert served_latency(0.5, stream, 1.0) == pytest.approx(0.5 + OVERLAP_LOSS * stream)
+    # Four passes: the first streams while a quarter of the FMAs run, the other three compute.
+    assert served_latency(0.4, stream, 0.25) == pytest.approx(stream + 0.3 + OVERLAP_LOSS * 0.1)
+    # Long sequences: the stream is a small part of the whole; within 1% of the time as timed.
+    first = 12.0 * 8 / 512
+    assert served_latency(12.0, stream, 8 / 512) == pytest.approx(stream + 12.0 - first + OVERLAP_LOSS * first)
+    assert served_latency(12.0, stream, 8 / 512) == pytest.approx(12.0, rel=0.01)
+
+
+def test_the_model_reproduces_the_cold_timings_it_was_fitted_on() -> None:
+    """The docstring's measurements (cold_weights.py, 768 -> 3072 layer, znver4): hot, first
+    pass's share, served; the weight streamed at 33 GB/s (0.286 ms)."""
+    stream = 768 * 3072 * 4 / 33e9
+    pairs = [((0.382e-3, 5 / 16, 0.537e-3), (0.351e-3, 9 / 16, 0.392e-3)),  # T = 16: 5 rows, 9 rows
+             ((0.448e-3, 5 / 20, 0.647e-3), (0.447e-3, 9 / 20, 0.521e-3)),  # T = 20
+             ((0.258e-3, 5 / 11, 0.395e-3), (0.244e-3, 9 / 11, 0.341e-3))]  # T = 11
+    for pair in [*pairs, ((0.30e-3, 1.0, 0.335e-3), (0.30e-3, 1.0, 0.335e-3))]:  # a 14-row tile at T = 11
+        for hot, first, served in pair:
+            assert served_latency(hot, stream, first) == pytest.approx(served, rel=0.2)
+    for (hot5, first5, _), (hot9, first9, _) in pairs:  # each pair ordered as it ran, the hot times not
+        assert served_latency(hot5, stream, first5) > 1.1 * served_latency(hot9, stream, first9)
+
+
+def test_served_estimates_stream_on_the_cores_the_kernel_uses() -> None:
+    task = _task()
+    stream_every, stream_one = weight_bytes(task) / RATES.every_core, weight_bytes(task) / RATES.one_core
+    served = served_estimates(lambda kernel, shape: 1e-5, task, RATES)
+    assert served(_packed(9), {"T": 4}) == pytest.approx(stream_every + OVERLAP_LOSS * 1e-5)
+    assert served(_packed(9, threads=1), {"T": 4}) == pytest.approx(stream_one + OVERLAP_LOSS * 1e-5)
+    assert served(_packed(9), {"T": 4}) < served(_packed(9, threads=1), {"T": 4})
+    assert served(_packed(9), {"T": 5}) != float("inf") and served(None, {"T": 5}) > stream_every
+    # Unknown estimates stay unknown; no rates, or no weight: the estimate as it is.
+    assert served_estimates(lambda kernel, shape: float("inf"), task, RATES)(_packed(4), {"T": 4}) == float("inf")
+    plain = lambda kernel, shape: 1.0  # noqa: E731
+    assert served_estimates(plain, task, None) is plain
+    attention = TuningTask.create(attention_scores(12, 64, 1), TARGET, ShapeVar("T", [4, 8]))
+    assert served_estimates(plain, attention, RATES) is plain
+    with pytest.raises(ValueError, match="positive"):
+        DramRates(every_core=0.0, one_core=1e9)
+
+
+def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
+    """A 5-row tile timed 5% faster than a 9-row one with the weight in cache (as a tune saw
+    bert-base's GELU layer at T = 15-27) reads each weight block four times at T = 16, the
+    9-row tile twice: ranked as served, the 9-row tile takes the short shapes; on long ones,
+    where the FMAs hide the stream, the faster tile keeps them."""
+    short, tall = _packed(5), _packed(9)
+    task = _task(values=range(14, 257))
+    shapes = task.shapes()
+
+    def hot(kernel, shape):
+        return (0.95 if kernel is short else 1.0) * 2.2e-5 * shape["T"]  # 0.35 ms at T = 16
+
+    measured = {shape_key({"T": 16}): {short: hot(short, {"T": 16}), tall: hot(tall, {"T": 16})}}
+    rows = [shape["T"] for shape in shapes]
+
+    def plan(estimate):
+        variants, labels = plan_layouts([short, tall], shapes, [1.0] * len(shapes), estimate, measured, {}, 2, 4,
+                                        rows=rows)
+        return {t: variants[label] for t, label in zip(rows, labels, strict=True)}
+
+    as_timed = plan(hot)
+    assert all(as_timed[t] is short for t in rows)
+    as_served = plan(served_estimates(hot, task, RATES))
+    assert all(as_served[t] is tall for t in range(14, 28))
+    assert all(as_served[t] is short for t in range(128, 257))
+    # What the model says each costs at T = 16, as served: the 9-row tile 1.1x faster.
+    served = served_estimates(hot, task, RATES)
+    assert served(short, {"T": 16}) > 1.1 * served(tall, {"T": 16})
+
+
+class _Machine:
+    """Latencies from a formula, no build (the tuner's bookkeeping under test)."""
+
+    def describe(self) -> str:
+        return "synthetic"
+
+    def run(self, job: dict) -> dict:
+        (shape,) = job["shapes"]
+        return {"latencies": {"T": 1e-5 * shape["T"]}, "error": None, "build_seconds": 0.0}
+
+
+def test_the_plan_records_the_rates_it_ranked_with(tmp_path: Path) -> None:
+    task = TuningTask.create(dense(64, 96, "bias"), TARGET, ShapeVar("T", range(1, 17)))
+    space = packed_cpu_space(resolve_target("llvm", cores=2).hardware)
+    for dram, recorded in ((RATES, {"dram_gb_per_s": 33.0, "dram_gb_per_s_one_core": 21.0}), (None, {})):
+        result = Tuner(task, space, 2, _Machine(), RecordDatabase(tmp_path / f"{dram is None}.jsonl"),
+                       TuneOptions(trials=8, dram=dram)).run()
+        assert {k: v for k, v in result.plan.provenance.items() if k.startswith("dram")} == recorded
+
+
+def test_the_dram_rate_is_measured_on_the_cores_asked_for() -> None:
+    one, both = dram_read_rate(1, 8 * 1024 * 1024, repeat=3), dram_read_rate(2, 8 * 1024 * 1024, repeat=3)
+    assert 1e9 < one < 1e12 and 1e9 < both < 1e12  # GB/s, whatever this machine's are
+    with pytest.raises(ValueError):
+        dram_read_rate(0, None)
+
+
+def test_the_cli_measures_rates_only_where_plans_need_them() -> None:
+    where = resolve_target("llvm", cores=2)
+    args = argparse.Namespace(plan_weights="dram", stream_weights=False, rpc_tracker=None)
+    rates = _dram_rates(args, where)
+    assert rates is not None and rates.every_core > 0 and rates.one_core > 0
+    for change in ({"plan_weights": "cache"}, {"stream_weights": True}, {"rpc_tracker": "host:9190"}):
+        assert _dram_rates(argparse.Namespace(**{**vars(args), **change}), where) is None, change
+    assert _dram_rates(args, resolve_target("cuda")) is None

@@ -1,0 +1,106 @@
+"""A dense layer's latency as the served model sees it: the weight read from DRAM, not from cache.
+
+The tuner times kernels over and over on one weight, which then sits in L2/L3. The served model's
+weights (340 MB for bert-base) fit no cache, so each call of a dense layer streams its weight
+from DRAM. A packed kernel passes over each weight block once per row tile: the first pass
+reads the block from DRAM, the later ones from cache. So the first pass takes the longer of the
+block's stream and its own share of the FMAs, and the later passes their share:
+
+    served = max(S, hot * first) + hot * (1 - first) + OVERLAP_LOSS * min(S, hot * first)
+
+where ``hot`` is the latency as timed (weight in cache), ``S`` the weight's bytes at the
+machine's DRAM read rate, and ``first`` the share of the rows the first pass computes (1 where
+the tile covers every row). The next-block prefetch of the later passes
+(``cpu_packed.PREFETCH_NEXT_BLOCK``) is left out: at these lengths it did not show. The
+overlap of the first pass is not whole (the first block's wait, the last one's FMAs after the
+stream): ``OVERLAP_LOSS`` of the shorter part, which also orders kernels the stream would tie.
+
+Forced kernels of bert-base's 768 -> 3072 layer on a 2-core znver4, the weight (9.4 MB, 0.29 ms
+at 33 GB/s) from DRAM (``tests/benchmarks/cold_weights.py``), ms, the model in brackets:
+- T = 16: a 5-row tile 0.537, hot 0.382 (0.561); a 9-row tile 0.392, hot 0.351 (0.459);
+- T = 20: 5 rows 0.647, hot 0.448 (0.633); 9 rows 0.521, hot 0.447 (0.552);
+- T = 11: 5 rows 0.395, hot 0.258 (0.438); 9 rows 0.341, hot 0.244 (0.350); a 14-row tile of
+  32-wide panels, one pass, 0.335, hot 0.300 (0.329).
+The model is 0.98-1.17x the timings and orders each pair as they ran. Timed with the weight in
+cache both tiles ran alike, and a tune that saw only those timings sent T = 15-27 to the 5-row
+tile: 1.37x slower than the 9-row one at T = 16 as served.
+
+At long sequences the first pass's FMAs outlast the stream (``hot * first > S``) and the model
+is the hot latency: it orders kernels only where the stream matters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .dispatch import Estimate, Variant
+
+# A first pass's overlap of stream and FMAs falls short by about this much of the shorter of the
+# two: a 14-row tile at T = 11 (one pass, hot 0.30 ms, stream 0.29) took 0.335 as served, a
+# 9-row tile (first pass 0.20 ms of FMAs) 0.341, against 0.30 and 0.33 from a whole overlap.
+OVERLAP_LOSS = 0.1
+
+
+@dataclass(frozen=True)
+class DramRates:
+    """The machine's DRAM read rates, bytes/s: a serial kernel streams on one core (2-core
+    znver4: about 21 GB/s, where both cores read about 31)."""
+    every_core: float
+    one_core: float
+
+    def __post_init__(self) -> None:
+        if not (self.every_core > 0 and self.one_core > 0):
+            raise ValueError(f"DRAM read rates must be positive, got {self.every_core} and {self.one_core}")
+
+    def describe(self) -> dict:
+        return {"dram_gb_per_s": round(self.every_core / 1e9, 2),
+                "dram_gb_per_s_one_core": round(self.one_core / 1e9, 2)}
+
+
+def weight_bytes(task) -> int | None:
+    """Bytes of ``task``'s constant weight (fp32), None where its operator reads none."""
+    from .ops import weight_input
+
+    index = weight_input(task.spec)
+    if index is None:
+        return None
+    shape = task.spec.input_shapes(task.shapes()[0])[index]
+    return math.prod(shape) * 4
+
+
+def first_pass_share(kernel: Variant, rows: int) -> float:
+    """The share of ``rows`` the first pass over each weight block computes: a packed kernel's
+    register tile height over the rows (1: one pass); the untuned kernel's passes are unknown,
+    and it is taken as one pass (the served estimate then favours it, never the tuned ones)."""
+    if kernel is None or kernel.pack <= 0:
+        return 1.0
+    return min(1.0, kernel.tile_sizes("i")[0] / max(rows, 1))
+
+
+def served_latency(hot: float, stream_s: float, first: float) -> float:
+    """The latency with the weight from DRAM (the module's model): ``hot`` as timed in cache,
+    ``stream_s`` the weight's read time, ``first`` the first pass's share of the rows."""
+    overlapped = hot * first
+    return max(stream_s, overlapped) + hot * (1.0 - first) + OVERLAP_LOSS * min(stream_s, overlapped)
+
+
+def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estimate:
+    """``estimate`` (weight in cache) as served, the weight from DRAM at ``rates``; the estimate
+    itself where the operator has no constant weight or the rates are unknown."""
+    nbytes = weight_bytes(task)
+    if nbytes is None or rates is None:
+        return estimate
+    stream_s = {True: nbytes / rates.one_core, False: nbytes / rates.every_core}
+
+    def served(kernel: Variant, shape: dict) -> float:
+        hot = estimate(kernel, shape)
+        if not math.isfinite(hot):
+            return hot
+        serial = kernel is not None and kernel.threads == 1
+        return served_latency(hot, stream_s[serial], first_pass_share(kernel, task.axis_extents(shape)["i"]))
+
+    return served
+
+
+__all__ = ["OVERLAP_LOSS", "DramRates", "first_pass_share", "served_estimates", "served_latency", "weight_bytes"]
