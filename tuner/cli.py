@@ -97,8 +97,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _target_for(description: dict):
     """The tuning target for a manifest-style target description."""
+    from dietserve.kernels.apply import target_cores
+
     kind = description.get("kind")
-    cores = int(description["num-cores"]) if description.get("num-cores") else None
+    cores = target_cores(description)
     if kind == "cuda":
         from dietserve.kernels.hardware import GPU_PRESETS
 

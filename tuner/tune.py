@@ -61,7 +61,9 @@ class TuneOptions:
     max_variants: int = 4
     max_intervals: int = 8  # leaves of the decision tree (each is a scheduled copy in the code)
     loop_partition: bool = False
-    apply: str = DEFAULT_APPLY  # "module:function" applying a kernel (a custom schedule)
+    # "module:function" applying a kernel (a custom schedule), called as ``apply_kernel`` is:
+    # (func, kernel, target: tvm Target, loop_partition)
+    apply: str = DEFAULT_APPLY
     seed: int = 0
     # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
     # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.

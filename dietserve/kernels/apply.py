@@ -3,6 +3,8 @@ default rule's own kernel (what an untuned build runs), for every value of its s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tvm import tirx
 from tvm.target import Target
 
@@ -15,17 +17,21 @@ from .microkernel import MicroKernel
 from .packing import packed_form
 
 
-def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target_kind: str,
-                 loop_partition: bool = False, workers: int | None = None) -> tirx.PrimFunc:
-    """``workers`` (CPU packed kernels): the threads that take the kernel's tasks at run time
-    (the target's cores); None: TVM's even split (``cpu_packed.apply_cpu_packed``)."""
+def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
+                 loop_partition: bool = False) -> tirx.PrimFunc:
+    """``func`` as ``kernel`` for ``target`` (a str: a target kind). The signature of every
+    schedule the tuner applies (``TuneOptions.apply``). A CPU target's ``num-cores``: the threads
+    that take a packed kernel's tasks at run time; none named: TVM's even split of them
+    (``cpu_packed.apply_cpu_packed``)."""
+    target = Target(target) if isinstance(target, str) else target
+    target_kind = target.kind.name
     if target_kind == "cuda":
         from .cuda import apply_cuda
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
         if kernel.pack:
-            return apply_cpu_packed(packed_form(func, kernel.pack), kernel, workers)
+            return apply_cpu_packed(packed_form(func, kernel.pack), kernel, target_cores(target))
         if is_clamped(kernel):
             return apply_cpu_clamped(func, kernel)
         return apply_cpu(func, kernel, loop_partition=loop_partition)
@@ -55,10 +61,15 @@ def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     raise ScheduleMismatch(f"no default rule schedules this PrimFunc for {target.kind.name}")
 
 
-def target_cores(target: Target) -> int | None:
-    """The cores a CPU target's kernels run on (its ``num-cores``), None where it names none."""
-    cores = target.attrs.get("num-cores") if target.kind.name == "llvm" else None
-    return int(cores) if cores else None
+def target_cores(target: Target | Mapping) -> int | None:
+    """The cores a CPU target's kernels run on (its ``num-cores``), None where it names none or
+    is no CPU target. ``target``: a TVM Target or its description as a dict (a manifest's, a
+    tuning job's)."""
+    if isinstance(target, Target):
+        kind, cores = target.kind.name, target.attrs.get("num-cores")
+    else:
+        kind, cores = target.get("kind"), target.get("num-cores")
+    return int(cores) if kind == "llvm" and cores else None
 
 
 def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,
@@ -70,8 +81,7 @@ def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Targe
         raise ValueError(f"a fused row softmax is built for CPU kernels, not {target.kind.name}")
     if row_softmax and kernel is not None and is_clamped(kernel):
         return apply_cpu_clamped(func, kernel, row_softmax=True)
-    scheduled = apply_default(func, target) if kernel is None else apply_kernel(
-        func, kernel, target.kind.name, loop_partition, workers=target_cores(target))
+    scheduled = apply_default(func, target) if kernel is None else apply_kernel(func, kernel, target, loop_partition)
     if row_softmax:
         return softmax_after(scheduled, func, float_lanes(target))
     return scheduled

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
+from ..kernels.apply import target_cores
 from ..kernels.host import configure_cpu_threads
 from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
@@ -46,7 +47,7 @@ class Engine:
         self.artifact = artifact
         on_cpu = artifact.manifest.target.get("kind") == "llvm"
         self.threads = configure_cpu_threads(threads) if on_cpu else None
-        cores = int(artifact.manifest.target.get("num-cores") or 0) if on_cpu else 0
+        cores = target_cores(artifact.manifest.target) or 0
         if cores and self.threads > cores:
             # (its packed kernels' tasks are taken by that many workers: kernels/claimed_tasks.py)
             LOG.warning("the artifact was compiled for %d cores (--num-cores) and runs on %d threads: its dense "

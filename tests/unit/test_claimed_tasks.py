@@ -10,7 +10,7 @@ import tvm
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from dietserve.kernels.apply import apply_kernel, apply_variant
+from dietserve.kernels.apply import apply_kernel, apply_variant, target_cores
 from dietserve.kernels.build import build
 from dietserve.kernels.claimed_tasks import claimed_tasks
 from dietserve.kernels.host import configure_cpu_threads
@@ -90,7 +90,8 @@ def test_every_packed_kernel_with_claimed_tasks_matches_numpy(workers: int) -> N
     kernels = fitting_space(spec)
     blocked = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 2)), ("k", (32,))), vector=8, pack=24)
     kernels.append(blocked)
-    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm", workers=workers).with_attr(
+    where = tvm.target.Target({"kind": "llvm", "num-cores": workers})  # its cores: the workers
+    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, where).with_attr(
         "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
     for index, kernel in enumerate(kernels):
         for length in SHAPES:
@@ -111,6 +112,9 @@ def test_the_target_cores_decide_the_workers() -> None:
     without = apply_variant(spec.func, kernel, tvm.target.Target({"kind": "llvm"}))
     assert "tirx.volatile" in with_cores.script()
     assert "tirx.volatile" not in without.script()
+    # The same cores read from a target's description (a manifest's, a tuning job's).
+    assert target_cores(TARGET) == target_cores({"kind": "llvm", "num-cores": "2"}) == 2
+    assert target_cores({"kind": "llvm"}) is None and target_cores({"kind": "cuda", "num-cores": 2}) is None
 
 
 def test_the_tuner_times_kernels_built_as_the_model_builds_them() -> None:

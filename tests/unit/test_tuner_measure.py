@@ -100,12 +100,12 @@ def test_candidates_built_ahead_are_all_timed_in_one_worker() -> None:
     assert threads[1] < threads[0]
 
 
-def wrong_schedule(func, kernel, target_kind, loop_partition=False):
+def wrong_schedule(func, kernel, target, loop_partition=False):
     """A "schedule" with the same signature that computes something else: no GELU."""
     from dietserve.kernels.apply import apply_kernel
     from tuner.ops import dense
 
-    return apply_kernel(dense(64, 48, "bias").func, kernel, target_kind)
+    return apply_kernel(dense(64, 48, "bias").func, kernel, target)
 
 
 def test_tuning_goes_on_past_crashes_and_hangs(tmp_path: Path) -> None:

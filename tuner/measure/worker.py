@@ -7,7 +7,6 @@ hang (TVM's compiler, generated code) runs here, never in the tuner's own proces
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 import tempfile
@@ -154,11 +153,10 @@ def _compiled(job: dict, spec):
     """The job's candidate scheduled and compiled (not loaded, not run)."""
     import tvm
 
-    from dietserve.kernels.apply import apply_default, target_cores
+    from dietserve.kernels.apply import apply_default
     from dietserve.kernels.build import build
     from dietserve.kernels.microkernel import MicroKernel
 
-    target_kind = job["target"]["kind"]
     host = job["target"].get("host")
     device_target = {name: value for name, value in job["target"].items() if name != "host"}
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
@@ -166,11 +164,8 @@ def _compiled(job: dict, spec):
         scheduled = apply_default(spec.func, target)
     else:
         kernel = MicroKernel.from_json(job["kernel"])
-        apply = resolve(job["apply"])
-        # Built as the model builds it: a CPU kernel's tasks taken by the target's cores (a custom
-        # schedule without ``workers`` is called as before).
-        workers = {"workers": target_cores(target)} if "workers" in inspect.signature(apply).parameters else {}
-        scheduled = apply(spec.func, kernel, target_kind, job.get("loop_partition", False), **workers)
+        # Given the target, as the model's build gives it: a CPU kernel's tasks are taken by its cores.
+        scheduled = resolve(job["apply"])(spec.func, kernel, target, job.get("loop_partition", False))
     return build(scheduled, target)
 
 
@@ -217,6 +212,7 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
 
 
 def _measure(job: dict, started: float) -> dict:
+    from dietserve.kernels.apply import target_cores
     from dietserve.kernels.microkernel import MicroKernel
 
     from ..ops import weight_input
@@ -225,8 +221,7 @@ def _measure(job: dict, started: float) -> dict:
     spec = _spec(recipe)
     target_kind = job["target"]["kind"]
     pack = 0 if job["kernel"] is None else MicroKernel.from_json(job["kernel"]).pack
-    cores = job["target"].get("num-cores")
-    session = _session(job["device"], target_kind, int(cores) if cores else None)
+    session = _session(job["device"], target_kind, target_cores(job["target"]))
     outcome = _built_and_checked(job, spec, recipe, session, pack)
     if isinstance(outcome, dict):  # a wrong result
         return {**outcome, "seconds": time.perf_counter() - started}
