@@ -32,6 +32,8 @@ from bench_kernels import OPERATORS  # noqa: E402
 from forced_kernels import build, llvm_target, packed_kernel  # noqa: E402
 
 import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
+from dietserve.kernels.huge_pages import on_huge_pages  # noqa: E402
+from tuner.ops import weight_input  # noqa: E402
 
 
 def per_call(function, argument_sets: list, rounds: int) -> float:
@@ -99,9 +101,13 @@ def main() -> int:
             for without in [None, *args.without]:
                 spec, kernel, function = builds[text, without]
                 if kernel.pack not in sets_by_pack:
-                    sets_by_pack[kernel.pack] = [
-                        baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
-                        for _ in range(args.copies)]
+                    sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
+                            for _ in range(args.copies)]
+                    # The weights on huge pages, where the served model keeps them (huge_pages.py).
+                    at = weight_input(spec)
+                    weights = on_huge_pages([each[at] for each in sets])
+                    sets_by_pack[kernel.pack] = [[w if i == at else x for i, x in enumerate(each)]
+                                                 for each, w in zip(sets, weights, strict=True)]
                 sets = sets_by_pack[kernel.pack]
                 hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
                 # the full kernel's gain over this one built without the feature

@@ -17,6 +17,8 @@ It is off by default because, measured end to end, it did not pay: bert-base tun
 way (64 trials per operator) and timed side by side (``tests/benchmarks/compare_artifacts.py``,
 seq 1..256) ran at 0.97-0.98x of a cached-weight tune's speed, another cached-weight tune at
 1.01x. The per-kernel gap at T = 7 is within what two tunes of either kind differ by.
+The plan instead ranks kernels timed hot as served, by a model of the stream
+(``tuner/weight_stream.py``), fed the DRAM rate ``dram_read_rate`` measures.
 """
 
 from __future__ import annotations
