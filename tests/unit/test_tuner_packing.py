@@ -293,6 +293,30 @@ def test_a_tie_between_layouts_goes_to_the_one_covering_more_short_shapes_in_one
     assert plan(inside, tallest={16: 4, 24: 4}) == {24}  # both reach as far: the least slowdown
 
 
+def test_a_packed_layout_stays_feasible_where_its_variants_timed_slower_than_the_untuned_kernel() -> None:
+    """The guard sends a shape away from a variant measured slower there than the untuned kernel,
+    to another variant of the layout. Where the layout has no other, the guard yields: the
+    untuned kernel reads the weight unpacked and cannot join a packed plan, so forbidding the
+    shape made the whole packed layout infeasible, and a bert-base tune fell back to the untuned
+    kernel at every length (its one packed variant timed 1.04x slower at T = 5 only)."""
+    packed, other = _packed(4), _packed(6)
+    shapes = [{"T": t} for t in range(1, 17)]
+    untuned = {shape_key(s): 3.0 * s["T"] for s in shapes}
+    untuned[shape_key({"T": 5})] = 0.96 * 5
+
+    def estimate(kernel, shape):
+        if kernel is None:
+            return untuned[shape_key(shape)]
+        return shape["T"] * (1.0 if kernel is packed else 1.1 if shape["T"] < 12 else 0.8)
+
+    measured = {shape_key(s): {packed: estimate(packed, s)} for s in shapes}
+    variants, labels = plan_layouts([packed, None], shapes, [1.0] * 16, estimate, measured, untuned, 4, 8)
+    assert [variants[label] for label in labels] == [packed] * 16
+    # With another variant in the plan (the faster from T = 12), the guard still sends T = 5 to it.
+    variants, labels = plan_layouts([packed, other, None], shapes, [1.0] * 16, estimate, measured, untuned, 4, 8)
+    assert [variants[label] for label in labels] == [packed] * 4 + [other] + [packed] * 6 + [other] * 5
+
+
 def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_path: Path) -> None:
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
     space = [k for k in packed_cpu_space(CPU_PRESETS["avx2"]) if k.pack == 16]
