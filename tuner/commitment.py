@@ -7,10 +7,15 @@ search's own state, the space and the committed packing, stays the tuner's to ch
 - **the plan's picks**: each tuned interval's variant is measured at the interval's ends and
   middle (and the smallest shape's one-row regime in the committed packing, and tiles exactly
   as tall as a few short shapes: the single-pass regime), then the plan is made again, until
-  no choice rests on a prediction alone.
+  no choice rests on a prediction alone. Where a plan ranked as served (the weight from DRAM)
+  sends short shapes to a tile with a blocked reduction, the same tile with the whole
+  reduction is measured there too: timed hot the two tie, and only then can the plan weigh the
+  blocked one's slower stream (``weight_stream.BLOCKED_STREAM_COST``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -18,6 +23,7 @@ from dietserve.kernels.microkernel import MicroKernel
 
 from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
 from .progress import ProgressBar
+from .weight_stream import blocked_reduction
 
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
 # One-row kernels of the committed packing measured on the smallest shape, every threading among
@@ -30,6 +36,9 @@ SMALL_REGIME_KERNELS = 3
 # of its rows.
 SINGLE_PASS_PROBE_ROWS = (2, 4, 7, 10, SINGLE_PASS_ROWS)
 SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them (all 5 at 40 trials)
+# Shapes a kernel passes over in at most this many row passes: its first pass, which streams the
+# weight from DRAM, is at least half its FMAs (``weight_stream``), and how it streams shows.
+STREAM_BOUND_PASSES = 2
 
 
 class PlanCommitment:
@@ -99,6 +108,7 @@ class PlanCommitment:
                 return
             # The small-T regime first: the interval probes can use up the budget.
             probes = self.small_regime_probes(plan.pack) + self.single_pass_probes(plan.pack) \
+                + self.whole_reduction_probes(plan) \
                 + unverified_probes(plan, tuner.measured, tuner.failed, tuner.default_measured)
             if not probes:
                 return
@@ -175,6 +185,32 @@ class PlanCommitment:
             # then had only them: ``dispatch.SINGLE_PASS_SLACK``).
             exact = [k for k in exact if k.threads != 1] or exact
             probes.append((self._by_prediction(exact, shape)[0], shape))
+        return probes
+
+    def whole_reduction_probes(self, plan) -> list[tuple[MicroKernel, dict]]:
+        """Where ``plan`` (ranked as served: the tuner has DRAM rates) runs a blocked-reduction
+        tile on a shape it passes over in at most ``STREAM_BOUND_PASSES`` row passes, the same
+        tile with the whole reduction at the middle such shape of the interval, unless measured
+        there. Forced twins from DRAM ran 1.04-1.38x faster whole at one pass, about 1.1x at two,
+        and tied hot: a search drawn by hot timings measures the blocked one only."""
+        tuner = self.tuner
+        if tuner.options.dram is None:
+            return []
+        runs: dict[MicroKernel, list[dict]] = {}
+        for row in plan.shapes:
+            kernel = plan.kernel(row["variant"])
+            extents = tuner.task.axis_extents(row["shape"])
+            if blocked_reduction(kernel, extents["k"]) \
+                    and extents["i"] <= STREAM_BOUND_PASSES * kernel.tile_sizes("i")[0]:
+                runs.setdefault(kernel, []).append(row["shape"])
+        probes = []
+        for kernel, shapes in runs.items():
+            twin = dataclasses.replace(kernel, tile=tuple((axis, (1,)) if axis == "k" else (axis, sizes)
+                                                          for axis, sizes in kernel.tile))
+            shape = shapes[len(shapes) // 2]
+            if twin in tuner.space and twin not in tuner.failed \
+                    and twin not in tuner.measured.get(shape_key(shape), {}):
+                probes.append((twin, shape))
         return probes
 
     def _by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:

@@ -46,7 +46,7 @@ from .space import task_space
 from .task import TuningTask
 from .weight_stream import DramRates, served_estimates
 
-TUNER_VERSION = 23  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 24  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed

@@ -27,6 +27,17 @@ tile: 1.37x slower than the 9-row one at T = 16 as served.
 
 At long sequences the first pass's FMAs outlast the stream (``hot * first > S``) and the model
 is the hot latency: it orders kernels only where the stream matters.
+
+A kernel whose reduction runs in ``kc``-deep blocks (``kc`` < K) reads each panel of its weight
+in runs ``kc`` deep, not K: more, shorter streams, each restarting the hardware prefetchers. It
+streams ``BLOCKED_STREAM_COST`` times longer. Forced tiles and their whole-reduction twins, the
+weight from DRAM (``cold_weights.py``, 7 rounds, znver4; blocked / whole, ms):
+- 768x768, 13 rows, kc 384: T = 1 0.048 / 0.041, T = 7 0.060 / 0.047, T = 13 0.090 / 0.078;
+- 768 -> 2304, 9 rows, kc 256: T = 4 0.271 / 0.197, T = 7 0.258 / 0.202, T = 9 0.238 / 0.200;
+- 768 -> 3072, 14 rows, kc 384: T = 10 0.301 / 0.282, T = 13 0.367 / 0.326, T = 16 0.441 / 0.378;
+- 3072 -> 768, 14 rows, kc 384: T = 7 0.279 / 0.289, T = 10 0.333 / 0.303, T = 13 0.392 / 0.354.
+Timed hot the twins tie (within 3%, the blocked ones often ahead), so a tune ranking them as timed
+picked blocked tiles for short shapes by noise.
 """
 
 from __future__ import annotations
@@ -40,6 +51,9 @@ from .dispatch import Estimate, Variant
 # two: a 14-row tile at T = 11 (one pass, hot 0.30 ms, stream 0.29) took 0.335 as served, a
 # 9-row tile (first pass 0.20 ms of FMAs) 0.341, against 0.30 and 0.33 from a whole overlap.
 OVERLAP_LOSS = 0.1
+# A kc-blocked kernel's stream, against its whole-reduction twin's (the module docstring's pairs:
+# 1.04-1.38x at one pass, about 1.1x at two).
+BLOCKED_STREAM_COST = 1.2
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,14 @@ def first_pass_share(kernel: Variant, rows: int) -> float:
     return min(1.0, kernel.tile_sizes("i")[0] / max(rows, 1))
 
 
+def blocked_reduction(kernel: Variant, depth: int) -> bool:
+    """A packed kernel whose reduction of ``depth`` runs in blocks (``kc`` < K)."""
+    if kernel is None or kernel.pack <= 0:
+        return False
+    kc = kernel.tile_sizes("k")[0]
+    return 1 < kc < depth
+
+
 def served_latency(hot: float, stream_s: float, first: float) -> float:
     """The latency with the weight from DRAM (the module's model): ``hot`` as timed in cache,
     ``stream_s`` the weight's read time, ``first`` the first pass's share of the rows."""
@@ -98,9 +120,12 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
         if not math.isfinite(hot):
             return hot
         serial = kernel is not None and kernel.threads == 1
-        return served_latency(hot, stream_s[serial], first_pass_share(kernel, task.axis_extents(shape)["i"]))
+        extents = task.axis_extents(shape)
+        stream = stream_s[serial] * (BLOCKED_STREAM_COST if blocked_reduction(kernel, extents["k"]) else 1.0)
+        return served_latency(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 
 
-__all__ = ["OVERLAP_LOSS", "DramRates", "first_pass_share", "served_estimates", "served_latency", "weight_bytes"]
+__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "DramRates", "blocked_reduction", "first_pass_share",
+           "served_estimates", "served_latency", "weight_bytes"]

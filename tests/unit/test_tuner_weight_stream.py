@@ -19,8 +19,10 @@ from tuner.targets import resolve_target
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TuneOptions, Tuner
 from tuner.weight_stream import (
+    BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
     DramRates,
+    blocked_reduction,
     first_pass_share,
     served_estimates,
     served_latency,
@@ -122,6 +124,85 @@ def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
     # What the model says each costs at T = 16, as served: the 9-row tile 1.1x faster.
     served = served_estimates(hot, task, RATES)
     assert served(short, {"T": 16}) > 1.1 * served(tall, {"T": 16})
+
+
+def _twins(mr: int, kc: int) -> tuple[MicroKernel, MicroKernel]:
+    """A tile with its reduction in ``kc``-deep blocks, and the same tile with the whole one."""
+    blocked = MicroKernel(tile=(("i", (mr,)), ("j", (48, 1, 2)), ("k", (kc,))), vector=16, pack=48)
+    return blocked, MicroKernel(tile=(("i", (mr,)), ("j", (48, 1, 2)), ("k", (1,))), vector=16, pack=48)
+
+
+def test_a_blocked_reduction_streams_its_weight_slower() -> None:
+    """Timed alike with the weight in cache, the blocked twin is ranked slower as served where the
+    stream is the first pass's bound, by BLOCKED_STREAM_COST of the stream; where the FMAs hide
+    the stream, alike."""
+    blocked, whole = _twins(9, 256)
+    assert blocked_reduction(blocked, 768) and not blocked_reduction(whole, 768)
+    assert not blocked_reduction(_twins(9, 768)[0], 768) and not blocked_reduction(None, 768)
+    task = _task(values=range(1, 513))
+    stream = weight_bytes(task) / RATES.every_core
+    served = served_estimates(lambda kernel, shape: 2.2e-5 * shape["T"], task, RATES)
+    assert served(blocked, {"T": 7}) == pytest.approx(BLOCKED_STREAM_COST * stream + OVERLAP_LOSS * 2.2e-5 * 7)
+    assert served(whole, {"T": 7}) == pytest.approx(stream + OVERLAP_LOSS * 2.2e-5 * 7)
+    assert served(blocked, {"T": 512}) == pytest.approx(served(whole, {"T": 512}), rel=0.01)
+
+
+def test_as_served_short_shapes_take_the_whole_reduction_twin(monkeypatch) -> None:
+    """Twins timed hot 3% apart, the blocked one ahead (as a tune saw them): ranked as served,
+    shapes whose first pass is stream-bound take the whole reduction, long ones keep the
+    blocked tile; without the blocked stream's cost, the blocked tile takes every shape."""
+    blocked, whole = _twins(9, 256)
+    task = _task(values=range(1, 129))
+    shapes = task.shapes()
+    rows = [shape["T"] for shape in shapes]
+
+    def hot(kernel, shape):  # 0.35 ms at T = 16, the 9.4 MB weight's stream 0.29 ms
+        return (0.97 if kernel is blocked else 1.0) * 2.2e-5 * shape["T"]
+
+    def plan():
+        variants, labels = plan_layouts([blocked, whole], shapes, [1.0] * len(shapes),
+                                        served_estimates(hot, task, RATES), {}, {}, 2, 4)
+        return {t: variants[label] for t, label in zip(rows, labels, strict=True)}
+
+    served = plan()
+    assert all(served[t] is whole for t in range(1, 10))  # one pass, the stream its bound
+    assert all(served[t] is blocked for t in range(112, 129))  # the FMAs hide most of the stream
+    monkeypatch.setattr("tuner.weight_stream.BLOCKED_STREAM_COST", 1.0)
+    assert set(plan().values()) == {blocked}
+
+
+class _Unused:
+    def describe(self) -> str:
+        return "unused"
+
+
+def test_a_blocked_tile_on_short_shapes_gets_its_twin_probed(tmp_path: Path) -> None:
+    """The plan's verification measures the whole-reduction twin of a blocked tile the plan runs
+    on shapes of at most two passes, at the middle such shape, unless measured there; not where
+    the plan is ranked as timed (no rates), nor for a blocked tile on long shapes only."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 65)))
+    space = packed_cpu_space(resolve_target("llvm", cores=2).hardware)
+    blocked = next(k for k in space if k.pack == 32 and k.tile_sizes("i") == (9,) and k.tile_sizes("k") == (256,)
+                   and k.threads == 0)
+    twin = MicroKernel(**{**blocked.__dict__, "tile": tuple((axis, (1,) if axis == "k" else sizes)
+                                                             for axis, sizes in blocked.tile)})
+    assert twin in space and twin != blocked
+
+    def tuner(rates, measured_twin_at=None):
+        made = Tuner(task, space, 2, _Unused(), RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, dram=rates))
+        for t in range(1, 65):  # only the blocked tile measured: the plan runs it everywhere
+            made.measured[shape_key({"T": t})][blocked] = 1e-5 * t
+        if measured_twin_at is not None:
+            made.measured[shape_key({"T": measured_twin_at})][twin] = 1.0
+        made._calibrated_cache = None
+        return made
+
+    served = tuner(RATES)
+    # T = 1..18: at most two passes of 9 rows; the probe at the middle one
+    assert served.commitment.whole_reduction_probes(served.plan()) == [(twin, {"T": 10})]
+    assert tuner(None).commitment.whole_reduction_probes(tuner(None).plan()) == []
+    done = tuner(RATES, measured_twin_at=10)
+    assert done.commitment.whole_reduction_probes(done.plan()) == []
 
 
 class _Machine:
