@@ -15,15 +15,13 @@ search's own state, the space and the committed packing, stays the tuner's to ch
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 
 from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
 from .progress import ProgressBar
-from .weight_stream import blocked_reduction
 
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
 # One-row kernels of the committed packing measured on the smallest shape, every threading among
@@ -200,13 +198,12 @@ class PlanCommitment:
         for row in plan.shapes:
             kernel = plan.kernel(row["variant"])
             extents = tuner.task.axis_extents(row["shape"])
-            if blocked_reduction(kernel, extents["k"]) \
+            if reduces_in_blocks(kernel, extents["k"]) \
                     and extents["i"] <= STREAM_BOUND_PASSES * kernel.tile_sizes("i")[0]:
                 runs.setdefault(kernel, []).append(row["shape"])
         probes = []
         for kernel, shapes in runs.items():
-            twin = dataclasses.replace(kernel, tile=tuple((axis, (1,)) if axis == "k" else (axis, sizes)
-                                                          for axis, sizes in kernel.tile))
+            twin = with_whole_reduction(kernel)
             shape = shapes[len(shapes) // 2]
             if twin in tuner.space and twin not in tuner.failed \
                     and twin not in tuner.measured.get(shape_key(shape), {}):

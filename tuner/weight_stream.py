@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dietserve.kernels.cpu_packed import reduces_in_blocks
+
 from .dispatch import Estimate, Variant
 
 # A first pass's overlap of stream and FMAs falls short by about this much of the shorter of the
@@ -92,14 +94,6 @@ def first_pass_share(kernel: Variant, rows: int) -> float:
     return min(1.0, kernel.tile_sizes("i")[0] / max(rows, 1))
 
 
-def blocked_reduction(kernel: Variant, depth: int) -> bool:
-    """A packed kernel whose reduction of ``depth`` runs in blocks (``kc`` < K)."""
-    if kernel is None or kernel.pack <= 0:
-        return False
-    kc = kernel.tile_sizes("k")[0]
-    return 1 < kc < depth
-
-
 def served_latency(hot: float, stream_s: float, first: float) -> float:
     """The latency with the weight from DRAM (the module's model): ``hot`` as timed in cache,
     ``stream_s`` the weight's read time, ``first`` the first pass's share of the rows."""
@@ -121,11 +115,11 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
             return hot
         serial = kernel is not None and kernel.threads == 1
         extents = task.axis_extents(shape)
-        stream = stream_s[serial] * (BLOCKED_STREAM_COST if blocked_reduction(kernel, extents["k"]) else 1.0)
+        stream = stream_s[serial] * (BLOCKED_STREAM_COST if reduces_in_blocks(kernel, extents["k"]) else 1.0)
         return served_latency(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 
 
-__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "DramRates", "blocked_reduction", "first_pass_share",
-           "served_estimates", "served_latency", "weight_bytes"]
+__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "DramRates", "first_pass_share", "served_estimates",
+           "served_latency", "weight_bytes"]

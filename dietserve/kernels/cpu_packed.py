@@ -39,6 +39,7 @@ tiles), ``packed_loops`` (the two reduction loop nests, the row copy), ``packed_
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from functools import partial
 
@@ -109,7 +110,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
             or int(panels) % nb:
         raise ScheduleMismatch(f"weight packing does not fit {nb} panels of {panel} per task")
     kc = kernel.tile_sizes("k")[0]
-    blocked = isinstance(depth, tirx.IntImm) and 1 < kc < int(depth)
+    blocked = isinstance(depth, tirx.IntImm) and reduces_in_blocks(kernel, int(depth))
     if blocked and int(depth) % kc:
         raise ScheduleMismatch(f"reduction of {depth} is not a whole number of {kc}-deep blocks")
     epilogue_loop = EPILOGUE_LOOP and expression_size(op.epilogue) > EPILOGUE_UNROLLED_NODES
@@ -147,6 +148,20 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True))
 
 
+def reduces_in_blocks(kernel: MicroKernel | None, depth: int) -> bool:
+    """A packed kernel whose reduction of ``depth`` runs in ``kc``-deep blocks (BLIS order,
+    ``blocked_reduction``), not whole in registers (``whole_reduction``)."""
+    if kernel is None or not kernel.pack:
+        return False
+    return 1 < kernel.tile_sizes("k")[0] < depth
+
+
+def with_whole_reduction(kernel: MicroKernel) -> MicroKernel:
+    """``kernel`` with its reduction whole in registers (its ``k`` tile 1), the rest alike."""
+    tile = tuple((axis, (1,) if axis == "k" else sizes) for axis, sizes in kernel.tile)
+    return dataclasses.replace(kernel, tile=tile)
+
+
 def computed_extent(kernel: MicroKernel, axis: str, extent: int) -> int:
     """How much of ``axis`` ``kernel`` computes for a shape ``extent`` long, padding included:
     whole tiles, but a packed kernel's rows end in a remainder tile (``remainder_heights``)."""
@@ -169,4 +184,5 @@ def crowding_rows(mr: int, row_bytes: int) -> int | None:
     return None
 
 
-__all__ = ["apply_cpu_packed", "computed_extent", "crowding_rows", "packed_tile", "remainder_heights"]
+__all__ = ["apply_cpu_packed", "computed_extent", "crowding_rows", "packed_tile", "reduces_in_blocks",
+           "remainder_heights", "with_whole_reduction"]

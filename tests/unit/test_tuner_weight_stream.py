@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.cli import _dram_rates
 from tuner.database.records import RecordDatabase
@@ -22,7 +23,6 @@ from tuner.weight_stream import (
     BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
     DramRates,
-    blocked_reduction,
     first_pass_share,
     served_estimates,
     served_latency,
@@ -129,7 +129,7 @@ def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
 def _twins(mr: int, kc: int) -> tuple[MicroKernel, MicroKernel]:
     """A tile with its reduction in ``kc``-deep blocks, and the same tile with the whole one."""
     blocked = MicroKernel(tile=(("i", (mr,)), ("j", (48, 1, 2)), ("k", (kc,))), vector=16, pack=48)
-    return blocked, MicroKernel(tile=(("i", (mr,)), ("j", (48, 1, 2)), ("k", (1,))), vector=16, pack=48)
+    return blocked, with_whole_reduction(blocked)
 
 
 def test_a_blocked_reduction_streams_its_weight_slower() -> None:
@@ -137,8 +137,8 @@ def test_a_blocked_reduction_streams_its_weight_slower() -> None:
     stream is the first pass's bound, by BLOCKED_STREAM_COST of the stream; where the FMAs hide
     the stream, alike."""
     blocked, whole = _twins(9, 256)
-    assert blocked_reduction(blocked, 768) and not blocked_reduction(whole, 768)
-    assert not blocked_reduction(_twins(9, 768)[0], 768) and not blocked_reduction(None, 768)
+    assert reduces_in_blocks(blocked, 768) and not reduces_in_blocks(whole, 768)
+    assert not reduces_in_blocks(_twins(9, 768)[0], 768) and not reduces_in_blocks(None, 768)
     task = _task(values=range(1, 513))
     stream = weight_bytes(task) / RATES.every_core
     served = served_estimates(lambda kernel, shape: 2.2e-5 * shape["T"], task, RATES)
@@ -184,8 +184,7 @@ def test_a_blocked_tile_on_short_shapes_gets_its_twin_probed(tmp_path: Path) -> 
     space = packed_cpu_space(resolve_target("llvm", cores=2).hardware)
     blocked = next(k for k in space if k.pack == 32 and k.tile_sizes("i") == (9,) and k.tile_sizes("k") == (256,)
                    and k.threads == 0)
-    twin = MicroKernel(**{**blocked.__dict__, "tile": tuple((axis, (1,) if axis == "k" else sizes)
-                                                             for axis, sizes in blocked.tile)})
+    twin = with_whole_reduction(blocked)
     assert twin in space and twin != blocked
 
     def tuner(rates, measured_twin_at=None):
