@@ -69,8 +69,9 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .measure.runner import LocalRunner, RPCRunner
+    from .options import TuneOptions
     from .space import task_space
-    from .tune import TuneOptions, Tuner
+    from .tune import Tuner
 
     spec = _spec(args)
     variable = ShapeVar.parse("T", args.t)
@@ -147,7 +148,8 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
 
     from .extract import spec_from_prim_func
     from .measure.runner import LocalRunner, RPCRunner
-    from .tune import TuneOptions, Tuner
+    from .options import TuneOptions
+    from .tune import Tuner
 
     tasks = TaskFile.read(Path(args.tasks))
     where = _target_for(tasks.target)

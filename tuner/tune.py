@@ -28,7 +28,6 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,50 +39,17 @@ from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
 from .dispatch import build_plan, plan_layouts, shape_key
 from .estimates import nearest_measured_estimates
+from .options import TuneOptions, TuneResult
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
-from .weight_stream import DramRates, served_estimates
+from .weight_stream import served_estimates
 
 TUNER_VERSION = 24  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
-DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
+DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
-
-
-@dataclass(frozen=True)
-class TuneOptions:
-    trials: int = 256  # micro-kernel measurements (each builds one candidate)
-    time_budget_s: float | None = None
-    candidates_per_round: int = 8
-    shapes_per_round: int = 2
-    max_variants: int = 4
-    max_intervals: int = 8  # leaves of the decision tree (each is a scheduled copy in the code)
-    loop_partition: bool = False
-    # "module:function" applying a kernel (a custom schedule), called as ``apply_kernel`` is:
-    # (func, kernel, target: tvm Target, loop_partition)
-    apply: str = DEFAULT_APPLY
-    seed: int = 0
-    # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
-    # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.
-    dram: DramRates | None = None
-
-    def __post_init__(self) -> None:
-        if self.trials < 1:
-            raise ValueError(f"trials must be at least 1, got {self.trials}")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
-        if self.max_variants < 1 or self.candidates_per_round < 1 or self.shapes_per_round < 1:
-            raise ValueError("max_variants, candidates_per_round and shapes_per_round must be positive")
-
-
-@dataclass
-class TuneResult:
-    plan: KernelPlan
-    trials: int
-    failures: int
-    wall_s: float
 
 
 def check_shape_for(task: TuningTask) -> dict:
@@ -97,7 +63,7 @@ def check_shape_for(task: TuningTask) -> dict:
 
 class Tuner:
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner, database: RecordDatabase,
-                 options: TuneOptions = TuneOptions(), log: Callable[[str], None] = lambda _m: None,
+                 options: TuneOptions = DEFAULT_OPTIONS, log: Callable[[str], None] = lambda _m: None,
                  progress_stream=None):
         self.task = task
         self.runner = runner

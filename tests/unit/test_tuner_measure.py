@@ -18,8 +18,9 @@ from tuner.database.records import RecordDatabase
 from tuner.measure.runner import LocalRunner, MeasureOptions, RPCRunner
 from tuner.measure.worker import build_key
 from tuner.ops import dense
+from tuner.options import TuneOptions
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import TuneOptions, Tuner
+from tuner.tune import Tuner
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 FAULTY = "tests.unit.faulty_schedules:crash_or_hang"

@@ -19,9 +19,10 @@ from tuner.database.records import RecordDatabase
 from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
 from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
 from tuner.ops import attention_scores, dense
+from tuner.options import TuneOptions
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import TuneOptions, Tuner
+from tuner.tune import Tuner
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 

@@ -15,10 +15,11 @@ from tuner.database.records import RecordDatabase
 from tuner.dispatch import plan_layouts, shape_key
 from tuner.measure.streaming import dram_read_rate
 from tuner.ops import attention_scores, dense
+from tuner.options import TuneOptions
 from tuner.space.cpu import packed_cpu_space
 from tuner.targets import resolve_target
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import TuneOptions, Tuner
+from tuner.tune import Tuner
 from tuner.weight_stream import (
     BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
