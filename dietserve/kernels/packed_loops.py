@@ -65,32 +65,33 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
         # after the block's first count from there, and its next block is the one before.
         later_pass = tirx.Select(claim.forward, it - 1, row_tiles - 2 - it)
         next_block = tirx.Select(claim.forward, block + 1, block - 1)
-        with T.serial(0, groups) as group:
-            panel0 = block * nb + group * tile.pk
+        i0 = it * tile.mr
+        # the sums the epilogue loop reads: the remainder tiles' (every panel of the task), and
+        # with ``epilogue_loop`` the whole tile's (scope "global": a stack array)
+        sums = T.alloc_buffer((tile.mr, nb * tile.panel), tile.dtype, scope="global") \
+            if tile.remainder_tiles or tile.epilogue_loop else None
 
-            i0 = it * tile.mr
+        def reduce(tile: Tile, accs: list, group) -> None:
+            tile.zero(accs)
+            ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth)) if prefetch else None
+            _reduce_fetching(tile, accs, i0, block * nb + group * tile.pk, 0, depth, ahead,
+                             tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
+                             later_pass * groups + group)
 
-            def reduce(tile: Tile, accs: list) -> None:
-                tile.zero(accs)
-                ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth)) if prefetch else None
-                _reduce_fetching(tile, accs, i0, panel0, 0, depth, ahead,
-                                 tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
-                                 later_pass * groups + group)
+        def whole(tile: Tile) -> None:
+            with T.serial(0, groups) as group:
+                accs = tile.accumulators()
+                reduce(tile, accs, group)
+                tile.finish(accs, i0, block * nb + group * tile.pk, sums, 0, group * tile.pk * tile.panel)
 
-            # the sums the epilogue loop reads: a remainder tile's, and with ``epilogue_loop``
-            # the whole tile's (scope "global": a stack array)
-            sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
-                if tile.remainder_tiles or tile.epilogue_loop else None
+        def remainder(tile: Tile) -> None:
+            with T.serial(0, nb // tile.pk) as group:
+                accs = tile.accumulators()
+                reduce(tile, accs, group)
+                tile.save(accs, sums, 0, group * tile.pk * tile.panel)
 
-            def whole(tile: Tile, accs: list) -> None:
-                reduce(tile, accs)
-                tile.finish(accs, i0, panel0, sums, 0, 0)
-
-            def remainder(tile: Tile, accs: list) -> None:
-                reduce(tile, accs)
-                tile.save(accs, sums, 0, 0)
-
-            tile.passes(i0, whole, remainder, lambda left: tile.finish_rows(sums, 0, 0, i0, panel0, left))
+        tile.passes(i0, groups, whole, remainder,
+                    lambda left: tile.finish_rows(sums, 0, 0, i0, block * nb, left, panels=nb))
 
 
 def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
@@ -105,41 +106,43 @@ def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, p
         partial = T.alloc_buffer((row_tiles * tile.mr, nb * tile.panel), tile.dtype)
         with T.serial(0, last + 1) as ko:
             with T.serial(0, row_tiles) as it:
-                with T.serial(0, groups) as group:
-                    panel0 = task * nb + group * tile.pk
+                i0 = it * tile.mr
+
+                def reduce(tile: Tile, accs: list, group) -> None:
                     column0 = group * tile.pk * tile.panel
+                    with T.If(ko == 0):
+                        with T.Then():
+                            tile.zero(accs)
+                        with T.Else():
+                            tile.load(accs, partial, i0, column0)
+                    # Next: this task's next reduction block, or after its last the next task's first.
+                    ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task, claim.successor()) * nb,
+                                      nb, tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
+                        if prefetch else None
+                    _reduce_fetching(tile, accs, i0, task * nb + group * tile.pk, ko * kc, kc, ahead,
+                                     tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),
+                                     (it - 1) * groups + group)
 
-                    i0 = it * tile.mr
-
-                    def reduce(tile: Tile, accs: list) -> None:
-                        with T.If(ko == 0):
-                            with T.Then():
-                                tile.zero(accs)
-                            with T.Else():
-                                tile.load(accs, partial, i0, column0)
-                        # Next: this task's next reduction block, or after its last the next task's first.
-                        ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task, claim.successor()) * nb,
-                                           nb, tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
-                            if prefetch else None
-                        _reduce_fetching(tile, accs, i0, panel0, ko * kc, kc, ahead,
-                                         tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),
-                                         (it - 1) * groups + group)
-
-                    def whole(tile: Tile, accs: list) -> None:
-                        reduce(tile, accs)
+                def whole(tile: Tile) -> None:
+                    with T.serial(0, groups) as group:
+                        accs = tile.accumulators()
+                        reduce(tile, accs, group)
+                        column0 = group * tile.pk * tile.panel
                         with T.If(ko == last):
                             with T.Then():
-                                tile.finish(accs, i0, panel0, partial, i0, column0)
+                                tile.finish(accs, i0, task * nb + group * tile.pk, partial, i0, column0)
                             with T.Else():
                                 tile.save(accs, partial, i0, column0)
 
-                    def remainder(tile: Tile, accs: list) -> None:
-                        reduce(tile, accs)
-                        tile.save(accs, partial, i0, column0)  # (the partial sums hold whole tiles)
+                def remainder(tile: Tile) -> None:
+                    with T.serial(0, nb // tile.pk) as group:
+                        accs = tile.accumulators()
+                        reduce(tile, accs, group)
+                        tile.save(accs, partial, i0, group * tile.pk * tile.panel)  # (whole tiles' rows)
 
-                    def finish_remainder(left) -> None:
-                        with T.If(ko == last):
-                            with T.Then():
-                                tile.finish_rows(partial, i0, column0, i0, panel0, left)
+                def finish_remainder(left) -> None:
+                    with T.If(ko == last):
+                        with T.Then():
+                            tile.finish_rows(partial, i0, 0, i0, task * nb, left, panels=nb)
 
-                    tile.passes(i0, whole, remainder, finish_remainder)
+                tile.passes(i0, groups, whole, remainder, finish_remainder)

@@ -23,6 +23,13 @@ def remainder_heights(mr: int) -> list[int]:
     return [height for height in REMAINDER_LADDER if height < mr] + [mr]
 
 
+def register_footprint(rows: int, vectors: int) -> int:
+    """Vector registers an ``rows x vectors`` register tile holds: its accumulators, the B
+    vectors a row reuses (one when a single row uses each once), one broadcast (the space's
+    rule, ``tuner/space/cpu.py``)."""
+    return rows * vectors + (vectors if rows > 1 else 1) + 1
+
+
 def _holding(heights: list[int], rows: int) -> int:
     """The index of the first of ``heights`` (ascending) that holds ``rows``."""
     return next(index for index, height in enumerate(heights) if height >= rows)
@@ -87,39 +94,39 @@ class Tile:
     def row_tiles(self):
         return (self.rows + (self.mr - 1)) // self.mr
 
-    def passes(self, i0, whole, remainder, finish_remainder) -> None:
-        """The row pass at ``i0``. Where ``mr`` rows are left: ``whole(tile, accumulators)``,
-        this tile. Else the shortest remainder tile (``remainder_heights``) holding the rows
-        left, ``remainder(tile, accumulators)``, which leaves its sums in memory, then
-        ``finish_remainder(left)`` applies the epilogue to the ``left`` real rows in one loop.
-        All share this tile's accumulators, and the remainder tiles one epilogue: with the
-        epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
+    def passes(self, i0, groups: int, whole, remainder, finish_remainder) -> None:
+        """The row pass at ``i0`` over a task's ``groups`` register tiles of ``pk`` panels. Where
+        ``mr`` rows are left: ``whole(tile)``, this tile over every group. Else the shortest
+        remainder tile (``remainder_heights``) holding the rows left, widened over several
+        groups (``remainder_tile``): ``remainder(tile)`` runs it over the groups and leaves its
+        sums in memory, then ``finish_remainder(left)`` applies the epilogue to the ``left``
+        real rows of every panel in one loop. The remainder tiles share that one epilogue: with
+        the epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
         the code: FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer
         than a whole tile (``with_fewer_rows_than``) only the remainder tiles that can hold
         them are emitted."""
-        accs = self.accumulators()
         if not self.remainder_tiles:
-            whole(self, accs)
+            whole(self)
             return
         left = self.rows - i0
         heights = remainder_heights(self.mr)
         if self.fewer_than is not None and self.fewer_than <= self.mr:
-            self._remainder_passes(left, heights[:_holding(heights, self.fewer_than - 1) + 1], accs, remainder)
+            self._remainder_passes(left, heights[:_holding(heights, self.fewer_than - 1) + 1], groups, remainder)
             finish_remainder(left)
             return
         with T.If(left >= self.mr):
             with T.Then():
-                whole(self, accs)
+                whole(self)
             with T.Else():
-                self._remainder_passes(left, heights, accs, remainder)
+                self._remainder_passes(left, heights, groups, remainder)
                 finish_remainder(left)
 
-    def _remainder_passes(self, left, heights: list[int], accs: list, remainder) -> None:
+    def _remainder_passes(self, left, heights: list[int], groups: int, remainder) -> None:
         below = 0
         for height in heights:
             with T.If(tirx.all(left > below, left <= height)):
                 with T.Then():
-                    remainder(self.remainder_tile(height), accs[:height])
+                    remainder(self.remainder_tile(height, groups))
             below = height
 
     def with_fewer_rows_than(self, bound: int) -> Tile:
@@ -129,12 +136,25 @@ class Tile:
         tile.fewer_than = bound
         return tile
 
-    def remainder_tile(self, height: int) -> Tile:
+    def remainder_tile(self, height: int, groups: int = 1) -> Tile:
         """This tile cut to its first ``height`` rows, for a last pass with fewer rows left:
-        its padded rows (past the rows left) read the last real row, in place."""
+        its padded rows (past the rows left) read the last real row, in place. It spans as
+        many of the task's ``groups`` of ``pk`` panels (``widening``) as keep it within this
+        tile's registers: a short tile of one group has too few accumulators to hide the
+        multiply-add's latency (AVX2, T = 2 on a 6 x 16 tile: 2 x 16 is 4 chains, where the
+        core needs 8; 1.5x slower than 2 x 32)."""
         tile = copy.copy(self)
         tile.mr, tile.exact, tile.remainder = height, height == 1, True
+        tile.pk = self.pk * self.widening(height, groups)
         return tile
+
+    def widening(self, height: int, groups: int) -> int:
+        """The most of ``groups`` (a divisor) a ``height``-row remainder tile spans while its
+        registers (``register_footprint``) stay within the whole tile's."""
+        vectors = self.pk * self.panel // self.lanes
+        budget = register_footprint(self.mr, vectors)
+        return max(width for width in range(1, groups + 1)
+                   if groups % width == 0 and register_footprint(height, width * vectors) <= budget)
 
     def with_rows_copied(self, packed) -> Tile:
         """This tile reading its rows from ``packed``, the k-major copy of ``packed_rows``."""
@@ -142,16 +162,21 @@ class Tile:
         tile.packed = packed
         return tile
 
-    def finish_rows(self, sums, row0, column0, i0, panel0, count) -> None:
+    def finish_rows(self, sums, row0, column0, i0, panel0, count, panels: int | None = None) -> None:
         """The epilogue of ``count`` rows from ``i0``, their sums read from ``sums`` at
-        (``row0``, ``column0``): a loop over rows, vectorised along them."""
+        (``row0``, ``column0``): a loop over rows, vectorised along them; with ``panels``, a
+        loop over that many panels (the task's), each written as one panel's vectors."""
         with T.serial(0, count) as r:
             def store(p, c):
                 column = (panel0 + p) * self.panel + c
                 value = sums[row0 + r, column0 + p * self.panel + c]
                 T.buffer_store(self.op.out, self.op.finish(value, i0 + r, column), [i0 + r, column])
 
-            self.vectors(store)
+            if panels is None:
+                self.vectors(store)
+            else:
+                with T.serial(0, panels) as p:
+                    self.panel_vectors(lambda c: store(p, c))
 
     def row(self, i0, r):
         """The X row tile row ``r`` reads: a padded row repeats the last real one."""
@@ -170,9 +195,13 @@ class Tile:
     def vectors(self, body) -> None:
         """``body(p, offset)`` for every vector of the tile row: offset = lanes within panel p."""
         for p in range(self.pk):
-            for v in range(self.panel // self.lanes):
-                with T.vectorized(0, self.lanes) as lane:
-                    body(p, v * self.lanes + lane)
+            self.panel_vectors(lambda offset, p=p: body(p, offset))
+
+    def panel_vectors(self, body) -> None:
+        """``body(offset)`` for every vector of one panel: offset = lanes within the panel."""
+        for v in range(self.panel // self.lanes):
+            with T.vectorized(0, self.lanes) as lane:
+                body(v * self.lanes + lane)
 
     def zero(self, accs) -> None:
         zero = tirx.const(0, self.dtype)

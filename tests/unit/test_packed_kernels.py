@@ -126,12 +126,15 @@ def test_padded_rows_are_never_stored(tile: tuple) -> None:
     assert_exact_within_the_output(function, spec, kernel, (1, 2, 7, 13, 127), N, atol=1e-4)
 
 
-@pytest.mark.parametrize("tile, depth", [((13, 16, 1, 1, 1), K), ((9, 16, 1, 1, 256), 1024)])
+@pytest.mark.parametrize("tile, depth", [((13, 16, 1, 1, 1), K), ((9, 16, 1, 1, 256), 1024),
+                                         ((6, 8, 1, 6, 1), K), ((10, 8, 1, 6, 256), 1024)])
 def test_every_remainder_of_a_tall_tile_is_computed_exactly(tile: tuple, depth: int) -> None:
-    """A tall tile's last row pass runs remainder tiles (powers of two summing to the rows
-    left): every count of rows left, 0 .. mr - 1, before and after a whole tile, matches numpy
-    and writes nothing past the output; the 1024-deep case also reads the rows' k-major copy
-    and blocks its reduction."""
+    """A tall tile's last row pass runs remainder tiles (``remainder_heights``): every count of
+    rows left, 0 .. mr - 1, before and after a whole tile, matches numpy and writes nothing
+    past the output; the 1024-deep cases also read the rows' k-major copy and block their
+    reduction. With 6 one-vector panels per task the remainder tiles span several of them
+    (``Tile.widening``: 1 x 6, 2 x 2 and 4 x 1 panels on the 6-row tile; 1 x 6, 2 x 3, 4 x 2
+    and 7 x 1 on the 10-row one)."""
     mr, panel, pk, groups, kc = tile
     spec = dense(depth, 48, "bias_residual")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
@@ -296,14 +299,20 @@ def test_large_tile_inner_loop_is_register_resident_fma_code(workers: int | None
     # 4 broadcasts, nothing spilled; the loop body has no compare besides the loop's own. The
     # row passes after a task's first run the same loop with one prefetch of the next block.
     # The remainder tiles (2 and 1 rows, for T not a multiple of 4) are the same loop on fewer
-    # rows, which LLVM may unroll over a few steps: per step r x 3 FMAs, 3 loads, r broadcasts.
-    heights = set()
+    # rows, which LLVM may unroll over a few steps: per step r x v FMAs, v loads, r broadcasts.
+    # The 1-row tile spans the task's 4 groups of panels (12 vectors: 14 registers, within the
+    # whole tile's 16), so 12 FMA chains hide the FMA's latency; the 2-row one stays one group
+    # wide (2 x 6 would take 19 registers).
+    tiles = {(4, 3), (2, 3), (1, 12)}
+    seen = set()
     for fmas, loads, broadcasts, stack, prefetches in loops:
-        steps = loads // 3
-        rows = broadcasts // max(steps, 1)
-        assert stack == 0 and loads == 3 * steps and broadcasts == rows * steps, loops
-        assert 1 <= rows <= 4 and fmas == 3 * rows * steps and prefetches in (0, steps), loops
-        heights.add(rows)
-    assert heights == {*remainder_heights(4)} == {4, 2, 1}, loops
+        matching = [(rows, vectors) for rows, vectors in tiles
+                    if loads % vectors == 0 and broadcasts == rows * (loads // vectors)
+                    and fmas == rows * loads]
+        assert stack == 0 and len(matching) == 1, loops
+        rows, vectors = matching[0]
+        assert prefetches in (0, loads // vectors) and (prefetches == 0 or rows == 4), loops
+        seen.add(matching[0])
+    assert seen == tiles and {rows for rows, _ in tiles} == {*remainder_heights(4)}, loops
     full = [prefetches > 0 for fmas, loads, broadcasts, stack, prefetches in loops if broadcasts == 4 * loads // 3]
     assert set(full) == {False, True}, loops

@@ -25,6 +25,7 @@ import itertools
 from dietserve.kernels.cpu_clamped import CLAMPED, PANEL
 from dietserve.kernels.hardware import CpuHardware
 from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.packed_tile import register_footprint
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
@@ -81,8 +82,7 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
         panel = panel_vectors * lanes
         vectors = pk * panel_vectors
         for mr in range(1, 17):
-            held = vectors if mr > 1 else 1
-            if mr * vectors + held + 1 > hw.vector_registers:
+            if register_footprint(mr, vectors) > hw.vector_registers:
                 break
             for groups, kc, threads in itertools.product((1, 2, 4, 8), REDUCTION_BLOCKS,
                                                          (0, 1) if hw.cores > 1 else (0,)):
