@@ -17,9 +17,12 @@ A row count that is not whole ``mr`` tiles ends in a *remainder tile*: the last 
 the shortest of a few shorter copies of the tile (``remainder_heights``: 1, 2, 4, 7, 10 rows)
 that holds the rows left, chosen by a branch per pass, as a BLAS library's edge kernels are;
 its few padded rows read the last real row of X (``min(i0 + r, T - 1)``, loop-invariant in k)
-and the epilogue runs on the real rows only, in a loop after it. So a short shape passes over
-the weight once, on a tile at most a third padding. Built without them (``REMAINDER_TILES``),
-the last pass computes the whole tile, its padded rows never stored.
+and the epilogue runs on the real rows only, in a loop after it. A remainder tile spans as
+many of the task's groups of ``pk`` panels as keep it within the whole tile's registers
+(``Tile.widening``): a 1 x 16 AVX2 tile has 2 FMA chains where the core needs 8 to hide the
+FMA's latency, so it runs 1 x 64. So a short shape passes over the weight once, on a tile at
+most a third padding, at the FMA rate. Built without them (``REMAINDER_TILES``), the last pass
+computes the whole tile, its padded rows never stored.
 
 With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels over all rows: a
 ``kc``-deep block of its panels stays in L2 while every row tile passes over it, and partial
