@@ -4,6 +4,7 @@ whole and the blocked reduction, and the k-major copy of crowding rows."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
@@ -66,10 +67,10 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
         later_pass = tirx.Select(claim.forward, it - 1, row_tiles - 2 - it)
         next_block = tirx.Select(claim.forward, block + 1, block - 1)
         i0 = it * tile.mr
-        # the sums the epilogue loop reads: the remainder tiles' (every panel of the task), and
-        # with ``epilogue_loop`` the whole tile's (scope "global": a stack array)
-        sums = T.alloc_buffer((tile.mr, nb * tile.panel), tile.dtype, scope="global") \
-            if tile.remainder_tiles or tile.epilogue_loop else None
+        # the whole tile's sums the epilogue loop reads (``epilogue_loop``; scope "global": a
+        # stack array)
+        tile_sums = T.alloc_buffer((tile.mr, tile.pk * tile.panel), tile.dtype, scope="global") \
+            if tile.epilogue_loop else None
 
         def reduce(tile: Tile, accs: list, group) -> None:
             tile.zero(accs)
@@ -78,20 +79,23 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
                              tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
                              later_pass * groups + group)
 
-        def whole(tile: Tile) -> None:
-            with T.serial(0, groups) as group:
-                accs = tile.accumulators()
-                reduce(tile, accs, group)
-                tile.finish(accs, i0, block * nb + group * tile.pk, sums, 0, group * tile.pk * tile.panel)
-
-        def remainder(tile: Tile) -> None:
+        def row_pass(tile: Tile, remainder_sums=None) -> None:
             with T.serial(0, nb // tile.pk) as group:
                 accs = tile.accumulators()
                 reduce(tile, accs, group)
-                tile.save(accs, sums, 0, group * tile.pk * tile.panel)
+                if tile.remainder:
+                    tile.save(accs, remainder_sums, 0, group * tile.pk * tile.panel)
+                else:
+                    tile.finish(accs, i0, block * nb + group * tile.pk, tile_sums, 0, 0)
 
-        tile.passes(i0, groups, whole, remainder,
-                    lambda left: tile.finish_rows(sums, 0, 0, i0, block * nb, left, panels=nb))
+        @contextmanager
+        def remainder(left):
+            # every panel's sums of the rows left, for the one epilogue loop after them
+            sums = T.alloc_buffer((tile.mr, nb * tile.panel), tile.dtype, scope="global")
+            yield lambda tile: row_pass(tile, sums)
+            tile.finish_rows(sums, 0, 0, i0, block * nb, left, panels=nb)
+
+        tile.passes(i0, groups, row_pass, remainder)
 
 
 def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
@@ -123,26 +127,25 @@ def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, p
                                      tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),
                                      (it - 1) * groups + group)
 
-                def whole(tile: Tile) -> None:
-                    with T.serial(0, groups) as group:
-                        accs = tile.accumulators()
-                        reduce(tile, accs, group)
-                        column0 = group * tile.pk * tile.panel
-                        with T.If(ko == last):
-                            with T.Then():
-                                tile.finish(accs, i0, task * nb + group * tile.pk, partial, i0, column0)
-                            with T.Else():
-                                tile.save(accs, partial, i0, column0)
-
-                def remainder(tile: Tile) -> None:
+                def row_pass(tile: Tile) -> None:
                     with T.serial(0, nb // tile.pk) as group:
                         accs = tile.accumulators()
                         reduce(tile, accs, group)
-                        tile.save(accs, partial, i0, group * tile.pk * tile.panel)  # (whole tiles' rows)
+                        column0 = group * tile.pk * tile.panel
+                        if tile.remainder:
+                            tile.save(accs, partial, i0, column0)  # (the partial sums hold whole tiles)
+                        else:
+                            with T.If(ko == last):
+                                with T.Then():
+                                    tile.finish(accs, i0, task * nb + group * tile.pk, partial, i0, column0)
+                                with T.Else():
+                                    tile.save(accs, partial, i0, column0)
 
-                def finish_remainder(left) -> None:
+                @contextmanager
+                def remainder(left):
+                    yield row_pass
                     with T.If(ko == last):
                         with T.Then():
                             tile.finish_rows(partial, i0, 0, i0, task * nb, left, panels=nb)
 
-                tile.passes(i0, groups, whole, remainder, finish_remainder)
+                tile.passes(i0, groups, row_pass, remainder)

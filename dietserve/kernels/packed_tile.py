@@ -94,32 +94,34 @@ class Tile:
     def row_tiles(self):
         return (self.rows + (self.mr - 1)) // self.mr
 
-    def passes(self, i0, groups: int, whole, remainder, finish_remainder) -> None:
+    def passes(self, i0, groups: int, row_pass, remainder) -> None:
         """The row pass at ``i0`` over a task's ``groups`` register tiles of ``pk`` panels. Where
-        ``mr`` rows are left: ``whole(tile)``, this tile over every group. Else the shortest
+        ``mr`` rows are left: ``row_pass(tile)``, this tile over every group. Else the shortest
         remainder tile (``remainder_heights``) holding the rows left, widened over several
-        groups (``remainder_tile``): ``remainder(tile)`` runs it over the groups and leaves its
-        sums in memory, then ``finish_remainder(left)`` applies the epilogue to the ``left``
-        real rows of every panel in one loop. The remainder tiles share that one epilogue: with
-        the epilogue in each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with
-        the code: FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer
-        than a whole tile (``with_fewer_rows_than``) only the remainder tiles that can hold
-        them are emitted."""
+        groups (``remainder_tile``), inside ``remainder(left)``: a context manager that yields
+        the row pass of a remainder tile (its sums left in memory, which it may allocate here,
+        on this branch only) and then applies the epilogue to the ``left`` real rows of every
+        panel in one loop. The remainder tiles share that one epilogue: with the epilogue in
+        each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with the code:
+        FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer than a
+        whole tile (``with_fewer_rows_than``) only the remainder tiles that can hold them are
+        emitted."""
         if not self.remainder_tiles:
-            whole(self)
+            row_pass(self)
             return
         left = self.rows - i0
         heights = remainder_heights(self.mr)
         if self.fewer_than is not None and self.fewer_than <= self.mr:
-            self._remainder_passes(left, heights[:_holding(heights, self.fewer_than - 1) + 1], groups, remainder)
-            finish_remainder(left)
+            with remainder(left) as remainder_pass:
+                self._remainder_passes(left, heights[:_holding(heights, self.fewer_than - 1) + 1], groups,
+                                       remainder_pass)
             return
         with T.If(left >= self.mr):
             with T.Then():
-                whole(self)
+                row_pass(self)
             with T.Else():
-                self._remainder_passes(left, heights, groups, remainder)
-                finish_remainder(left)
+                with remainder(left) as remainder_pass:
+                    self._remainder_passes(left, heights, groups, remainder_pass)
 
     def _remainder_passes(self, left, heights: list[int], groups: int, remainder) -> None:
         below = 0
