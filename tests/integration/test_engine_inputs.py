@@ -59,3 +59,21 @@ def test_kernel_clamps_ids_that_bypass_validation(minilm_engine) -> None:
     clamped = np.clip(ids, 0, minilm_engine.vocab_size - 1)
     expected = minilm_engine.run(clamped).last_hidden_state
     np.testing.assert_allclose(hidden.numpy(), expected, atol=1e-6)
+
+
+def test_inputs_reach_the_model_from_any_numpy_layout(minilm_engine) -> None:
+    """The engine hands its inputs to TVM through 64-byte-aligned copies (``_host_tensor``):
+    views at odd offsets, strided and non-native arrays give the answer a plain array gives,
+    and the outputs are the engine's own copies, not views of the VM's pooled buffers."""
+    expected = minilm_engine.run(GOOD)
+    backing = np.zeros(GOOD.size + 1, np.int64)
+    backing[1:] = GOOD[0]
+    offset = backing[1:].reshape(1, -1)  # 8 bytes past an allocation's start: never 64-byte aligned
+    strided = np.repeat(GOOD, 2, axis=1)[:, ::2]
+    for ids in (offset, strided, GOOD.astype(np.int32), GOOD.astype(">i8")):
+        got = minilm_engine.run(ids)
+        np.testing.assert_array_equal(got.last_hidden_state, expected.last_hidden_state)
+    kept = minilm_engine.run(GOOD).last_hidden_state.copy()
+    first = minilm_engine.run(GOOD).last_hidden_state
+    minilm_engine.run(np.full((1, 4), 2000, np.int64))  # the VM reuses its buffers for this run
+    np.testing.assert_array_equal(first, kept)
