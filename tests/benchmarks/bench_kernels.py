@@ -176,8 +176,10 @@ def main() -> int:
         configure_cpu_threads(cores)
     device = "cuda" if args.target == "cuda" else "cpu"
     sgemm, stream = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
-    _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, read-only weight pass {stream:.1f} GB/s")
-    vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points = [], [], 0.0, 0.0, []
+    fma = baselines.fma_peak_rate(target) if on_cpu else float("nan")
+    _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s, read-only weight "
+         f"pass {stream:.1f} GB/s")
+    vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points, dense_rates = [], [], 0.0, 0.0, [], []
     streaming, references = [], []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
@@ -227,6 +229,7 @@ def main() -> int:
                     vs_ms.append(ms_s / ours)
                 if spec.kind == "dense" and length >= 64:
                     ceiling_points.append(gflops / sgemm)
+                    dense_rates.append(gflops)
                 if spec.kind == "dense" and length == 1:
                     weight_bytes = 4 * math.prod(random_shape(spec))
                     # A read-only pass over as many bytes pays the same call and thread wake-up
@@ -239,10 +242,16 @@ def main() -> int:
             results.append((spec, tuned, ms_wall, len(ms_latency), rows))
             _print_table(spec, tuned, ms_wall, len(ms_latency), args.ms_trials, rows, sgemm, args.target)
     sgemm_end, stream_end = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
-    _log(f"ceiling at end: numpy sgemm {sgemm_end:.1f} GFLOP/s, read-only pass {stream_end:.1f} GB/s")
+    fma_end = baselines.fma_peak_rate(target) if on_cpu else float("nan")
+    _log(f"ceiling at end: numpy sgemm {sgemm_end:.1f} GFLOP/s, FMA peak {fma_end:.1f} GFLOP/s, read-only pass "
+         f"{stream_end:.1f} GB/s")
     ratio = ms_tuning / ours_tuning if ms_tuning else float("nan")
     print(f"\nceiling (same run, start / end): numpy sgemm 2048^3 {sgemm:.1f} / {sgemm_end:.1f} GFLOP/s; "
+          f"FMA peak (multiply-adds in registers, every core) {fma:.1f} / {fma_end:.1f} GFLOP/s; "
           f"read-only pass over a 768x3072 weight {stream:.1f} / {stream_end:.1f} GB/s")
+    if dense_rates:
+        print(f"dense layers at T >= 64: {min(dense_rates):.1f}-{max(dense_rates):.1f} GFLOP/s, geomean "
+              f"{geomean(dense_rates):.1f} = {100 * geomean(dense_rates) / max(fma, fma_end):.1f}% of the FMA peak")
     for name, rate, same_size in streaming:
         print(f"T=1 weight streaming, {name}: {rate:.1f} GB/s = {rate / max(stream, stream_end):.2f} of the "
               f"read-only pass over a 768x3072 weight, {rate / same_size:.2f} of one over as many bytes "
