@@ -281,9 +281,12 @@ def fma_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) ->
     runs below it: our dense kernels beat it by 10-15%)."""
     from tvm.script import tirx as T
 
+    from dietserve.kernels.apply import target_cores
+    from dietserve.kernels.loops import float_lanes
+
     target = _as_target(target)
-    lanes = _fp32_lanes(target)
-    cores = int(target.attrs.get("num-cores", 0) or os.cpu_count() or 1)
+    lanes = float_lanes(target)
+    cores = target_cores(target) or os.cpu_count() or 1
     width = FMA_CHAINS * lanes
     scale, offset = 0.9999999, 1e-7  # (stays finite over any number of steps)
 
@@ -308,13 +311,6 @@ def fma_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) ->
     out = tvm.runtime.tensor(np.zeros((cores, width), np.float32))
     time.sleep(0.2)
     return 2 * cores * width * steps / median_seconds(lambda: function(out), repeats, warmup=2, number=1) / 1e9
-
-
-def _fp32_lanes(target: Target) -> int:
-    """fp32 lanes of the target's widest vectors (16 with AVX-512, 8 with AVX2)."""
-    from tuner.targets import resolve_target
-
-    return resolve_target("llvm", mcpu=target.attrs.get("mcpu") or None).hardware.lanes(32)
 
 
 def sgemm_rate(repeats: int = 5) -> float:
