@@ -14,7 +14,7 @@ product and epilogue expressions (as ``cpu_clamped.py`` does), not scheduled fro
                                                       stack, then one loop over the rows)
 
 A row count that is not whole ``mr`` tiles ends in a *remainder tile*: the last row pass runs
-the shortest of a few shorter copies of the tile (``remainder_heights``: 1, 2, 4, 7, 10 rows)
+the shortest of a few shorter copies of the tile (``remainder_heights``: 1, 2, 4, 7, 10, 12 rows)
 that holds the rows left, chosen by a branch per pass, as a BLAS library's edge kernels are;
 its few padded rows read the last real row of X (``min(i0 + r, T - 1)``, loop-invariant in k)
 and the epilogue runs on the real rows only, in a loop after it. A remainder tile spans as

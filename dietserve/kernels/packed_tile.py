@@ -13,7 +13,13 @@ from tvm.script.ir_builder import tirx as T
 from .matching import ScheduleMismatch
 from .tir_rebuild import MatmulExpressions, rebuild
 
-REMAINDER_LADDER = (1, 2, 4, 7, 10)
+# The remainder tiles' heights. 12: a 14-row tile (the tallest of 32-wide AVX-512 panels, which
+# plans run at T = 11-14 in one pass) computed 14 rows for T = 11 and 12 without it; with it,
+# forced 768 -> 3072 at T = 11 / 12 ran 1.17x / 1.15x faster hot and 1.11x / 1.09x from DRAM, and
+# bert-base with version-27 plans (14-row tiles at T = 11-13 on three layers), built both ways
+# side by side (``compare_artifacts.py --control``): seq 11 1.084x, 12 1.079x, 25 1.057x, 26
+# 1.042x, 1.028x geomean (control 1.002x), for 10% more build time (the model: 30.6 s, 27.8).
+REMAINDER_LADDER = (1, 2, 4, 7, 10, 12)
 
 
 def remainder_heights(mr: int) -> list[int]:

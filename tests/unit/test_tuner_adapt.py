@@ -29,19 +29,20 @@ def test_padding_efficiency(t: int, expected: float) -> None:
     assert padding_efficiency(shape, KERNEL, ["T", "N", "K"]) == pytest.approx(expected)
 
 
-# A packed 13-row kernel: its last row pass runs the shortest remainder tile of 1, 2, 4, 7, 10
-# rows (or the whole 13) that holds the rows left.
+# A packed 13-row kernel: its last row pass runs the shortest remainder tile of 1, 2, 4, 7, 10,
+# 12 rows (or the whole 13) that holds the rows left.
 PACKED = MicroKernel(tile=(("i", (13,)), ("j", (32, 1, 2)), ("k", (1,))), vector=16, pack=32)
 
 
 @pytest.mark.parametrize(
     "t, computed",
     [
-        (1, 1), (2, 2), (3, 4), (4, 4), (5, 7), (7, 7), (8, 10), (10, 10), (11, 13), (13, 13),
+        (1, 1), (2, 2), (3, 4), (4, 4), (5, 7), (7, 7), (8, 10), (10, 10), (11, 12), (12, 12), (13, 13),
         (14, 14),  # a whole tile, then one row
         (20, 20),  # 13 + 7
         (21, 23),  # 13 + 8 rows on the 10-row tile
-        (38, 39),  # 26 + 12 rows on a whole tile
+        (38, 38),  # 26 + 12 rows on the 12-row tile
+        (37, 38),  # 26 + 11 rows on the 12-row tile
     ],
 )
 def test_packed_rows_end_in_a_remainder_tile(t: int, computed: int) -> None:
