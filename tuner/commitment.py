@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dietserve.kernels.cpu_packed import reduces_in_blocks, with_one_group, with_whole_reduction
+from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 
 from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
@@ -106,7 +106,7 @@ class PlanCommitment:
                 return
             # The small-T regime first: the interval probes can use up the budget.
             probes = self.small_regime_probes(plan.pack) + self.single_pass_probes(plan.pack) \
-                + self.whole_reduction_probes(plan) + self.one_group_probes(plan) \
+                + self.whole_reduction_probes(plan) \
                 + unverified_probes(plan, tuner.measured, tuner.failed, tuner.default_measured)
             if not probes:
                 return
@@ -204,33 +204,6 @@ class PlanCommitment:
         probes = []
         for kernel, shapes in runs.items():
             twin = with_whole_reduction(kernel)
-            shape = shapes[len(shapes) // 2]
-            if twin in tuner.space and twin not in tuner.failed \
-                    and twin not in tuner.measured.get(shape_key(shape), {}):
-                probes.append((twin, shape))
-        return probes
-
-    def one_group_probes(self, plan) -> list[tuple[MicroKernel, dict]]:
-        """Where ``plan`` (ranked as served) runs a whole-reduction tile of several groups of
-        panels a task on a shape it passes over once, the same tile with one group a task at the
-        middle such shape of the interval, unless measured there. Hot they time alike; from DRAM
-        the smaller tasks end closer together (``weight_stream.stream_tail``), which a search
-        drawn by hot timings does not see."""
-        tuner = self.tuner
-        if tuner.options.dram is None:
-            return []
-        runs: dict[MicroKernel, list[dict]] = {}
-        for row in plan.shapes:
-            kernel = plan.kernel(row["variant"])
-            if kernel is None or not kernel.pack or kernel.threads == 1:
-                continue
-            extents = tuner.task.axis_extents(row["shape"])
-            if not reduces_in_blocks(kernel, extents["k"]) and kernel.tile_sizes("j")[2] > 1 \
-                    and extents["i"] <= kernel.tile_sizes("i")[0]:
-                runs.setdefault(kernel, []).append(row["shape"])
-        probes = []
-        for kernel, shapes in runs.items():
-            twin = with_one_group(kernel)
             shape = shapes[len(shapes) // 2]
             if twin in tuner.space and twin not in tuner.failed \
                     and twin not in tuner.measured.get(shape_key(shape), {}):

@@ -50,21 +50,6 @@ version-25 records re-planned that way against their own plans, the same records
 --control``, znver4): 1.012x geomean at a fast moment (seq 1 at 7.05 ms, about 48 GB/s; seq 1
 1.063x, 20 1.026x, 16 0.975x), 1.012x at a slow one (seq 1 at 10.2 ms, 33 GB/s; 0.997-1.044x
 at every length); the control 0.999x and 0.998x.
-
-The cores take a kernel's tasks as they free up (``claimed_tasks``), so a call ends when its
-last task does and the other core idles for part of one. From DRAM a task takes several times
-as long as hot, and so does that tail, which the hot timing holds only at its hot size: the
-stream is taken ``1 + TAIL_SHARE * cores / tasks`` times as long (``stream_tail``). Forced
-tiles differing only in panels per task, the weight from DRAM, rounds interleaved (21 rounds,
-znver4; ms, tasks in brackets), where hot they timed alike (within 2%, and within 0.5% at
-T = 1-512 for 14 x 32 and 8 x 48 tiles with 1 or 4-8 groups a task):
-- 768x768, 7 rows: T = 1 0.0676 (3) / 0.0660 (12) / 0.0638 (24); T = 7 0.0731 / 0.0658 /
-  0.0635 (the model: 1.14x between 3 and 24 tasks at the stream-bound end);
-- 768 -> 3072, 8 rows: T = 1 0.2870 (12) / 0.2784 (48) / 0.2762 (96), T = 7 0.2854 / 0.2794 /
-  0.2796 (the model: 1.04x between 12 and 96).
-bert-base's version-26 plans with every whole-reduction tile cut to one group of panels a task,
-against the plans as tuned (``compare_artifacts.py --control``, a fast moment): seq 1 1.060x,
-7 1.027x, 11-128 0.990-1.003x (control 0.998-1.005x).
 """
 
 from __future__ import annotations
@@ -72,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dietserve.kernels.cpu_packed import packed_tile, reduces_in_blocks
+from dietserve.kernels.cpu_packed import reduces_in_blocks
 
 from .dispatch import Estimate, Variant
 
@@ -86,8 +71,6 @@ BLOCKED_STREAM_COST = 1.2
 # How far below the sampled DRAM rate the served one may be (the module docstring): kernels are
 # ranked at the sampled rate and at 1 / RATE_SPREAD of it, equally weighted.
 RATE_SPREAD = 2.0
-# The share of a task's time by which a call's last tasks end apart (the module docstring).
-TAIL_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -133,17 +116,6 @@ def served_latency(hot: float, stream_s: float, first: float) -> float:
     return max(stream_s, overlapped) + hot * (1.0 - first) + OVERLAP_LOSS * min(stream_s, overlapped)
 
 
-def stream_tail(kernel: Variant, columns: int, cores: int) -> float:
-    """How much longer a kernel's stream takes for its tasks' uneven end (the module
-    docstring): ``1 + TAIL_SHARE * cores / tasks`` for a packed kernel over ``columns`` output
-    columns on ``cores`` cores, its tasks blocks of ``nb`` panels; 1 for a serial kernel, or the
-    untuned one (whose tasks are unknown)."""
-    if kernel is None or kernel.pack <= 0 or kernel.threads == 1 or cores <= 1:
-        return 1.0
-    _rows, panel, _pk, nb = packed_tile(kernel)
-    return 1.0 + TAIL_SHARE * cores / max(1, columns // (panel * nb))
-
-
 def served_over_rates(hot: float, stream_s: float, first: float) -> float:
     """``served_latency`` averaged over the rates a plan may meet: ``stream_s`` at the sampled
     rate, and ``RATE_SPREAD`` times as long."""
@@ -158,7 +130,6 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
     if nbytes is None or rates is None:
         return estimate
     stream_s = {True: nbytes / rates.one_core, False: nbytes / rates.every_core}
-    cores = int(task.target.get("num-cores", 1))
 
     def served(kernel: Variant, shape: dict) -> float:
         hot = estimate(kernel, shape)
@@ -166,12 +137,11 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
             return hot
         serial = kernel is not None and kernel.threads == 1
         extents = task.axis_extents(shape)
-        stream = stream_s[serial] * (BLOCKED_STREAM_COST if reduces_in_blocks(kernel, extents["k"]) else 1.0) \
-            * stream_tail(kernel, extents["j"], cores)
+        stream = stream_s[serial] * (BLOCKED_STREAM_COST if reduces_in_blocks(kernel, extents["k"]) else 1.0)
         return served_over_rates(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 
 
-__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "TAIL_SHARE", "DramRates", "first_pass_share",
-           "served_estimates", "served_latency", "served_over_rates", "stream_tail", "weight_bytes"]
+__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "DramRates", "first_pass_share",
+           "served_estimates", "served_latency", "served_over_rates", "weight_bytes"]

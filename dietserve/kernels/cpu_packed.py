@@ -165,12 +165,6 @@ def with_whole_reduction(kernel: MicroKernel) -> MicroKernel:
     return dataclasses.replace(kernel, tile=tile)
 
 
-def with_one_group(kernel: MicroKernel) -> MicroKernel:
-    """``kernel`` with one register tile's panels a task (its ``j`` groups 1), the rest alike."""
-    tile = tuple((axis, (*sizes[:2], 1) if axis == "j" else sizes) for axis, sizes in kernel.tile)
-    return dataclasses.replace(kernel, tile=tile)
-
-
 def computed_extent(kernel: MicroKernel, axis: str, extent: int) -> int:
     """How much of ``axis`` ``kernel`` computes for a shape ``extent`` long, padding included:
     whole tiles, but a packed kernel's rows end in a remainder tile (``remainder_heights``)."""
@@ -194,4 +188,4 @@ def crowding_rows(mr: int, row_bytes: int) -> int | None:
 
 
 __all__ = ["apply_cpu_packed", "computed_extent", "crowding_rows", "packed_tile", "reduces_in_blocks",
-           "remainder_heights", "with_one_group", "with_whole_reduction"]
+           "remainder_heights", "with_whole_reduction"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.cpu_packed import reduces_in_blocks, with_one_group, with_whole_reduction
+from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.cli import _dram_rates
 from tuner.database.records import RecordDatabase
@@ -24,13 +24,11 @@ from tuner.weight_stream import (
     BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
     RATE_SPREAD,
-    TAIL_SHARE,
     DramRates,
     first_pass_share,
     served_estimates,
     served_latency,
     served_over_rates,
-    stream_tail,
     weight_bytes,
 )
 
@@ -87,10 +85,9 @@ def test_served_estimates_stream_on_the_cores_the_kernel_uses() -> None:
     task = _task()
     stream_every, stream_one = weight_bytes(task) / RATES.every_core, weight_bytes(task) / RATES.one_core
     served = served_estimates(lambda kernel, shape: 1e-5, task, RATES)
-    # Stream-bound: the stream at the sampled rate and RATE_SPREAD times as long, averaged; on
-    # every core, with the tail of its 3072 / 48 = 64 tasks.
-    mean, tail = (1 + RATE_SPREAD) / 2, 1 + TAIL_SHARE * 2 / 64
-    assert served(_packed(9), {"T": 4}) == pytest.approx(mean * tail * stream_every + OVERLAP_LOSS * 1e-5)
+    # Stream-bound: the stream at the sampled rate and RATE_SPREAD times as long, averaged.
+    mean = (1 + RATE_SPREAD) / 2
+    assert served(_packed(9), {"T": 4}) == pytest.approx(mean * stream_every + OVERLAP_LOSS * 1e-5)
     assert served(_packed(9, threads=1), {"T": 4}) == pytest.approx(mean * stream_one + OVERLAP_LOSS * 1e-5)
     assert served(_packed(9), {"T": 4}) < served(_packed(9, threads=1), {"T": 4})
     assert served(_packed(9), {"T": 5}) != float("inf") and served(None, {"T": 5}) > stream_every
@@ -119,24 +116,6 @@ def test_kernels_are_ranked_over_the_rates_a_plan_may_meet() -> None:
         (served_latency(hot, fast, tall) + served_latency(hot, slow, tall)) / 2)
     # Where the FMAs hide even the slower stream (long sequences), the hot order stands.
     assert served_over_rates(12.0, fast, 8 / 512) == pytest.approx(12.0, rel=0.01)
-
-
-def test_fewer_tasks_end_further_apart() -> None:
-    """A call's stream is taken 1 + TAIL_SHARE * cores / tasks times as long: the 768x768
-    layer's 7-row tile over 8 groups of 32-wide panels a task has 3 tasks, over one 24 (forced
-    from DRAM at T = 7: 0.0731 and 0.0635 ms); a serial kernel and the untuned one none."""
-    wide = MicroKernel(tile=(("i", (7,)), ("j", (32, 1, 8)), ("k", (1,))), vector=16, pack=32)
-    narrow = with_one_group(wide)
-    assert narrow.tile_sizes("j") == (32, 1, 1) and narrow.tile_sizes("i") == (7,)
-    assert stream_tail(wide, 768, 2) == pytest.approx(1 + TAIL_SHARE * 2 / 3)
-    assert stream_tail(narrow, 768, 2) == pytest.approx(1 + TAIL_SHARE * 2 / 24)
-    assert 1.1 < stream_tail(wide, 768, 2) / stream_tail(narrow, 768, 2) < 1.2
-    assert stream_tail(wide, 768, 1) == 1.0 and stream_tail(None, 768, 2) == 1.0
-    assert stream_tail(MicroKernel(tile=wide.tile, vector=16, pack=32, threads=1), 768, 2) == 1.0
-    # Ranked as served at T = 7 (stream-bound), timed alike hot: the one-group tile first.
-    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 65)))
-    served = served_estimates(lambda kernel, shape: 2e-5, task, RATES)
-    assert served(narrow, {"T": 7}) < served(wide, {"T": 7}) / 1.1
 
 
 def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
@@ -185,7 +164,6 @@ def test_a_blocked_reduction_streams_its_weight_slower() -> None:
     task = _task(values=range(1, 513))
     stream = weight_bytes(task) / RATES.every_core
     served = served_estimates(lambda kernel, shape: 2.2e-5 * shape["T"], task, RATES)
-    stream *= stream_tail(whole, 3072, 2)  # (twins: the same tasks)
     assert served(blocked, {"T": 7}) == pytest.approx(served_over_rates(2.2e-5 * 7, BLOCKED_STREAM_COST * stream, 1.0))
     assert served(whole, {"T": 7}) == pytest.approx(served_over_rates(2.2e-5 * 7, stream, 1.0))
     assert served(blocked, {"T": 7}) > 1.15 * served(whole, {"T": 7})
@@ -248,34 +226,6 @@ def test_a_blocked_tile_on_short_shapes_gets_its_twin_probed(tmp_path: Path) -> 
     assert tuner(None).commitment.whole_reduction_probes(tuner(None).plan()) == []
     done = tuner(RATES, measured_twin_at=10)
     assert done.commitment.whole_reduction_probes(done.plan()) == []
-
-
-def test_a_tile_of_several_groups_on_one_pass_gets_its_one_group_twin_probed(tmp_path: Path) -> None:
-    """The plan's verification measures the one-group twin of a whole-reduction tile of several
-    groups a task where the plan runs it in one pass, at the middle such shape, unless measured
-    there; not where the plan is ranked as timed (no rates)."""
-    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 65)))
-    space = packed_cpu_space(resolve_target("llvm", cores=2).hardware)
-    wide = next(k for k in space if k.pack == 32 and k.tile_sizes("i") == (9,) and k.tile_sizes("j") == (32, 1, 4)
-                and k.tile_sizes("k") == (1,) and k.threads == 0)
-    twin = with_one_group(wide)
-    assert twin in space and twin != wide
-
-    def tuner(rates, measured_twin_at=None):
-        made = Tuner(task, space, 2, _Unused(), RecordDatabase(tmp_path / "g.jsonl"), TuneOptions(trials=8, dram=rates))
-        for t in range(1, 65):  # only the wide tile measured: the plan runs it everywhere
-            made.measured[shape_key({"T": t})][wide] = 1e-5 * t
-        if measured_twin_at is not None:
-            made.measured[shape_key({"T": measured_twin_at})][twin] = 1.0
-        made._calibrated_cache = None
-        return made
-
-    served = tuner(RATES)
-    # T = 1..9: one pass of 9 rows; the probe at the middle one
-    assert served.commitment.one_group_probes(served.plan()) == [(twin, {"T": 5})]
-    assert tuner(None).commitment.one_group_probes(tuner(None).plan()) == []
-    done = tuner(RATES, measured_twin_at=5)
-    assert done.commitment.one_group_probes(done.plan()) == []
 
 
 class _Machine:
