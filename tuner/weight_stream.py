@@ -50,6 +50,14 @@ version-25 records re-planned that way against their own plans, the same records
 --control``, znver4): 1.012x geomean at a fast moment (seq 1 at 7.05 ms, about 48 GB/s; seq 1
 1.063x, 20 1.026x, 16 0.975x), 1.012x at a slow one (seq 1 at 10.2 ms, 33 GB/s; 0.997-1.044x
 at every length); the control 0.999x and 0.998x.
+
+The untuned kernel (the default rule's register tiles over the unpacked ``[K, N]`` weight) is
+taken as one pass, but it reads the weight in column strips, a short run of each of its K rows,
+not as a contiguous panel: from DRAM (forced 768x768, rounds interleaved, 9 rounds) it took
+0.203 ms at T = 1 and 0.293 at T = 7 where a packed 7-row tile took 0.085 and 0.090 (hot
+0.035 against 0.014 at T = 1). Its stream is taken ``UNPACKED_STREAM_COST`` times as long: taken
+as fast as a packed tile's, it out-ranked a tune's packed tiles on the short shapes, and the
+plan ran the 768x768 layer on the untuned kernel at every length (0.90x end to end).
 """
 
 from __future__ import annotations
@@ -68,6 +76,9 @@ OVERLAP_LOSS = 0.1
 # A kc-blocked kernel's stream, against its whole-reduction twin's (the module docstring's pairs:
 # 1.04-1.38x at one pass, about 1.1x at two).
 BLOCKED_STREAM_COST = 1.2
+# The untuned kernel's stream against a packed tile's (the module docstring: 2.4x and 3.3x
+# measured; 2 keeps it ranked below them where the stream bounds both).
+UNPACKED_STREAM_COST = 2.0
 # How far below the sampled DRAM rate the served one may be (the module docstring): kernels are
 # ranked at the sampled rate and at 1 / RATE_SPREAD of it, equally weighted.
 RATE_SPREAD = 2.0
@@ -138,10 +149,12 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
         serial = kernel is not None and kernel.threads == 1
         extents = task.axis_extents(shape)
         stream = stream_s[serial] * (BLOCKED_STREAM_COST if reduces_in_blocks(kernel, extents["k"]) else 1.0)
+        if kernel is None:
+            stream *= UNPACKED_STREAM_COST
         return served_over_rates(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 
 
-__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "DramRates", "first_pass_share",
-           "served_estimates", "served_latency", "served_over_rates", "weight_bytes"]
+__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "UNPACKED_STREAM_COST", "DramRates",
+           "first_pass_share", "served_estimates", "served_latency", "served_over_rates", "weight_bytes"]

@@ -24,6 +24,7 @@ from tuner.weight_stream import (
     BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
     RATE_SPREAD,
+    UNPACKED_STREAM_COST,
     DramRates,
     first_pass_share,
     served_estimates,
@@ -90,7 +91,9 @@ def test_served_estimates_stream_on_the_cores_the_kernel_uses() -> None:
     assert served(_packed(9), {"T": 4}) == pytest.approx(mean * stream_every + OVERLAP_LOSS * 1e-5)
     assert served(_packed(9, threads=1), {"T": 4}) == pytest.approx(mean * stream_one + OVERLAP_LOSS * 1e-5)
     assert served(_packed(9), {"T": 4}) < served(_packed(9, threads=1), {"T": 4})
-    assert served(_packed(9), {"T": 5}) != float("inf") and served(None, {"T": 5}) > stream_every
+    assert served(_packed(9), {"T": 5}) != float("inf")
+    # The untuned kernel: one pass, but its column strips of the unpacked weight stream slower.
+    assert served(None, {"T": 5}) == pytest.approx(mean * UNPACKED_STREAM_COST * stream_every + OVERLAP_LOSS * 1e-5)
     # Unknown estimates stay unknown; no rates, or no weight: the estimate as it is.
     assert served_estimates(lambda kernel, shape: float("inf"), task, RATES)(_packed(4), {"T": 4}) == float("inf")
     plain = lambda kernel, shape: 1.0  # noqa: E731
@@ -99,6 +102,19 @@ def test_served_estimates_stream_on_the_cores_the_kernel_uses() -> None:
     assert served_estimates(plain, attention, RATES) is plain
     with pytest.raises(ValueError, match="positive"):
         DramRates(every_core=0.0, one_core=1e9)
+
+
+def test_the_untuned_kernel_does_not_outrank_blocked_tiles_on_the_stream() -> None:
+    """A tune whose fastest packed tiles at T = 1 were kc-blocked (the stream 1.2x as long) had
+    them ranked below the untuned kernel, taken as one pass at the packed stream's rate, and
+    planned the layer's unpacked layout everywhere; from DRAM the untuned kernel ran 2.4x a
+    packed tile's time. Ranked as served now, the blocked tile (hot 14 us) comes first."""
+    task = TuningTask.create(dense(768, 768, "bias_residual"), TARGET, ShapeVar("T", range(1, 65)))
+    blocked = MicroKernel(tile=(("i", (4,)), ("j", (48, 2, 1)), ("k", (256,))), vector=16, pack=48)
+    hot = {blocked: 14e-6, None: 34.8e-6}
+    slow = DramRates(every_core=35.05e9, one_core=36.11e9)  # that tune's sample
+    served = served_estimates(lambda kernel, shape: hot[kernel], task, slow)
+    assert served(blocked, {"T": 1}) < served(None, {"T": 1})
 
 
 def test_kernels_are_ranked_over_the_rates_a_plan_may_meet() -> None:
