@@ -114,7 +114,7 @@ def weight_bytes(task) -> int | None:
 def first_pass_share(kernel: Variant, rows: int) -> float:
     """The share of ``rows`` the first pass over each weight block computes: a packed kernel's
     register tile height over the rows (1: one pass); the untuned kernel's passes are unknown,
-    and it is taken as one pass (the served estimate then favours it, never the tuned ones)."""
+    and it is taken as one pass (its slower stream is ``stream_cost``'s)."""
     if kernel is None or kernel.pack <= 0:
         return 1.0
     return min(1.0, kernel.tile_sizes("i")[0] / max(rows, 1))
@@ -125,6 +125,15 @@ def served_latency(hot: float, stream_s: float, first: float) -> float:
     ``stream_s`` the weight's read time, ``first`` the first pass's share of the rows."""
     overlapped = hot * first
     return max(stream_s, overlapped) + hot * (1.0 - first) + OVERLAP_LOSS * min(stream_s, overlapped)
+
+
+def stream_cost(kernel: Variant, depth: int) -> float:
+    """How much longer than a packed panel's ``kernel``'s weight stream takes, by how it reads
+    the weight: ``UNPACKED_STREAM_COST`` for the untuned kernel (column strips),
+    ``BLOCKED_STREAM_COST`` for a ``kc``-blocked reduction of ``depth``, else 1."""
+    if kernel is None:
+        return UNPACKED_STREAM_COST
+    return BLOCKED_STREAM_COST if reduces_in_blocks(kernel, depth) else 1.0
 
 
 def served_over_rates(hot: float, stream_s: float, first: float) -> float:
@@ -148,13 +157,12 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
             return hot
         serial = kernel is not None and kernel.threads == 1
         extents = task.axis_extents(shape)
-        stream = stream_s[serial] * (BLOCKED_STREAM_COST if reduces_in_blocks(kernel, extents["k"]) else 1.0)
-        if kernel is None:
-            stream *= UNPACKED_STREAM_COST
+        stream = stream_s[serial] * stream_cost(kernel, extents["k"])
         return served_over_rates(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 
 
 __all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "UNPACKED_STREAM_COST", "DramRates",
-           "first_pass_share", "served_estimates", "served_latency", "served_over_rates", "weight_bytes"]
+           "first_pass_share", "served_estimates", "served_latency", "served_over_rates", "stream_cost",
+           "weight_bytes"]
