@@ -53,11 +53,13 @@ at every length); the control 0.999x and 0.998x.
 
 The untuned kernel (the default rule's register tiles over the unpacked ``[K, N]`` weight) is
 taken as one pass, but it reads the weight in column strips, a short run of each of its K rows,
-not as a contiguous panel: from DRAM (forced 768x768, rounds interleaved, 9 rounds) it took
-0.203 ms at T = 1 and 0.293 at T = 7 where a packed 7-row tile took 0.085 and 0.090 (hot
-0.035 against 0.014 at T = 1). Its stream is taken ``UNPACKED_STREAM_COST`` times as long: taken
-as fast as a packed tile's, it out-ranked a tune's packed tiles on the short shapes, and the
-plan ran the 768x768 layer on the untuned kernel at every length (0.90x end to end).
+not as a contiguous panel. From DRAM, the 768x768 layer against a packed 7-row tile
+(``cold_weights.py --op dense_768x768 --lengths 1,7 --interleaved --kernel 7,32,1,8,1 --kernel
+default --rounds 9``, two runs): T = 1 0.203 / 0.085 ms and 0.107 / 0.074, T = 7 0.293 / 0.090
+and 0.222 / 0.075 (hot at T = 1 0.035 against 0.014). Its stream is taken
+``UNPACKED_STREAM_COST`` times as long: taken as fast as a packed tile's, it out-ranked a tune's
+packed tiles on the short shapes, and the plan ran the 768x768 layer on the untuned kernel at
+every length (0.90x end to end).
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ OVERLAP_LOSS = 0.1
 # A kc-blocked kernel's stream, against its whole-reduction twin's (the module docstring's pairs:
 # 1.04-1.38x at one pass, about 1.1x at two).
 BLOCKED_STREAM_COST = 1.2
-# The untuned kernel's stream against a packed tile's (the module docstring: 2.4x and 3.3x
-# measured; 2 keeps it ranked below them where the stream bounds both).
+# The untuned kernel's stream against a packed tile's (the module docstring: 1.4-3.3x measured;
+# 2 keeps it ranked below them where the stream bounds both).
 UNPACKED_STREAM_COST = 2.0
 # How far below the sampled DRAM rate the served one may be (the module docstring): kernels are
 # ranked at the sampled rate and at 1 / RATE_SPREAD of it, equally weighted.

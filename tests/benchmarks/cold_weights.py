@@ -3,11 +3,17 @@ the served model (whose 340 MB of weights no cache holds): where a short sequenc
 
     python tests/benchmarks/cold_weights.py --op dense_3072x768 --lengths 1,7 \
         --kernel 5,16,1,1,384 --kernel 1,16,4,4,256 [--copies 40] [--rounds 3] [--without prefetch]
+    python tests/benchmarks/cold_weights.py --op dense_768x768 --lengths 1,7 --interleaved \
+        --kernel 7,32,1,8,1 --kernel 7,32,1,1,1 --kernel default --rounds 9
 
 Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as a plan's only variant
-(``forced_kernels.py``) and timed at every length. "Hot" runs one argument set over and over;
+(``forced_kernels.py``; ``default``: the model's untuned kernel, on the unpacked weight) and
+timed at every length. "Hot" runs one argument set over and over;
 "cold" cycles through ``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than
 the L3), so each call reads its weight from DRAM. Prints ms per call, median of ``--rounds``.
+``--interleaved`` times the cold case only, every kernel once per round in turn (the order
+reversed every other round), so a change of the DRAM rate falls on all of them alike; it prints
+each kernel's speed against the first's.
 ``--without prefetch`` builds each kernel also without the prefetch of the next weight block
 (``cpu_packed.PREFETCH_NEXT_BLOCK``), ``--without row-copy`` without the k-major copy of the
 activations' rows (``cpu_packed.PACK_ROWS``), and times them side by side: "gain" is the full
@@ -71,10 +77,38 @@ def without_feature(name: str | None):
 
 
 def built(op: str, text: str, where, target, lanes: int, without: str | None):
-    kernel = packed_kernel(text, lanes)
+    """(operator, the weight's panel width: 0 unpacked, the kernel's function)."""
+    kernel = None if text == "default" else packed_kernel(text, lanes)
     with without_feature(without):
         spec, lib = build(op, kernel, where, target, gelu=True)
-    return spec, kernel, lib["main"]
+    return spec, 0 if kernel is None else kernel.pack, lib["main"]
+
+
+def argument_sets(spec, length: int, pack: int, copies: int) -> list:
+    """``copies`` argument sets of ``spec`` at T = ``length``, the weight in panels of ``pack``
+    (0: unpacked) on huge pages, where the served model keeps its weights (huge_pages.py)."""
+    sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), pack)[0] for _ in range(copies)]
+    at = weight_input(spec)
+    weights = on_huge_pages([each[at] for each in sets])
+    return [[w if i == at else x for i, x in enumerate(each)] for each, w in zip(sets, weights, strict=True)]
+
+
+def interleaved(builds: dict, texts: list[str], sets_of, rounds: int) -> dict[str, float]:
+    """Median seconds per cold call of each kernel, every kernel once per round in turn."""
+    for text in texts:
+        _spec, pack, function = builds[text, None]
+        for arguments in sets_of(pack):
+            function(*arguments)
+    samples: dict[str, list[float]] = {text: [] for text in texts}
+    for turn in range(rounds):
+        for text in texts if turn % 2 == 0 else texts[::-1]:
+            _spec, pack, function = builds[text, None]
+            sets = sets_of(pack)
+            start = time.perf_counter()
+            for arguments in sets:
+                function(*arguments)
+            samples[text].append((time.perf_counter() - start) / len(sets))
+    return {text: statistics.median(values) for text, values in samples.items()}
 
 
 def main() -> int:
@@ -82,15 +116,33 @@ def main() -> int:
     parser.add_argument("--op", default="dense_3072x768", choices=[op for op in OPERATORS if op.startswith("dense")])
     parser.add_argument("--lengths", default="1,7")
     parser.add_argument("--kernel", action="append", required=True,
-                        help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
+                        help="mr,panel,panels_per_tile,tiles_per_task,kc, or default (repeatable)")
     parser.add_argument("--copies", type=int, default=40, help="weight copies cycled through for the cold run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interleaved", action="store_true",
+                        help="cold only, every kernel once per round in turn (see above)")
     parser.add_argument("--without", action="append", default=[], choices=list(FEATURES),
                         help="also time each kernel built without this feature (repeatable)")
     args = parser.parse_args()
     where, target, lanes = llvm_target()
     builds = {(text, without): built(args.op, text, where, target, lanes, without)
               for text in args.kernel for without in [None, *args.without]}
+    spec = builds[args.kernel[0], None][0]
+    if args.interleaved:
+        print(f"{args.op}, cold ms per call ({args.copies} weight copies cycled), rounds interleaved")
+        for length in (int(v) for v in args.lengths.split(",")):
+            sets_by_pack: dict[int, list] = {}
+
+            def sets_of(pack, length=length, sets_by_pack=sets_by_pack):
+                if pack not in sets_by_pack:
+                    sets_by_pack[pack] = argument_sets(spec, length, pack, args.copies)
+                return sets_by_pack[pack]
+
+            cold = interleaved(builds, args.kernel, sets_of, args.rounds)
+            first = cold[args.kernel[0]]
+            print(f"T={length}: " + "  ".join(f"{text} {seconds * 1e3:.4f} ({first / seconds:.3f}x)"
+                                              for text, seconds in cold.items()), flush=True)
+        return 0
     print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
     print(f"{'T':>5} {'kernel':>16} {'without':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"
           f" {'hot gain':>9} {'cold gain':>10}")
@@ -99,16 +151,10 @@ def main() -> int:
         for text in args.kernel:
             full = None
             for without in [None, *args.without]:
-                spec, kernel, function = builds[text, without]
-                if kernel.pack not in sets_by_pack:
-                    sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), kernel.pack)[0]
-                            for _ in range(args.copies)]
-                    # The weights on huge pages, where the served model keeps them (huge_pages.py).
-                    at = weight_input(spec)
-                    weights = on_huge_pages([each[at] for each in sets])
-                    sets_by_pack[kernel.pack] = [[w if i == at else x for i, x in enumerate(each)]
-                                                 for each, w in zip(sets, weights, strict=True)]
-                sets = sets_by_pack[kernel.pack]
+                spec, pack, function = builds[text, without]
+                if pack not in sets_by_pack:
+                    sets_by_pack[pack] = argument_sets(spec, length, pack, args.copies)
+                sets = sets_by_pack[pack]
                 hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
                 # the full kernel's gain over this one built without the feature
                 gains = f" {hot / full[0]:>8.2f}x {cold / full[1]:>9.2f}x" if full else ""
