@@ -21,8 +21,8 @@ from safetensors.numpy import load_file, save_file
 from dietserve.runtime.manifest import MANIFEST_FILE, PARAMS_FILE, sha256_file
 from dietserve.runtime.versions import VersionStore
 
+from .scrape import metrics, wait_for
 from .server_process import REPO_ROOT, ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 MODEL = "swap"
@@ -82,13 +82,6 @@ class SteadyClient:
         self._thread.join(timeout=120)
 
 
-def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def _served_version(server: ServerProcess) -> str:
     with triton.InferenceServerClient(server.grpc_url) as client:
         versions = list(client.get_model_metadata(MODEL).versions)
@@ -108,12 +101,12 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
         assert _served_version(server) == "1" and store.current() == 1
         # A newer version with the same numbers (a recompile) is checked and swapped in.
         store.publish(minilm_artifact)
-        _wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2")
+        wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2", timeout=120)
         assert _served_version(server) == "2" and store.current() == 2
         assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
         # A version whose answers differ is refused; version 2 stays.
         store.publish(_tampered_copy(minilm_artifact, tmp_path / "tampered"))
-        _wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal")
+        wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal", timeout=120)
         assert _served_version(server) == "2" and "differs by up to" in store.rejected(3)
         served_before_restart = client.answers
     finally:
@@ -127,7 +120,7 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
     try:
         assert _served_version(restarted) == "2"  # the last verified version, not the refused one
         assert "version 1" in _cli("rollback", "--store", str(store_dir))
-        _wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1")
+        wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1", timeout=120)
         time.sleep(1.0)
     finally:
         client.stop()

@@ -29,8 +29,8 @@ from dietserve.runtime.traffic import Traffic
 from dietserve.runtime.versions import VersionStore
 
 from .conftest import MAX_BATCH
+from .scrape import metrics
 from .server_process import REPO_ROOT, ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 MODEL = "retune"

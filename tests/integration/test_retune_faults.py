@@ -17,8 +17,8 @@ import tritonclient.grpc as triton
 from dietserve.runtime.versions import VersionStore
 
 from .conftest import MAX_BATCH
+from .scrape import metrics
 from .server_process import ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 MODEL = "faults"

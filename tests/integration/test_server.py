@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,11 +14,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from dietserve.model.tokenizer import TextTokenizer
 
+from .scrape import metrics, metrics_after_batches
 from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -59,15 +58,6 @@ def ids_input(array: np.ndarray, name: str = "input_ids", datatype: str = "INT64
     tensor = triton.InferInput(name, list(array.shape), datatype)
     tensor.set_data_from_numpy(array)
     return tensor
-
-
-def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def infer_ok_count(server: ServerProcess) -> float:
@@ -298,6 +288,7 @@ def test_metrics_count_the_requests(server, client):
     health_ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "Check"))), 0.0)
     unknown = before.get(("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown"))), 0.0)
     rows_before = before.get(("dietserve_request_sequence_length_count", ()), 0.0)
+    batches_before = before.get(("dietserve_batch_size_count", ()), 0.0)
     for length in (3, 17, 40):
         client.infer(MODEL, [ids_input(np.full((2, length), 2000, dtype=np.int64))])
     with pytest.raises(triton.InferenceServerException):
@@ -306,7 +297,7 @@ def test_metrics_count_the_requests(server, client):
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         with pytest.raises(grpc.RpcError):
             channel.unary_unary("/inference.GRPCInferenceService/Nonsense")(b"", timeout=10)
-    after = metrics(server)
+    after = metrics_after_batches(server, batches_before + 3)
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "Check")))] == health_ok + 1
     assert after[("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown")))] == unknown + 1
     assert after[("dietserve_request_sequence_length_count", ())] == rows_before + 6  # per row, not per request
@@ -315,7 +306,7 @@ def test_metrics_count_the_requests(server, client):
     assert after[("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer")))] == bad + 1
     assert after[("dietserve_request_duration_seconds_count", ())] >= ok + bad + 4
     assert ("dietserve_request_duration_seconds_bucket", (("le", "0.0001"),)) in after  # sub-millisecond buckets
-    assert after[("dietserve_batch_size_count", ())] >= 3
+    assert after[("dietserve_batch_size_count", ())] == batches_before + 3  # one request a batch, sent in turn
     assert after[("dietserve_computed_tokens_total", ())] >= 2 * (3 + 17 + 40)
     assert ("dietserve_padding_tokens_total", ()) in after
     assert after[("dietserve_inflight_requests", ())] == 0

@@ -15,8 +15,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from dietserve.model.tokenizer import TextTokenizer
 
+from .scrape import metrics, wait_for
 from .server_process import ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 MODEL = "limits"
@@ -48,13 +48,6 @@ def _ids_request(ids: np.ndarray) -> service_pb2.ModelInferRequest:
 
 def _embedding(response: service_pb2.ModelInferResponse) -> np.ndarray:
     return np.frombuffer(response.raw_output_contents[0], "<f4").reshape(response.outputs[0].shape)
-
-
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def _inflight(server: ServerProcess) -> float:
@@ -101,7 +94,7 @@ def test_the_concurrency_cap_refuses_cleanly_and_is_counted(server, channel, min
     refused_before = metrics(server).get(
         ("dietserve_requests_total", (("code", "RESOURCE_EXHAUSTED"), ("method", "ModelInfer"))), 0.0)
     running = [stub.ModelInfer.future(_ids_request(big), timeout=120) for _ in range(CAP)]
-    _wait_for(lambda: _inflight(server) == CAP)
+    wait_for(lambda: _inflight(server) == CAP, f"{CAP} requests in flight", interval=0.01)
     with pytest.raises(grpc.RpcError) as refused:
         stub.ModelInfer(_ids_request(np.full((1, 4), 2000)), timeout=30)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -123,15 +116,15 @@ def test_cancelled_and_expired_requests_are_not_computed(server, channel):
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     before = _statistics(channel)
     big = stub.ModelInfer.future(_ids_request(np.full((8, 512), 2000, np.int64)), timeout=120)
-    _wait_for(lambda: _inflight(server) == 1)
+    wait_for(lambda: _inflight(server) == 1, "1 request(s) in flight", interval=0.01)
     with pytest.raises(grpc.RpcError) as expired:  # queued behind the big one past its deadline
         stub.ModelInfer(_ids_request(np.full((2, 16), 2000)), timeout=0.3)
     assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     abandoned = stub.ModelInfer.future(_ids_request(np.full((3, 16), 2000)), timeout=120)
-    _wait_for(lambda: _inflight(server) == 2)
+    wait_for(lambda: _inflight(server) == 2, "2 request(s) in flight", interval=0.01)
     abandoned.cancel()
     big.result()
-    _wait_for(lambda: _inflight(server) == 0)
+    wait_for(lambda: _inflight(server) == 0, "0 request(s) in flight", interval=0.01)
     after = _statistics(channel)
     assert after.execution_count - before.execution_count == 1, "only the big request should have run"
     assert after.inference_count - before.inference_count == 8

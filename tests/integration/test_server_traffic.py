@@ -13,8 +13,8 @@ import tritonclient.grpc as triton
 
 from dietserve.runtime.traffic import Traffic
 
+from .scrape import metrics, wait_for
 from .server_process import ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 MODEL = "traffic"
@@ -43,9 +43,7 @@ def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path,
         for _ in range(3):
             _infer(server, np.full((1, 37), 2000))
         _infer(server, np.full((2, 100), 2000))
-        deadline = time.monotonic() + 30
-        while _rows_up_to(server, 128) < 4.99 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: _rows_up_to(server, 128) >= 4.99, "5 recorded rows", timeout=30)
         assert _rows_up_to(server, 64) == pytest.approx(3, rel=1e-3)
         assert _rows_up_to(server, 128) == pytest.approx(5, rel=1e-3)
         saved = Traffic.load(path)  # written while serving

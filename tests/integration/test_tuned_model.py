@@ -8,7 +8,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +32,8 @@ from dietserve.runtime.manifest import Manifest
 
 from .conftest import MAX_BATCH
 from .reference import padded_batch, reference_hidden
+from .scrape import metrics_after_batches
 from .server_process import ServerProcess
-from .test_server import metrics
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4
@@ -291,18 +290,6 @@ def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: P
     assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
 
 
-def _metrics_after_batches(server: ServerProcess, batches: int, timeout_s: float = 10.0) -> dict:
-    """``metrics(server)`` once ``batches`` executions are recorded: the server records a batch
-    one loop iteration after the callers have their answers, so a scrape right after the last
-    reply can miss it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        samples = metrics(server)
-        if samples.get(("dietserve_batch_size_count", ()), 0) >= batches or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
-
-
 def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_artifact: Path) -> None:
     server = ServerProcess(linked_artifact, "--no-batching", model_name="tuned")
     try:
@@ -312,7 +299,7 @@ def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_
                 tensor = triton.InferInput("input_ids", [1, seq], "INT64")
                 tensor.set_data_from_numpy(ids)
                 client.infer("tuned", [tensor])
-        samples = _metrics_after_batches(server, 4)
+        samples = metrics_after_batches(server, 4)
     finally:
         server.stop()
     counts = {(dict(labels)["operator"], dict(labels)["variant"]): value
