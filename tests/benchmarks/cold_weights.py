@@ -84,13 +84,22 @@ def built(op: str, text: str, where, target, lanes: int, without: str | None):
     return spec, 0 if kernel is None else kernel.pack, lib["main"]
 
 
-def argument_sets(spec, length: int, pack: int, copies: int) -> list:
-    """``copies`` argument sets of ``spec`` at T = ``length``, the weight in panels of ``pack``
-    (0: unpacked) on huge pages, where the served model keeps its weights (huge_pages.py)."""
-    sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), pack)[0] for _ in range(copies)]
-    at = weight_input(spec)
-    weights = on_huge_pages([each[at] for each in sets])
-    return [[w if i == at else x for i, x in enumerate(each)] for each, w in zip(sets, weights, strict=True)]
+def argument_sets(spec, length: int, copies: int):
+    """``sets_of(pack)``: ``copies`` argument sets of ``spec`` at T = ``length``, the weight in
+    panels of ``pack`` (0: unpacked) on huge pages, where the served model keeps its weights
+    (huge_pages.py); made once per packing, shared by the kernels that read it."""
+    made: dict[int, list] = {}
+
+    def sets_of(pack: int) -> list:
+        if pack not in made:
+            sets = [baselines.tvm_arguments_packed(spec, {"T": length}, tvm.cpu(0), pack)[0] for _ in range(copies)]
+            at = weight_input(spec)
+            weights = on_huge_pages([each[at] for each in sets])
+            made[pack] = [[w if i == at else x for i, x in enumerate(each)]
+                          for each, w in zip(sets, weights, strict=True)]
+        return made[pack]
+
+    return sets_of
 
 
 def interleaved(builds: dict, texts: list[str], sets_of, rounds: int) -> dict[str, float]:
@@ -131,14 +140,7 @@ def main() -> int:
     if args.interleaved:
         print(f"{args.op}, cold ms per call ({args.copies} weight copies cycled), rounds interleaved")
         for length in (int(v) for v in args.lengths.split(",")):
-            sets_by_pack: dict[int, list] = {}
-
-            def sets_of(pack, length=length, sets_by_pack=sets_by_pack):
-                if pack not in sets_by_pack:
-                    sets_by_pack[pack] = argument_sets(spec, length, pack, args.copies)
-                return sets_by_pack[pack]
-
-            cold = interleaved(builds, args.kernel, sets_of, args.rounds)
+            cold = interleaved(builds, args.kernel, argument_sets(spec, length, args.copies), args.rounds)
             first = cold[args.kernel[0]]
             print(f"T={length}: " + "  ".join(f"{text} {seconds * 1e3:.4f} ({first / seconds:.3f}x)"
                                               for text, seconds in cold.items()), flush=True)
@@ -147,14 +149,12 @@ def main() -> int:
     print(f"{'T':>5} {'kernel':>16} {'without':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"
           f" {'hot gain':>9} {'cold gain':>10}")
     for length in (int(v) for v in args.lengths.split(",")):
-        sets_by_pack = {}
+        sets_of = argument_sets(spec, length, args.copies)
         for text in args.kernel:
             full = None
             for without in [None, *args.without]:
-                spec, pack, function = builds[text, without]
-                if pack not in sets_by_pack:
-                    sets_by_pack[pack] = argument_sets(spec, length, pack, args.copies)
-                sets = sets_by_pack[pack]
+                _spec, pack, function = builds[text, without]
+                sets = sets_of(pack)
                 hot, cold = per_call(function, sets[:1], args.rounds), per_call(function, sets, args.rounds)
                 # the full kernel's gain over this one built without the feature
                 gains = f" {hot / full[0]:>8.2f}x {cold / full[1]:>9.2f}x" if full else ""

@@ -101,12 +101,14 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
         assert _served_version(server) == "1" and store.current() == 1
         # A newer version with the same numbers (a recompile) is checked and swapped in.
         store.publish(minilm_artifact)
-        wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2", timeout=120)
+        wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2",
+                 timeout=120, interval=0.2)
         assert _served_version(server) == "2" and store.current() == 2
         assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
         # A version whose answers differ is refused; version 2 stays.
         store.publish(_tampered_copy(minilm_artifact, tmp_path / "tampered"))
-        wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal", timeout=120)
+        wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal",
+                 timeout=120, interval=0.2)
         assert _served_version(server) == "2" and "differs by up to" in store.rejected(3)
         served_before_restart = client.answers
     finally:
@@ -120,7 +122,7 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
     try:
         assert _served_version(restarted) == "2"  # the last verified version, not the refused one
         assert "version 1" in _cli("rollback", "--store", str(store_dir))
-        wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1", timeout=120)
+        wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1", timeout=120, interval=0.2)
         time.sleep(1.0)
     finally:
         client.stop()

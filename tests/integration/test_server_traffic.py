@@ -43,7 +43,7 @@ def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path,
         for _ in range(3):
             _infer(server, np.full((1, 37), 2000))
         _infer(server, np.full((2, 100), 2000))
-        wait_for(lambda: _rows_up_to(server, 128) >= 4.99, "5 recorded rows", timeout=30)
+        wait_for(lambda: _rows_up_to(server, 128) >= 4.99, "5 recorded rows", timeout=30, interval=0.1)
         assert _rows_up_to(server, 64) == pytest.approx(3, rel=1e-3)
         assert _rows_up_to(server, 128) == pytest.approx(5, rel=1e-3)
         saved = Traffic.load(path)  # written while serving
