@@ -9,7 +9,7 @@ import tvm
 from tvm import s_tir, te, tirx, topi
 from tvm.target.codegen import llvm_cpu_has_features
 
-from dietserve.compile.cpu import CPUMatmul, ParallelInjective, RowReduction, cpu_schedule_rules
+from dietserve.compile.cpu import CPUMatmul, RowReduction, cpu_schedule_rules
 from dietserve.compile.pipeline import schedule_module
 from dietserve.compile.target import TargetSpec, build_target
 from dietserve.model.bert import BertModel, PoolingOptions, export_relax
@@ -114,39 +114,3 @@ def test_row_reductions_are_split_by_lane_and_exact(width: int) -> None:
         x64 = x.astype(np.float64)
         expected = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * gamma + beta
         np.testing.assert_allclose(result.numpy(), expected, rtol=0, atol=1e-5)
-
-
-def _attention_key_transpose(heads: int, head_dim: int):
-    """Attention's K^T as the model fuses it: K's slice of the QKV output, [b, T, 3h, d] ->
-    [b, h, d, T], b and T symbolic."""
-    batch, seq = te.var("batch", "int64"), te.var("T", "int64")
-    qkv = te.placeholder((batch, seq, 3 * heads, head_dim), name="qkv")
-    key = te.compute((batch, seq, heads, head_dim), lambda b, t, h, d: qkv[b, t, heads + h, d], name="key")
-    out = topi.transpose(key, [0, 2, 3, 1])
-    return te.create_prim_func([qkv, out], index_dtype_override="int64")
-
-
-@pytest.mark.parametrize("mcpu", [None, "haswell"])
-def test_transposes_go_through_a_register_tile_and_stay_exact(mcpu: str | None) -> None:
-    """A transpose (K^T) is read along its input's rows and written along its output's through
-    a lanes x lanes local tile, for any T (tile tails included); a copy that keeps the last
-    axis (Q, V) is not staged."""
-    target = build_target(TargetSpec(mcpu=mcpu))
-    lanes = 16 if llvm_cpu_has_features("avx512f", target) else 8
-    func = _attention_key_transpose(heads=3, head_dim=2 * lanes)
-    script = ParallelInjective().apply(func, target, False).mod["main"].script()
-    assert 'scope="local"' in script and f"T.vectorized(T.int64({lanes}))" in script
-    batch, seq = te.var("batch", "int64"), te.var("T", "int64")
-    x = te.placeholder((batch, seq, 6, 32), name="x")
-    copy = te.create_prim_func([x, topi.transpose(x, [0, 2, 1, 3])], index_dtype_override="int64")
-    assert 'scope="local"' not in ParallelInjective().apply(copy, target, False).mod["main"].script()
-    if mcpu is not None and not llvm_cpu_has_features("avx2", build_target(TargetSpec())):
-        return
-    sch = ParallelInjective().apply(func, target, False)
-    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target)
-    rng = np.random.default_rng(0)
-    for batch_size, length in ((1, 1), (2, 7), (1, lanes), (2, lanes + 1), (1, 100)):
-        qkv = rng.standard_normal((batch_size, length, 9, 2 * lanes)).astype("float32")
-        result = tvm.runtime.tensor(np.zeros((batch_size, 3, 2 * lanes, length), "float32"))
-        lib["main"](tvm.runtime.tensor(qkv), result)
-        np.testing.assert_array_equal(result.numpy(), qkv[:, :, 3:6, :].transpose(0, 2, 3, 1))
