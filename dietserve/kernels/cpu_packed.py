@@ -33,7 +33,8 @@ weight block it reads next, one cache line per reduction step (``NextBlock``).
 A tile whose rows would crowd one L1 set (``crowding_rows``: a row stride of a multiple of
 4 KB, more rows than the set's ways, and at least as many rows to compute) reads its rows from
 a k-major copy made first, in parallel (``packed_rows``; the padded rows again repeat the last
-real one): each step's broadcasts then come from one line.
+real one): each step's broadcasts then come from one line. Its remainder tiles too short to
+crowd a set read their rows in place (``REMAINDER_ROWS_IN_PLACE``).
 
 The parts: ``packed_tile`` (the operator's expressions, the register tile and its remainder
 tiles), ``packed_loops`` (the two reduction loop nests, the row copy), ``packed_prefetch``
@@ -79,6 +80,13 @@ CLAIMED_TASKS = True
 # 0.85-1.01x hot with the copy, and 768-deep layers' (4 sets) 0.91-0.96x: it is made only where rows crowd a set
 # (``crowding_rows``), and only for row counts that fill that many of the tile's rows.
 PACK_ROWS = True
+# A remainder tile of too few rows to crowd a set reads them in place, not from the copy: the
+# copy holds a step's rows side by side for the whole tile, so a 1-row remainder pass read a new
+# line of it every step, beside its two lines of weight. Forced 3072 -> 768 tiles, weight in
+# cache, 7 rounds interleaved, in place / from the copy: 13 rows at T = 14 (13 + 1) 1.073x, 15
+# 1.065x, 16-17 1.024-1.026x, 27 1.042x, 18-31 otherwise 1.000-1.017x; 12 rows at T = 13-14
+# 1.066-1.069x; whole tiles (T = 13 on 13 rows) 1.000x.
+REMAINDER_ROWS_IN_PLACE = True
 L1_SET_SPAN_BYTES = 4096
 L1_WAYS = 8  # the fewest of the x86 cores in view (AMD Zen: 32 KB, 8 ways; Intel: 48 KB, 12)
 # The last row pass of a tile that does not divide T runs a tile of the rows left instead of
@@ -142,7 +150,8 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
             # (the 3072-deep layers' kernels built in 1.2 s, 3x the 768-deep ones').
             with T.If(rows >= crowding):
                 with T.Then():
-                    reduction(tile.with_rows_copied(packed_rows(tile, loop, int(depth))))
+                    reduction(tile.with_rows_copied(packed_rows(tile, loop, int(depth)),
+                                                    crowding if REMAINDER_ROWS_IN_PLACE else None))
                 with T.Else():
                     reduction(tile.with_fewer_rows_than(crowding))
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)

@@ -95,6 +95,7 @@ class Tile:
         self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
         self.remainder = False  # a remainder pass's tile (``remainder_tile``)
         self.packed = None  # the row tiles' activations, k-major (``packed_rows``), if copied
+        self.in_place_below = None  # remainder tiles of fewer rows read X in place (``with_rows_copied``)
         self.fewer_than = None  # a bound the row count is known to be below (``with_fewer_rows_than``)
 
     def row_tiles(self):
@@ -154,6 +155,10 @@ class Tile:
         tile = copy.copy(self)
         tile.mr, tile.exact, tile.remainder = height, height == 1, True
         tile.pk = self.pk * self.widening(height, groups)
+        if self.in_place_below is not None and height < self.in_place_below:
+            # Rows too few to crowd a set: from X itself, one line per 16 steps a row, not the
+            # copy's line a step (the copy's stride is the whole tile's rows).
+            tile.packed = None
         return tile
 
     def widening(self, height: int, groups: int) -> int:
@@ -164,10 +169,13 @@ class Tile:
         return max(width for width in range(1, groups + 1)
                    if groups % width == 0 and register_footprint(height, width * vectors) <= budget)
 
-    def with_rows_copied(self, packed) -> Tile:
-        """This tile reading its rows from ``packed``, the k-major copy of ``packed_rows``."""
+    def with_rows_copied(self, packed, in_place_below: int | None = None) -> Tile:
+        """This tile reading its rows from ``packed``, the k-major copy of ``packed_rows``; its
+        remainder tiles of fewer than ``in_place_below`` rows (too few to crowd an L1 set) read
+        theirs in place (``remainder_tile``)."""
         tile = copy.copy(self)
         tile.packed = packed
+        tile.in_place_below = in_place_below
         return tile
 
     def finish_rows(self, sums, row0, column0, i0, panel0, count, panels: int | None = None) -> None:

@@ -16,7 +16,9 @@ reversed every other round), so a change of the DRAM rate falls on all of them a
 each kernel's speed against the first's.
 ``--without prefetch`` builds each kernel also without the prefetch of the next weight block
 (``cpu_packed.PREFETCH_NEXT_BLOCK``), ``--without row-copy`` without the k-major copy of the
-activations' rows (``cpu_packed.PACK_ROWS``), and times them side by side: "gain" is the full
+activations' rows (``cpu_packed.PACK_ROWS``), ``--without remainder-in-place`` with the short
+remainder tiles of such copied rows reading the copy too (``cpu_packed.REMAINDER_ROWS_IN_PLACE``),
+and times them side by side: "gain" is the full
 kernel's speed over each. Not a test.
 """
 
@@ -58,7 +60,7 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
 
 # Features of the packed kernel that ``--without`` can switch off, by their module flags.
 FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES",
-            "epilogue-loop": "EPILOGUE_LOOP"}
+            "epilogue-loop": "EPILOGUE_LOOP", "remainder-in-place": "REMAINDER_ROWS_IN_PLACE"}
 
 
 @contextmanager

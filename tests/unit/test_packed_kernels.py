@@ -17,6 +17,7 @@ from dietserve.kernels.cpu_packed import crowding_rows, packed_tile, remainder_h
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.matching import ScheduleMismatch
 from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.packed_tile import PackedOperator, Tile
 from dietserve.kernels.packing import pack_array, pack_prim_func, weight_param
 from tuner.ops import attention_scores, dense, random_inputs
 from tuner.space import task_space
@@ -127,12 +128,14 @@ def test_padded_rows_are_never_stored(tile: tuple) -> None:
 
 
 @pytest.mark.parametrize("tile, depth", [((13, 16, 1, 1, 1), K), ((9, 16, 1, 1, 256), 1024),
-                                         ((6, 8, 1, 6, 1), K), ((10, 8, 1, 6, 256), 1024)])
+                                         ((13, 16, 1, 1, 1), 1024), ((6, 8, 1, 6, 1), K),
+                                         ((10, 8, 1, 6, 256), 1024)])
 def test_every_remainder_of_a_tall_tile_is_computed_exactly(tile: tuple, depth: int) -> None:
     """A tall tile's last row pass runs remainder tiles (``remainder_heights``): every count of
     rows left, 0 .. mr - 1, before and after a whole tile, matches numpy and writes nothing
     past the output; the 1024-deep cases also read the rows' k-major copy and block their
-    reduction. With 6 one-vector panels per task the remainder tiles span several of them
+    reduction, except their remainder tiles of fewer than 9 rows, which read X in place. With 6
+    one-vector panels per task the remainder tiles span several of them
     (``Tile.widening``: 1 x 6, 2 x 2 and 4 x 1 panels on the 6-row tile; 1 x 6, 2 x 3, 4 x 2
     and 7 x 1 on the 10-row one)."""
     mr, panel, pk, groups, kc = tile
@@ -246,6 +249,24 @@ def test_tiles_whose_rows_share_an_l1_set_read_a_k_major_copy(tile: tuple) -> No
     shallow = dense(768, 48, "bias_residual")
     loops = step_broadcasts(build(apply_kernel(shallow.func, kernel, "llvm"), haswell).mod.inspect_source("asm"))
     assert loops and not any(copied_rows(reads, mr) for reads in loops), loops  # read in place
+
+
+def test_short_remainder_tiles_of_copied_rows_read_them_in_place() -> None:
+    """Where a tile reads its rows from the k-major copy (rows 1024 floats apart, 13 of them:
+    more than an L1 set's 8 ways), its remainder tiles too short to crowd a set (1, 2, 4 and 7
+    rows) read X in place, a line per 16 steps a row, not a line of the copy every step; the
+    10- and 12-row ones read the copy like the whole tile. (The numerics: the test above.)"""
+    spec = dense(1024, 48, "bias_residual")
+    op = PackedOperator(pack_prim_func(spec.func, 16))
+    crowding = crowding_rows(13, 1024 * 4)
+    assert crowding == 9
+    tile = Tile(op, 13, 16, 1, 8, op.extents[0], remainder_tiles=True).with_rows_copied("the copy", crowding)
+    assert tile.packed == "the copy"
+    heights = remainder_heights(13)[:-1]
+    assert heights == [1, 2, 4, 7, 10, 12]
+    assert [tile.remainder_tile(h).packed is None for h in heights] == [True, True, True, True, False, False]
+    # built without the rule (``cpu_packed.REMAINDER_ROWS_IN_PLACE``: no bound), all read the copy
+    assert all(tile.with_rows_copied("the copy").remainder_tile(h).packed == "the copy" for h in heights)
 
 
 def test_rows_too_few_to_copy_run_only_remainder_tiles() -> None:
