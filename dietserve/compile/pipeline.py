@@ -16,7 +16,7 @@ from tvm.s_tir import dlight
 from tvm.target import Target
 
 from ..kernels.build import TIR_PIPELINE
-from .cpu import cpu_schedule_rules
+from .cpu.serial_when_small import cpu_default_schedule
 from .passes import FastSoftmax, VectorGelu
 
 
@@ -49,7 +49,7 @@ def default_schedule_pass(target: Target) -> tvm.transform.Pass:
             dlight.gpu.GeneralReduction(),
             dlight.gpu.Fallback(),
         )
-    return dlight.ApplyDefaultSchedule(*cpu_schedule_rules())
+    return cpu_default_schedule()
 
 
 def lower_passes(target: Target) -> list[tvm.transform.Pass]:

@@ -71,8 +71,10 @@ def vectorize_innermost(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lan
 MIN_VECTOR_EXTENT = 4
 
 
-def parallelize_and_vectorize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> None:
-    """An element-wise or copy loop nest: outer loops fused and parallel, innermost vectorised."""
+def parallelize_and_vectorize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int,
+                              parallel: bool = True) -> None:
+    """An element-wise or copy loop nest: outer loops fused and parallel (serial where
+    ``parallel`` is False), innermost vectorised."""
     loops = sch.get_loops(block)
     if not loops:
         return
@@ -80,12 +82,15 @@ def parallelize_and_vectorize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockR
     if len(loops) == 1 or (inner is not None and inner < MIN_VECTOR_EXTENT):
         fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         outer, vec = sch.split(fused, [None, lanes])
-        sch.parallel(outer)
+        if parallel:
+            sch.parallel(outer)
         sch.vectorize(vec)
         return
     vectorize_innermost(sch, block, lanes)
     outer = loops[:-1]
-    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    if parallel:
+        sch.parallel(fused)
 
 
 def normalized_schedule(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule, list[SBlockInfo]] | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 import tvm
@@ -10,6 +11,7 @@ from tvm import s_tir, te, tirx, topi
 from tvm.target.codegen import llvm_cpu_has_features
 
 from dietserve.compile.cpu import CPUMatmul, RowReduction, cpu_schedule_rules
+from dietserve.compile.cpu.serial_when_small import SERIAL_UP_TO_ELEMENTS, cpu_default_schedule
 from dietserve.compile.pipeline import schedule_module
 from dietserve.compile.target import TargetSpec, build_target
 from dietserve.model.bert import BertModel, PoolingOptions, export_relax
@@ -114,3 +116,39 @@ def test_row_reductions_are_split_by_lane_and_exact(width: int) -> None:
         x64 = x.astype(np.float64)
         expected = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * gamma + beta
         np.testing.assert_allclose(result.numpy(), expected, rtol=0, atol=1e-5)
+
+
+def test_small_shapes_run_a_serial_copy_exactly() -> None:
+    """Each default-scheduled function gets a serial copy of its loop nest beside the parallel
+    one, taken up to ``SERIAL_UP_TO_ELEMENTS`` output elements (a parallel launch costs more
+    than a few rows' work): 768-wide layer-norm rows, 5 of them (3840 elements) serial, 6
+    parallel; both match numpy either side of the bound. Reshapes, which Relax turns into views,
+    and the dense layers (the matmul rule) keep their one schedule."""
+    width = 768
+    assert 5 * width <= SERIAL_UP_TO_ELEMENTS < 6 * width
+    target = build_target(TargetSpec())
+    module = tvm.IRModule({"main": _layer_norm_func(width)})
+    with target:
+        scheduled = cpu_default_schedule()(module)["main"]
+    script = scheduled.script()
+    assert script.count("T.parallel(") == 1 and _serial_branch(script), script
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target)
+    rng = np.random.default_rng(0)
+    gamma, beta = (rng.standard_normal(width).astype("float32") for _ in range(2))
+    for rows in (1, 5, 6, 64):
+        x = (rng.standard_normal((rows, width)) * 3 + 1).astype("float32")
+        result = tvm.runtime.tensor(np.zeros((rows, width), "float32"))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(gamma), tvm.runtime.tensor(beta), result)
+        x64 = x.astype(np.float64)
+        expected = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * gamma + beta
+        np.testing.assert_allclose(result.numpy(), expected, rtol=0, atol=1e-5, err_msg=f"rows={rows}")
+    for name, func in _primfuncs(MINILM):
+        if "matmul" in name or name.startswith("reshape"):
+            assert not _serial_branch(func.script()), name
+        elif name.startswith("layer_norm"):
+            assert _serial_branch(func.script()), name
+
+
+def _serial_branch(script: str) -> bool:
+    """The script branches on its output size against ``SERIAL_UP_TO_ELEMENTS``."""
+    return re.search(rf"<= (T\.int\d+\()?{SERIAL_UP_TO_ELEMENTS}\b", script) is not None

@@ -10,6 +10,11 @@ from ...kernels.loops import normalized_schedule
 
 
 class ParallelFallback(dlight.ScheduleRule):
+    """``parallel=False``: the blocks left as they are, serial (``serial_when_small.py``)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         normalized = normalized_schedule(func, target)
         if normalized is None:
@@ -19,6 +24,6 @@ class ParallelFallback(dlight.ScheduleRule):
             kinds = info.dom_kind()
             spatial = len(kinds) - len(kinds.lstrip("S"))
             loops = sch.get_loops(info.block_rv)[:spatial]
-            if loops:
+            if loops and self.parallel:
                 sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
         return sch

@@ -12,6 +12,11 @@ from ...kernels.loops import float_lanes, normalized_schedule, parallelize_and_v
 
 
 class ParallelInjective(dlight.ScheduleRule):
+    """``parallel=False``: the same loop nest, serial (``serial_when_small.py``)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         # Analyse: only spatial blocks.
         normalized = normalized_schedule(func, target)
@@ -25,5 +30,5 @@ class ParallelInjective(dlight.ScheduleRule):
         # Schedule each remaining loop nest: parallel outer loops, vectorised inner loop.
         lanes = float_lanes(target)
         for info in remaining:
-            parallelize_and_vectorize(sch, info.block_rv, lanes)
+            parallelize_and_vectorize(sch, info.block_rv, lanes, self.parallel)
         return sch

@@ -66,6 +66,11 @@ def _vectorize_partials(sch: s_tir.Schedule, partials: list) -> None:
 
 
 class RowReduction(dlight.ScheduleRule):
+    """``parallel=False``: the same loop nest, the rows serial (``serial_when_small.py``)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         try:
             return self._schedule(func, target, vector_reductions=True)
@@ -102,7 +107,8 @@ class RowReduction(dlight.ScheduleRule):
                 blocks.append(split)
             blocks.append(info.block_rv)
         rows = sch.fuse(*last_loops[:shared]) if shared > 1 else last_loops[0]
-        sch.parallel(rows)
+        if self.parallel:
+            sch.parallel(rows)
         try:
             for block in reversed(blocks):
                 sch.compute_at(block, rows, preserve_unit_loops=True)

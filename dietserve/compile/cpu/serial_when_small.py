@@ -1,0 +1,94 @@
+"""Small shapes run serial: each default-scheduled PrimFunc with a parallel loop nest gets a
+serial copy of it too, taken where its output is at most ``SERIAL_UP_TO_ELEMENTS`` elements
+(a branch on its symbolic shape, as the tuned kernels' decision trees are compiled in:
+``kernels/dispatch.py``).
+
+A parallel loop wakes the thread pool and waits for its slowest thread (about 0.8 us a launch
+on a 2-core znver4, more when a neighbour holds the other core), which at seq 1 is more than
+the work: bert-base has about 100 such launches a run besides the dense layers. All of them
+serial, against all parallel (``compare_artifacts.py``, version 31's plans, 7 runs x 5 rounds,
+control 0.995-1.010x): seq 1 1.032x, 7 1.002x, 11-20 0.986-0.995x, 31-256 0.970-0.972x.
+Hence serial only up to about 5 rows of bert-base's hidden size. With the branch (7 runs x 6
+rounds): seq 1 1.035x, 4 1.028x, 7 1.011x, 13-128 0.996-1.005x (control 0.973-1.025x); the
+12-layer hidden-96 graph 1.19-1.22x at seq 1-16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.s_tir import dlight
+
+from . import cpu_schedule_rules
+
+SERIAL_UP_TO_ELEMENTS = 4096
+
+
+def output_elements(func: tirx.PrimFunc):
+    """The element count of ``func``'s output (its last buffer parameter, Relax's convention): an
+    int, or an expression of its symbolic shape vars; None where it has no buffer parameter."""
+    buffers = [p for p in func.params if isinstance(p.ty, tirx.buffer.BufferType)]
+    if not buffers:
+        return None
+    shape = buffers[-1].ty.shape
+    size = math.prod(int(d) for d in shape if isinstance(d, tirx.IntImm))
+    symbolic = [d for d in shape if not isinstance(d, tirx.IntImm)]
+    if not symbolic:
+        return size
+    expr = symbolic[0]
+    for d in symbolic[1:]:
+        expr = expr * d
+    return expr * size
+
+
+def serial_when_small(func: tirx.PrimFunc, parallel: tirx.PrimFunc, serial: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` (unscheduled) as ``parallel`` and ``serial`` (its two schedules) combined: the
+    serial one up to ``SERIAL_UP_TO_ELEMENTS`` output elements, the parallel one above."""
+    size = output_elements(func)
+    if size is None or not all(isinstance(f.body, s_tir.SBlockRealize) for f in (serial, parallel)):
+        return parallel
+    if isinstance(size, int):
+        return serial if size <= SERIAL_UP_TO_ELEMENTS else parallel
+    # One root block, as Relax expects of a scheduled function, allocating what either root
+    # did: both schedules allocate the function's own intermediate buffers, which may be
+    # defined once only.
+    serial_root, parallel_root = serial.body.block, parallel.body.block
+    allocated = list(parallel_root.alloc_buffers)
+    allocated += [b for b in serial_root.alloc_buffers if not any(b.same_as(a) for a in allocated)]
+    branch = tirx.IfThenElse(size <= SERIAL_UP_TO_ELEMENTS, serial_root.body, parallel_root.body)
+    root = s_tir.SBlock(iter_vars=[], reads=[], writes=[], name_hint="root", body=branch, alloc_buffers=allocated)
+    return parallel.with_body(s_tir.SBlockRealize(iter_values=[], predicate=True, block=root))
+
+
+def cpu_default_schedule() -> tvm.transform.Pass:
+    """dlight's ``ApplyDefaultSchedule`` with the CPU rules, each PrimFunc they leave parallel
+    also scheduled serial and branched between (``serial_when_small``); PrimFuncs already
+    scheduled (the tuned kernels) are left alone."""
+    parallel_rules = dlight.ApplyDefaultSchedule(*cpu_schedule_rules())
+    serial_rules = dlight.ApplyDefaultSchedule(*cpu_schedule_rules(parallel=False))
+
+    @tvm.transform.module_pass(opt_level=0, name="dietserve.CPUDefaultSchedule")
+    def schedule(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        # (dlight's pass may update the module it is given in place: each gets a copy)
+        functions = dict(mod.functions_items())
+        parallel = parallel_rules(tvm.IRModule(dict(functions), attrs=mod.attrs))
+        serial = serial_rules(tvm.IRModule(dict(functions), attrs=mod.attrs))
+        updated = tvm.IRModule(dict(parallel.functions_items()), attrs=parallel.attrs)
+        for gv, func in functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            ours, theirs = parallel[gv], serial[gv]
+            if ours.same_as(func) or tvm_ffi.structural_equal(ours, theirs):
+                continue  # already scheduled, no rule applied, or no parallel loop nest to leave serial
+            if relax.analysis.has_reshape_pattern(func):
+                continue  # Relax makes it a view: no kernel runs
+            updated[gv] = serial_when_small(func, ours, theirs)
+        return updated
+
+    return schedule
+
+
+__all__ = ["SERIAL_UP_TO_ELEMENTS", "cpu_default_schedule", "output_elements", "serial_when_small"]
