@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+
 import numpy as np
 import pytest
 import tvm
