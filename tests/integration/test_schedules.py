@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 import tvm
 from tvm import s_tir, te, tirx, topi
+from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target.codegen import llvm_cpu_has_features
 
-from dietserve.compile.cpu import CPUMatmul, RowReduction, cpu_schedule_rules
+from dietserve.compile.cpu import CPUMatmul, ParallelInjective, RowReduction, cpu_schedule_rules
+from dietserve.compile.cpu.injective import transposed_read_loop
 from dietserve.compile.cpu.serial_when_small import SERIAL_UP_TO_ELEMENTS, cpu_default_schedule
-from dietserve.compile.pipeline import schedule_module
+from dietserve.compile.pipeline import fast_math_passes, legalize_passes, schedule_module
 from dietserve.compile.target import TargetSpec, build_target
+from dietserve.kernels.loops import normalized_schedule
 from dietserve.model.bert import BertModel, PoolingOptions, export_relax
 from dietserve.model.config import BERT_BASE, BertConfig
 
@@ -153,3 +156,65 @@ def test_small_shapes_run_a_serial_copy_exactly() -> None:
 def _serial_branch(script: str) -> bool:
     """The script branches on its output size against ``SERIAL_UP_TO_ELEMENTS``."""
     return re.search(rf"<= (T\.int\d+\()?{SERIAL_UP_TO_ELEMENTS}\b", script) is not None
+
+
+def _key_permute_func(heads: int, head_dim: int):
+    """The model's keys: its third of the joint projection, ``[b, s, 3h, d] -> [b, h, d, s]``."""
+    batch, seq = te.var("b", "int64"), te.var("s", "int64")
+    x = te.placeholder((batch, seq, 3 * heads, head_dim), name="x")
+    out = te.compute((batch, heads, head_dim, seq), lambda b, h, d, s: x[b, s, heads + h, d], name="keys")
+    return te.create_prim_func([x, out], index_dtype_override="int64")
+
+
+def test_transposing_copies_are_blocked_and_exact() -> None:
+    """The keys' permute reads its input with a stride along the output's contiguous axis: the
+    rule blocks it (the input's contiguous axis looped inside each vector of output rows) and it
+    stays exact for every length, tails included; a copy that keeps its last axis is not
+    blocked."""
+    target = build_target(TargetSpec())
+    heads, head_dim = 12, 64
+    func = _key_permute_func(heads, head_dim)
+    normalized = normalize_for_test(func, target)
+    assert transposed_read_loop(*normalized) is not None
+    batch, seq = te.var("b", "int64"), te.var("s", "int64")
+    x = te.placeholder((batch, seq, 3 * heads, head_dim), name="x")
+    queries = te.compute((batch, heads, seq, head_dim), lambda b, h, s, d: x[b, s, h, d], name="queries")
+    assert transposed_read_loop(*normalize_for_test(te.create_prim_func([x, queries]), target)) is None
+
+    sch = ParallelInjective().apply(func, target, False)
+    assert sch is not None
+    script = sch.mod["main"].script()
+    assert script.count("T.parallel(") == 1 and "T.vectorized(" in script
+    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target)
+    rng = np.random.default_rng(0)
+    for batch_size, length in ((1, 1), (1, 7), (1, 16), (2, 17), (1, 31), (1, 129), (1, 512)):
+        data = rng.standard_normal((batch_size, length, 3 * heads, head_dim)).astype("float32")
+        result = tvm.runtime.tensor(np.zeros((batch_size, heads, head_dim, length), "float32"))
+        lib["main"](tvm.runtime.tensor(data), result)
+        expected = data[:, :, heads : 2 * heads, :].transpose(0, 2, 3, 1)
+        np.testing.assert_array_equal(result.numpy(), expected, err_msg=f"batch={batch_size} seq={length}")
+
+
+def test_the_models_key_permute_is_the_one_blocked_copy() -> None:
+    target = build_target(TargetSpec())
+    mod, _ = export_relax(BertModel(MINILM, PoolingOptions(normalize=True)), max_batch=4)
+    with target:
+        legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
+    blocked = []
+    for gvar, func in legalized.functions_items():
+        normalized = normalize_for_test(func, target) if isinstance(func, tirx.PrimFunc) else None
+        if normalized is not None and transposed_read_loop(*normalized) is not None:
+            blocked.append(gvar.name_hint)
+    assert len(blocked) == 1 and "transpose" in blocked[0], blocked
+
+
+def normalize_for_test(func: tirx.PrimFunc, target):
+    """``func``'s schedule with its element-wise blocks inlined, and its one remaining block."""
+    normalized = normalized_schedule(func, target)
+    if normalized is None:
+        return None
+    sch, infos = normalized
+    if not all(info.is_injective() for info in infos):
+        return None
+    remaining = try_inline(sch, infos)
+    return (sch, remaining[0].block_rv) if len(remaining) == 1 else None
