@@ -5,7 +5,16 @@ high for tiny shapes).
     python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--top 12]
 
 prints, per sequence length at batch 1, the run's median latency without the hook, then each
-PrimFunc's median time per run, its calls and its time per call, slowest first. Not a test.
+PrimFunc's median time per run, its calls and its time per call, slowest first.
+
+    python tests/benchmarks/operator_profile.py ARTIFACT_A ARTIFACT_B --only NAME[,NAME] --rounds 6
+
+with two or more artifacts (builds of one model) compares named PrimFuncs per call, in one
+process, the artifacts alternated in every round at every length: each round's median us per
+call for each artifact, then the median over rounds. A change of the machine's load falls on
+all artifacts alike within a round (on this shared machine a busy spell made attention's
+kernels 40% slower for minutes), so a per-call change shows where end-to-end timings cannot
+resolve it. Not a test.
 """
 
 from __future__ import annotations
@@ -52,12 +61,40 @@ def profile_operators(engine, batch: int, seq: int, repeats: int = 3) -> list[tu
     return sorted(rows, key=lambda row: -row[1])
 
 
+def compare_per_call(engines: list, names: list[str], lengths: list[int], rounds: int, repeats: int) -> None:
+    """Per-call times of ``names`` in each engine, engines alternated within every round."""
+    per_call: dict[tuple[int, str, int], list[float]] = defaultdict(list)
+    for round_index in range(rounds):
+        print(f"# round {round_index + 1} of {rounds}", file=sys.stderr, flush=True)
+        for seq in lengths:
+            order = list(enumerate(engines))
+            for number, engine in order if round_index % 2 == 0 else reversed(order):
+                for symbol, seconds, calls in profile_operators(engine, 1, seq, repeats):
+                    if symbol in names:
+                        per_call[seq, symbol, number].append(seconds / calls)
+    print(f"# us per call: median over {rounds} rounds [each round's median of {repeats} runs]")
+    for seq in lengths:
+        for symbol in names:
+            cells = []
+            for number in range(len(engines)):
+                values = per_call.get((seq, symbol, number), [])
+                rounds_text = ",".join(f"{v * 1e6:.0f}" for v in values)
+                median = statistics.median(values) * 1e6 if values else float("nan")
+                cells.append(f"#{number} {median:9.1f} [{rounds_text}]")
+            first = statistics.median(per_call[seq, symbol, 0]) if per_call.get((seq, symbol, 0)) else float("nan")
+            ratios = " ".join(f"#{n}/#0 {first / statistics.median(per_call[seq, symbol, n]):.2f}"
+                              for n in range(1, len(engines)) if per_call.get((seq, symbol, n)))
+            print(f"seq {seq:4d} {symbol[:40]:40s} " + "  ".join(cells) + f"  {ratios}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifact", type=Path, help="a compiled artifact directory")
+    parser.add_argument("artifacts", type=Path, nargs="+", help="compiled artifact directories")
     parser.add_argument("--lengths", default="1,64,512", help="comma-separated sequence lengths")
     parser.add_argument("--repeats", type=int, default=5, help="profiled runs per length")
     parser.add_argument("--top", type=int, default=12, help="PrimFuncs shown per length")
+    parser.add_argument("--only", default="", help="comma-separated PrimFunc names to compare (two or more artifacts)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds alternating the artifacts (two or more)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,8 +103,17 @@ def main() -> None:
     from dietserve.runtime.artifact import load_artifact
     from dietserve.runtime.engine import Engine
 
-    engine = Engine(load_artifact(args.artifact))
-    for seq in (int(n) for n in args.lengths.split(",")):
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if len(args.artifacts) > 1:
+        if not args.only:
+            parser.error("comparing artifacts needs --only NAME[,NAME]: the PrimFuncs to time per call")
+        engines = [Engine(load_artifact(path)) for path in args.artifacts]
+        for number, path in enumerate(args.artifacts):
+            print(f"# #{number}: {path}")
+        compare_per_call(engines, args.only.split(","), lengths, args.rounds, args.repeats)
+        return
+    engine = Engine(load_artifact(args.artifacts[0]))
+    for seq in lengths:
         ids = np.full((1, seq), 1000, np.int64)
         latency = statistics.median(call_seconds(engine.run, (ids,), 15))
         rows = profile_operators(engine, 1, seq, repeats=args.repeats)
