@@ -9,15 +9,13 @@ import numpy as np
 import pytest
 import tvm
 from tvm import s_tir, te, tirx, topi
-from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target.codegen import llvm_cpu_has_features
 
 from dietserve.compile.cpu import CPUMatmul, ParallelInjective, RowReduction, cpu_schedule_rules
-from dietserve.compile.cpu.injective import transposed_read_loop
+from dietserve.compile.cpu.injective import inlined_injective, transposed_read_loop
 from dietserve.compile.cpu.serial_when_small import SERIAL_UP_TO_ELEMENTS, cpu_default_schedule
 from dietserve.compile.pipeline import fast_math_passes, legalize_passes, schedule_module
 from dietserve.compile.target import TargetSpec, build_target
-from dietserve.kernels.loops import normalized_schedule
 from dietserve.model.bert import BertModel, PoolingOptions, export_relax
 from dietserve.model.config import BERT_BASE, BertConfig
 
@@ -210,11 +208,7 @@ def test_the_models_key_permute_is_the_one_blocked_copy() -> None:
 
 def normalize_for_test(func: tirx.PrimFunc, target):
     """``func``'s schedule with its element-wise blocks inlined, and its one remaining block."""
-    normalized = normalized_schedule(func, target)
-    if normalized is None:
+    inlined = inlined_injective(func, target)
+    if inlined is None or len(inlined[1]) != 1:
         return None
-    sch, infos = normalized
-    if not all(info.is_injective() for info in infos):
-        return None
-    remaining = try_inline(sch, infos)
-    return (sch, remaining[0].block_rv) if len(remaining) == 1 else None
+    return inlined[0], inlined[1][0].block_rv

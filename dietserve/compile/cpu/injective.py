@@ -28,14 +28,10 @@ class ParallelInjective(dlight.ScheduleRule):
         self.parallel = parallel
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        # Analyse: only spatial blocks.
-        normalized = normalized_schedule(func, target)
-        if normalized is None:
+        inlined = inlined_injective(func, target)
+        if inlined is None:
             return None
-        sch, infos = normalized
-        if not all(info.is_injective() for info in infos):
-            return None
-        remaining = try_inline(sch, infos)
+        sch, remaining = inlined
 
         # Schedule each remaining loop nest: parallel outer loops, vectorised inner loop.
         lanes = float_lanes(target)
@@ -46,6 +42,18 @@ class ParallelInjective(dlight.ScheduleRule):
             else:
                 parallelize_and_vectorize(sch, info.block_rv, lanes, self.parallel)
         return sch
+
+
+def inlined_injective(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule, list] | None:
+    """A schedule of ``func`` with its element-wise blocks inlined into the ones left (their
+    infos returned with it), or None where ``func`` is not all spatial blocks."""
+    normalized = normalized_schedule(func, target)
+    if normalized is None:
+        return None
+    sch, infos = normalized
+    if not all(info.is_injective() for info in infos):
+        return None
+    return sch, try_inline(sch, infos)
 
 
 def _vars_in(expr) -> list:
