@@ -20,7 +20,7 @@ import math
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
-from tvm.s_tir import dlight
+from tvm.target import Target
 
 from . import cpu_schedule_rules
 
@@ -64,28 +64,32 @@ def serial_when_small(func: tirx.PrimFunc, parallel: tirx.PrimFunc, serial: tirx
 
 
 def cpu_default_schedule() -> tvm.transform.Pass:
-    """dlight's ``ApplyDefaultSchedule`` with the CPU rules, each PrimFunc they leave parallel
-    also scheduled serial and branched between (``serial_when_small``); PrimFuncs already
-    scheduled (the tuned kernels) are left alone."""
-    parallel_rules = dlight.ApplyDefaultSchedule(*cpu_schedule_rules())
-    serial_rules = dlight.ApplyDefaultSchedule(*cpu_schedule_rules(parallel=False))
+    """The CPU rules applied as dlight's ``ApplyDefaultSchedule`` applies them (the first rule
+    that takes a PrimFunc schedules it; PrimFuncs already scheduled, the tuned kernels, are left
+    alone), and a PrimFunc taken by a rule with a ``parallel`` flag is scheduled once more by
+    its serial twin and branched between the two (``serial_when_small``)."""
+    rules = cpu_schedule_rules()
+    serial_twins = cpu_schedule_rules(parallel=False)
 
     @tvm.transform.module_pass(opt_level=0, name="dietserve.CPUDefaultSchedule")
     def schedule(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        # (dlight's pass may update the module it is given in place: each gets a copy)
-        functions = dict(mod.functions_items())
-        parallel = parallel_rules(tvm.IRModule(dict(functions), attrs=mod.attrs))
-        serial = serial_rules(tvm.IRModule(dict(functions), attrs=mod.attrs))
-        updated = tvm.IRModule(dict(parallel.functions_items()), attrs=parallel.attrs)
-        for gv, func in functions.items():
-            if not isinstance(func, tirx.PrimFunc):
+        target = Target.current(allow_none=False)
+        updated = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or int(func.attrs.get("tirx.is_scheduled", 0)) == 1:
                 continue
-            ours, theirs = parallel[gv], serial[gv]
-            if ours.same_as(func) or tvm_ffi.structural_equal(ours, theirs):
-                continue  # already scheduled, no rule applied, or no parallel loop nest to leave serial
-            if relax.analysis.has_reshape_pattern(func):
-                continue  # Relax makes it a view: no kernel runs
-            updated[gv] = serial_when_small(func, ours, theirs)
+            for rule, twin in zip(rules, serial_twins, strict=True):
+                sch = rule.apply(func, target, False)
+                if sch is None:
+                    continue
+                scheduled = sch.mod["main"]
+                if hasattr(rule, "parallel") and not relax.analysis.has_reshape_pattern(func):
+                    # (a reshape is a view in Relax: no kernel runs, nothing to branch)
+                    serial = twin.apply(func, target, False)
+                    if serial is not None and not tvm_ffi.structural_equal(scheduled, serial.mod["main"]):
+                        scheduled = serial_when_small(func, scheduled, serial.mod["main"])
+                updated[gv] = scheduled.with_attr("tirx.is_scheduled", True)
+                break
         return updated
 
     return schedule
