@@ -60,10 +60,6 @@ def _vars_in(expr) -> list:
     return list(tirx.analysis.undefined_vars(expr))
 
 
-def _position(loop_of: dict, var) -> int | None:
-    return next((position for key, position in loop_of.items() if key.same_as(var)), None)
-
-
 def transposed_read_loop(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> s_tir.schedule.LoopRV | None:
     """The loop that runs along an input's contiguous axis, where the block's innermost loop
     (along the output's contiguous axis) reads that input with a stride, and an outer loop is
@@ -75,25 +71,26 @@ def transposed_read_loop(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) ->
     if inner_extent is not None and inner_extent < MIN_VECTOR_EXTENT:
         return None
     stmt = sch.get(block)
-    # each block iteration variable bound to exactly one loop (the normal form)
     loop_vars = [sch.get(loop).loop_var for loop in loops]
-    loop_of = {}
-    for iter_var, value in zip(stmt.iter_vars, get_sblockrealize(sch, block).iter_values, strict=True):
-        for position, loop_var in enumerate(loop_vars):
-            if value.same_as(loop_var):
-                loop_of[iter_var.var] = position
+    bindings = list(zip(stmt.iter_vars, get_sblockrealize(sch, block).iter_values, strict=True))
+
+    def loop_position(var) -> int | None:
+        """The loop a block iteration variable is bound to (in the normal form, one loop each)."""
+        value = next((value for iter_var, value in bindings if iter_var.var.same_as(var)), None)
+        return next((position for position, loop_var in enumerate(loop_vars) if loop_var.same_as(value)), None)
+
     if len(stmt.writes) != 1:
         return None
     written_last = _vars_in(stmt.writes[0].region[-1].min)
-    inner = [var for var in written_last if _position(loop_of, var) == len(loops) - 1]
-    if len(written_last) != 1 or not inner:
+    if len(written_last) != 1 or loop_position(written_last[0]) != len(loops) - 1:
         return None
+    inner = written_last[0]
     for read in stmt.reads:
         region = read.region
         if len(region) < 2 or not all(isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1 for r in region):
             continue
-        last = [_position(loop_of, var) for var in _vars_in(region[-1].min)]
-        strided = any(any(var.same_as(inner[0]) for var in _vars_in(r.min)) for r in region[:-1])
+        last = [loop_position(var) for var in _vars_in(region[-1].min)]
+        strided = any(any(var.same_as(inner) for var in _vars_in(r.min)) for r in region[:-1])
         if strided and len(last) == 1 and last[0] is not None and last[0] != len(loops) - 1:
             return loops[last[0]]
     return None
