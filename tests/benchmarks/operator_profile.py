@@ -75,15 +75,11 @@ def compare_per_call(engines: list, names: list[str], lengths: list[int], rounds
     print(f"# us per call: median over {rounds} rounds [each round's median of {repeats} runs]")
     for seq in lengths:
         for symbol in names:
-            cells = []
-            for number in range(len(engines)):
-                values = per_call.get((seq, symbol, number), [])
-                rounds_text = ",".join(f"{v * 1e6:.0f}" for v in values)
-                median = statistics.median(values) * 1e6 if values else float("nan")
-                cells.append(f"#{number} {median:9.1f} [{rounds_text}]")
-            first = statistics.median(per_call[seq, symbol, 0]) if per_call.get((seq, symbol, 0)) else float("nan")
-            ratios = " ".join(f"#{n}/#0 {first / statistics.median(per_call[seq, symbol, n]):.2f}"
-                              for n in range(1, len(engines)) if per_call.get((seq, symbol, n)))
+            rounds_of = [per_call.get((seq, symbol, number), []) for number in range(len(engines))]
+            medians = [statistics.median(values) if values else float("nan") for values in rounds_of]
+            cells = [f"#{number} {median * 1e6:9.1f} [{','.join(f'{v * 1e6:.0f}' for v in values)}]"
+                     for number, (median, values) in enumerate(zip(medians, rounds_of, strict=True))]
+            ratios = " ".join(f"#{number}/#0 {medians[0] / medians[number]:.2f}" for number in range(1, len(engines)))
             print(f"seq {seq:4d} {symbol[:40]:40s} " + "  ".join(cells) + f"  {ratios}")
 
 
