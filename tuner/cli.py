@@ -98,7 +98,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _target_for(description: dict):
     """The tuning target for a manifest-style target description."""
-    from dietserve.kernels.apply import target_cores
+    from dietserve.kernels.host import target_cores
 
     kind = description.get("kind")
     cores = target_cores(description)

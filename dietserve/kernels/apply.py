@@ -3,14 +3,13 @@ default rule's own kernel (what an untuned build runs), for every value of its s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from tvm import tirx
 from tvm.target import Target
 
 from .cpu import apply_cpu
 from .cpu_clamped import apply_cpu_clamped, is_clamped, softmax_after
 from .cpu_packed import apply_cpu_packed
+from .host import target_cores
 from .loops import float_lanes
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
@@ -59,17 +58,6 @@ def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
                 result = scheduled if isinstance(scheduled, tirx.PrimFunc) else scheduled.mod["main"]
                 return result.with_attr("tirx.is_scheduled", True)
     raise ScheduleMismatch(f"no default rule schedules this PrimFunc for {target.kind.name}")
-
-
-def target_cores(target: Target | Mapping) -> int | None:
-    """The cores a CPU target's kernels run on (its ``num-cores``), None where it names none or
-    is no CPU target. ``target``: a TVM Target or its description as a dict (a manifest's, a
-    tuning job's)."""
-    if isinstance(target, Target):
-        kind, cores = target.kind.name, target.attrs.get("num-cores")
-    else:
-        kind, cores = target.get("kind"), target.get("num-cores")
-    return int(cores) if kind == "llvm" and cores else None
 
 
 def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,

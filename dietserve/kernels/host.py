@@ -6,6 +6,7 @@ No compiler needed for the flags (the runtime checks an artifact's required flag
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 # LLVM feature names -> the flag Linux lists in /proc/cpuinfo, for the features a compiled
@@ -88,3 +89,15 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     share_all_cores = -3  # tvm::runtime::threading::ThreadGroup::kSpecifyThreadShareAllCore
     tvm_ffi.get_global_func("runtime.config_threadpool")(share_all_cores, count, [str(c) for c in cpus])
     return count
+
+
+def target_cores(target) -> int | None:
+    """The cores a CPU target's kernels run on (its ``num-cores``), None where it names none or
+    is no CPU target. ``target``: a TVM Target or its description as a dict (a manifest's, a
+    tuning job's). Here, not beside the schedules, because the engine calls it where only TVM's
+    runtime is installed."""
+    if isinstance(target, Mapping):
+        kind, cores = target.get("kind"), target.get("num-cores")
+    else:
+        kind, cores = target.kind.name, target.attrs.get("num-cores")
+    return int(cores) if kind == "llvm" and cores else None

@@ -58,7 +58,7 @@ def read_pooling_options(folder: Path) -> PoolingOptions:
     return PoolingOptions(normalize="sentence_transformers.models.Normalize" in kinds)
 
 
-def _canonical_name(name: str) -> str:
+def canonical_name(name: str) -> str:
     for prefix in _ENCODER_PREFIXES:
         if name.startswith(prefix):
             name = name[len(prefix):]
@@ -74,7 +74,7 @@ def load_parameters(
 ) -> dict[str, np.ndarray]:
     """Read the checkpoint's tensors, rename, transpose linear weights, concatenate the ones a
     layer computes side by side (the query, key and value projections) and check every shape."""
-    raw = {_canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
+    raw = {canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}

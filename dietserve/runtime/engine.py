@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
-from ..kernels.apply import target_cores
-from ..kernels.host import configure_cpu_threads
+from ..kernels.host import configure_cpu_threads, target_cores
 from .artifact import LoadedArtifact
 from .dispatch import KernelDispatch
 from .errors import InputError

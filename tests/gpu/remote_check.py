@@ -108,28 +108,34 @@ def _rounded_checkpoint(work: Path, bundle: Path) -> Path:
 
 
 def _param_map(artifact: Path, checkpoint: Path) -> list[list]:
-    """[artifact param name, checkpoint tensor name, transposed] for every artifact parameter."""
+    """[artifact param name, [checkpoint tensor names], transposed] for every artifact parameter:
+    the tensors, each transposed if so, side by side along the last axis make the parameter (the
+    fused QKV layer stacks the query, key and value projections). Built from the model's own
+    source map and checked against the artifact's parameters, bit for bit."""
     from safetensors.numpy import load_file
 
+    from dietserve.model.bert import BertModel, checkpoint_parts, transposed_weight_names
+    from dietserve.model.checkpoint import Checkpoint, canonical_name
     from dietserve.runtime.manifest import Manifest
 
     ours = load_file(str(artifact / PARAMS_FILE))
     theirs = load_file(str(checkpoint / "model.safetensors"))
+    opened = Checkpoint.open(checkpoint)
+    model = BertModel(opened.config, opened.pooling)
+    sources, transposed = checkpoint_parts(model), transposed_weight_names(model)
+    raw_key = {canonical_name(key): key for key in theirs}
     mapping = []
     for name, _shape in Manifest.read(artifact).parameters:
-        found = None
-        for key in sorted(theirs, key=lambda k: (not k.endswith(name), k)):
-            tensor = theirs[key].astype(np.float32)
-            if tensor.shape == ours[name].shape and np.array_equal(tensor, ours[name]):
-                found = [name, key, False]
-            elif tensor.ndim == 2 and tensor.T.shape == ours[name].shape and np.array_equal(tensor.T, ours[name]):
-                found = [name, key, True]
-            if found:
-                break
-        if found is None:
-            raise ValueError(f"artifact parameter {name} matches no checkpoint tensor")
-        mapping.append(found)
+        keys = [raw_key[part] for part in sources[name]]
+        if not np.array_equal(_assemble(theirs, keys, name in transposed), ours[name]):
+            raise ValueError(f"artifact parameter {name} is not {keys} side by side")
+        mapping.append([name, keys, name in transposed])
     return mapping
+
+
+def _assemble(tensors: dict, keys: list[str], transposed: bool) -> np.ndarray:
+    parts = [tensors[key].astype(np.float32).T if transposed else tensors[key].astype(np.float32) for key in keys]
+    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1))
 
 
 def _copy_artifact(artifact: Path, destination: Path) -> None:
@@ -258,16 +264,13 @@ def _build_kernels(folder: Path, quick: bool) -> None:
 
 
 def _runtime_package(bundle: Path) -> None:
-    import tvm
+    sys.path.insert(0, str(REPO))
+    from tests.runtime_only import installed_tvm_package, is_runtime_file
 
-    package = Path(tvm.__file__).resolve().parent
-    skip = {"src", "include", "3rdparty", "__pycache__"}
+    package = installed_tvm_package()
 
     def keep(info: tarfile.TarInfo):
-        parts = Path(info.name).parts
-        if any(part in skip for part in parts) or parts[-1] == "libtvm_compiler.so":
-            return None
-        return info
+        return info if is_runtime_file(Path(info.name).relative_to("tvm")) else None
 
     with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as archive:
         archive.add(package, arcname="tvm", filter=keep)
@@ -408,8 +411,7 @@ def _materialize(bundle: Path, work: Path) -> dict:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(source, target)
             mapping = json.loads((source / "param_map.json").read_text())
-            params = {name: np.ascontiguousarray(full[key].T if transposed else full[key])
-                      for name, key, transposed in mapping}
+            params = {name: _assemble(full, keys, transposed) for name, keys, transposed in mapping}
             save_file(params, str(target / PARAMS_FILE))
         expected = Manifest.read(target).files[PARAMS_FILE]
         report[source.name] = {"params_sha256_matches_manifest": sha256_file(target / PARAMS_FILE) == expected}

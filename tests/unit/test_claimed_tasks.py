@@ -10,10 +10,10 @@ import tvm
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from dietserve.kernels.apply import apply_kernel, apply_variant, target_cores
+from dietserve.kernels.apply import apply_kernel, apply_variant
 from dietserve.kernels.build import build
 from dietserve.kernels.claimed_tasks import claimed_tasks
-from dietserve.kernels.host import configure_cpu_threads
+from dietserve.kernels.host import configure_cpu_threads, target_cores
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.packing import pack_array
 from tuner.ops import dense, random_inputs

@@ -212,7 +212,7 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
 
 
 def _measure(job: dict, started: float) -> dict:
-    from dietserve.kernels.apply import target_cores
+    from dietserve.kernels.host import target_cores
     from dietserve.kernels.microkernel import MicroKernel
 
     from ..ops import weight_input

@@ -1,0 +1,78 @@
+"""The serving side on TVM's runtime alone (no compiler library, as on a GPU host or in the
+server image): the engine, the server's modules and a real server process load a compiled
+artifact and answer, and nothing of the compiler or the tuner is imported on the way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from ..runtime_only import copy_runtime_package, runtime_only_env
+from .reference import padded_batch, reference_hidden
+from .server_process import REPO_ROOT, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+# What a serving process must not import beyond what ``import tvm`` itself loads: TVM's compiler
+# side and our compile, kernel-building and tuning layers.
+COMPILER_MODULES = ("tvm.relax", "tvm.s_tir", "tvm.te", "tvm.topi", "tvm.tirx", "tvm.target", "tvm.driver",
+                    "tvm.script", "dietserve.compile", "dietserve.kernels.apply", "dietserve.kernels.cpu", "tuner")
+
+IMPORTS_AND_RUN = """
+import json, sys
+from pathlib import Path
+import numpy as np
+import tvm
+loaded_by_tvm = set(sys.modules)
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.engine import Engine
+import dietserve.__main__, dietserve.commands.serve, dietserve.server.app, dietserve.server.retune
+engine = Engine(load_artifact(Path(sys.argv[1])))
+ids = np.array([[101, 2023, 2003, 1037, 3231, 102]], dtype=np.int64)
+hidden = engine.run(ids, np.ones_like(ids), np.zeros_like(ids)).last_hidden_state
+loaded = sorted(name for name in set(sys.modules) - loaded_by_tvm if name.startswith(tuple(json.loads(sys.argv[2]))))
+print(json.dumps({"runtime_only": bool(tvm.base._RUNTIME_ONLY), "compiler_modules": loaded,
+                  "hidden": hidden[0].tolist()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def runtime_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return copy_runtime_package(tmp_path_factory.mktemp("tvm-runtime-only"))
+
+
+def test_the_engine_runs_without_the_compiler(runtime_site: Path, minilm_artifact: Path, minilm_reference) -> None:
+    done = subprocess.run([sys.executable, "-c", IMPORTS_AND_RUN, str(minilm_artifact), json.dumps(COMPILER_MODULES)],
+                          cwd=REPO_ROOT, env=runtime_only_env(runtime_site), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["runtime_only"], "the child loaded TVM's compiler library"
+    assert report["compiler_modules"] == []
+    ids = np.array([[101, 2023, 2003, 1037, 3231, 102]], dtype=np.int64)
+    expected = reference_hidden(minilm_reference, ids, np.ones_like(ids), np.zeros_like(ids))[0]
+    assert np.abs(np.array(report["hidden"]) - expected).max() <= 1e-4
+
+
+def test_the_server_answers_without_the_compiler(runtime_site: Path, minilm_artifact: Path, minilm_reference,
+                                                 minilm_engine) -> None:
+    server = ServerProcess(minilm_artifact, env=runtime_only_env(runtime_site))
+    try:
+        ids, mask, types = padded_batch(np.random.default_rng(5), 2, 37, minilm_engine.vocab_size)
+        inputs = []
+        for name, array in (("input_ids", ids), ("attention_mask", mask), ("token_type_ids", types)):
+            tensor = triton.InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        with triton.InferenceServerClient(server.grpc_url) as client:
+            answer = client.infer(server.model_name, inputs).as_numpy("last_hidden_state")
+    finally:
+        server.stop()
+    real = mask.astype(bool)
+    assert np.abs(answer - reference_hidden(minilm_reference, ids, mask, types))[real].max() <= 1e-4
