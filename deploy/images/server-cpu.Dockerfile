@@ -16,9 +16,12 @@ COPY protos/ protos/
 COPY dietserve/ dietserve/
 COPY tuner/ tuner/
 # No extras: the tuner's packages (the `tune` extra) are never imported by the server. The
-# protocol code is generated into the installed package (-P: /src is not on sys.path).
+# protocol code is generated into the installed package (-P: /src is not on sys.path). TVM's
+# compiler (libtvm_compiler.so and its sources, 285 MB) is deleted: serving loads the runtime
+# library alone (TVM_USE_RUNTIME_LIB=1 below; tests/integration/test_runtime_only.py).
 RUN pip install --no-cache-dir . \
-    && python -P -m dietserve.server.protogen --protos /src/protos
+    && python -P -m dietserve.server.protogen --protos /src/protos \
+    && python -P -m dietserve.runtime.tvm_runtime_only --strip
 
 # --- runtime ----------------------------------------------------------------------------------
 FROM python:3.11.14-slim-trixie
@@ -30,7 +33,8 @@ COPY --from=build /opt/dietserve /opt/dietserve
 ENV PATH=/opt/dietserve/bin:$PATH \
     HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    TVM_USE_RUNTIME_LIB=1
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8001 8002 8003

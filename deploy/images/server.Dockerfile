@@ -22,9 +22,12 @@ COPY protos/ protos/
 COPY dietserve/ dietserve/
 COPY tuner/ tuner/
 # No extras: the tuner's packages (the `tune` extra) are never imported by the server. The
-# protocol code is generated into the installed package (-P: /src is not on sys.path).
+# protocol code is generated into the installed package (-P: /src is not on sys.path). TVM's
+# compiler (libtvm_compiler.so and its sources, 285 MB) is deleted: serving loads the runtime
+# library alone (TVM_USE_RUNTIME_LIB=1 below; tests/integration/test_runtime_only.py).
 RUN pip install --no-cache-dir . \
-    && python -P -m dietserve.server.protogen --protos /src/protos
+    && python -P -m dietserve.server.protogen --protos /src/protos \
+    && python -P -m dietserve.runtime.tvm_runtime_only --strip
 
 # --- runtime: the venv and a Python to run it, nothing else --------------------------------
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
@@ -40,7 +43,8 @@ COPY --from=build /opt/dietserve /opt/dietserve
 ENV PATH=/opt/dietserve/bin:$PATH \
     HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    TVM_USE_RUNTIME_LIB=1
 USER 10001:10001
 WORKDIR /tmp
 # gRPC (TLS when --tls-cert is given), Prometheus /metrics, plaintext gRPC health for probes.

@@ -153,6 +153,17 @@ def test_server_images_hold_the_package_without_tuner_extras_or_compilers(docker
     assert "devel" not in next(i.arguments for i in final if i.keyword == "FROM")
 
 
+@pytest.mark.parametrize("dockerfile", SERVER_IMAGES)
+def test_server_images_carry_tvms_runtime_without_its_compiler(dockerfile: str) -> None:
+    """The strip runs after the install, in the stage whose venv the runtime copies, and the
+    runtime imports TVM as test_runtime_only.py runs it (the runtime library alone)."""
+    build = [part.strip() for command in runs(dockerfile) for part in command.split("&&")]
+    strip = "python -P -m dietserve.runtime.tvm_runtime_only --strip"
+    assert strip in build and build.index(strip) > build.index("pip install --no-cache-dir .")
+    environment = " ".join(i.arguments for i in final_stage(dockerfile) if i.keyword == "ENV")
+    assert "TVM_USE_RUNTIME_LIB=1" in environment.split()
+
+
 def test_tuner_image_holds_the_tune_extra_the_model_package_and_compilers() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "tune" in pyproject["project"]["optional-dependencies"]

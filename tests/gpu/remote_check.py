@@ -264,13 +264,13 @@ def _build_kernels(folder: Path, quick: bool) -> None:
 
 
 def _runtime_package(bundle: Path) -> None:
-    sys.path.insert(0, str(REPO))
-    from tests.runtime_only import installed_tvm_package, is_runtime_file
+    from dietserve.runtime.tvm_runtime_only import installed_tvm_package, is_runtime_file
 
     package = installed_tvm_package()
 
     def keep(info: tarfile.TarInfo):
-        return info if is_runtime_file(Path(info.name).relative_to("tvm")) else None
+        relative = Path(info.name).relative_to("tvm")
+        return info if is_runtime_file(relative) and "__pycache__" not in relative.parts else None
 
     with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as archive:
         archive.add(package, arcname="tvm", filter=keep)

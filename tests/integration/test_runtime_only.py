@@ -5,6 +5,8 @@ artifact and answer, and nothing of the compiler or the tuner is imported on the
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from ..runtime_only import copy_runtime_package, runtime_only_env
+from dietserve.runtime.tvm_runtime_only import COMPILER_LIBRARY, installed_tvm_package
+
 from .reference import padded_batch, reference_hidden
 from .server_process import REPO_ROOT, ServerProcess
 
@@ -42,9 +45,33 @@ print(json.dumps({"runtime_only": bool(tvm.base._RUNTIME_ONLY), "compiler_module
 """
 
 
+def runtime_only_env(site: Path) -> dict[str, str]:
+    """A child process's environment whose ``import tvm`` finds the runtime-only copy in ``site``
+    and loads the runtime library alone."""
+    path = [str(site), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), TVM_USE_RUNTIME_LIB="1")
+
+
 @pytest.fixture(scope="module")
 def runtime_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return copy_runtime_package(tmp_path_factory.mktemp("tvm-runtime-only"))
+    """The installed ``tvm`` package, hard-linked into a folder, stripped by the command the server
+    images run; returns the folder to put first on ``PYTHONPATH``."""
+    site = tmp_path_factory.mktemp("tvm-runtime-only")
+    shutil.copytree(installed_tvm_package(), site / "tvm", copy_function=_link_or_copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-m", "dietserve.runtime.tvm_runtime_only", "--strip", "--package",
+                           str(site / "tvm")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not list((site / "tvm").rglob(COMPILER_LIBRARY)) and not (site / "tvm" / "3rdparty").exists()
+    assert (site / "tvm" / "lib" / "libtvm_runtime.so").is_file()
+    return site
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)  # stripping the copy unlinks its names only
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def test_the_engine_runs_without_the_compiler(runtime_site: Path, minilm_artifact: Path, minilm_reference) -> None:
