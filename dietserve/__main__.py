@@ -8,6 +8,7 @@
     python -m dietserve publish ARTIFACT --store STORE
     python -m dietserve rollback --store STORE
     python -m dietserve retune --store STORE --traffic TRAFFIC.json [--trials 64]
+    python -m dietserve cache [--prune] [--keep 2]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .commands.common import add_build_flags, compile_request, say
+from .commands.common import DEFAULT_CACHE, add_build_flags, compile_request, say
 from .commands.serve import add_serve_command
 from .commands.store import add_store_commands
 
@@ -79,6 +80,30 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    import time
+
+    from .compile.cache import cached_artifacts, prune, to_prune
+
+    entries = cached_artifacts(args.cache_dir)
+    doomed = {entry.path for entry in to_prune(args.cache_dir, args.keep)}
+    if not entries:
+        print(f"{args.cache_dir}: no compiled artifacts")
+    for entry in entries:
+        mark = "prune" if entry.path in doomed else ("?" if not entry.readable else "keep")
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+        print(f"{mark:>5}  {entry.size / 2**20:8.0f} MiB  {used}  {entry.model} ({entry.kind})  {entry.path.name}")
+    if not args.prune:
+        if doomed:
+            size = sum(entry.size for entry in entries if entry.path in doomed)
+            print(f"--prune would delete {len(doomed)} of them ({size / 2**20:.0f} MiB), keeping the "
+                  f"{args.keep} most recently used of each model and target")
+        return 0
+    removed, freed = prune(args.cache_dir, args.keep)
+    print(f"deleted {len(removed)} folder(s), {freed / 2**20:.0f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dietserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     embed_parser.add_argument("--threads", type=int, default=None,
                               help="CPU threads for the kernels (default: every CPU this process may use)")
     embed_parser.set_defaults(run=cmd_embed)
+
+    cache_parser = commands.add_parser(
+        "cache", help="list the compile cache's artifacts; --prune deletes all but the most recently used")
+    cache_parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
+                              help=f"the cache to list or prune (default {DEFAULT_CACHE})")
+    cache_parser.add_argument("--prune", action="store_true",
+                              help="delete the older artifacts of each model and target, and crashed "
+                                   "compiles' leftovers")
+    cache_parser.add_argument("--keep", type=int, default=2,
+                              help="artifacts kept per model and target kind, most recently used first (default 2)")
+    cache_parser.set_defaults(run=cmd_cache)
 
     add_serve_command(commands)
     add_store_commands(commands)

@@ -32,6 +32,7 @@ from ..runtime.manifest import (
     sha256_file,
     write_text_atomic,
 )
+from .cache import ARTIFACTS_DIR, mark_used
 from .passes.link_kernels import target_fields as link_target_fields
 from .passes.pack_weights import TRANSFORM_PARAMS_SUFFIX
 from .target import TargetSpec, build_target, target_description, tvm_version
@@ -88,7 +89,7 @@ def model_display_name(request: CompileRequest, folder: Path) -> str:
 
 
 def default_artifact_dir(cache_dir: Path, name: str, kind: str, key: str) -> Path:
-    return cache_dir / "artifacts" / f"{name}-{kind}-{key[:16]}"
+    return cache_dir / ARTIFACTS_DIR / f"{name}-{kind}-{key[:16]}"
 
 
 def _is_current(directory: Path, key: str) -> bool:
@@ -117,6 +118,7 @@ def compile_artifact(
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
+        mark_used(out_dir)
         progress(f"artifact {out_dir} is up to date (cache key {key[:16]})")
         return out_dir
 
@@ -125,6 +127,7 @@ def compile_artifact(
     try:
         _build_into(staging, checkpoint, target, request, name, key, plans, progress)
         _replace_dir(staging, out_dir)
+        mark_used(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,13 @@ def test_second_compile_reuses_the_cached_artifact(minilm_artifact: Path, cache_
     assert again == minilm_artifact
     assert any("up to date" in m for m in messages)
     assert (minilm_artifact / LIBRARY_FILE).stat().st_mtime_ns == before
+
+
+def test_a_cache_hit_marks_the_entry_used(minilm_artifact: Path, cache_dir: Path) -> None:
+    """``dietserve cache --prune`` keeps the most recently used entries: a hit counts as a use."""
+    os.utime(minilm_artifact, (1_000_000, 1_000_000))
+    compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH), cache_dir)
+    assert abs(minilm_artifact.stat().st_mtime - time.time()) < 600
 
 
 @pytest.fixture
