@@ -92,7 +92,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for entry in entries:
         mark = "prune" if entry.path in doomed else ("?" if not entry.readable else "keep")
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-        print(f"{mark:>5}  {entry.size / 2**20:8.0f} MiB  {used}  {entry.model} ({entry.kind})  {entry.path.name}")
+        what = f"{entry.model} ({entry.kind})" if entry.readable else "no readable manifest"
+        print(f"{mark:>5}  {entry.size / 2**20:8.0f} MiB  {used}  {what}  {entry.path.name}")
     if not args.prune:
         if doomed:
             size = sum(entry.size for entry in entries if entry.path in doomed)

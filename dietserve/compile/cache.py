@@ -32,14 +32,14 @@ STALE_STAGING_SECONDS = 24 * 3600
 @dataclass(frozen=True)
 class CachedArtifact:
     path: Path
-    model: str  # the manifest's model_name, "?" where it is unreadable
-    kind: str  # the target kind (llvm, cuda), "?" where unreadable
+    model: str | None  # the manifest's model_name; None where the manifest is unreadable
+    kind: str | None  # the target kind (llvm, cuda); None where unreadable
     last_used: float  # the folder's modification time, set on every compile or cache hit
     size: int  # bytes
 
     @property
     def readable(self) -> bool:
-        return self.model != "?"
+        return self.model is not None
 
 
 def mark_used(directory: Path) -> None:
@@ -54,12 +54,12 @@ def _size(directory: Path) -> int:
     return sum(f.lstat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def _describe(directory: Path) -> tuple[str, str]:
+def _describe(directory: Path) -> tuple[str | None, str | None]:
     try:
         raw = json.loads((directory / MANIFEST_FILE).read_text())
         return str(raw["model_name"]), str(raw["target"]["kind"])
     except (OSError, ValueError, KeyError, TypeError):
-        return "?", "?"
+        return None, None
 
 
 def cached_artifacts(cache_dir: Path) -> list[CachedArtifact]:
