@@ -1,6 +1,8 @@
 """Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
 OpenVINO on the CPU, same thread count, measured one backend after another per point, in
-``--rounds`` rounds over the whole table (median of the rounds), in one run. Beside them, a
+``--rounds`` rounds over the whole table (median of the rounds), in one run; a point whose
+rounds were half or more busy for every backend alike (the machine, not a backend) gets up to
+``--extra-rounds`` more, and says so. Beside them, a
 floor: the encoder's matrix products (dense layers and attention) at the machine's FMA peak, or
 its dense weights read once at the DRAM rate, whichever is longer, both measured in every round
 (``WeightFloor``). No fp32 backend goes below it: it grants every FLOP the peak rate, a
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert_baselines  # noqa: E402
 import kernel_baselines  # noqa: E402
 from operator_profile import profile_operators  # noqa: E402
-from timing import call_seconds  # noqa: E402
+from timing import busy_rounds, call_seconds  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan import read_plans  # noqa: E402
@@ -54,6 +56,7 @@ from dietserve.runtime.manifest import PLANS_DIR, Manifest  # noqa: E402
 
 DEFAULT_LENGTHS = [1, 2, 7, 13, 31, 64, 97, 128, 191, 256, 311, 384, 449, 512]  # primes included
 POINT_BUDGET_S = 4.0  # per backend and point: fewer repeats for the slowest points (at least 3)
+BUSY_FACTOR = 1.25  # a round in which every backend at a point ran this much slower than its best
 
 
 def say(message: str) -> None:
@@ -171,13 +174,34 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
     floor = WeightFloor(resolve_model(model, args.cache_dir), args.threads)
     samples = {point: {name: [] for name in backends} for point in points}
     floors = {point: [] for point in points}
+
+    def measure(point) -> None:
+        for name, fn in backends.items():
+            samples[point][name].append(median_latency(fn, points[point], args.repeats))
+        floors[point].append(floor.seconds(*point, args.repeats))
+
     for round_index in range(args.rounds):
         say(f"{model}: round {round_index + 1} of {args.rounds} over {len(points)} points x {len(backends)} backends")
         floor.start_round()
-        for point, inputs in points.items():
-            for name, fn in backends.items():
-                samples[point][name].append(median_latency(fn, inputs, args.repeats))
-            floors[point].append(floor.seconds(*point, args.repeats))
+        for point in points:
+            measure(point)
+    # A busy spell of the machine that covers half a point's rounds moves its median for every
+    # backend alike (one run read seq 13 at twice its usual time for all five): such a point gets
+    # more rounds, all backends again, until its busy rounds are a minority (or the extra rounds
+    # run out); the medians are then over every round.
+    for point in points:
+        extra = 0
+        while 2 * len(busy := busy_rounds(samples[point], BUSY_FACTOR)) >= len(floors[point]) > 0 \
+                and extra < args.extra_rounds:
+            if extra == 0:
+                say(f"batch {point[0]} seq {point[1]}: rounds {[r + 1 for r in busy]} of {len(floors[point])} busy "
+                    f"(every backend >= {BUSY_FACTOR}x its fastest round); measuring again")
+            floor.start_round()
+            measure(point)
+            extra += 1
+        if extra:
+            print(f"# batch {point[0]} seq {point[1]}: {extra} extra round(s) after busy ones; busy now: "
+                  f"{[r + 1 for r in busy_rounds(samples[point], BUSY_FACTOR)]} of {len(floors[point])}")
     say(f"floor: {floor.summary()}")
     for batch in args.batches:
         print(f"# model={model} batch={batch} threads={args.threads} (median ms over {args.rounds} rounds); floor: "
@@ -218,6 +242,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point and round at most (at least 3)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over the whole table (median of the rounds' medians reported; default 3)")
+    parser.add_argument("--extra-rounds", type=int, default=4,
+                        help="rounds added at most to a point whose rounds were half or more busy for every "
+                             "backend alike (default 4; 0: none)")
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
     parser.add_argument("--tuned", action="store_true", help="tune each model and measure the tuned artifact too")
     parser.add_argument("--trials", type=int, default=32, help="with --tuned: measurements per operator")

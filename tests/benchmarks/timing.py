@@ -16,3 +16,16 @@ def call_seconds(fn: Callable, args: Sequence = (), runs: int = 10, warmup: int 
         fn(*args)
         samples.append(time.perf_counter() - start)
     return samples
+
+
+def busy_rounds(samples: dict[str, Sequence[float]], factor: float) -> list[int]:
+    """The rounds of one point in which every backend ran at least ``factor`` times slower than
+    in its own fastest round: the machine, not a backend, was slow then (backends of a point run
+    one after another within a round, so a busy spell falls on all of them; a backend's own
+    variation does not slow the others). ``samples``: backend -> seconds per round."""
+    lengths = {len(values) for values in samples.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"backends have different round counts: {sorted(lengths)}")
+    rounds = lengths.pop()
+    fastest = {name: min(values) for name, values in samples.items()}
+    return [r for r in range(rounds) if all(values[r] >= factor * fastest[name] for name, values in samples.items())]
