@@ -85,8 +85,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     from .compile.cache import cached_artifacts, prune, to_prune
 
-    entries = cached_artifacts(args.cache_dir)
-    doomed = {entry.path for entry in to_prune(args.cache_dir, args.keep)}
+    entries = cached_artifacts(args.cache_dir)  # walks every entry's files once, for its size
+    doomed_entries = to_prune(entries, args.keep)
+    doomed = {entry.path for entry in doomed_entries}
     if not entries:
         print(f"{args.cache_dir}: no compiled artifacts")
     for entry in entries:
@@ -100,7 +101,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"--prune would delete {len(doomed)} of them ({size / 2**20:.0f} MiB), keeping the "
                   f"{args.keep} most recently used of each model and target")
         return 0
-    removed, freed = prune(args.cache_dir, args.keep)
+    removed, freed = prune(args.cache_dir, doomed_entries)
     print(f"deleted {len(removed)} folder(s), {freed / 2**20:.0f} MiB")
     return 0
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.manifest import MANIFEST_FILE
+from ..runtime.manifest import MANIFEST_FILE, folder_bytes
 
 ARTIFACTS_DIR = "artifacts"
 # A staging folder (``.NAME-...``, see ``compile_artifact``) older than this is a crashed
@@ -50,10 +50,6 @@ def mark_used(directory: Path) -> None:
         pass  # a read-only cache is never pruned by this process either
 
 
-def _size(directory: Path) -> int:
-    return sum(f.lstat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
-
-
 def _describe(directory: Path) -> tuple[str | None, str | None]:
     try:
         raw = json.loads((directory / MANIFEST_FILE).read_text())
@@ -72,7 +68,7 @@ def cached_artifacts(cache_dir: Path) -> list[CachedArtifact]:
         if directory.name.startswith(".") or not directory.is_dir():
             continue
         model, kind = _describe(directory)
-        entries.append(CachedArtifact(directory, model, kind, directory.stat().st_mtime, _size(directory)))
+        entries.append(CachedArtifact(directory, model, kind, directory.stat().st_mtime, folder_bytes(directory)))
     return sorted(entries, key=lambda entry: entry.last_used, reverse=True)
 
 
@@ -86,30 +82,32 @@ def stale_staging(cache_dir: Path, now: float | None = None) -> list[Path]:
                   and now - d.stat().st_mtime > STALE_STAGING_SECONDS)
 
 
-def to_prune(cache_dir: Path, keep: int) -> list[CachedArtifact]:
-    """All but the ``keep`` most recently used entries of each (model, target kind). Entries
-    whose manifest cannot be read are not dietserve's to judge and are kept."""
+def to_prune(entries: list[CachedArtifact], keep: int) -> list[CachedArtifact]:
+    """All but the ``keep`` most recently used of ``entries`` (``cached_artifacts``) for each
+    (model, target kind). Entries whose manifest cannot be read are not dietserve's to judge and
+    are kept."""
     if keep < 1:
         raise ValueError(f"--keep must be at least 1, got {keep}")
     groups: dict[tuple[str, str], list[CachedArtifact]] = defaultdict(list)
-    for entry in cached_artifacts(cache_dir):
+    for entry in sorted(entries, key=lambda entry: entry.last_used, reverse=True):
         if entry.readable:
             groups[(entry.model, entry.kind)].append(entry)
     return [entry for group in groups.values() for entry in group[keep:]]
 
 
-def prune(cache_dir: Path, keep: int) -> tuple[list[Path], int]:
-    """Delete ``to_prune``'s entries and stale staging folders; returns them and the bytes freed.
-    Each entry is renamed to a staging-like name first, so a compile never finds it half gone."""
+def prune(cache_dir: Path, doomed: list[CachedArtifact]) -> tuple[list[Path], int]:
+    """Delete ``doomed`` (``to_prune``'s answer) and the stale staging folders; returns them and
+    the bytes freed. Each entry is renamed to a staging-like name first, so a compile never
+    finds it half gone."""
     removed, freed = [], 0
-    for entry in to_prune(cache_dir, keep):
-        doomed = entry.path.with_name(f".{entry.path.name}-pruned-{os.getpid()}")
-        os.replace(entry.path, doomed)
-        shutil.rmtree(doomed)
+    for entry in doomed:
+        renamed = entry.path.with_name(f".{entry.path.name}-pruned-{os.getpid()}")
+        os.replace(entry.path, renamed)
+        shutil.rmtree(renamed)
         removed.append(entry.path)
         freed += entry.size
     for leftover in stale_staging(cache_dir):
-        freed += _size(leftover)
+        freed += folder_bytes(leftover)
         shutil.rmtree(leftover, ignore_errors=True)
         removed.append(leftover)
     return removed, freed

@@ -80,6 +80,14 @@ class Manifest:
             raise ArtifactError(f"{path} does not describe an artifact: {err}") from err
 
 
+def folder_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (a file: its own size); links not followed."""
+    path = Path(path)
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as stream:

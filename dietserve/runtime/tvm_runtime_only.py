@@ -17,6 +17,8 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+from .manifest import folder_bytes
+
 COMPILER_LIBRARY = "libtvm_compiler.so"
 COMPILER_FOLDERS = frozenset({"src", "include", "3rdparty"})
 
@@ -36,17 +38,18 @@ def is_runtime_file(relative: Path) -> bool:
 
 
 def strip_compiler(package: Path) -> int:
-    """Delete the compiler's files from an installed ``tvm`` package; returns the bytes freed."""
+    """Delete the compiler's files from an installed ``tvm`` package; returns the bytes freed.
+    Each compiler folder goes whole (its files are not visited one by one)."""
+    def runtime(path: Path) -> bool:
+        return is_runtime_file(path.relative_to(package))
+
+    doomed = [path for path in package.rglob("*") if not runtime(path) and runtime(path.parent)]
     freed = 0
-    for path in sorted(package.rglob("*"), reverse=True):  # children before their folders
-        relative = path.relative_to(package)
-        if is_runtime_file(relative) or not path.exists():
-            continue
+    for path in doomed:
+        freed += folder_bytes(path)
         if path.is_dir() and not path.is_symlink():
-            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
             shutil.rmtree(path)
         else:
-            freed += path.lstat().st_size
             path.unlink()
     return freed
 

@@ -190,18 +190,14 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
     # more rounds, all backends again, until its busy rounds are a minority (or the extra rounds
     # run out); the medians are then over every round.
     for point in points:
-        extra = 0
-        while 2 * len(busy := busy_rounds(samples[point], BUSY_FACTOR)) >= len(floors[point]) > 0 \
-                and extra < args.extra_rounds:
-            if extra == 0:
-                say(f"batch {point[0]} seq {point[1]}: rounds {[r + 1 for r in busy]} of {len(floors[point])} busy "
-                    f"(every backend >= {BUSY_FACTOR}x its fastest round); measuring again")
+        busy, extra = busy_rounds(samples[point], BUSY_FACTOR), 0
+        while 2 * len(busy) >= len(floors[point]) and extra < args.extra_rounds:
             floor.start_round()
             measure(point)
-            extra += 1
+            busy, extra = busy_rounds(samples[point], BUSY_FACTOR), extra + 1
         if extra:
-            print(f"# batch {point[0]} seq {point[1]}: {extra} extra round(s) after busy ones; busy now: "
-                  f"{[r + 1 for r in busy_rounds(samples[point], BUSY_FACTOR)]} of {len(floors[point])}")
+            print(f"# batch {point[0]} seq {point[1]}: {extra} extra round(s) after busy ones (every backend >= "
+                  f"{BUSY_FACTOR}x its fastest round); busy now: {[r + 1 for r in busy]} of {len(floors[point])}")
     say(f"floor: {floor.summary()}")
     for batch in args.batches:
         print(f"# model={model} batch={batch} threads={args.threads} (median ms over {args.rounds} rounds); floor: "

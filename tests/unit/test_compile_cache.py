@@ -58,8 +58,9 @@ def test_entries_are_listed_most_recently_used_first(cache: Path) -> None:
 
 
 def test_prune_keeps_the_most_recent_of_each_model_and_kind(cache: Path) -> None:
-    assert {e.path.name for e in to_prune(cache, keep=1)} == {"bert-base-llvm-mid", "bert-base-llvm-old"}
-    removed, freed = prune(cache, keep=2)
+    assert {e.path.name for e in to_prune(cached_artifacts(cache), keep=1)} == {"bert-base-llvm-mid",
+                                                                               "bert-base-llvm-old"}
+    removed, freed = prune(cache, to_prune(cached_artifacts(cache), keep=2))
     assert {p.name for p in removed} == {"bert-base-llvm-old", ".bert-base-llvm-crashed"}
     assert freed >= 5000 + 300
     # Another target kind, another model, a folder without a manifest and a compile in
@@ -70,7 +71,7 @@ def test_prune_keeps_the_most_recent_of_each_model_and_kind(cache: Path) -> None
 
 def test_keep_below_one_is_refused(cache: Path) -> None:
     with pytest.raises(ValueError, match="--keep"):
-        to_prune(cache, keep=0)
+        to_prune(cached_artifacts(cache), keep=0)
 
 
 def test_the_command_lists_then_prunes(cache: Path) -> None:
