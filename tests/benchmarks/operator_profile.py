@@ -1,8 +1,8 @@
 """Where a model run's time goes: each PrimFunc call timed through the Relax VM's instrument hook
 (the compiled code is untouched). The hook adds a Python call per kernel, and a kernel of tens
 of microseconds that runs on both cores reads several times its own time: the model's
-layer_norm read 35 / 79 / 222 us a call at 48 / 128 / 512 rows here, and 8.8 / 24.6 / 101 us
-timed directly after the kernel that feeds it. Kernels of a millisecond and more read true.
+layer_norm read 35 / 79 / 222 us a call at 48 / 128 / 512 rows here, and 9.0 / 23.3 / 97 us
+timed directly after the kernel that feeds it (kernels_in_isolation.py). Kernels of a millisecond and more read true.
 
     python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--top 12]
 
