@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,25 @@ from dietserve.runtime.engine import Engine
 from .reference import reference_model
 
 MAX_BATCH = 8
+
+# Run in a fresh process, so that its resident memory grows by the load alone.
+_RESIDENT_AFTER_LOAD = """
+import json, sys
+from pathlib import Path
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.memory import resident_bytes
+before = resident_bytes()
+loaded = load_artifact(Path(sys.argv[1]))
+print(json.dumps({"grown": resident_bytes() - before, "weights": sum(p.numpy().nbytes for p in loaded.params)}))
+"""
+
+
+def resident_growth_of_load(artifact: Path) -> dict:
+    """{"grown": bytes a fresh process's resident memory grew by loading ``artifact``,
+    "weights": bytes of its parameters as loaded}."""
+    completed = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_LOAD, str(artifact)],
+                               capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
