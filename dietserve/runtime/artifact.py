@@ -93,7 +93,7 @@ def load_artifact(directory: Path, verify_hashes: bool = True, huge_pages: bool 
         # On a VM of its own that allocates without a pool: the serving VM's pooled allocator
         # keeps every buffer freed for reuse by one of the same size, so the packed weights'
         # first buffers, freed once copied onto huge pages below (or when a hot swap drops
-        # this version), would stay resident for good: bert-base's server held 416 MB of them.
+        # this version), would stay resident for good: bert-base's server held 415 MiB of them.
         packer = VirtualMachine(library, device, memory_cfg="naive")
         params = list(packer[manifest.transform_params](params))  # takes the parameters as one tuple
         del packer
