@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 from .bert import BertModel, PoolingOptions, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
+from .side_by_side import side_by_side
 
 # Prefixes under which task heads (BertForMaskedLM, ...) nest the encoder.
 _ENCODER_PREFIXES = ("bert.", "model.")
@@ -79,19 +80,16 @@ def load_parameters(
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}
     for name, shape in expected:
-        tensors = []
         for part in sources[name]:
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.weights_file} has no tensor {part!r}")
-            tensor = raw[part].astype(np.float32, copy=False)
-            tensors.append(tensor.T if name in transposed else tensor)
-        if len({t.shape[:-1] for t in tensors}) > 1:
-            raise CheckpointError(f"tensors {list(sources[name])} have shapes {[t.shape for t in tensors]}: "
-                                  "they do not stack side by side")
-        tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors, axis=-1)
+        try:
+            tensor = side_by_side([raw[part] for part in sources[name]], name in transposed)
+        except ValueError as err:
+            raise CheckpointError(f"tensors {list(sources[name])}: {err}") from None
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {shape}"
             )
-        params[name] = np.ascontiguousarray(tensor)
+        params[name] = tensor
     return params

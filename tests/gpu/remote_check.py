@@ -134,8 +134,9 @@ def _param_map(artifact: Path, checkpoint: Path) -> list[list]:
 
 
 def _assemble(tensors: dict, keys: list[str], transposed: bool) -> np.ndarray:
-    parts = [tensors[key].astype(np.float32).T if transposed else tensors[key].astype(np.float32) for key in keys]
-    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1))
+    from dietserve.model.side_by_side import side_by_side  # (numpy only: the GPU host imports it too)
+
+    return side_by_side([tensors[key] for key in keys], transposed)
 
 
 def _copy_artifact(artifact: Path, destination: Path) -> None:

@@ -13,6 +13,7 @@ from dietserve.model.bert import BertModel, PoolingOptions, export_relax, transp
 from dietserve.model.checkpoint import Checkpoint, CheckpointError, load_parameters
 from dietserve.model.config import BertConfig, ModelConfigError
 from dietserve.model.presets import random_hf_weights
+from dietserve.model.side_by_side import side_by_side
 
 TINY = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=16, max_position_embeddings=12)
@@ -83,6 +84,25 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
     _, expected = export_relax(model, max_batch=2)
     with pytest.raises(CheckpointError, match=r"'embeddings.word_embeddings.weight' has shape \(49, 8\)"):
         load_parameters(checkpoint, model, expected)
+
+
+def test_query_key_value_that_do_not_stack_are_named(tmp_path: Path) -> None:
+    hf = random_hf_weights(TINY, seed=3)
+    hf["encoder.layer.0.attention.self.key.weight"] = np.zeros((8, 7), np.float32)
+    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
+    model = BertModel(TINY, PoolingOptions())
+    _, expected = export_relax(model, max_batch=2)
+    with pytest.raises(CheckpointError, match=r"attention.self.key.weight.*do not stack side by side"):
+        load_parameters(checkpoint, model, expected)
+
+
+def test_side_by_side_transposes_then_concatenates() -> None:
+    rng = np.random.default_rng(0)
+    query, key = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    fused = side_by_side([query, key], transposed=True)
+    assert fused.dtype == np.float32 and fused.flags.c_contiguous
+    np.testing.assert_array_equal(fused, np.hstack([query.T, key.T]).astype(np.float32))
+    np.testing.assert_array_equal(side_by_side([query], transposed=False), query.astype(np.float32))
 
 
 def test_folder_without_weights_is_explained(tmp_path: Path) -> None:
