@@ -86,7 +86,7 @@ def load_parameters(
         try:
             tensor = side_by_side([raw[part] for part in sources[name]], name in transposed)
         except ValueError as err:
-            raise CheckpointError(f"tensors {list(sources[name])}: {err}") from None
+            raise CheckpointError(f"{name!r} from {list(sources[name])}: {err}") from None
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {shape}"
