@@ -66,33 +66,28 @@ def test_linear_weights_are_transposed_and_prefixes_stripped(tmp_path: Path) -> 
     np.testing.assert_array_equal(params["embeddings.LayerNorm.weight"], hf["embeddings.LayerNorm.weight"])
 
 
-def test_missing_tensor_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "key, replacement, message",
+    [
+        ("encoder.layer.0.output.dense.bias", None, "no tensor 'encoder.layer.0.output.dense.bias'"),
+        ("embeddings.word_embeddings.weight", np.zeros((49, 8), np.float32),
+         r"'embeddings.word_embeddings.weight' has shape \(49, 8\)"),
+        ("encoder.layer.0.attention.self.key.weight", np.zeros((8, 7), np.float32),
+         r"attention.self.key.weight.*do not stack side by side"),
+    ],
+    ids=["missing tensor", "wrong shape", "query, key and value that do not stack"],
+)
+def test_bad_checkpoint_tensor_is_named(tmp_path: Path, key: str, replacement, message: str) -> None:
+    """``replacement`` None: the tensor is left out."""
     hf = random_hf_weights(TINY, seed=3)
-    del hf["encoder.layer.0.output.dense.bias"]
+    if replacement is None:
+        del hf[key]
+    else:
+        hf[key] = replacement
     checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
     model = BertModel(TINY, PoolingOptions())
     _, expected = export_relax(model, max_batch=2)
-    with pytest.raises(CheckpointError, match="no tensor 'encoder.layer.0.output.dense.bias'"):
-        load_parameters(checkpoint, model, expected)
-
-
-def test_wrong_shape_is_named(tmp_path: Path) -> None:
-    hf = random_hf_weights(TINY, seed=3)
-    hf["embeddings.word_embeddings.weight"] = np.zeros((49, 8), np.float32)
-    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
-    model = BertModel(TINY, PoolingOptions())
-    _, expected = export_relax(model, max_batch=2)
-    with pytest.raises(CheckpointError, match=r"'embeddings.word_embeddings.weight' has shape \(49, 8\)"):
-        load_parameters(checkpoint, model, expected)
-
-
-def test_query_key_value_that_do_not_stack_are_named(tmp_path: Path) -> None:
-    hf = random_hf_weights(TINY, seed=3)
-    hf["encoder.layer.0.attention.self.key.weight"] = np.zeros((8, 7), np.float32)
-    checkpoint = Checkpoint.open(_write_checkpoint(tmp_path / "ck", hf))
-    model = BertModel(TINY, PoolingOptions())
-    _, expected = export_relax(model, max_batch=2)
-    with pytest.raises(CheckpointError, match=r"attention.self.key.weight.*do not stack side by side"):
+    with pytest.raises(CheckpointError, match=message):
         load_parameters(checkpoint, model, expected)
 
 
