@@ -181,9 +181,14 @@ def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
     assert "6/6 trials" in tune.stderr
     plan = json.loads(database.with_suffix(".plan.json").read_text())
     assert plan["tuned_range"] == {"var": "T", "min": 1, "max": 64} and len(plan["shapes"]) == 64 and plan["variants"]
-    # Where the chosen variant and the untuned kernel were both measured, the choice is no slower.
+    # Where the chosen variant and the untuned kernel were both measured, the choice is no slower,
+    # unless the plan reads the weight packed: the untuned kernel (which reads it unpacked) cannot
+    # join such a plan, so the guard yields there and the layouts' comparison prices the shape
+    # (test_tuner_packing covers that rule; CI once saw 5.22 us chosen against 5.13 untuned).
     both = [row for row in plan["shapes"] if row["measured"] and row["default_measured"]]
-    assert both and all(row["latency_s"] <= row["default_latency_s"] for row in both)
+    slower = [row for row in both if row["latency_s"] > row["default_latency_s"]]
+    packed = all(variant is not None and variant.get("pack", 0) > 0 for variant in plan["variants"].values())
+    assert both and (not slower or packed), (slower, plan["variants"])
     report = subprocess.run([sys.executable, "-m", "tuner", "report", "--db", str(database)],
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
