@@ -21,6 +21,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args, args.artifact)  # checks the flags before a long compile
     hot_swap = None
+    if args.swap_min_gain < 0:
+        raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
     if args.artifact_store is not None:
         from ..runtime.versions import VersionStore
 
@@ -59,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
     retune = None
     if args.artifact_store is not None:
-        hot_swap = HotSwap(store, version, load_engine, args.watch_seconds)
+        hot_swap = HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
         if args.retune:
             retune = retune_settings(args)
     elif args.retune:
@@ -97,6 +99,10 @@ def add_serve_command(commands) -> None:
                                    "after checking them (see `publish`, `rollback`)")
     serve_parser.add_argument("--watch-seconds", type=float, default=5.0,
                               help="how often the version store is checked for a new version (default 5)")
+    serve_parser.add_argument("--swap-min-gain", type=float, default=0.9,
+                              help="refuse a newer version measured below this fraction of the served version's "
+                                   "speed, timed side by side on the traffic's heaviest shapes before swapping "
+                                   "(default 0.9; 0: swap without timing). Rollbacks are not timed")
     retune_group = serve_parser.add_argument_group("re-tuning (with --artifact-store)")
     retune_group.add_argument("--retune", action="store_true",
                               help="re-tune in a background process when the traffic drifts from the mix the "

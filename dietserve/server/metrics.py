@@ -77,8 +77,11 @@ class ServerMetrics:
             ["version"], registry=r)
         self.swaps = Counter("dietserve_swaps", "versions checked and swapped in", registry=r)
         self.swap_failures = Counter(
-            "dietserve_swap_failures", "candidate versions refused: unloadable, incompatible or answering "
-            "differently", registry=r)
+            "dietserve_swap_failures", "candidate versions refused: unloadable, incompatible, answering "
+            "differently or measured slower (--swap-min-gain)", registry=r)
+        self.checked_gain = Gauge(
+            "dietserve_swap_checked_gain", "the last newer version's speed over the served version's, timed side "
+            "by side on the traffic's heaviest shapes before swapping (below --swap-min-gain: refused)", registry=r)
         self.measured_gain = Gauge(
             "dietserve_swap_measured_gain", "compute time per shape before / after the last swap, weighted by the "
             "executions since, over shapes executed on both sides (above 1: faster)", registry=r)

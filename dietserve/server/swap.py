@@ -4,9 +4,15 @@ version, or the one a rollback points at, without a failed or slowed request.
 The candidate is loaded on a background thread, warmed up and checked on the execution thread
 one model run at a time between batches. The check runs sample inputs through both versions: the
 artifact's smallest shapes and the heaviest shape of the recorded traffic. It compares their
-answers. Only then does the batcher take the new engine for its next batch. A candidate that
-fails to load, is incompatible or answers differently is marked rejected in the store,
-counted and logged, and the current version stays.
+answers. A newer version is then timed against the served one, side by side on the traffic's
+heaviest shapes (``time_side_by_side``): a re-tuning job that timed its kernels on cores the
+server kept busy once published kernels that made seq 384 1.8x slower (serial kernels look as
+fast as parallel ones when the other core is taken). Only then does the batcher take the new
+engine for its next batch. A candidate that fails to load, is incompatible, answers differently
+or is measured slower than ``HotSwap.min_gain`` of the served version's speed is marked
+rejected in the store, counted and logged, and the current version stays. A rollback (the store's
+current version set back by an operator, or another server's verified choice) is checked for its
+answers, not timed: it is a decision already made.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ log = logging.getLogger("dietserve.server")
 
 VERIFY_ATOL = 1e-3  # kernels may sum in another order; a wrong kernel is off by far more
 SAMPLE_SHAPES = ((1, 16), (4, 64))
+TIMED_SHAPES = 3  # the traffic's heaviest shapes a candidate is timed on
+# Runs per engine and shape: at least MIN_RUNS and MIN_SECONDS of them, at most MAX_RUNS. Medians
+# of alternating runs: two copies of one artifact timed so read 0.99-1.02x in four runs of
+# tests/integration/test_hot_swap.py (a client sending requests meanwhile; a shared 2-core VM).
+MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.25, 40
 
 
 @dataclass
@@ -38,6 +49,9 @@ class HotSwap:
     version: int  # the version being served
     load_engine: Callable[[Path], Engine]
     watch_seconds: float = 5.0
+    # A newer version measured below this fraction of the served version's speed is refused
+    # (0: not timed). Below 1 so that noise does not refuse an equal one.
+    min_gain: float = 0.9
 
 
 def _incompatibility(current: Engine, candidate: Engine) -> str | None:
@@ -50,13 +64,64 @@ def _incompatibility(current: Engine, candidate: Engine) -> str | None:
     return None
 
 
-def sample_inputs(engine: Engine, traffic: TrafficLog) -> list[np.ndarray]:
-    shapes = [(min(b, engine.max_batch), min(s, engine.max_seq_len)) for b, s in SAMPLE_SHAPES]
-    if traffic.traffic.weights:
-        heaviest = max(traffic.traffic.weights.items(), key=lambda item: item[0][0] * item[0][1] * item[1])[0]
-        shapes.append(heaviest)
-    rng = np.random.default_rng(0)
+def _heaviest(engine: Engine, traffic: TrafficLog, count: int) -> list[tuple[tuple[int, int], float]]:
+    """The recorded traffic's ``count`` heaviest shapes (rows x length x executions), within the
+    engine's bounds, with their executions."""
+    weights: dict[tuple[int, int], float] = {}
+    for (rows, length), weight in traffic.traffic.weights.items():
+        shape = (min(rows, engine.max_batch), min(length, engine.max_seq_len))
+        weights[shape] = weights.get(shape, 0.0) + weight
+    return sorted(weights.items(), key=lambda item: -item[0][0] * item[0][1] * item[1])[:count]
+
+
+def _token_ids(engine: Engine, shapes, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
     return [rng.integers(1000, min(engine.vocab_size, 20000), size=shape) for shape in shapes]
+
+
+def sample_inputs(engine: Engine, traffic: TrafficLog) -> list[np.ndarray]:
+    """What the answers are compared on: ``SAMPLE_SHAPES`` and the traffic's heaviest shape."""
+    shapes = [(min(b, engine.max_batch), min(s, engine.max_seq_len)) for b, s in SAMPLE_SHAPES]
+    return _token_ids(engine, shapes + [shape for shape, _ in _heaviest(engine, traffic, 1)], seed=0)
+
+
+def timed_inputs(engine: Engine, traffic: TrafficLog) -> list[tuple[np.ndarray, float]]:
+    """(input, weight) for the timing: the traffic's ``TIMED_SHAPES`` heaviest shapes weighted by
+    their executions; without traffic, ``SAMPLE_SHAPES`` alike."""
+    shapes = _heaviest(engine, traffic, TIMED_SHAPES) or [
+        ((min(b, engine.max_batch), min(s, engine.max_seq_len)), 1.0) for b, s in SAMPLE_SHAPES]
+    return list(zip(_token_ids(engine, [shape for shape, _ in shapes], seed=1), [w for _, w in shapes], strict=True))
+
+
+def run_once(engine: Engine, ids: np.ndarray) -> float:
+    """Seconds one model run takes (what the timing submits between batches)."""
+    inputs = (ids, np.ones_like(ids), np.zeros_like(ids))
+    started = time.perf_counter()
+    engine.execute(*inputs)
+    return time.perf_counter() - started
+
+
+async def time_side_by_side(run_between_batches, current: Engine, candidate: Engine,
+                            inputs: list[tuple[np.ndarray, float]]) -> tuple[float, list[str]]:
+    """(the candidate's speed over the served version's, one line per shape): each shape run on
+    both engines by turns, one run between batches, ``MIN_RUNS`` to ``MAX_RUNS`` times each;
+    the speed is the weighted sum of median times, served / candidate."""
+    served_total = candidate_total = 0.0
+    lines = []
+    for ids, weight in inputs:
+        times: dict[int, list[float]] = {0: [], 1: []}
+        engines = (current, candidate)
+        for _ in range(MAX_RUNS):
+            order = (0, 1) if len(times[0]) % 2 == 0 else (1, 0)  # neither always runs second
+            for which in order:
+                times[which].append(await run_between_batches(run_once, engines[which], ids))
+            if len(times[0]) >= MIN_RUNS and min(sum(times[0]), sum(times[1])) >= MIN_SECONDS:
+                break
+        served, new = float(np.median(times[0])), float(np.median(times[1]))
+        served_total += weight * served
+        candidate_total += weight * new
+        lines.append(f"{list(ids.shape)} {served * 1e3:.1f} -> {new * 1e3:.1f} ms ({len(times[0])} runs each)")
+    return served_total / candidate_total, lines
 
 
 def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
@@ -141,6 +206,16 @@ class Swapper:
                 break
         if problem:
             return self._refuse(version, problem)
+        decided = version == store.current()  # a rollback, or another server's verified choice
+        if not decided and self.swap.min_gain > 0:
+            speed, lines = await time_side_by_side(self.batcher.run_between_batches, current, candidate,
+                                                   timed_inputs(current, self.traffic))
+            self.metrics.checked_gain.set(speed)
+            self.say(f"version {version}: {speed:.2f}x the served version's speed, timed side by side "
+                     f"({'; '.join(lines)})")
+            if speed < self.swap.min_gain:
+                return self._refuse(version, f"measured {speed:.2f}x the served version's speed on the traffic's "
+                                             f"shapes ({'; '.join(lines)}), below the minimum {self.swap.min_gain}")
         candidate.pool_bound = current.pool_bound  # one bound on the process, whichever engine runs
         self.batcher.engine = candidate  # the next batch runs on it
         self.gain.swapped()

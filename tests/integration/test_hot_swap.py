@@ -1,7 +1,8 @@
 """Hot swap against a real server serving a version store while a client keeps sending
 requests: a newer version is checked and swapped in, a version that answers differently is
-refused and marked, a restarted server serves the last verified version, and a rollback brings
-the servers back, all without one failed or wrong answer."""
+refused and marked, a restarted server serves the last verified version and refuses one
+measured slower than it asks for, and a rollback brings the servers back, all without one
+failed or wrong answer."""
 
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
                  timeout=120, interval=0.2)
         assert _served_version(server) == "2" and store.current() == 2
         assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
+        assert "version 2: " in server.log() and "timed side by side" in server.log()  # the speed check ran
         # A version whose answers differ is refused; version 2 stays.
         store.publish(_tampered_copy(minilm_artifact, tmp_path / "tampered"))
         wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal",
@@ -117,10 +119,19 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
     assert client.failures == [] and served_before_restart > 10
     assert "version 3 not swapped in" in server.log()
 
-    restarted = ServerProcess(None, *flags, model_name=MODEL)
+    # Restarted asking a new version to be 1.5x faster: another copy of the same artifact is timed
+    # side by side and refused; a rollback is a decision already made, and is not timed.
+    restarted = ServerProcess(None, *flags, "--swap-min-gain", "1.5", model_name=MODEL)
     client = SteadyClient(restarted, minilm_engine)
     try:
         assert _served_version(restarted) == "2"  # the last verified version, not the refused one
+        copy = store.publish(minilm_artifact)
+        wait_for(lambda: store.rejected(copy) is not None, "the copy's refusal", timeout=180, interval=0.2)
+        assert "served version's speed" in store.rejected(copy) and "below the minimum 1.5" in store.rejected(copy)
+        assert _served_version(restarted) == "2" and store.current() == 2
+        copies = metrics(restarted)[("dietserve_swap_checked_gain", ())]
+        print(f"two copies of one artifact, timed side by side under a steady client: {copies:.3f}x")
+        assert 0 < copies < 1.5
         assert "version 1" in _cli("rollback", "--store", str(store_dir))
         wait_for(lambda: _served_version(restarted) == "1", "the rollback to version 1", timeout=120, interval=0.2)
         time.sleep(1.0)
