@@ -17,6 +17,7 @@ job asked for a gain its plans do not predict publishes nothing (the last check)
 
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
@@ -120,16 +121,19 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
     log = server.log()
     assert failures == [] and answered[0] > 5, failures[:5]
     assert "re-tuning (drift" in log and "published (exit 0)" in log
-    assert samples[("dietserve_retune_runs_total", (("outcome", "published"),))] == 1
+    assert samples[("dietserve_retune_runs_total", (("outcome", "published"),))] >= 1
     assert store.tuned_for(2) is not None and store.retune_summary(2)["predicted_gain"] > 0
-    checked = samples[("dietserve_swap_checked_gain", ())]  # version 2 timed against version 1 before swapping
-    print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences, {after * 1e3:.1f} ms after the re-tune "
-          f"(timed at {checked:.2f}x before the swap)")
-    if store.rejected(2) is not None:  # the job's kernels, timed beside serving, were slower: refused
-        assert checked < 0.9 and "served version's speed" in store.rejected(2), store.rejected(2)
-        assert store.current() == 1 and samples.get(("dietserve_swaps_total", ()), 0) == 0
-        assert f"version 2 not swapped in: measured {checked:.2f}x" in log
+    refusal = store.rejected(2)
+    if refusal is not None:
+        # The job's kernels, timed beside serving, were slower: refused, and the drift (still
+        # there) started another run at once (--retune-min-interval 0), which may have published.
+        print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences; the re-tune refused: {refusal}")
+        measured = float(re.search(r"measured ([0-9.]+)x the served version's speed", refusal).group(1))
+        assert measured < 0.9 and f"version 2 not swapped in: measured {measured:.2f}x" in log, refusal
     else:
+        checked = samples[("dietserve_swap_checked_gain", ())]  # version 2 timed against version 1 before swapping
+        print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences, {after * 1e3:.1f} ms after the "
+              f"re-tune (timed at {checked:.2f}x before the swap)")
         assert store.current() == 2 and checked >= 0.9
         assert after < 1.5 * before, f"re-tuned {after * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
         assert samples[("dietserve_swap_measured_gain", ())] > 0.5  # the server's own view of the same shapes
@@ -138,9 +142,10 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
 
     # The same job asked for a gain no plan predicts: it tunes, compiles, and publishes nothing.
     snapshot = sorted((store_dir / "retune").glob("traffic-*.json"))[-1]
+    last = store.versions()[-1]
     refused = subprocess.run([sys.executable, "-m", "dietserve", "retune", "--store", str(store_dir), "--traffic",
                               str(snapshot), "--db", str(records), "--trials", "1", "--min-gain", "1000", *build],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert refused.returncode == 3, refused.stderr[-3000:]
     assert "not published: predicted gain" in refused.stdout
-    assert store.versions()[-1] == 2
+    assert store.versions()[-1] == last
