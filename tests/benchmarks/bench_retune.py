@@ -68,16 +68,19 @@ def probe(url: str, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
+SWAPPED = "and swapped in ("  # swap.py's line for a swap ("not swapped in:" is a refusal)
+
+
 def phase_times(server: ServerProcess) -> tuple[float | None, float | None]:
     """Wall-clock times (time.time()) the re-tuning job started and the swap happened, from the
     server's log lines as this process saw them."""
-    return server.seen.get("re-tuning ("), server.seen.get("swapped in")
+    return server.seen.get("re-tuning ("), server.seen.get(SWAPPED)
 
 
 class TimedServer(ServerProcess):
     """Records when each watched log line first appeared."""
 
-    WATCH = ("re-tuning (", "swapped in")
+    WATCH = ("re-tuning (", SWAPPED)
 
     def _read_log(self) -> None:
         self.seen = {}
@@ -170,8 +173,9 @@ def main() -> int:
         values = values or [float("nan")]
         print(f"{name:>10} {len(phases[name]):8d} {np.percentile(values, 50) * 1e3:8.1f} "
               f"{np.percentile(values, 99) * 1e3:8.1f}")
-    print(f"re-tune and swap took {swapped - started:.0f} s; probe at {PROBE} tokens {before * 1e3:.1f} ms before, "
-          f"{after * 1e3:.1f} ms after")
+    refused = server.log().count(" not swapped in: ")  # versions timed slower than --swap-min-gain, say
+    print(f"re-tune and swap took {swapped - started:.0f} s ({refused} version(s) refused first); probe at {PROBE} "
+          f"tokens {before * 1e3:.1f} ms before, {after * 1e3:.1f} ms after")
 
     import matplotlib
 
