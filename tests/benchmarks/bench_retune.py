@@ -9,13 +9,15 @@ real server serving a version store (all-MiniLM-L6-v2 on this CPU).
    real token ids) back to back, recording every latency and checking every answer against the
    untuned engine run directly.
 3. Phases from the server's log: idle (before the job starts), re-tuning (the job runs beside
-   serving, niced, on --retune-cpus), swapped (after the new version is checked and swapped in).
+   serving, niced, on --retune-cpus), checking (the published version loaded, its answers
+   compared and its speed timed against the served one's, between requests), swapped (after it
+   is swapped in).
    A probe request of 384 tokens is timed before the job starts and after the swap.
 
 Prints a table of p50/p99 per phase, draws latency over time with the phases shaded
 (``--plot``), and ends with
 
-    RESULT drift_gain=X p99_during_retune_vs_idle=Y swap_errors=Z
+    RESULT drift_gain=X p99_during_retune_vs_idle=Y p99_during_check_vs_idle=C swap_errors=Z
 
 (drift_gain: the probe's latency before / after; goals: swap_errors = 0, p99 during the re-tune
 <= 1.5x idle, a measurable gain).
@@ -69,25 +71,28 @@ def probe(url: str, repeats: int = 9) -> float:
 
 
 SWAPPED = "and swapped in ("  # swap.py's line for a swap ("not swapped in:" is a refusal)
+LOADING = ": loading from "  # swap.py's line as it starts on a version
 
 
-def phase_times(server: ServerProcess) -> tuple[float | None, float | None]:
-    """Wall-clock times (time.time()) the re-tuning job started and the swap happened, from the
-    server's log lines as this process saw them."""
-    return server.seen.get("re-tuning ("), server.seen.get(SWAPPED)
+def phase_times(server: ServerProcess) -> tuple[float | None, float | None, float | None]:
+    """Wall-clock times (time.time()) the re-tuning job started, the swapped-in version's check
+    started and the swap happened, from the server's log lines as this process saw them."""
+    started, swapped = server.seen.get("re-tuning (", [None])[0], server.seen.get(SWAPPED, [None])[0]
+    checking = max((t for t in server.seen.get(LOADING, []) if swapped is None or t <= swapped), default=None)
+    return started, checking, swapped
 
 
 class TimedServer(ServerProcess):
-    """Records when each watched log line first appeared."""
+    """Records when each watched log line appeared."""
 
-    WATCH = ("re-tuning (", SWAPPED)
+    WATCH = ("re-tuning (", LOADING, SWAPPED)
 
     def _read_log(self) -> None:
         self.seen = {}
         for line in self.process.stderr:
             for marker in self.WATCH:
-                if marker in line and marker not in self.seen:
-                    self.seen[marker] = time.time()
+                if marker in line:
+                    self.seen.setdefault(marker, []).append(time.time())
             self.lines.append(line.rstrip())
             self._events.put(line)
         self._events.put("")
@@ -151,7 +156,7 @@ def main() -> int:
             print(f"probe at {PROBE} tokens, kernels tuned for short sequences: {before * 1e3:.1f} ms", flush=True)
             client = threading.Thread(target=long_traffic)
             client.start()
-            while phase_times(server)[1] is None:
+            while phase_times(server)[2] is None:
                 if server.process.poll() is not None:
                     raise SystemExit("server exited:\n" + server.log()[-3000:])
                 time.sleep(1)
@@ -162,11 +167,12 @@ def main() -> int:
         finally:
             stop.set()
             server.stop()
-        started, swapped = phase_times(server)
+        started, checking, swapped = phase_times(server)
 
     t0 = samples[0][0]
     phases = {"idle": [s for t, s in samples if t < started],
-              "re-tuning": [s for t, s in samples if started <= t < swapped],
+              "re-tuning": [s for t, s in samples if started <= t < checking],
+              "checking": [s for t, s in samples if checking <= t < swapped],
               "swapped": [s for t, s in samples if t >= swapped]}
     print(f"\n{'phase':>10} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for name, values in phases.items():
@@ -174,8 +180,9 @@ def main() -> int:
         print(f"{name:>10} {len(phases[name]):8d} {np.percentile(values, 50) * 1e3:8.1f} "
               f"{np.percentile(values, 99) * 1e3:8.1f}")
     refused = server.log().count(" not swapped in: ")  # versions timed slower than --swap-min-gain, say
-    print(f"re-tune and swap took {swapped - started:.0f} s ({refused} version(s) refused first); probe at {PROBE} "
-          f"tokens {before * 1e3:.1f} ms before, {after * 1e3:.1f} ms after")
+    print(f"re-tune and swap took {swapped - started:.0f} s, the check {swapped - checking:.1f} s ({refused} "
+          f"version(s) refused first); probe at {PROBE} tokens {before * 1e3:.1f} ms before, {after * 1e3:.1f} ms "
+          "after")
 
     import matplotlib
 
@@ -195,9 +202,10 @@ def main() -> int:
     print(f"plot: {args.plot}")
 
     idle_p99 = np.percentile(phases["idle"], 99) if phases["idle"] else float("nan")
-    retune_p99 = np.percentile(phases["re-tuning"], 99) if phases["re-tuning"] else float("nan")
+    retune_p99, check_p99 = (np.percentile(phases[name], 99) if phases[name] else float("nan")
+                             for name in ("re-tuning", "checking"))
     print(f"RESULT drift_gain={before / after:.2f} p99_during_retune_vs_idle={retune_p99 / idle_p99:.2f} "
-          f"swap_errors={len(errors)}")
+          f"p99_during_check_vs_idle={check_p99 / idle_p99:.2f} swap_errors={len(errors)}")
     return 1 if errors else 0
 
 
