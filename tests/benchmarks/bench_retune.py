@@ -1,7 +1,7 @@
 """Latency over time across a traffic drift, the background re-tune and the hot swap, against a
 real server serving a version store (all-MiniLM-L6-v2 on this CPU).
 
-    python tests/benchmarks/bench_retune.py [--trials 16] [--plot retune.png] [--retune-cpus 1]
+    python tests/benchmarks/bench_retune.py [--trials 16] [--plot retune.png] [--retune-cpus 1] [--retune-nice N]
 
 1. Kernels are tuned for short sequences (1..16 tokens) and published as version 1, with that mix
    as the mix they were tuned for.
@@ -103,6 +103,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dietserve")
     parser.add_argument("--trials", type=int, default=16, help="measurements per operator, both tunings")
     parser.add_argument("--retune-cpus", default="1", help="CPUs the re-tuning job may use")
+    parser.add_argument("--retune-nice", type=int, default=None, help="the job's niceness (default: the server's)")
     parser.add_argument("--after-swap-seconds", type=float, default=20.0)
     parser.add_argument("--plot", type=Path, default=Path("retune.png"))
     args = parser.parse_args()
@@ -128,6 +129,7 @@ def main() -> int:
                              "--retune", "--retune-min-rows", "100", "--retune-min-interval", "0",
                              "--retune-check-seconds", "2", "--retune-trials", str(args.trials),
                              "--retune-cpus", args.retune_cpus, "--retune-db", str(work / "records.jsonl"),
+                             *([] if args.retune_nice is None else ["--retune-nice", str(args.retune_nice)]),
                              *build, model_name=MODEL)
         rng = np.random.default_rng(3)
         cases = [rng.integers(1000, 5000, size=(1, int(n))) for n in rng.integers(256, 513, size=8)]
