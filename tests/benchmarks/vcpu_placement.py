@@ -5,9 +5,13 @@ VMs this project runs on, the samples fall in two groups minutes apart: the two 
 (a hand-off of about 30 ns) or on two (about 170 ns, with a faster read: two paths to memory).
 
     python tests/benchmarks/vcpu_placement.py ARTIFACT_DIR [--minutes 15] [--lengths 1,16,31,128]
+        [--operators 128]
 
 Prints every sample, then per placement (hand-off below or above ``--far-ns``) the medians of
-the hand-off, the read rate and the latency at each length. Last line:
+the hand-off, the read rate and the latency at each length. With ``--operators SEQ`` each sample
+also profiles the PrimFuncs at that length (``operator_profile.profile_operators``, its hook's
+overhead included, alike in both placements) and the operators are listed by how much slower
+they run with the vCPUs apart. Last line:
 
     RESULT near_samples=N far_samples=F far_vs_near_seq<L>=R ...   (R > 1: slower on two L3s)
 
@@ -28,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from operator_profile import profile_operators  # noqa: E402
 
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
@@ -89,6 +95,19 @@ def build_probe(folder: Path) -> Path:
     return binary
 
 
+def print_operators(operators: dict, calls: dict, seq: int, top: int) -> None:
+    """Each PrimFunc's median ms a run in both placements, the most slowed down first."""
+    rows = [(statistics.median(operators["far"][s]) - statistics.median(operators["near"][s]), s,
+             statistics.median(operators["near"][s]), statistics.median(operators["far"][s]))
+            for s in operators["near"] if s in operators["far"]]
+    near, far = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    print(f"# operators at seq {seq} (under the profile hook), ms a run: near {near:.2f}, far {far:.2f}, "
+          f"far - near {far - near:+.2f}")
+    for difference, symbol, near_ms, far_ms in sorted(rows, reverse=True)[:top]:
+        print(f"  {symbol[:48]:48s} {calls[symbol]:3d} calls  near {near_ms:8.3f}  far {far_ms:8.3f}  "
+              f"{difference:+7.3f} ms  x{far_ms / near_ms:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
@@ -96,6 +115,9 @@ def main() -> int:
     parser.add_argument("--lengths", default="1,16,31,128")
     parser.add_argument("--runs", type=int, default=5, help="model runs per length and sample (median)")
     parser.add_argument("--far-ns", type=float, default=100.0, help="hand-offs above this: the vCPUs on two L3s")
+    parser.add_argument("--operators", type=int, default=None, metavar="SEQ",
+                        help="also profile the PrimFuncs at this length in every sample")
+    parser.add_argument("--top", type=int, default=15, help="operators listed with --operators")
     args = parser.parse_args()
     lengths = [int(v) for v in args.lengths.split(",")]
     engine = Engine(load_artifact(args.artifact))
@@ -112,6 +134,8 @@ def main() -> int:
         return statistics.median(samples) * 1e3
 
     rows = []
+    operators: dict[str, dict[str, list[float]]] = {"near": {}, "far": {}}  # placement -> PrimFunc -> ms a run
+    calls: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
         probe = build_probe(Path(folder))
         end = time.time() + args.minutes * 60
@@ -121,6 +145,11 @@ def main() -> int:
             handoff, read = (float(v) for v in re.search(r"handoff_ns (\S+) read_gbs (\S+)", output).groups())
             row = [handoff, read, *(latency_ms(length) for length in lengths)]
             rows.append(row)
+            place = "near" if handoff <= args.far_ns else "far"
+            if args.operators is not None:
+                for symbol, seconds, count in profile_operators(engine, 1, args.operators, repeats=3):
+                    operators[place].setdefault(symbol, []).append(seconds * 1e3)
+                    calls[symbol] = count
             print(" ".join(f"{v:.2f}" for v in row), flush=True)
     groups = {"near": [r for r in rows if r[0] <= args.far_ns], "far": [r for r in rows if r[0] > args.far_ns]}
     medians = {}
@@ -135,6 +164,8 @@ def main() -> int:
     if len(medians) == 2:
         ratios = " " + " ".join(f"far_vs_near_seq{length}={medians['far'][2 + i] / medians['near'][2 + i]:.3f}"
                                 for i, length in enumerate(lengths))
+    if args.operators is not None and len(medians) == 2:
+        print_operators(operators, calls, args.operators, args.top)
     print(f"RESULT near_samples={len(groups['near'])} far_samples={len(groups['far'])}{ratios}")
     return 0
 
