@@ -208,8 +208,11 @@ class Swapper:
             return self._refuse(version, problem)
         decided = version == store.current()  # a rollback, or another server's verified choice
         if not decided and self.swap.min_gain > 0:
-            speed, lines = await time_side_by_side(self.batcher.run_between_batches, current, candidate,
-                                                   timed_inputs(current, self.traffic))
+            try:
+                speed, lines = await time_side_by_side(self.batcher.run_between_batches, current, candidate,
+                                                       timed_inputs(current, self.traffic))
+            except Exception as err:  # noqa: BLE001 - a run that fails at a traffic shape refuses the candidate
+                return self._refuse(version, f"failed while timed on the traffic's shapes: {err}")
             self.metrics.checked_gain.set(speed)
             self.say(f"version {version}: {speed:.2f}x the served version's speed, timed side by side "
                      f"({'; '.join(lines)})")
