@@ -64,12 +64,16 @@ def _incompatibility(current: Engine, candidate: Engine) -> str | None:
     return None
 
 
+def _within(engine: Engine, rows: int, length: int) -> tuple[int, int]:
+    return min(rows, engine.max_batch), min(length, engine.max_seq_len)
+
+
 def _heaviest(engine: Engine, traffic: TrafficLog, count: int) -> list[tuple[tuple[int, int], float]]:
     """The recorded traffic's ``count`` heaviest shapes (rows x length x executions), within the
     engine's bounds, with their executions."""
     weights: dict[tuple[int, int], float] = {}
     for (rows, length), weight in traffic.traffic.weights.items():
-        shape = (min(rows, engine.max_batch), min(length, engine.max_seq_len))
+        shape = _within(engine, rows, length)
         weights[shape] = weights.get(shape, 0.0) + weight
     return sorted(weights.items(), key=lambda item: -item[0][0] * item[0][1] * item[1])[:count]
 
@@ -81,21 +85,20 @@ def _token_ids(engine: Engine, shapes, seed: int) -> list[np.ndarray]:
 
 def sample_inputs(engine: Engine, traffic: TrafficLog) -> list[np.ndarray]:
     """What the answers are compared on: ``SAMPLE_SHAPES`` and the traffic's heaviest shape."""
-    shapes = [(min(b, engine.max_batch), min(s, engine.max_seq_len)) for b, s in SAMPLE_SHAPES]
+    shapes = [_within(engine, *shape) for shape in SAMPLE_SHAPES]
     return _token_ids(engine, shapes + [shape for shape, _ in _heaviest(engine, traffic, 1)], seed=0)
 
 
 def timed_inputs(engine: Engine, traffic: TrafficLog) -> list[tuple[np.ndarray, float]]:
     """(input, weight) for the timing: the traffic's ``TIMED_SHAPES`` heaviest shapes weighted by
     their executions; without traffic, ``SAMPLE_SHAPES`` alike."""
-    shapes = _heaviest(engine, traffic, TIMED_SHAPES) or [
-        ((min(b, engine.max_batch), min(s, engine.max_seq_len)), 1.0) for b, s in SAMPLE_SHAPES]
+    shapes = _heaviest(engine, traffic, TIMED_SHAPES) or [(_within(engine, *shape), 1.0) for shape in SAMPLE_SHAPES]
     return list(zip(_token_ids(engine, [shape for shape, _ in shapes], seed=1), [w for _, w in shapes], strict=True))
 
 
 def run_once(engine: Engine, ids: np.ndarray) -> float:
     """Seconds one model run takes (what the timing submits between batches)."""
-    inputs = (ids, np.ones_like(ids), np.zeros_like(ids))
+    inputs = engine.validate(ids)  # every token attended, one segment
     started = time.perf_counter()
     engine.execute(*inputs)
     return time.perf_counter() - started
@@ -126,7 +129,7 @@ async def time_side_by_side(run_between_batches, current: Engine, candidate: Eng
 
 def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
     """Runs one sample through both; the difference if they disagree."""
-    inputs = (ids, np.ones_like(ids), np.zeros_like(ids))
+    inputs = current.validate(ids)  # every token attended, one segment
     want, got = current.execute(*inputs), candidate.execute(*inputs)
     for name in ("last_hidden_state", "sentence_embedding"):
         a, b = getattr(want, name), getattr(got, name)
@@ -172,12 +175,14 @@ class Swapper:
         self.metrics, self.traffic, self.say = metrics, traffic, say
         metrics.artifact_version.labels(str(swap.version)).set(1)
 
-    def candidate(self) -> int | None:
+    def candidate(self) -> tuple[int | None, bool]:
+        """(the version to check, whether it is a decision already made: a rollback, or another
+        server's verified choice, checked for its answers but not timed)."""
         store, serving = self.swap.store, self.swap.version
         current = store.current()
         if current is not None and current != serving and store.rejected(current) is None:
-            return current  # a rollback, or another server's verified choice
-        return store.newer_candidate(serving)
+            return current, True
+        return store.newer_candidate(serving), False
 
     async def watch(self) -> None:
         while True:
@@ -188,7 +193,7 @@ class Swapper:
                 log.exception("checking the version store failed; serving goes on")
 
     async def try_swap(self) -> bool:
-        version = self.candidate()
+        version, decided = self.candidate()
         if version is None:
             return False
         started = time.monotonic()
@@ -206,7 +211,6 @@ class Swapper:
                 break
         if problem:
             return self._refuse(version, problem)
-        decided = version == store.current()  # a rollback, or another server's verified choice
         if not decided and self.swap.min_gain > 0:
             try:
                 speed, lines = await time_side_by_side(self.batcher.run_between_batches, current, candidate,

@@ -20,6 +20,9 @@ class SleepingEngine:
     def __init__(self, seconds: float):
         self.seconds, self.runs, self.shapes = seconds, 0, []
 
+    def validate(self, ids):
+        return ids, np.ones_like(ids), np.zeros_like(ids)
+
     def execute(self, ids, mask, token_types):
         assert ids.shape == mask.shape == token_types.shape
         self.runs += 1
