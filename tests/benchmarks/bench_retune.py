@@ -103,7 +103,8 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dietserve")
     parser.add_argument("--trials", type=int, default=16, help="measurements per operator, both tunings")
     parser.add_argument("--retune-cpus", default="1", help="CPUs the re-tuning job may use")
-    parser.add_argument("--retune-nice", type=int, default=None, help="the job's niceness (default: the server's)")
+    parser.add_argument("--retune-nice", type=int, default=None,
+                        help="the job's niceness (default: serve's own default, 10)")
     parser.add_argument("--after-swap-seconds", type=float, default=20.0)
     parser.add_argument("--plot", type=Path, default=Path("retune.png"))
     args = parser.parse_args()
