@@ -10,6 +10,13 @@ the kernels were tuned for (a version without a recorded mix was tuned for every
 A run starts when drift >= ``drift_threshold``, at least ``min_rows`` rows have been recorded,
 no run is going, no published version is waiting for its swap, and ``min_interval_seconds``
 have passed since the last one started.
+
+A run that changed nothing served (it found no faster plans, or the hot swap refused what it
+published) leaves the traffic as far from the served version as before; a second run on the
+same mix would reuse the first one's records and find the same plans, while the server's
+requests pay for its tuning (p99 about 2x idle on 2 cores, ``bench_retune.py``). So the next
+run also waits until the traffic has drifted by ``drift_threshold`` from the mix that run
+tuned for. A run that failed (a crash, a kill past its budget) is retried after the interval.
 """
 
 from __future__ import annotations
@@ -55,6 +62,13 @@ class RetunePolicy:
         self.process: subprocess.Popen | None = None
         self._started = float("-inf")
         self._tuned_for: tuple[int, dict[int, float]] | None = None  # (version, its mix), read once
+        self._snapshot: Path | None = None  # the traffic the running (or last) job tuned for
+        self._served_at_start: int | None = None  # the version served when the running (or last) job started
+        self._published_over: int | None = None  # that version, once its job published; cleared once decided
+        # (served version, traffic mix) of the last job that changed nothing served; it holds while
+        # that version is served (another version, a rollback's say, is worth a run on any mix)
+        self._tried: tuple[int, dict[int, float]] | None = None
+        self._held_back = False  # the hold has been logged (once per tried mix)
 
     def tuned_for(self) -> dict[int, float]:
         version = self.hot_swap.version
@@ -87,14 +101,42 @@ class RetunePolicy:
             return
         if self.hot_swap.store.newer_candidate(self.hot_swap.version) is not None:
             return  # a published version waits for its check and swap: measure drift against it then
+        if self._published_over is not None:
+            self._published_decided()
         observed = self.traffic.traffic.row_weights()
         drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
         rows = sum(observed.values())
+        threshold = self.settings.drift_threshold
         # Weights are floats rescaled on each decay: allow for their rounding at the boundary.
-        if (drift >= self.settings.drift_threshold and rows >= self.settings.min_rows * (1 - 1e-9)
+        if (drift >= threshold and rows >= self.settings.min_rows * (1 - 1e-9)
                 and now - self._started >= self.settings.min_interval_seconds):
-            self.start(f"drift {drift:.2f} >= {self.settings.drift_threshold}")
+            tried = self._tried[1] if self._tried is not None and self._tried[0] == self.hot_swap.version else None
+            moved = None if tried is None else mix_distance(observed, tried, self.edges)
+            if moved is None or moved >= threshold:
+                self._tried = None
+                self.start(f"drift {drift:.2f} >= {threshold}")
+            elif not self._held_back:
+                self._held_back = True
+                self.say(f"not re-tuning: drift {drift:.2f} from the served version, but {moved:.2f} (< {threshold})"
+                         " from the traffic the last job tuned for without changing what is served")
+
+    def _published_decided(self) -> None:
+        """The hot swap has decided on the version the last job published: swapped in (the drift
+        is now measured against it), or refused (its traffic becomes the tried mix)."""
+        if self.hot_swap.version <= self._published_over:
+            self._tried_without_change("its version was not swapped in")
+        self._published_over = None
+
+    def _tried_without_change(self, why: str) -> None:
+        try:
+            self._tried = (self.hot_swap.version, Traffic.load(self._snapshot).row_weights())
+        except TrafficError as err:
+            log.error("%s; the next job may run on the same traffic", err)
+            return
+        self._held_back = False
+        self.say(f"the re-tuning job changed nothing served ({why}): the next one waits until the traffic "
+                 f"drifts {self.settings.drift_threshold} from the mix it tuned for")
 
     def start(self, reason: str) -> None:
         folder = self.hot_swap.store.root / RETUNE_DIR
@@ -102,6 +144,7 @@ class RetunePolicy:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         snapshot = folder / f"traffic-{stamp}.json"
         self.traffic.traffic.save(snapshot)
+        self._snapshot, self._served_at_start = snapshot, self.hot_swap.version
         log_path = folder / f"job-{stamp}.log"
         with log_path.open("w") as job_log:
             self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
@@ -130,6 +173,11 @@ class RetunePolicy:
         self.metrics.retune_running.set(0)
         self.say(f"re-tuning job {self.process.pid} {outcome} (exit {code}) after {elapsed:.0f} s")
         self.process = None
+        if outcome == "not-faster":
+            self._tried_without_change("no faster plans")
+        elif outcome == "published":
+            # (the swap may already have taken it: compare with the version served at the start)
+            self._published_over = self._served_at_start
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -17,7 +17,8 @@ from dietserve.server.traffic_log import TrafficLog
 EDGES = [8, 16, 32, 64, 128, 256, 512]
 
 
-def _policy(tmp_path: Path, exit_code: int, **settings) -> tuple[RetunePolicy, ServerMetrics, list[str]]:
+def _policy(tmp_path: Path, exit_code: int, publish: bool = False,
+            **settings) -> tuple[RetunePolicy, ServerMetrics, list[str]]:
     artifact = tmp_path / "artifact"
     artifact.mkdir()
     (artifact / "manifest.json").write_text(json.dumps({}))
@@ -31,7 +32,11 @@ def _policy(tmp_path: Path, exit_code: int, **settings) -> tuple[RetunePolicy, S
 
     def command(store_root: Path, traffic: Path) -> list[str]:
         assert Traffic.load(traffic).weights  # the job gets a snapshot of the traffic
-        return [sys.executable, "-c", f"import sys; sys.exit({exit_code})"]
+        # (``publish``: as the real job does, a new version tuned for the snapshot)
+        publishing = (f"from dietserve.runtime.versions import VersionStore; "
+                      f"VersionStore({str(store_root)!r}).publish({str(artifact)!r}, tuned_for={str(traffic)!r}); "
+                      if publish else "")
+        return [sys.executable, "-c", f"{publishing}import sys; sys.exit({exit_code})"]
 
     policy = RetunePolicy(RetuneSettings(command=command, **settings), HotSwap(store, version, lambda p: None),
                           TrafficLog(None, 3600.0, metrics), EDGES, 512, metrics, said.append)
@@ -84,3 +89,71 @@ def test_a_job_that_predicts_no_gain_is_counted_as_not_faster(tmp_path):
     assert metrics.retune_runs.labels("not-faster")._value.get() == 1
     assert metrics.retune_runs.labels("failed")._value.get() == 0
     assert any("not-faster (exit 3)" in line for line in said)
+
+
+def _record(policy: RetunePolicy, length: int, count: int) -> None:
+    now = time.time()
+    for _ in range(count):
+        policy.traffic.traffic.record(1, length, now)
+
+
+def test_after_a_job_that_found_nothing_faster_the_next_waits_for_the_traffic_to_move(tmp_path):
+    policy, metrics, said = _policy(tmp_path, EXIT_NOT_FASTER, drift_threshold=0.5, min_rows=1,
+                                    min_interval_seconds=0)
+    _record(policy, 400, 10)
+    policy.step()
+    _finish(policy)
+    assert metrics.retune_runs.labels("not-faster")._value.get() == 1
+    for _ in range(3):
+        policy.step()
+        assert policy.process is None  # drift 1.0 from the served mix, 0.0 from the one just tried
+    assert metrics.traffic_drift._value.get() == 1.0
+    assert sum("not re-tuning: drift 1.00 from the served version, but 0.00" in line for line in said) == 1
+    _record(policy, 100, 30)  # now 75% of the rows are in a bucket the tried mix does not hold
+    policy.step()
+    assert policy.process is not None
+    _finish(policy)
+    assert metrics.retune_runs.labels("not-faster")._value.get() == 2
+
+
+def test_a_published_version_the_swap_refused_holds_back_a_run_on_the_same_traffic(tmp_path):
+    policy, metrics, said = _policy(tmp_path, 0, publish=True, drift_threshold=0.5, min_rows=1,
+                                    min_interval_seconds=0)
+    store = policy.hot_swap.store
+    _record(policy, 400, 10)
+    policy.step()
+    _finish(policy)
+    assert metrics.retune_runs.labels("published")._value.get() == 1 and store.versions() == [1, 2]
+    policy.step()
+    assert policy.process is None  # version 2 waits for the hot swap
+    store.reject(2, "timed at 0.85x the served version's speed")  # the swap's refusal
+    policy.step()
+    assert policy.process is None
+    assert any("changed nothing served (its version was not swapped in)" in line for line in said)
+    _record(policy, 100, 30)
+    policy.step()
+    assert policy.process is not None  # the traffic moved away from what version 2 was tuned for
+    _finish(policy)
+
+
+def test_a_swapped_in_version_is_the_reference(tmp_path):
+    policy, metrics, said = _policy(tmp_path, 0, publish=True, drift_threshold=0.5, min_rows=1,
+                                    min_interval_seconds=0)
+    _record(policy, 400, 10)
+    policy.step()
+    _finish(policy)
+    policy.hot_swap.version = 2  # the swap took it: tuned for the 400-token traffic
+    policy.step()
+    assert policy.process is None and metrics.traffic_drift._value.get() == 0.0
+    assert not any("changed nothing served" in line for line in said)
+
+
+def test_a_failed_job_is_retried_on_the_same_traffic(tmp_path):
+    failing, metrics, _ = _policy(tmp_path, 2, drift_threshold=0.5, min_rows=1, min_interval_seconds=0)
+    _record(failing, 400, 10)
+    failing.step()
+    _finish(failing)
+    failing.step()  # a crash is no verdict on the traffic: run again (after the interval, here 0)
+    assert failing.process is not None
+    _finish(failing)
+    assert metrics.retune_runs.labels("failed")._value.get() == 2
