@@ -1,6 +1,7 @@
 """Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
-OpenVINO on the CPU, same thread count, measured one backend after another per point, in
-``--rounds`` rounds over the whole table (median of the rounds), in one run; a point whose
+OpenVINO on the CPU, same thread count, measured one backend after another per point (the order
+rotated every round), in ``--rounds`` rounds over the whole table (median of the rounds), in one
+run; a point whose
 rounds were half or more busy for every backend alike (the machine, not a backend) gets up to
 ``--extra-rounds`` more, and says so. Beside them, a
 floor: the encoder's matrix products (dense layers and attention) at the machine's FMA peak, or
@@ -22,7 +23,11 @@ the tuning time, a per-operator profile at one length, and a last line
 
 (one line) where ratios above 1 mean ours is faster; "ours" is the tuned artifact with
 ``--tuned``, else the untuned one; "best" is the faster of ONNX Runtime and OpenVINO at each
-point. Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..`` (1.0: at the floor) and
+point. Then ``PAIRED geomean_vs_best=.. min_vs_best=..``: each point's ratio taken within each
+round (the faster of the two in that round over ours in it, seconds apart) and its median over
+rounds, the table's ``paired`` column: on a host whose speed swings within minutes (ORT read 86
+to 126 ms at seq 48 in one process, seconds apart, on 2026-11-26) the per-backend medians can
+come from different rounds. Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..`` (1.0: at the floor) and
 what a backend at the floor at every point would be against the best: more than any fp32
 backend can reach on this machine.
 """
@@ -46,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert_baselines  # noqa: E402
 import kernel_baselines  # noqa: E402
 from operator_profile import profile_operators  # noqa: E402
-from timing import busy_rounds, call_seconds  # noqa: E402
+from timing import busy_rounds, call_seconds, paired_ratio, rotated  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan import read_plans  # noqa: E402
@@ -181,7 +186,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
         # rate can change within the seconds a point takes, and a floor timed after it changed
         # read 9.19 ms at seq 1 where ours ran 6.32 (floor/ours 1.45: no longer a floor).
         before = floor.seconds(*point, args.repeats)
-        for name, fn in backends.items():
+        for name, fn in rotated(backends.items(), len(floors[point])):
             samples[point][name].append(median_latency(fn, points[point], args.repeats))
         floors[point].append(min(before, floor.seconds(*point, args.repeats)))
 
@@ -210,7 +215,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
               f" measured in each round ({floor.summary()}); best: the faster of ORT and OpenVINO")
         print(f"{'seq':>5} " + " ".join(f"{name:>9}" for name in backends)
               + f" {'floor':>8} {'tun/unt':>8} {'vs_ort':>7} {'vs_ov':>7} {'vs_best':>7} {'vs_torch':>8}"
-              + f" {'floor/ours':>10} {'floor/best':>10}")
+              + f" {'floor/ours':>10} {'floor/best':>10} {'paired':>7}")
         for seq in args.lengths:
             times = {name: statistics.median(values) for name, values in samples[batch, seq].items()}
             best = min(times["ort"], times["openvino"])
@@ -219,13 +224,15 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
                      "vs_torch": times["torch"] / times[ours]}
             for key, value in point.items():
                 ratios[key].append(value)
+            paired = paired_ratio(samples[batch, seq], ours, ("ort", "openvino"))
+            ratios["paired_vs_best"].append(paired)
             lower = statistics.median(floors[batch, seq])
             ratios["floor_vs_ours"].append(lower / times[ours])
             ratios["floor_vs_best"].append(lower / best)
             print(f"{seq:>5} " + " ".join(f"{t * 1e3:>9.2f}" for t in times.values())
                   + f" {lower * 1e3:>8.2f} {point['tuned_vs_untuned']:>8.2f} {point['vs_ort']:>7.2f}"
                   + f" {point['vs_openvino']:>7.2f} {point['vs_best']:>7.2f} {point['vs_torch']:>8.2f}"
-                  + f" {lower / times[ours]:>10.2f} {lower / best:>10.2f}", flush=True)
+                  + f" {lower / times[ours]:>10.2f} {lower / best:>10.2f} {paired:>7.2f}", flush=True)
     profile_at = args.profile_seq
     for name, engine in engines.items():
         rows = profile_operators(engine, 1, profile_at)
@@ -254,7 +261,8 @@ def main() -> int:
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     ratios: dict[str, list[float]] = {key: [] for key in (
-        "tuned_vs_untuned", "vs_ort", "vs_openvino", "vs_best", "vs_torch", "floor_vs_ours", "floor_vs_best")}
+        "tuned_vs_untuned", "vs_ort", "vs_openvino", "vs_best", "vs_torch", "floor_vs_ours", "floor_vs_best",
+        "paired_vs_best")}
     for model in args.models.split(","):
         bench_model(model, args, ratios)
     print(f"RESULT geomean_tuned_vs_untuned={geomean(ratios['tuned_vs_untuned']):.3f} "
@@ -262,6 +270,9 @@ def main() -> int:
           f"geomean_vs_ort={geomean(ratios['vs_ort']):.3f} geomean_vs_openvino={geomean(ratios['vs_openvino']):.3f} "
           f"geomean_vs_torch={geomean(ratios['vs_torch']):.3f} geomean_vs_best={geomean(ratios['vs_best']):.3f} "
           f"min_vs_best={min(ratios['vs_best']):.3f}")
+    print(f"PAIRED geomean_vs_best={geomean(ratios['paired_vs_best']):.3f} "
+          f"min_vs_best={min(ratios['paired_vs_best']):.3f} (each point: the median over rounds of that round's "
+          f"best/ours)")
     print(f"FLOOR geomean_floor_vs_ours={geomean(ratios['floor_vs_ours']):.3f} "
           f"geomean_floor_vs_best={geomean(ratios['floor_vs_best']):.3f} (1.0: at the matrix products' floor); "
           f"a backend at the floor at every point would be {1 / geomean(ratios['floor_vs_best']):.3f}x the best")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -29,3 +30,25 @@ def busy_rounds(samples: dict[str, Sequence[float]], factor: float) -> list[int]
     rounds = lengths.pop()
     fastest = {name: min(values) for name, values in samples.items()}
     return [r for r in range(rounds) if all(values[r] >= factor * fastest[name] for name, values in samples.items())]
+
+
+def rotated(items: Sequence, turn: int) -> list:
+    """``items`` starting at ``turn`` (modulo their count): the order of a point's backends in its
+    ``turn``-th round, so that none always runs first, last, or after the same other one."""
+    items = list(items)
+    if not items:
+        return items
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
+def paired_ratio(samples: dict[str, Sequence[float]], ours: str, rivals: Sequence[str]) -> float:
+    """The median over rounds of (the fastest of ``rivals`` in a round) / (``ours`` in that
+    round): each ratio is taken from runs seconds apart, so a slow spell of the machine that
+    covers a round moves both sides of it, where a ratio of per-backend medians can take its two
+    medians from different rounds. ``samples``: backend -> seconds per round."""
+    lengths = {len(samples[name]) for name in (ours, *rivals)}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(f"backends have different or no round counts: {sorted(lengths)}")
+    per_round = [min(samples[name][r] for name in rivals) / samples[ours][r] for r in range(lengths.pop())]
+    return statistics.median(per_round)
