@@ -1,14 +1,13 @@
 """Latency per sequence length of our compiled artifacts beside PyTorch eager, ONNX Runtime and
 OpenVINO on the CPU, same thread count, measured one backend after another per point (the order
 rotated every round), in ``--rounds`` rounds over the whole table (median of the rounds), in one
-run; a point whose
-rounds were half or more busy for every backend alike (the machine, not a backend) gets up to
-``--extra-rounds`` more, and says so. Beside them, a
-floor: the encoder's matrix products (dense layers and attention) at the machine's FMA peak, or
-its dense weights read once at the DRAM rate, whichever is longer, both measured in every round
-(``WeightFloor``; the read before and after each point's backends, the faster taken). No fp32
-backend goes below it: it grants every FLOP the peak rate, a perfect overlap of the weights'
-stream with the FMAs, and nothing for the rest of the model.
+run; a point whose rounds were half or more busy for every backend alike (the machine, not a
+backend) gets up to ``--extra-rounds`` more, and says so. Beside them, a floor: the encoder's
+matrix products (dense layers and attention) at the machine's FMA peak, or its dense weights
+read once at the DRAM rate, whichever is longer, both measured in every round (``WeightFloor``;
+the read before and after each point's backends, the faster taken). No fp32 backend goes below
+it: it grants every FLOP the peak rate, a perfect overlap of the weights' stream with the FMAs,
+and nothing for the rest of the model.
 
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
@@ -27,9 +26,9 @@ point. Then ``PAIRED geomean_vs_best=.. min_vs_best=..``: each point's ratio tak
 round (the faster of the two in that round over ours in it, seconds apart) and its median over
 rounds, the table's ``paired`` column: on a host whose speed swings within minutes (ORT read 86
 to 126 ms at seq 48 in one process, seconds apart, on 2026-11-26) the per-backend medians can
-come from different rounds. Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..`` (1.0: at the floor) and
-what a backend at the floor at every point would be against the best: more than any fp32
-backend can reach on this machine.
+come from different rounds. Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..``
+(1.0: at the floor) and what a backend at the floor at every point would be against the best:
+more than any fp32 backend can reach on this machine.
 """
 
 from __future__ import annotations

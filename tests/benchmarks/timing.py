@@ -34,7 +34,8 @@ def busy_rounds(samples: dict[str, Sequence[float]], factor: float) -> list[int]
 
 def rotated(items: Sequence, turn: int) -> list:
     """``items`` starting at ``turn`` (modulo their count): the order of a point's backends in its
-    ``turn``-th round, so that none always runs first, last, or after the same other one."""
+    ``turn``-th round, so that each takes every place in turn (none always first or last; the
+    cyclic order stays, so each still follows the same other one where it is not first)."""
     items = list(items)
     if not items:
         return items
