@@ -62,11 +62,12 @@ class RetunePolicy:
         self.process: subprocess.Popen | None = None
         self._started = float("-inf")
         self._tuned_for: tuple[int, dict[int, float]] | None = None  # (version, its mix), read once
-        self._snapshot: Path | None = None  # the traffic the running (or last) job tuned for
-        self._served_at_start: int | None = None  # the version served when the running (or last) job started
-        self._published_over: int | None = None  # that version, once its job published; cleared once decided
-        # (served version, traffic mix) of the last job that changed nothing served; it holds while
-        # that version is served (another version, a rollback's say, is worth a run on any mix)
+        # (served version, traffic mix) when the running (or last) job started: the mix is what its
+        # snapshot holds
+        self._job: tuple[int, dict[int, float]] | None = None
+        self._awaiting_swap = False  # the last job published; the hot swap has not decided yet
+        # ``_job`` of the last job that changed nothing served; it holds while that version is
+        # served (another version, a rollback's say, is worth a run on any mix)
         self._tried: tuple[int, dict[int, float]] | None = None
         self._held_back = False  # the hold has been logged (once per tried mix)
 
@@ -101,8 +102,10 @@ class RetunePolicy:
             return
         if self.hot_swap.store.newer_candidate(self.hot_swap.version) is not None:
             return  # a published version waits for its check and swap: measure drift against it then
-        if self._published_over is not None:
-            self._published_decided()
+        if self._awaiting_swap:
+            self._awaiting_swap = False
+            if self.hot_swap.version <= self._job[0]:  # (not a later version: refused)
+                self._tried_without_change("its version was not swapped in")
         observed = self.traffic.traffic.row_weights()
         drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
@@ -115,36 +118,25 @@ class RetunePolicy:
             moved = None if tried is None else mix_distance(observed, tried, self.edges)
             if moved is None or moved >= threshold:
                 self._tried = None
-                self.start(f"drift {drift:.2f} >= {threshold}")
+                self.start(f"drift {drift:.2f} >= {threshold}", observed)
             elif not self._held_back:
                 self._held_back = True
                 self.say(f"not re-tuning: drift {drift:.2f} from the served version, but {moved:.2f} (< {threshold})"
                          " from the traffic the last job tuned for without changing what is served")
 
-    def _published_decided(self) -> None:
-        """The hot swap has decided on the version the last job published: swapped in (the drift
-        is now measured against it), or refused (its traffic becomes the tried mix)."""
-        if self.hot_swap.version <= self._published_over:
-            self._tried_without_change("its version was not swapped in")
-        self._published_over = None
-
     def _tried_without_change(self, why: str) -> None:
-        try:
-            self._tried = (self.hot_swap.version, Traffic.load(self._snapshot).row_weights())
-        except TrafficError as err:
-            log.error("%s; the next job may run on the same traffic", err)
-            return
-        self._held_back = False
+        self._tried, self._held_back = self._job, False
         self.say(f"the re-tuning job changed nothing served ({why}): the next one waits until the traffic "
                  f"drifts {self.settings.drift_threshold} from the mix it tuned for")
 
-    def start(self, reason: str) -> None:
+    def start(self, reason: str, observed: dict[int, float]) -> None:
+        """Runs the job on a snapshot of the traffic, whose mix is ``observed``."""
         folder = self.hot_swap.store.root / RETUNE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         snapshot = folder / f"traffic-{stamp}.json"
         self.traffic.traffic.save(snapshot)
-        self._snapshot, self._served_at_start = snapshot, self.hot_swap.version
+        self._job = (self.hot_swap.version, observed)
         log_path = folder / f"job-{stamp}.log"
         with log_path.open("w") as job_log:
             self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
@@ -176,8 +168,9 @@ class RetunePolicy:
         if outcome == "not-faster":
             self._tried_without_change("no faster plans")
         elif outcome == "published":
-            # (the swap may already have taken it: compare with the version served at the start)
-            self._published_over = self._served_at_start
+            # decided in ``step`` once no candidate waits (the swap may already have taken it:
+            # hence the comparison with the version served at the start)
+            self._awaiting_swap = True
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
