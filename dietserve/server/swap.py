@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ class HotSwap:
     # A newer version measured below this fraction of the served version's speed is refused
     # (0: not timed). Below 1 so that noise does not refuse an equal one.
     min_gain: float = 0.9
+
+
+def _speed_text(speed: float) -> str:
+    """``speed`` rounded down to three decimals: a speed just below the minimum must not print as
+    the minimum itself (0.8996 read "0.90x ..., below the minimum 0.9")."""
+    return f"{math.floor(speed * 1000) / 1000:.3f}x"
 
 
 def _incompatibility(current: Engine, candidate: Engine) -> str | None:
@@ -218,11 +225,12 @@ class Swapper:
             except Exception as err:  # noqa: BLE001 - a run that fails at a traffic shape refuses the candidate
                 return self._refuse(version, f"failed while timed on the traffic's shapes: {err}")
             self.metrics.checked_gain.set(speed)
-            self.say(f"version {version}: {speed:.2f}x the served version's speed, timed side by side "
+            self.say(f"version {version}: {_speed_text(speed)} the served version's speed, timed side by side "
                      f"({'; '.join(lines)})")
             if speed < self.swap.min_gain:
-                return self._refuse(version, f"measured {speed:.2f}x the served version's speed on the traffic's "
-                                             f"shapes ({'; '.join(lines)}), below the minimum {self.swap.min_gain}")
+                return self._refuse(version, f"measured {_speed_text(speed)} the served version's speed on the "
+                                             f"traffic's shapes ({'; '.join(lines)}), below the minimum "
+                                             f"{self.swap.min_gain}")
         candidate.pool_bound = current.pool_bound  # one bound on the process, whichever engine runs
         self.batcher.engine = candidate  # the next batch runs on it
         self.gain.swapped()

@@ -133,7 +133,7 @@ def main() -> int:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples) * 1e3
 
-    rows = []
+    groups: dict[str, list[list[float]]] = {"near": [], "far": []}  # placement -> samples
     operators: dict[str, dict[str, list[float]]] = {"near": {}, "far": {}}  # placement -> PrimFunc -> ms a run
     calls: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -144,14 +144,13 @@ def main() -> int:
             output = subprocess.run([str(probe)], capture_output=True, text=True, check=True).stdout
             handoff, read = (float(v) for v in re.search(r"handoff_ns (\S+) read_gbs (\S+)", output).groups())
             row = [handoff, read, *(latency_ms(length) for length in lengths)]
-            rows.append(row)
             place = "near" if handoff <= args.far_ns else "far"
+            groups[place].append(row)
             if args.operators is not None:
                 for symbol, seconds, count in profile_operators(engine, 1, args.operators, repeats=3):
                     operators[place].setdefault(symbol, []).append(seconds * 1e3)
                     calls[symbol] = count
             print(" ".join(f"{v:.2f}" for v in row), flush=True)
-    groups = {"near": [r for r in rows if r[0] <= args.far_ns], "far": [r for r in rows if r[0] > args.far_ns]}
     medians = {}
     for name, group in groups.items():
         if not group:

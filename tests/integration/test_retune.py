@@ -129,8 +129,8 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
         # but the traffic is the mix that job tuned for: no second run on it (even with
         # --retune-min-interval 0) until the traffic moves.
         print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences; the re-tune refused: {refusal}")
-        measured = float(re.search(r"measured ([0-9.]+)x the served version's speed", refusal).group(1))
-        assert measured < 0.9 and f"version 2 not swapped in: measured {measured:.2f}x" in log, refusal
+        measured = re.search(r"measured ([0-9.]+)x the served version's speed", refusal).group(1)
+        assert float(measured) < 0.9 and f"version 2 not swapped in: measured {measured}x" in log, refusal
         assert "changed nothing served (its version was not swapped in)" in log
         assert log.count("re-tuning (drift") == 1, log[-3000:]
     else:
