@@ -19,15 +19,21 @@ def call_seconds(fn: Callable, args: Sequence = (), runs: int = 10, warmup: int 
     return samples
 
 
+def round_count(samples: dict[str, Sequence[float]], names: Sequence[str]) -> int:
+    """The rounds every one of ``names`` has in ``samples`` (backend -> seconds per round): the
+    same count for all, else a ValueError."""
+    lengths = {len(samples[name]) for name in names}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(f"backends have different or no round counts: {sorted(lengths)}")
+    return lengths.pop()
+
+
 def busy_rounds(samples: dict[str, Sequence[float]], factor: float) -> list[int]:
     """The rounds of one point in which every backend ran at least ``factor`` times slower than
     in its own fastest round: the machine, not a backend, was slow then (backends of a point run
     one after another within a round, so a busy spell falls on all of them; a backend's own
     variation does not slow the others). ``samples``: backend -> seconds per round."""
-    lengths = {len(values) for values in samples.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"backends have different round counts: {sorted(lengths)}")
-    rounds = lengths.pop()
+    rounds = round_count(samples, list(samples))
     fastest = {name: min(values) for name, values in samples.items()}
     return [r for r in range(rounds) if all(values[r] >= factor * fastest[name] for name, values in samples.items())]
 
@@ -48,8 +54,6 @@ def paired_ratio(samples: dict[str, Sequence[float]], ours: str, rivals: Sequenc
     round): each ratio is taken from runs seconds apart, so a slow spell of the machine that
     covers a round moves both sides of it, where a ratio of per-backend medians can take its two
     medians from different rounds. ``samples``: backend -> seconds per round."""
-    lengths = {len(samples[name]) for name in (ours, *rivals)}
-    if len(lengths) != 1 or 0 in lengths:
-        raise ValueError(f"backends have different or no round counts: {sorted(lengths)}")
-    per_round = [min(samples[name][r] for name in rivals) / samples[ours][r] for r in range(lengths.pop())]
+    rounds = round_count(samples, (ours, *rivals))
+    per_round = [min(samples[name][r] for name in rivals) / samples[ours][r] for r in range(rounds)]
     return statistics.median(per_round)
