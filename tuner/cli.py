@@ -83,11 +83,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
-         f"{len(task_space(where.space, spec.func))} micro-kernels for {where.hardware.name}, {args.trials} trials, "
+         f"{len(task_space(where.space, spec.func, where.hardware))} micro-kernels for {where.hardware.name}, "
+         f"{args.trials} trials, "
          f"measuring on {runner.describe()}")
     with runner:
         log = _say if args.verbose else lambda _message: None
-        result = Tuner(task, where.space, where.cores, runner, database, options, log=log).run()
+        result = Tuner(task, where.space, where.cores, runner, database, options, log=log,
+                       hardware=where.hardware).run()
     plan_path = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
     _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
          f"{len(result.plan.variants)} variants; plan written to {plan_path}")
@@ -175,7 +177,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
                                   seed=args.seed, dram=dram)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
-                          log=_say if args.verbose else lambda _message: None)
+                          log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
             result = tuner.run()
             # The model's key (computed on its own PrimFunc) names the workload, not ours of the copy.
             plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,

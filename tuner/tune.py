@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dietserve.kernels.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
 
@@ -46,7 +47,7 @@ from .space import task_space
 from .task import TuningTask
 from .weight_stream import served_estimates
 
-TUNER_VERSION = 31  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 32  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -64,7 +65,7 @@ def check_shape_for(task: TuningTask) -> dict:
 class Tuner:
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner, database: RecordDatabase,
                  options: TuneOptions = DEFAULT_OPTIONS, log: Callable[[str], None] = lambda _m: None,
-                 progress_stream=None):
+                 progress_stream=None, hardware: CpuHardware | GpuHardware | None = None):
         self.task = task
         self.runner = runner
         self.database = database
@@ -73,7 +74,7 @@ class Tuner:
         self.progress_stream = progress_stream
         self.cores = cores
         self.model = CostModel(cores, options.seed)
-        self.space = task_space(space, task.spec.func)
+        self.space = task_space(space, task.spec.func, hardware)  # (``hardware``: the L2 a task block must fit)
         # Each packing's tallest register tile (the committed packing's space drops the others):
         # how many rows a plan in that packing could cover in one pass over the weight.
         self.tallest_tiles: dict[int, int] = {}

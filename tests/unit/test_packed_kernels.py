@@ -172,6 +172,29 @@ def test_packing_needs_a_static_weight_whose_columns_fill_the_tasks() -> None:
     assert {k.tile_sizes("k")[0] for k in task_space(space, dense(3072, 768, "bias").func)} == {1, 256, 384, 768}
 
 
+def test_whole_reduction_tasks_fit_the_l2_at_the_weights_own_depth() -> None:
+    space = packed_cpu_space(AVX2)
+    budget = AVX2.l2_bytes * 3 // 4
+
+    def block_bytes(kernel, depth: int) -> int:
+        return packed_tile(kernel)[3] * kernel.pack * depth * 4
+
+    def whole(kernel) -> bool:
+        return kernel.tile_sizes("k")[0] == 1
+
+    deep_func = dense(3072, 768, "bias").func
+    deep = task_space(space, deep_func, AVX2)
+    assert all(block_bytes(k, 3072) <= budget for k in deep if whole(k) and packed_tile(k)[0] > 1)
+    dropped = set(task_space(space, deep_func)) - set(deep)  # sized for 768 deep, too big at 3072
+    assert dropped and all(whole(k) and packed_tile(k)[0] > 1 and block_bytes(k, 768) <= budget < block_bytes(k, 3072)
+                           for k in dropped)
+    assert any(whole(k) and packed_tile(k)[0] > 1 for k in deep)  # small whole-reduction tasks: kept
+    assert any(packed_tile(k)[3] == 8 and k.tile_sizes("k")[0] == 384 for k in deep)  # blocked: kept
+    assert any(whole(k) and packed_tile(k)[0] == 1 and block_bytes(k, 3072) > budget for k in deep)  # one row: kept
+    shallow = dense(768, 3072, "bias_gelu").func
+    assert task_space(space, shallow, AVX2) == task_space(space, shallow)
+
+
 def test_packed_space_follows_the_register_file() -> None:
     for hardware in CPU_PRESETS.values():
         lanes = hardware.lanes()

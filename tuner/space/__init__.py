@@ -6,18 +6,23 @@ from dietserve.kernels.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, Gp
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.packing import weight_param
 
+from .cpu import whole_task_fits_l2
 
-def task_space(space: list[MicroKernel], func) -> list[MicroKernel]:
+
+def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardware | None = None) -> list[MicroKernel]:
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
-    task width divides its weight's columns and whose reduction block divides its depth, when it
-    has a weight and some fit (packing first); else the clamped-tile kernels where the operator
-    takes them (they need no padding, so they replace the padded ones); else the padded kernels."""
+    task width divides its weight's columns and whose reduction block divides its depth (and,
+    given the CPU ``hardware``, whose whole-reduction task block stays in its L2 at that depth:
+    ``whole_task_fits_l2``), when it has a weight and some fit (packing first); else the
+    clamped-tile kernels where the operator takes them (they need no padding, so they replace
+    the padded ones); else the padded kernels."""
     weight = weight_param(func)
     packed = []
     if weight is not None:
         _, depth, columns = weight
         packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
-                  and _blocks_fit(k.tile_sizes("k")[0], depth)]
+                  and _blocks_fit(k.tile_sizes("k")[0], depth)
+                  and (not isinstance(hardware, CpuHardware) or whole_task_fits_l2(k, depth, hardware))]
     if packed:
         return packed
     clamped = [k for k in space if is_clamped(k) and clamped_fits(func, k)]

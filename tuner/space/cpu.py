@@ -23,13 +23,16 @@ from __future__ import annotations
 import itertools
 
 from dietserve.kernels.cpu_clamped import CLAMPED, PANEL
+from dietserve.kernels.cpu_packed import packed_tile
 from dietserve.kernels.hardware import CpuHardware
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.packed_tile import register_footprint
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
-PACKED_PANEL_DEPTH = 768  # a weight panel's depth the L2 rule sizes tasks for (a hidden size)
+# The depth the space's L2 rule sizes whole-reduction tasks for (a hidden size); a deeper weight
+# keeps only the tasks whose panels fit at its own depth (``task_space``, ``whole_task_fits_l2``).
+PACKED_PANEL_DEPTH = 768
 # Reduction blocks of the packed kernels: 1 = the whole reduction per register tile; else
 # kc-deep blocks of the task's panels stay in L2 while every row tile passes over them (for
 # weights too deep for L2: BERT's 3072 -> 768 layer).
@@ -73,7 +76,8 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
       cores); tall tiles are the large-T regime (2-D tiles over T x N);
     - a task's panels (``nb`` of them, ``PACKED_PANEL_DEPTH`` deep, or ``kc`` deep when the
       reduction is blocked) fit in 3/4 of L2, so they stay cached while the task runs down all
-      its row tiles;
+      its row tiles (``task_space`` then drops the whole-reduction tasks too big at a deeper
+      weight's own depth: ``whole_task_fits_l2``);
     - threads: every core, or serial for shapes too small to wake the others.
     """
     lanes = hw.lanes(8 * DTYPE_BYTES)
@@ -86,14 +90,36 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
                 break
             for groups, kc, threads in itertools.product((1, 2, 4, 8), REDUCTION_BLOCKS,
                                                          (0, 1) if hw.cores > 1 else (0,)):
-                depth = PACKED_PANEL_DEPTH if kc == 1 else kc
-                if pk * groups * panel * depth * DTYPE_BYTES > hw.l2_bytes * 3 // 4:
+                if not _task_fits_l2(panel, pk * groups, PACKED_PANEL_DEPTH if kc == 1 else kc, hw):
                     continue
                 kernels.append(MicroKernel(
                     tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))),
                     vector=lanes, threads=threads, pack=panel,
                 ))
     return kernels
+
+
+def _task_fits_l2(panel: int, panels: int, depth: int, hw: CpuHardware) -> bool:
+    """A task's ``panels`` weight panels, ``depth`` reduction steps deep, in 3/4 of L2."""
+    return panels * panel * depth * DTYPE_BYTES <= hw.l2_bytes * 3 // 4
+
+
+def whole_task_fits_l2(kernel: MicroKernel, depth: int, hw: CpuHardware) -> bool:
+    """Whether ``kernel``'s task block stays in L2 for a weight ``depth`` deep while its row tiles
+    pass over it: always for a ``kc``-blocked kernel (sized for its block) and for a one-row
+    tile (the small-T regime: at T = 1 it passes over the block once, whatever its size), else
+    its panels at the whole depth. ``packed_cpu_space`` sizes whole-reduction tasks for a
+    768-deep weight; a task of 8 panels 16 wide over bert-base's 3072 -> 768 layer holds 1.5 MB
+    against a 512 KB L2, and its later row passes read back what the first one streamed past
+    the L2. Forced kernels of that layer, the weight from DRAM (``cold_weights.py --op
+    dense_3072x768 --interleaved --kernel 6,16,1,8,1 --kernel 6,16,1,2,1 --kernel
+    6,16,1,8,384``, 7 rounds, 2-core znver3): 2-panel tasks (384 KB) 1.16x, 1.23x, 1.13x the
+    8-panel ones at T = 13, 20, 31, 1.03x at 128, 0.98x at 512, where the 8-panel tasks blocked
+    384 deep (which the space keeps) ran 0.99x."""
+    if not kernel.pack or kernel.tile_sizes("k")[0] != 1:
+        return True
+    mr, panel, _, panels = packed_tile(kernel)
+    return mr == 1 or _task_fits_l2(panel, panels, depth, hw)
 
 
 def clamped_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
