@@ -18,7 +18,6 @@ job asked for a gain its plans do not predict publishes nothing (the last check)
 from __future__ import annotations
 
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -54,7 +53,9 @@ def _latency(url: str, ids: np.ndarray, repeats: int = 7) -> float:
             started = time.perf_counter()
             client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("sentence_embedding")])
             times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    # The fastest run, not the median: on a shared 2-core host a neighbour's spell only adds time,
+    # and medians of 7 read 80.6 and 161.0 ms for the same version in two runs of this test.
+    return min(times)
 
 
 def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_dir: Path, minilm_engine):
@@ -112,6 +113,13 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
         time.sleep(8)  # the same long shapes on the new version: the measured gain
         stop.set()
         traffic.join(timeout=300)
+        # The traffic goes on drifting from the mix the job tuned for, so a second job may run
+        # (--retune-min-interval 0), then its version's check: the probe waits for both. (Once
+        # it read 158.8 ms against 80.6 before, the swap having checked 0.96x; no log was kept.)
+        while (metrics(server).get(("dietserve_retune_running", ()), 0) > 0
+               or store.newer_candidate(store.current()) is not None):
+            assert time.monotonic() < deadline, "a re-tuning job still running:\n" + server.log()[-3000:]
+            time.sleep(2)
         after = _latency(server.grpc_url, probe)
         time.sleep(1)
         samples = metrics(server)
