@@ -107,8 +107,9 @@ def _task_fits_l2(panel: int, panels: int, depth: int, hw: CpuHardware) -> bool:
 def whole_task_fits_l2(kernel: MicroKernel, depth: int, hw: CpuHardware) -> bool:
     """Whether ``kernel``'s task block stays in L2 for a weight ``depth`` deep while its row tiles
     pass over it: always for a ``kc``-blocked kernel (sized for its block) and for a one-row
-    tile (the small-T regime: at T = 1 it passes over the block once, whatever its size), else
-    its panels at the whole depth. ``packed_cpu_space`` sizes whole-reduction tasks for a
+    tile (the small-T regime, for the shortest shapes: at T = 1 it passes over its block once,
+    whatever its size, so its wide tasks stay candidates there), else its panels at the whole
+    depth. ``packed_cpu_space`` sizes whole-reduction tasks for a
     768-deep weight; a task of 8 panels 16 wide over bert-base's 3072 -> 768 layer holds 1.5 MB
     against a 512 KB L2, and its later row passes read back what the first one streamed past
     the L2. Forced kernels of that layer, the weight from DRAM (``cold_weights.py --op
