@@ -83,12 +83,19 @@ class SteadyClient:
         self._thread.join(timeout=120)
 
 
-def _served_version(server: ServerProcess) -> str:
+def _served_version(server: ServerProcess, reads: int = 5) -> str:
+    """The version the metadata and the config both name. A swap may land between the two calls
+    (polled during a rollback, metadata read '2' and the config '1'), so a mismatch is read again;
+    one that outlasts ``reads`` tries is a server naming two versions at once."""
     with triton.InferenceServerClient(server.grpc_url) as client:
-        versions = list(client.get_model_metadata(MODEL).versions)
-        config = client.get_model_config(MODEL).config
-    assert versions == [config.parameters["artifact_version"].string_value]
-    return versions[0]
+        for _ in range(reads):
+            versions = list(client.get_model_metadata(MODEL).versions)
+            config = client.get_model_config(MODEL).config
+            if versions == [config.parameters["artifact_version"].string_value]:
+                return versions[0]
+            time.sleep(0.1)
+    raise AssertionError(f"metadata names versions {versions}, the config "
+                         f"{config.parameters['artifact_version'].string_value}")
 
 
 def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_artifact, minilm_engine, tmp_path):
