@@ -83,12 +83,12 @@ class SteadyClient:
         self._thread.join(timeout=120)
 
 
-def _served_version(server: ServerProcess, reads: int = 5) -> str:
+def _served_version(server: ServerProcess) -> str:
     """The version the metadata and the config both name. A swap may land between the two calls
     (polled during a rollback, metadata read '2' and the config '1'), so a mismatch is read again;
-    one that outlasts ``reads`` tries is a server naming two versions at once."""
+    one that outlasts five tries is a server naming two versions at once."""
     with triton.InferenceServerClient(server.grpc_url) as client:
-        for _ in range(reads):
+        for _ in range(5):
             versions = list(client.get_model_metadata(MODEL).versions)
             config = client.get_model_config(MODEL).config
             if versions == [config.parameters["artifact_version"].string_value]:
