@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .database.records import RecordDatabase
 from .ops import EPILOGUES, attention_context, attention_scores, dense
+from .race import RACE_MARGIN
 from .targets import resolve_target
 from .task import ShapeVar, TuningTask
 
@@ -78,7 +79,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
-                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where))
+                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where),
+                          race=not args.no_race)
     measure = _measure_options(args)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
@@ -91,7 +93,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = Tuner(task, where.space, where.cores, runner, database, options, log=log,
                        hardware=where.hardware).run()
     plan_path = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
-    _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
+    _say(f"{result.trials} trials ({result.failures} failed){_raced(result.plan)} in {result.wall_s:.1f} s; "
          f"{len(result.plan.variants)} variants; plan written to {plan_path}")
     for name, _kernel in result.plan.variants.items():
         _say(f"  {name}: {result.plan.kernel(name)}")
@@ -175,7 +177,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
                                      description.weights or None, description.fixed)
             _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials")
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
-                                  seed=args.seed, dram=dram)
+                                  seed=args.seed, dram=dram, race=not args.no_race)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
                           log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
             result = tuner.run()
@@ -186,8 +188,8 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
                 "model": tasks.model})
             plan.write(out)
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
-            _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in {result.wall_s:.1f} s -> "
-                 f"{out.name}: {chosen}")
+            _say(f"{header}: {result.trials} trials ({tuner.reused} reused records){_raced(plan)} in "
+                 f"{result.wall_s:.1f} s -> {out.name}: {chosen}")
     _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
     return 0
 
@@ -219,6 +221,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raced(plan) -> str:
+    """", finalists raced on N shapes (the fastest changed on M)" from a plan's provenance, or ""."""
+    races = plan.provenance.get("races") or {}
+    if not races.get("shapes"):
+        return ""
+    return f", finalists raced on {races['shapes']} shapes (the fastest changed on {races['reordered']})"
+
+
 def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
     parser.add_argument("--number", type=int, default=2, help="runs per timed repeat")
@@ -234,6 +244,9 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes building candidates in parallel (default: one per core, at most 4; "
                              "timings run one at a time)")
+    parser.add_argument("--no-race", action="store_true",
+                        help="plan from the search's timings alone; by default each shape's finalists (within "
+                             f"{RACE_MARGIN}x of its best) are timed again side by side before the plan is made")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

@@ -28,6 +28,9 @@ class TuneOptions:
     # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
     # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.
     dram: DramRates | None = None
+    # Before the final plan, each shape's finalists timed again side by side (``race.py``): on a
+    # shared host the search's single timings rank near-equal kernels by when each was timed.
+    race: bool = True
 
     def __post_init__(self) -> None:
         if self.trials < 1:

@@ -16,6 +16,9 @@ those covering short shapes' rows in one pass over the weight) and a decision tr
 operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
 works on and stays a candidate, so the plan never loses to it where both were measured.
+Before the final plan, each measured shape's finalists (the kernels within ``race.RACE_MARGIN``
+of its best) are timed again side by side (``race.py``): the search times each candidate once,
+and on a shared host kernels a few per cent apart were ranked by when each was timed.
 Records already in the database for the same workload and target, made by this version of the
 tuner, are reused, not re-measured.
 """
@@ -42,12 +45,13 @@ from .dispatch import build_plan, plan_layouts, shape_key
 from .estimates import nearest_measured_estimates
 from .options import TuneOptions, TuneResult
 from .progress import ProgressBar
+from .race import race_finalists
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 from .weight_stream import served_estimates
 
-TUNER_VERSION = 32  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 33  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -98,6 +102,8 @@ class Tuner:
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._calibrated_cache: dict[MicroKernel, float] | None = None  # reset by each measurement
+        # shape key -> kernel -> factor on the served-latency model there (``race.py``'s streamed races)
+        self.corrections: dict[tuple, dict[MicroKernel | None, float]] = {}
         self.commitment = PlanCommitment(self)
         self._reuse_records()
 
@@ -255,6 +261,19 @@ class Tuner:
         if latency is not None:
             self.default_measured[shape_key(shape)] = latency
 
+    def measured_latency(self, kernel: MicroKernel | None, key: tuple) -> float:
+        """``kernel``'s measurement on the shape ``key`` (None: the default kernel's)."""
+        return self.default_measured[key] if kernel is None else self.measured[key][kernel]
+
+    def set_measured(self, kernel: MicroKernel | None, key: tuple, latency: float) -> None:
+        """Replace a measurement (``race.py``: timed again beside its rivals); the cost model keeps
+        the search's."""
+        if kernel is None:
+            self.default_measured[key] = latency
+        else:
+            self.measured[key][kernel] = latency
+            self._calibrated_cache = None
+
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
         job = self._kernel_job(kernel)
         best = self.measured.get(shape_key(shape))
@@ -284,8 +303,10 @@ class Tuner:
         self._search(budget - final_check, started, bar)
         self.commitment.verify(budget, bar)
         self._search(budget, started, bar)  # the trials the final verification did not need
+        races = race_finalists(self, bar)
         bar.close(self.trials, self.status())
-        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
+        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe(),
+                          **races.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
 
     def commit_packing(self, until: int) -> None:
@@ -338,9 +359,9 @@ class Tuner:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
-    def plan(self, provenance: dict | None = None) -> KernelPlan:
-        """The best plan over the measurements (``dispatch.plan_layouts``: one weight layout per
-        plan, least weighted slowdown), of the committed packing once there is one."""
+    def plan_candidates(self) -> list[MicroKernel | None]:
+        """The variants a plan may take: measured kernels (of the committed packing once there is
+        one) and, where it was measured, the default kernel (None)."""
         candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
         if self.packing is not None:
             # Only the committed packing's kernels (and the untuned one): its small-regime and
@@ -350,15 +371,26 @@ class Tuner:
             candidates = [k for k in candidates if k.pack == self.packing]
         if self.default_measured:
             candidates.append(None)
+        return candidates
+
+    def ranking(self):
+        """(hot, served): the latency estimates a plan is made from, timed and as served (the
+        weight from DRAM, where the rates are known), each variant on each shape."""
+        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
+        return estimate, served_estimates(estimate, self.task, self.options.dram, self.corrections)
+
+    def plan(self, provenance: dict | None = None) -> KernelPlan:
+        """The best plan over the measurements (``dispatch.plan_layouts``: one weight layout per
+        plan, least weighted slowdown), of the committed packing once there is one."""
+        candidates = self.plan_candidates()
         if not candidates:
             raise RuntimeError(f"no candidate of {self.task.workload} measured successfully in {self.trials} trials"
                                f" ({self.failures} failed); see the records for their errors")
         order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
         shapes = [self.shapes[s] for s in order]
         weights = [self.weights[s] for s in order]
-        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
         # Chosen as served (weight from DRAM); the plan's rows keep the latencies as timed.
-        served = served_estimates(estimate, self.task, self.options.dram)
+        estimate, served = self.ranking()
         variants, labels = plan_layouts(candidates, shapes, weights, served, self.measured, self.default_measured,
                                         self.options.max_variants, self.options.max_intervals,
                                         rows=[self.task.axis_extents(shape)["i"] for shape in shapes],

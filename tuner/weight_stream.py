@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 from dietserve.kernels.cpu_packed import reduces_in_blocks
 
-from .dispatch import Estimate, Variant
+from .dispatch import Estimate, Variant, shape_key
 
 # A first pass's overlap of stream and FMAs falls short by about this much of the shorter of the
 # two: a 14-row tile at T = 11 (one pass, hot 0.30 ms, stream 0.29) took 0.335 as served, a
@@ -144,14 +144,18 @@ def served_over_rates(hot: float, stream_s: float, first: float) -> float:
     return (served_latency(hot, stream_s, first) + served_latency(hot, stream_s * RATE_SPREAD, first)) / 2
 
 
-def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estimate:
+def served_estimates(estimate: Estimate, task, rates: DramRates | None,
+                     corrections: dict[tuple, dict[Variant, float]] | None = None) -> Estimate:
     """``estimate`` (weight in cache) as served, the weight from DRAM at ``rates`` as sampled
     and as slow as ``RATE_SPREAD`` makes it (``served_over_rates``); the estimate itself where
-    the operator has no constant weight or the rates are unknown."""
+    the operator has no constant weight or the rates are unknown. ``corrections``: shape key ->
+    kernel -> factor on the model there, from kernels raced with the weight from DRAM
+    (``race.py``); 1 for the others."""
     nbytes = weight_bytes(task)
     if nbytes is None or rates is None:
         return estimate
     stream_s = {True: nbytes / rates.one_core, False: nbytes / rates.every_core}
+    corrections = corrections or {}
 
     def served(kernel: Variant, shape: dict) -> float:
         hot = estimate(kernel, shape)
@@ -160,7 +164,8 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
         serial = kernel is not None and kernel.threads == 1
         extents = task.axis_extents(shape)
         stream = stream_s[serial] * stream_cost(kernel, extents["k"])
-        return served_over_rates(hot, stream, first_pass_share(kernel, extents["i"]))
+        factor = corrections.get(shape_key(shape), {}).get(kernel, 1.0) if corrections else 1.0
+        return factor * served_over_rates(hot, stream, first_pass_share(kernel, extents["i"]))
 
     return served
 

@@ -4,6 +4,7 @@ copies to outgrow the last-level cache, every copy used in turn, and the worker 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from dietserve.kernels.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase, TuningRecord
 from tuner.measure import worker
 from tuner.measure.runner import LocalRunner, MeasureOptions
-from tuner.measure.streaming import CACHE_MULTIPLE, UNKNOWN_CACHE_BYTES, copies, time_streaming
+from tuner.measure.streaming import CACHE_MULTIPLE, UNKNOWN_CACHE_BYTES, SharedCycle, copies, time_streaming
 from tuner.ops import dense, random_inputs, weight_input
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TUNER_VERSION, Tuner
@@ -40,6 +41,29 @@ def test_every_argument_set_is_used_in_turn() -> None:
     assert calls == list(range(5)) * 4  # a first touch of every copy, then one pass per repeat
     with pytest.raises(ValueError):
         time_streaming(calls.append, [], repeat=1, min_repeat_s=0.0)
+
+
+def test_a_race_cycles_one_cursor_over_the_copies_for_every_kernel() -> None:
+    """Kernels raced in turn on weights from DRAM: each call takes the next copy, whichever kernel
+    makes it, so no copy is read again before every other one was; a turn lasts at least the
+    minimum, and a kernel slower than it makes one call a turn."""
+    calls: list[tuple[str, int]] = []
+
+    def kernel(name: str, seconds: float):
+        def call(index: int) -> None:
+            calls.append((name, index))
+            time.sleep(seconds)
+        return call
+
+    sets = [(i,) for i in range(5)]
+    cycle = SharedCycle(min_turn_s=0.01)
+    fast, slow = kernel("fast", 0.0005), kernel("slow", 0.012)
+    for _turn in range(3):
+        assert cycle.turn(fast, sets) >= 0.0005
+        assert cycle.turn(slow, sets) >= 0.012
+    assert [index for _name, index in calls] == [i % 5 for i in range(len(calls))]
+    made = [name for name, _index in calls]
+    assert made.count("slow") == 3 and made.count("fast") >= 6  # (10 ms turns of 0.5 ms calls)
 
 
 def test_weight_input_is_the_dense_layers_weight() -> None:

@@ -254,6 +254,26 @@ class LocalRunner:
             self._held(key)
         return result
 
+    def race(self, job: dict) -> dict:
+        """Time the kernels of a race ``job`` (``worker.race``) in the timing worker, in turn, on
+        one shape; each one's build from the search is reused where it is still held (in the
+        worker, or a builder's library). A timeout or a crash fails the whole race (``error``)."""
+        job = self._job({**job, "race": True})
+        keys = [worker.build_key(worker.race_entrant(job, kernel)) for kernel in job["kernels"]]
+        for key in keys:  # (built ahead or not, each is built or loaded now)
+            self._ahead.pop(key, None)
+        timer = self._workers[0]
+        # (each kernel may be built again: the budget of a job per kernel)
+        result = timer.run({**job, "libraries": [self._compiled.get(key) for key in keys]},
+                           self.options.timeout_s * max(1, len(keys)))
+        if timer.process is None:
+            self._timed.clear()
+        elif result.get("error") is None:
+            for key, error in zip(keys, result["errors"], strict=True):
+                if error is None:
+                    self._held(key)
+        return result
+
     def _held(self, key: str) -> None:
         """The timing worker built or used ``key``: as its cache does, keep it, most recent last."""
         self._timed[key] = None

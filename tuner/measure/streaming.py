@@ -65,6 +65,29 @@ def time_streaming(function: Callable, argument_sets: Sequence[Sequence], repeat
     return statistics.median(samples)
 
 
+class SharedCycle:
+    """Calls of several kernels on weights fresh from DRAM, timed in turn (a race): one cursor
+    over the weight copies for all of them, so a copy comes round again only after every other
+    copy was read, whichever kernel reads it, and a turn makes only as many calls as fill
+    ``min_turn_s`` (a kernel of 6 ms makes two, not a pass over all its copies)."""
+
+    def __init__(self, min_turn_s: float):
+        self.min_turn_s = min_turn_s
+        self.cursor = 0
+
+    def turn(self, function: Callable, argument_sets: Sequence[Sequence]) -> float:
+        """Seconds per call of ``function`` over one turn, on the next argument sets in the cycle."""
+        calls = 0
+        start = time.perf_counter()
+        while True:
+            function(*argument_sets[self.cursor % len(argument_sets)])
+            self.cursor += 1
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= self.min_turn_s:
+                return elapsed / calls
+
+
 def dram_read_rate(threads: int, cache_bytes: int | None, repeat: int = 5) -> float:
     """Bytes per second of a read-only pass over a buffer of ``CACHE_MULTIPLE`` x the last-level
     cache, split over ``threads`` threads (numpy's reductions release the GIL): the rate at which

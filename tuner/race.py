@@ -1,0 +1,165 @@
+"""Finalists raced: the kernels a plan weighs nearly alike on a shape, timed again side by side.
+
+The search times each candidate once, when it is proposed. On a shared host the same kernel read
+up to 1.5x apart minutes apart (``tests/benchmarks/HISTORY.md``, the nineteenth to twenty-first
+sessions), so kernels within a few per cent of each other on a shape were ranked by the moment
+each was timed, and fresh 64-trial tunes of the same layers picked differently from run to run
+(tiles whose tasks took one panel or eight, alternating along the lengths). So before the final
+plan, on every measured shape where more than one kernel is within ``RACE_MARGIN`` of the best,
+as the plan ranks them, the ``RACE_SIZE`` best are timed again in turn, ``RACE_ROUNDS`` rounds
+(``worker.race``): a slow spell of the host then falls on each of them alike.
+
+- On a shape a finalist passes over in at most ``STREAM_BOUND_PASSES`` row passes, the plan
+  ranks dense kernels as served, by a model of the weight's stream (``weight_stream``), which
+  knows neither how a kernel's tasks split the weight nor how its prefetches fare. There the
+  race reads the weight from DRAM (local CPU runs), and its times correct the model at that
+  shape, kernel by kernel (``Tuner.corrections``): the finalists then rank as they raced, at the
+  model's level.
+- Elsewhere the race is timed as the search was, the weight in cache, and its times replace the
+  finalists' measurements there, scaled to keep their geometric mean (the level the search
+  measured everything else at).
+
+A race is a re-timing, not a trial: the budget does not count it and the records database does
+not hold it (the records are the search's own measurements); the plan's provenance counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .commitment import STREAM_BOUND_PASSES
+from .dispatch import shape_key
+from .progress import ProgressBar
+from .weight_stream import weight_bytes
+
+RACE_MARGIN = 1.2  # kernels within this of a shape's best (as the plan ranks them) race there
+RACE_SIZE = 4  # at most this many a shape
+RACE_ROUNDS = 7  # each kernel timed this many times, in turn with the others
+# A streamed race corrects the model by at most this factor either way: beyond, the race itself
+# is in doubt (a neighbour's burst within one kernel's turns) more than the model.
+CORRECTION_LIMIT = 1.5
+
+
+@dataclass
+class RaceSummary:
+    """What a tune's races did (the plan's provenance carries it)."""
+
+    shapes: int = 0  # shapes raced
+    streamed: int = 0  # of them, with the weight from DRAM
+    reordered: int = 0  # where the fastest finalist changed
+    failed: int = 0  # races that came back with an error (their shapes keep the search's times)
+    seconds: float = 0.0
+
+    def describe(self) -> dict:
+        return {"races": {**asdict(self), "seconds": round(self.seconds, 1)}}
+
+
+def race_finalists(tuner, bar: ProgressBar | None = None) -> RaceSummary:
+    """Race the finalists of every measured shape of ``tuner`` (a ``tune.Tuner``), updating its
+    measurements (hot races) and its stream-model corrections (streamed ones). Nothing where the
+    runner cannot race (``race`` missing: a synthetic machine) or the options say not to."""
+    import time
+
+    summary = RaceSummary()
+    race = getattr(tuner.runner, "race", None)
+    if race is None or not tuner.options.race:
+        return summary
+    started = time.monotonic()
+    _hot, served = tuner.ranking()
+    candidates = tuner.plan_candidates()
+    keys = sorted((key for key in set(tuner.measured) | set(tuner.default_measured)),
+                  key=lambda key: tuner.task.dispatch_value(dict(key)))
+    races = [(dict(key), finalists) for key in keys if len(finalists := _finalists(tuner, candidates, served, key)) > 1]
+    _build_ahead(tuner, races)
+    for shape, finalists in races:
+        key = shape_key(shape)
+        stream = _can_stream(tuner) and any(_stream_bound(tuner, k, shape) for k in finalists)
+        result = race(tuner._job(shape, {
+            "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": RACE_ROUNDS,
+            "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition}))
+        summary.shapes += 1
+        if result.get("error") is not None:
+            summary.failed += 1
+            tuner.log(f"{tuner.task.workload}: the race at {shape} failed ({result['error']}); its search times stand")
+            continue
+        times = {k: t for k, t in zip(finalists, result["latencies"], strict=True) if t is not None}
+        if len(times) < 2:
+            continue
+        summary.streamed += stream
+        if stream:
+            ratios = {k: t / served(k, shape) for k, t in times.items()}
+            middle = _geomean(ratios.values())
+            tuner.corrections[key] = {k: min(max(r / middle, 1 / CORRECTION_LIMIT), CORRECTION_LIMIT)
+                                      for k, r in ratios.items()}
+        else:
+            before = [tuner.measured_latency(k, key) for k in times]
+            scale = _geomean(before) / _geomean(times.values())
+            for k, t in times.items():
+                tuner.set_measured(k, key, t * scale)
+        fastest = min(times, key=times.get)
+        if fastest != finalists[0] and finalists[0] in times:
+            summary.reordered += 1
+            tuner.log(f"{tuner.task.workload}: raced at {shape}{' (weight from DRAM)' if stream else ''}: "
+                      f"{fastest or 'the default kernel'} ran {times[finalists[0]] / times[fastest]:.2f}x "
+                      f"as fast as the search's pick, {finalists[0] or 'the default kernel'}")
+        if bar is not None:
+            bar.update(tuner.trials, f"| raced {summary.shapes} shapes")
+    summary.seconds = time.monotonic() - started
+    if summary.shapes:
+        tuner.log(f"{tuner.task.workload}: raced the finalists of {summary.shapes} shapes "
+                  f"({summary.streamed} with the weight from DRAM) in {summary.seconds:.1f} s; "
+                  f"the fastest changed at {summary.reordered}")
+    return summary
+
+
+def _finalists(tuner, candidates: list, served, key: tuple) -> list:
+    """The kernels measured on the shape ``key`` (of ``candidates``: the default kernel is None)
+    within ``RACE_MARGIN`` of the best there as ``served`` ranks them, at most ``RACE_SIZE``,
+    the best first."""
+    shape = dict(key)
+    here = [k for k in candidates if (key in tuner.default_measured if k is None else k in tuner.measured.get(key, {}))]
+    if len(here) < 2:
+        return here
+    ranked = sorted(here, key=lambda k: served(k, shape))
+    best = served(ranked[0], shape)
+    return [k for k in ranked if served(k, shape) <= RACE_MARGIN * best][:RACE_SIZE]
+
+
+def _build_ahead(tuner, races: list) -> None:
+    """Every finalist built before the races, on all the runner's workers at once where it can
+    (``LocalRunner.prepare`` skips those a worker still holds): a build evicted since the search
+    would otherwise be rebuilt serially inside a race."""
+    prepare = getattr(tuner.runner, "prepare", None)
+    if prepare is None:
+        return
+    jobs, seen = [], set()
+    for shape, finalists in races:
+        for kernel in finalists:
+            if kernel not in seen:
+                seen.add(kernel)
+                jobs.append(tuner._job(shape, {"kernel": None} if kernel is None else tuner._kernel_job(kernel)))
+    prepare(jobs)
+
+
+def _can_stream(tuner) -> bool:
+    """Whether races may read a dense layer's weight from DRAM: the plan ranks as served, the
+    operator has a constant weight, the kernels run on this machine's CPU."""
+    return tuner.options.dram is not None and tuner.task.target.get("kind") == "llvm" \
+        and getattr(tuner.runner, "device", {}).get("kind") == "local" and weight_bytes(tuner.task) is not None
+
+
+def _stream_bound(tuner, kernel, shape: dict) -> bool:
+    """Whether ``kernel`` passes over ``shape``'s weight in at most ``STREAM_BOUND_PASSES`` row
+    passes (the untuned kernel counts as one: ``weight_stream.first_pass_share``)."""
+    if kernel is None or kernel.pack <= 0:
+        return True
+    return tuner.task.axis_extents(shape)["i"] <= STREAM_BOUND_PASSES * kernel.tile_sizes("i")[0]
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+__all__ = ["CORRECTION_LIMIT", "RACE_MARGIN", "RACE_ROUNDS", "RACE_SIZE", "RaceSummary", "race_finalists"]
