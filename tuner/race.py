@@ -26,6 +26,7 @@ not hold it (the records are the search's own measurements); the plan's provenan
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 from .commitment import STREAM_BOUND_PASSES
@@ -55,12 +56,11 @@ class RaceSummary:
         return {"races": {**asdict(self), "seconds": round(self.seconds, 1)}}
 
 
-def race_finalists(tuner, bar: ProgressBar | None = None) -> RaceSummary:
+def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None = None) -> RaceSummary:
     """Race the finalists of every measured shape of ``tuner`` (a ``tune.Tuner``), updating its
-    measurements (hot races) and its stream-model corrections (streamed ones). Nothing where the
+    measurements (hot races) and its stream-model corrections (streamed ones), until
+    ``deadline`` (``time.monotonic()``; the tune's time budget) if given. Nothing where the
     runner cannot race (``race`` missing: a synthetic machine) or the options say not to."""
-    import time
-
     summary = RaceSummary()
     race = getattr(tuner.runner, "race", None)
     if race is None or not tuner.options.race:
@@ -71,8 +71,12 @@ def race_finalists(tuner, bar: ProgressBar | None = None) -> RaceSummary:
     keys = sorted((key for key in set(tuner.measured) | set(tuner.default_measured)),
                   key=lambda key: tuner.task.dispatch_value(dict(key)))
     races = [(dict(key), finalists) for key in keys if len(finalists := _finalists(tuner, candidates, served, key)) > 1]
-    _build_ahead(tuner, races)
+    if races and (deadline is None or time.monotonic() < deadline):
+        _build_ahead(tuner, races)
     for shape, finalists in races:
+        if deadline is not None and time.monotonic() >= deadline:
+            tuner.log(f"{tuner.task.workload}: time budget reached; {len(races) - summary.shapes} shapes not raced")
+            break
         key = shape_key(shape)
         stream = _can_stream(tuner) and any(_stream_bound(tuner, k, shape) for k in finalists)
         result = race(tuner._job(shape, {

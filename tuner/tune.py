@@ -303,7 +303,8 @@ class Tuner:
         self._search(budget - final_check, started, bar)
         self.commitment.verify(budget, bar)
         self._search(budget, started, bar)  # the trials the final verification did not need
-        races = race_finalists(self, bar)
+        budget_s = self.options.time_budget_s
+        races = race_finalists(self, bar, None if budget_s is None else started + budget_s)
         bar.close(self.trials, self.status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe(),
                           **races.describe()})

@@ -7,6 +7,7 @@ last test races real kernels in a real worker."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -105,13 +106,16 @@ def test_a_kernel_timed_in_a_slow_spell_wins_its_race_and_the_plan(tmp_path: Pat
     assert tuner.measured[key][SLOW] / tuner.measured[key][FAST] == pytest.approx(1.1)
 
 
-def test_kernels_far_apart_do_not_race_and_racing_can_be_turned_off(tmp_path: Path) -> None:
+def test_no_race_for_kernels_far_apart_when_turned_off_or_past_the_time_budget(tmp_path: Path) -> None:
     far = SpellMachine({FAST: 1.0, SLOW: RACE_MARGIN * 1.1}, spell=set())
     tuner = _tuner(far, tmp_path / "far")
     assert race_finalists(tuner).shapes == 0 and not far.races
     off = SpellMachine({FAST: 1.0, SLOW: 1.1}, spell={FAST})
     tuner = _tuner(off, tmp_path / "off", race=False)
     assert race_finalists(tuner).shapes == 0 and not off.races and _chosen(tuner) == {SLOW}
+    late = SpellMachine({FAST: 1.0, SLOW: 1.1}, spell={FAST})  # the tune's time budget spent
+    tuner = _tuner(late, tmp_path / "late")
+    assert race_finalists(tuner, deadline=time.monotonic()).shapes == 0 and not late.races
 
 
 def test_a_streamed_race_corrects_the_served_model_where_the_weight_stream_bounds(tmp_path: Path) -> None:
