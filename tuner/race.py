@@ -6,8 +6,9 @@ sessions), so kernels within a few per cent of each other on a shape were ranked
 each was timed, and fresh 64-trial tunes of the same layers picked differently from run to run
 (tiles whose tasks took one panel or eight, alternating along the lengths). So before the final
 plan, on every measured shape where more than one kernel is within ``RACE_MARGIN`` of the best,
-as the plan ranks them, the ``RACE_SIZE`` best are timed again in turn, ``RACE_ROUNDS`` rounds
-(``worker.race``): a slow spell of the host then falls on each of them alike.
+as the plan ranks them, the ``RACE_SIZE`` best (and the best serial kernel and the best on every
+core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``worker.race``): a
+slow spell of the host then falls on each of them alike.
 
 - On a shape a finalist passes over in at most ``STREAM_BOUND_PASSES`` row passes, the plan
   ranks dense kernels as served, by a model of the weight's stream (``weight_stream``), which
@@ -38,8 +39,9 @@ RACE_MARGIN = 1.2  # kernels within this of a shape's best (as the plan ranks th
 RACE_SIZE = 4  # at most this many a shape
 RACE_ROUNDS = 7  # each kernel timed this many times, in turn with the others
 # A streamed race corrects the model by at most this factor either way: beyond, the race itself
-# is in doubt (a neighbour's burst within one kernel's turns) more than the model.
-CORRECTION_LIMIT = 1.5
+# is in doubt (a neighbour's burst within one kernel's turns) more than the model. (A parallel
+# kernel timed in a spell 1.4x behind a serial one, raced 2x ahead of it: 0.6x and 1.7x.)
+CORRECTION_LIMIT = 2.0
 
 
 @dataclass
@@ -120,14 +122,22 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
 def _finalists(tuner, candidates: list, served, key: tuple) -> list:
     """The kernels measured on the shape ``key`` (of ``candidates``: the default kernel is None)
     within ``RACE_MARGIN`` of the best there as ``served`` ranks them, at most ``RACE_SIZE``,
-    the best first."""
+    the best first; then the best tuned serial kernel and the best on every core, where missing."""
     shape = dict(key)
     here = [k for k in candidates if (key in tuner.default_measured if k is None else k in tuner.measured.get(key, {}))]
     if len(here) < 2:
         return here
     ranked = sorted(here, key=lambda k: served(k, shape))
     best = served(ranked[0], shape)
-    return [k for k in ranked if served(k, shape) <= RACE_MARGIN * best][:RACE_SIZE]
+    finalists = [k for k in ranked if served(k, shape) <= RACE_MARGIN * best][:RACE_SIZE]
+    # The best of each threading too, however far behind: a neighbour on one of the cores slows
+    # a kernel on every core and not a serial one, and a tune that timed them in such a spell
+    # ranked serial tiles first by 1.2-1.4x where, raced, a parallel one ran 1.98x faster.
+    # (Of the tuned kernels: the default kernel is not one of the space's threadings.)
+    for serial in (True, False):
+        if not any(k is not None and (k.threads == 1) == serial for k in finalists):
+            finalists += [k for k in ranked if k is not None and (k.threads == 1) == serial][:1]
+    return finalists
 
 
 def _build_ahead(tuner, races: list) -> None:
