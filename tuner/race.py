@@ -10,15 +10,15 @@ as the plan ranks them, the ``RACE_SIZE`` best (and the best serial kernel and t
 core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``worker.race``): a
 slow spell of the host then falls on each of them alike.
 
+- Every race is timed as the search was, the weight in cache, and its times replace the
+  finalists' measurements there, scaled to keep their geometric mean (the level the search
+  measured everything else at); the estimates of the shapes around are carried from them.
 - On a shape a finalist passes over in at most ``STREAM_BOUND_PASSES`` row passes, the plan
   ranks dense kernels as served, by a model of the weight's stream (``weight_stream``), which
   knows neither how a kernel's tasks split the weight nor how its prefetches fare. There the
-  race reads the weight from DRAM (local CPU runs), and its times correct the model at that
-  shape, kernel by kernel (``Tuner.corrections``): the finalists then rank as they raced, at the
-  model's level.
-- Elsewhere the race is timed as the search was, the weight in cache, and its times replace the
-  finalists' measurements there, scaled to keep their geometric mean (the level the search
-  measured everything else at).
+  finalists race once more, reading the weight from DRAM (local CPU runs), and those times
+  correct the model at that shape, kernel by kernel (``Tuner.corrections``): the finalists then
+  rank there as they raced, at the model's level.
 
 A race is a re-timing, not a trial: the budget does not count it and the records database does
 not hold it (the records are the search's own measurements); the plan's provenance counts them.
@@ -60,7 +60,8 @@ class RaceSummary:
 
 def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None = None) -> RaceSummary:
     """Race the finalists of every measured shape of ``tuner`` (a ``tune.Tuner``), updating its
-    measurements (hot races) and its stream-model corrections (streamed ones), until
+    measurements (hot races) and its stream-model corrections (streamed ones, where the stream
+    bounds a finalist), until
     ``deadline`` (``time.monotonic()``; the tune's time budget) if given. Nothing where the
     runner cannot race (``race`` missing: a synthetic machine) or the options say not to."""
     summary = RaceSummary()
@@ -80,29 +81,27 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
             tuner.log(f"{tuner.task.workload}: time budget reached; {len(races) - summary.shapes} shapes not raced")
             break
         key = shape_key(shape)
-        stream = _can_stream(tuner) and any(_stream_bound(tuner, k, shape) for k in finalists)
-        result = race(tuner._job(shape, {
-            "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": RACE_ROUNDS,
-            "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition}))
         summary.shapes += 1
-        if result.get("error") is not None:
-            summary.failed += 1
-            tuner.log(f"{tuner.task.workload}: the race at {shape} failed ({result['error']}); its search times stand")
+        # Hot first, always: its times replace the search's, and kernels' estimates on the shapes
+        # around are carried from them. Then, where the stream bounds a finalist, from DRAM.
+        times = _race(tuner, race, shape, finalists, stream=False, summary=summary)
+        if times is None:
             continue
-        times = {k: t for k, t in zip(finalists, result["latencies"], strict=True) if t is not None}
-        if len(times) < 2:
-            continue
-        summary.streamed += stream
+        before = [tuner.measured_latency(k, key) for k in times]
+        scale = _geomean(before) / _geomean(times.values())
+        for k, t in times.items():
+            tuner.set_measured(k, key, t * scale)
+        stream = _can_stream(tuner) and any(_stream_bound(tuner, k, shape) for k in finalists)
         if stream:
-            ratios = {k: t / served(k, shape) for k, t in times.items()}
-            middle = _geomean(ratios.values())
-            tuner.corrections[key] = {k: min(max(r / middle, 1 / CORRECTION_LIMIT), CORRECTION_LIMIT)
-                                      for k, r in ratios.items()}
-        else:
-            before = [tuner.measured_latency(k, key) for k in times]
-            scale = _geomean(before) / _geomean(times.values())
-            for k, t in times.items():
-                tuner.set_measured(k, key, t * scale)
+            streamed = _race(tuner, race, shape, finalists, stream=True, summary=summary)
+            if streamed is not None:
+                summary.streamed += 1
+                times = streamed
+                _hot, served = tuner.ranking()  # (with the hot race's times)
+                ratios = {k: t / served(k, shape) for k, t in times.items()}
+                middle = _geomean(ratios.values())
+                tuner.corrections[key] = {k: min(max(r / middle, 1 / CORRECTION_LIMIT), CORRECTION_LIMIT)
+                                          for k, r in ratios.items()}
         fastest = min(times, key=times.get)
         if fastest != finalists[0] and finalists[0] in times:
             summary.reordered += 1
@@ -117,6 +116,20 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
                   f"({summary.streamed} with the weight from DRAM) in {summary.seconds:.1f} s; "
                   f"the fastest changed at {summary.reordered}")
     return summary
+
+
+def _race(tuner, race, shape: dict, finalists: list, stream: bool, summary: RaceSummary) -> dict | None:
+    """{kernel: median seconds} of ``finalists`` raced on ``shape`` (None where the race failed,
+    or fewer than two came back)."""
+    result = race(tuner._job(shape, {
+        "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": RACE_ROUNDS,
+        "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition}))
+    if result.get("error") is not None:
+        summary.failed += 1
+        tuner.log(f"{tuner.task.workload}: the race at {shape} failed ({result['error']}); its search times stand")
+        return None
+    times = {k: t for k, t in zip(finalists, result["latencies"], strict=True) if t is not None}
+    return times if len(times) > 1 else None
 
 
 def _finalists(tuner, candidates: list, served, key: tuple) -> list:
