@@ -103,14 +103,21 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
     store = VersionStore(store_dir)
     assert "as version 1" in _cli("publish", str(minilm_artifact), "--store", str(store_dir))
     flags = ("--artifact-store", str(store_dir), "--watch-seconds", "0.3")
-    server = ServerProcess(None, *flags, model_name=MODEL)
+    # The speed check times both versions side by side; two copies of one artifact read
+    # 0.99-1.02x on a quiet host and 0.856x on a contended one (a clean clone's run refused the
+    # copy at the default 0.9). Refusal for speed is checked below (at 1.5); here, the swap.
+    server = ServerProcess(None, *flags, "--swap-min-gain", "0.5", model_name=MODEL)
     client = SteadyClient(server, minilm_engine)
     try:
         assert _served_version(server) == "1" and store.current() == 1
         # A newer version with the same numbers (a recompile) is checked and swapped in.
         store.publish(minilm_artifact)
-        wait_for(lambda: metrics(server).get(("dietserve_swaps_total", ())) == 1, "the swap to version 2",
-                 timeout=120, interval=0.2)
+
+        def swapped() -> bool:
+            assert store.rejected(2) is None, f"version 2 refused: {store.rejected(2)}"
+            return metrics(server).get(("dietserve_swaps_total", ())) == 1
+
+        wait_for(swapped, "the swap to version 2", timeout=120, interval=0.2)
         assert _served_version(server) == "2" and store.current() == 2
         assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
         assert "version 2: " in server.log() and "timed side by side" in server.log()  # the speed check ran
