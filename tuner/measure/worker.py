@@ -129,11 +129,16 @@ def measure(job: dict) -> dict:
     try:
         return _measure(job, started)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        _SESSIONS.clear()  # the remote end may be what failed: reconnect for the next job
-        _BUILDS.clear()  # (modules loaded there go with it)
-        detail = traceback.format_exc(limit=8)
-        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": detail[-2000:],
-                "seconds": time.perf_counter() - started}
+        return _failed(err, started)
+
+
+def _failed(err: Exception, started: float) -> dict:
+    """The result of a job that raised, after forgetting the session and the builds: the remote
+    end may be what failed (reconnect for the next job), and modules loaded there go with it."""
+    _SESSIONS.clear()
+    _BUILDS.clear()
+    return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
+            "seconds": time.perf_counter() - started}
 
 
 # Candidates built and checked, kept for the worker's life (the most recently used): a kernel
@@ -245,8 +250,8 @@ def _measure(job: dict, started: float) -> dict:
         output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
         inputs = [session.tensor(x) for x in arrays]
         if weight_index is not None:
-            sets = [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
-                    for w in _weight_copies(session, recipe, pack, arrays[weight_index])]
+            sets = _streamed_sets(spec, shape, inputs, output, weight_index,
+                                  _weight_copies(session, recipe, pack, arrays[weight_index]))
             latencies[_shape_text(key)] = time_streaming(function, sets, job.get("repeat", 5),
                                                          job.get("min_repeat_ms", 0) / 1e3)
             continue
@@ -277,6 +282,12 @@ def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarr
     return session.kept[key]
 
 
+def _streamed_sets(spec, shape: dict, inputs: list, output, weight_index: int, weights: list) -> list:
+    """One call's arguments per copy of the weight (``_weight_copies``), the other inputs shared."""
+    return [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
+            for w in weights]
+
+
 def race_entrant(job: dict, kernel: str | None) -> dict:
     """The job that builds ``kernel`` (JSON, None: the default rule's) of a race ``job``: its
     build key is the one the kernel's own measuring job had, so a build kept from the search
@@ -300,10 +311,7 @@ def race(job: dict) -> dict:
     try:
         return _race(job, started)
     except Exception as err:  # noqa: BLE001 - a failing race is a result, not a crash
-        _SESSIONS.clear()
-        _BUILDS.clear()
-        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
-                "seconds": time.perf_counter() - started}
+        return _failed(err, started)
 
 
 def _race(job: dict, started: float) -> dict:
@@ -337,8 +345,7 @@ def _race(job: dict, started: float) -> dict:
         inputs = [session.tensor(x) for x in arrays]
         if weight_index is not None:
             weights = _weight_copies(session, recipe, pack, arrays[weight_index])
-            sets = [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
-                    for w in weights]
+            sets = _streamed_sets(spec, shape, inputs, output, weight_index, weights)
             for arguments in sets if id(weights) not in touched else sets[:1]:
                 function(*arguments)  # first touch of every copy (page faults) and of the kernel
             touched.add(id(weights))
