@@ -7,7 +7,7 @@ each was timed, and fresh 64-trial tunes of the same layers picked differently f
 (tiles whose tasks took one panel or eight, alternating along the lengths). So before the final
 plan, on every measured shape where more than one kernel is within ``RACE_MARGIN`` of the best,
 as the plan ranks them, the ``RACE_SIZE`` best (and the best serial kernel and the best on every
-core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``worker.race``): a
+core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``racing.race``): a
 slow spell of the host then falls on each of them alike.
 
 - Every race is timed as the search was, the weight in cache, and its times replace the

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import worker
+from . import racing, worker
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so ``-m tuner.measure.worker`` imports this tree
 STARTUP_GRACE_S = 30.0  # a fresh worker imports TVM before its first job
@@ -255,11 +255,11 @@ class LocalRunner:
         return result
 
     def race(self, job: dict) -> dict:
-        """Time the kernels of a race ``job`` (``worker.race``) in the timing worker, in turn, on
+        """Time the kernels of a race ``job`` (``racing.race``) in the timing worker, in turn, on
         one shape; each one's build from the search is reused where it is still held (in the
         worker, or a builder's library). A timeout or a crash fails the whole race (``error``)."""
         job = self._job({**job, "race": True})
-        keys = [worker.build_key(worker.race_entrant(job, kernel)) for kernel in job["kernels"]]
+        keys = [worker.build_key(racing.race_entrant(job, kernel)) for kernel in job["kernels"]]
         for key in keys:  # (built ahead or not, each is built or loaded now)
             self._ahead.pop(key, None)
         timer = self._workers[0]

@@ -1,6 +1,6 @@
 """What runs inside a measurement worker process: build one candidate, check it against the
-reference on a sample shape, then time it on each requested shape; or race several built
-candidates on one shape, timed in turn round after round (``race``).
+reference on a sample shape, then time it on each requested shape (or race several on one
+shape: ``racing.py``).
 
 A job and its result are plain dicts (they cross a process pipe). Everything that can crash or
 hang (TVM's compiler, generated code) runs here, never in the tuner's own process.
@@ -21,7 +21,7 @@ import numpy as np
 from dietserve.kernels.hardware import last_level_cache_bytes
 from dietserve.kernels.huge_pages import on_huge_pages
 
-from .streaming import SharedCycle, copies, time_streaming
+from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
 CHECK_ATOL = 1e-3
@@ -288,84 +288,6 @@ def _streamed_sets(spec, shape: dict, inputs: list, output, weight_index: int, w
             for w in weights]
 
 
-def race_entrant(job: dict, kernel: str | None) -> dict:
-    """The job that builds ``kernel`` (JSON, None: the default rule's) of a race ``job``: its
-    build key is the one the kernel's own measuring job had, so a build kept from the search
-    (``_BUILDS``, or a builder's library) is reused."""
-    entrant = {name: value for name, value in job.items() if name not in ("kernels", "libraries", "race")}
-    entrant["kernel"] = kernel
-    if kernel is None:  # (the default kernel's own jobs carry no schedule function)
-        entrant.pop("apply", None)
-        entrant.pop("loop_partition", None)
-    return entrant
-
-
-def race(job: dict) -> dict:
-    """Time ``job["kernels"]`` on ``job["shapes"][0]`` in turn, ``job["rounds"]`` rounds (the order
-    reversed every other round), each turn one repeat of at least ``min_repeat_ms``; the weight
-    from DRAM where ``job["stream"]`` (local CPU only). A slow spell of a shared host then falls
-    on every kernel alike, where kernels timed minutes apart in the search each met the host as
-    it was then. Returns the median seconds per kernel (None where one failed: its error in
-    ``errors``); never raises."""
-    started = time.perf_counter()
-    try:
-        return _race(job, started)
-    except Exception as err:  # noqa: BLE001 - a failing race is a result, not a crash
-        return _failed(err, started)
-
-
-def _race(job: dict, started: float) -> dict:
-    from dietserve.kernels.host import target_cores
-    from dietserve.kernels.microkernel import MicroKernel
-
-    from ..ops import weight_input
-
-    recipe = _freeze(job["recipe"])
-    spec = _spec(recipe)
-    target_kind = job["target"]["kind"]
-    session = _session(job["device"], target_kind, target_cores(job["target"]))
-    (shape,) = job["shapes"]
-    key = tuple(sorted(shape.items()))
-    weight_index = weight_input(spec) if job.get("stream") and session.remote is None \
-        and target_kind == "llvm" else None
-    timers, errors = [], []
-    cycle = SharedCycle(job.get("min_repeat_ms", 0) / 1e3)  # (streamed: one cursor over the copies for all)
-    touched: set[int] = set()  # the weight copies first touched already (one list per packing)
-    libraries = job.get("libraries") or [None] * len(job["kernels"])
-    for kernel, library in zip(job["kernels"], libraries, strict=True):
-        pack = 0 if kernel is None else MicroKernel.from_json(kernel).pack
-        outcome = _built_and_checked({**race_entrant(job, kernel), "library": library}, spec, recipe, session, pack)
-        if isinstance(outcome, dict):  # a wrong result
-            timers.append(None)
-            errors.append(outcome["error"])
-            continue
-        function = outcome[0]["main"]
-        arrays = _kernel_inputs(recipe, key, pack)
-        output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
-        inputs = [session.tensor(x) for x in arrays]
-        if weight_index is not None:
-            weights = _weight_copies(session, recipe, pack, arrays[weight_index])
-            sets = _streamed_sets(spec, shape, inputs, output, weight_index, weights)
-            for arguments in sets if id(weights) not in touched else sets[:1]:
-                function(*arguments)  # first touch of every copy (page faults) and of the kernel
-            touched.add(id(weights))
-            timers.append(lambda f=function, s=sets: cycle.turn(f, s))
-        else:
-            evaluator = outcome[0].time_evaluator("main", session.device, number=job.get("number", 3), repeat=1,
-                                                  min_repeat_ms=job.get("min_repeat_ms", 0))
-            args = spec.call_arguments(shape, inputs, output)
-            timers.append(lambda e=evaluator, a=args: e(*a).results[0])
-            timers[-1]()  # warm-up: caches, page faults, the thread pool
-        errors.append(None)
-    samples: list[list[float]] = [[] for _ in timers]
-    order = [i for i, timer in enumerate(timers) if timer is not None]
-    for round_ in range(job.get("rounds", 5)):
-        for i in order if round_ % 2 == 0 else order[::-1]:
-            samples[i].append(timers[i]())
-    return {"latencies": [float(np.median(s)) if s else None for s in samples], "errors": errors, "error": None,
-            "seconds": time.perf_counter() - started}
-
-
 def resolve(path: str):
     """``"package.module:function"`` -> the function that applies a micro-kernel (custom schedules)."""
     import importlib
@@ -399,6 +321,10 @@ def main() -> None:
 
     The protocol owns the original stdout; anything else printing (TVM, nvcc) goes to stderr.
     """
+    # Run as ``-m``, this file is ``__main__``; the races' module imports it as ``worker``. The jobs
+    # go through that one copy, so measuring and racing share its kept builds and sessions.
+    from . import racing, worker
+
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     protocol_in = os.fdopen(0, "rb")
@@ -407,9 +333,9 @@ def main() -> None:
         if job is None:
             return
         if job.get("compile_to"):
-            result = compile_only(job)
+            result = worker.compile_only(job)
         else:
-            result = race(job) if job.get("race") else measure(job)
+            result = racing.race(job) if job.get("race") else worker.measure(job)
         write_frame(protocol_out, result)
 
 
