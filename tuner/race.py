@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 from .commitment import STREAM_BOUND_PASSES
 from .dispatch import shape_key
+from .planning import plan_candidates, ranking
 from .progress import ProgressBar
 from .weight_stream import weight_bytes
 
@@ -69,8 +70,8 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
     if race is None or not tuner.options.race:
         return summary
     started = time.monotonic()
-    _hot, served = tuner.ranking()
-    candidates = tuner.plan_candidates()
+    _hot, served = ranking(tuner)
+    candidates = plan_candidates(tuner)
     keys = sorted((key for key in set(tuner.measured) | set(tuner.default_measured)),
                   key=lambda key: tuner.task.dispatch_value(dict(key)))
     races = [(dict(key), finalists) for key in keys if len(finalists := _finalists(tuner, candidates, served, key)) > 1]
@@ -97,7 +98,7 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
             if streamed is not None:
                 summary.streamed += 1
                 times = streamed
-                _hot, served = tuner.ranking()  # (with the hot race's times)
+                _hot, served = ranking(tuner)  # (with the hot race's times)
                 ratios = {k: t / served(k, shape) for k, t in times.items()}
                 middle = _geomean(ratios.values())
                 tuner.corrections[key] = {k: min(max(r / middle, 1 / CORRECTION_LIMIT), CORRECTION_LIMIT)

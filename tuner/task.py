@@ -4,6 +4,7 @@ weight per instance (DietCode's ``ShapeVar`` and ``wkl_inst_weights``), for one 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +86,15 @@ class TuningTask:
             if name not in self.fixed:
                 return name
         raise AssertionError("a task varies one var")
+
+    def check_shape(self) -> dict[str, int]:
+        """A small instance whose var is prime (near 13), so no tile divides it: a kernel checked
+        there exercises its padding paths."""
+        var = self.varying()
+        values = sorted({dict(instance)[var] for instance in self.instances})
+        primes = [v for v in values if v > 2 and all(v % d for d in range(2, math.isqrt(v) + 1))]
+        value = min(primes, key=lambda v: abs(v - 13)) if primes else values[len(values) // 2]
+        return {**self.fixed, var: value}
 
     def flops(self, shape: Mapping[str, int]) -> int:
         return self.spec.flops(shape)

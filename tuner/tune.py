@@ -11,7 +11,7 @@ rounds search every panel width, then the packing the plan would take is committ
 rest of the budget searches only kernels that read it (a plan reads one packing, so a kernel
 of another can never be dispatched; ``commitment.py``, with the plan's verification). It
 stops at the trial budget or the time budget, then turns the measurements into a dispatch
-plan: at most ``max_variants`` micro-kernels (and one for the smallest shape's regime, and
+plan (``planning.py``): at most ``max_variants`` micro-kernels (and one for the smallest shape's regime, and
 those covering short shapes' rows in one pass over the weight) and a decision tree over the
 operator's row count.
 The default rule's kernel (what an untuned build runs) is measured on every shape the search
@@ -25,7 +25,6 @@ tuner, are reused, not re-measured.
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -41,29 +40,19 @@ from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
 from .commitment import PlanCommitment
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .dispatch import build_plan, plan_layouts, shape_key
-from .estimates import nearest_measured_estimates
+from .dispatch import shape_key
 from .options import TuneOptions, TuneResult
+from .planning import make_plan
 from .progress import ProgressBar
 from .race import race_finalists
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
-from .weight_stream import served_estimates
 
 TUNER_VERSION = 34  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
-
-
-def check_shape_for(task: TuningTask) -> dict:
-    """A small shape whose var is prime, so no tile divides it: padding paths are exercised."""
-    var = task.varying()
-    values = sorted({dict(i)[var] for i in task.instances})
-    primes = [v for v in values if v > 2 and all(v % d for d in range(2, int(math.isqrt(v)) + 1))]
-    value = min(primes, key=lambda v: abs(v - 13)) if primes else values[len(values) // 2]
-    return {**task.fixed, var: value}
 
 
 class Tuner:
@@ -96,7 +85,7 @@ class Tuner:
         self.trials = 0
         self.failures = 0
         self.reused = 0
-        self.check_shape = check_shape_for(task)
+        self.check_shape = task.check_shape()
         # Only the CPU worker streams weights (``measure/streaming.py``): a CUDA job ignores it.
         self.streams_weights = bool(getattr(runner, "streams_weights", False)) and task.target.get("kind") == "llvm"
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
@@ -360,44 +349,9 @@ class Tuner:
         measured = sum(1 for v in self.measured.values() if v)
         return f"| {measured} shapes measured | {self.failures} failed"
 
-    def plan_candidates(self) -> list[MicroKernel | None]:
-        """The variants a plan may take: measured kernels (of the committed packing once there is
-        one) and, where it was measured, the default kernel (None)."""
-        candidates: list[MicroKernel | None] = [k for k in self.calibrated() if k not in self.failed]
-        if self.packing is not None:
-            # Only the committed packing's kernels (and the untuned one): its small-regime and
-            # single-pass tiles are the ones probed. Another packing's kernels measured before the
-            # commit took a bert-base tune's 3072 -> 768 layer back to 32-wide panels, none of
-            # its tiles covering T = 10-13 (seq 11-13 0.89-0.91x end to end).
-            candidates = [k for k in candidates if k.pack == self.packing]
-        if self.default_measured:
-            candidates.append(None)
-        return candidates
-
-    def ranking(self):
-        """(hot, served): the latency estimates a plan is made from, timed and as served (the
-        weight from DRAM, where the rates are known), each variant on each shape."""
-        estimate = nearest_measured_estimates(self.task, self.measured, self.default_measured, self.cores)
-        return estimate, served_estimates(estimate, self.task, self.options.dram, self.corrections)
-
     def plan(self, provenance: dict | None = None) -> KernelPlan:
-        """The best plan over the measurements (``dispatch.plan_layouts``: one weight layout per
-        plan, least weighted slowdown), of the committed packing once there is one."""
-        candidates = self.plan_candidates()
-        if not candidates:
-            raise RuntimeError(f"no candidate of {self.task.workload} measured successfully in {self.trials} trials"
-                               f" ({self.failures} failed); see the records for their errors")
-        order = sorted(range(len(self.shapes)), key=lambda s: self.task.dispatch_value(self.shapes[s]))
-        shapes = [self.shapes[s] for s in order]
-        weights = [self.weights[s] for s in order]
-        # Chosen as served (weight from DRAM); the plan's rows keep the latencies as timed.
-        estimate, served = self.ranking()
-        variants, labels = plan_layouts(candidates, shapes, weights, served, self.measured, self.default_measured,
-                                        self.options.max_variants, self.options.max_intervals,
-                                        rows=[self.task.axis_extents(shape)["i"] for shape in shapes],
-                                        tallest=self.tallest_tiles)
-        return build_plan(self.task, variants, labels, shapes, weights, estimate, self.measured,
-                          self.default_measured,
-                          {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
-                           "failures": self.failures, **(self.options.dram.describe() if self.options.dram else {}),
-                           **(provenance or {})})
+        """The best plan over the measurements so far (``planning.make_plan``), with this tune's
+        provenance and ``provenance``'s."""
+        return make_plan(self, {"tuner": TUNER_VERSION, "trials": self.trials, "reused_records": self.reused,
+                                "failures": self.failures,
+                                **(self.options.dram.describe() if self.options.dram else {}), **(provenance or {})})

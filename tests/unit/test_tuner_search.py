@@ -16,7 +16,6 @@ from tuner.ops import dense
 from tuner.search.evolution import EvolutionarySearch
 from tuner.space.cpu import cpu_space
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import check_shape_for
 
 SPACE = cpu_space(CPU_PRESETS["avx2"])
 
@@ -98,7 +97,7 @@ def test_variants_cover_shapes_and_tree_dispatches_runs() -> None:
 def test_task_instances_weights_and_check_shape() -> None:
     task = TuningTask.create(dense(64, 32), {"kind": "llvm"}, ShapeVar.parse("T", "1:16"), weights=[1.0] * 16)
     assert len(task.instances) == 16 and task.varying() == "T"
-    assert check_shape_for(task) == {"T": 13}  # a prime: no tile divides it
+    assert task.check_shape() == {"T": 13}  # a prime: no tile divides it
     assert task.axis_extents({"T": 5}) == {"b": 1, "i": 5, "j": 32, "k": 64}
     assert ShapeVar.parse("T", "1:9:4").values == (1, 5, 9)
     with pytest.raises(ValueError, match="weights"):
