@@ -11,13 +11,13 @@ import numpy as np
 from .streaming import SharedCycle
 from .worker import (
     _built_and_checked,
-    _failed,
     _freeze,
     _kernel_inputs,
     _session,
     _spec,
     _streamed_sets,
     _weight_copies,
+    never_raises,
 )
 
 
@@ -40,11 +40,7 @@ def race(job: dict) -> dict:
     on every kernel alike, where kernels timed minutes apart in the search each met the host as
     it was then. Returns the median seconds per kernel (None where one failed: its error in
     ``errors``); never raises."""
-    started = time.perf_counter()
-    try:
-        return _race(job, started)
-    except Exception as err:  # noqa: BLE001 - a failing race is a result, not a crash
-        return _failed(err, started)
+    return never_raises(_race, job)
 
 
 def _race(job: dict, started: float) -> dict:

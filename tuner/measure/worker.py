@@ -125,20 +125,21 @@ def _session(device_config: dict, target_kind: str, threads: int | None = None) 
 
 def measure(job: dict) -> dict:
     """Build, check and time one micro-kernel; never raises (errors are in the result)."""
+    return never_raises(_measure, job)
+
+
+def never_raises(body, job: dict) -> dict:
+    """``body(job, started)``'s result, or the error result of a job that raised, after forgetting
+    the session and the builds: the remote end may be what failed (reconnect for the next job),
+    and modules loaded there go with it. A failing job is a result, not a crash."""
     started = time.perf_counter()
     try:
-        return _measure(job, started)
-    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        return _failed(err, started)
-
-
-def _failed(err: Exception, started: float) -> dict:
-    """The result of a job that raised, after forgetting the session and the builds: the remote
-    end may be what failed (reconnect for the next job), and modules loaded there go with it."""
-    _SESSIONS.clear()
-    _BUILDS.clear()
-    return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
-            "seconds": time.perf_counter() - started}
+        return body(job, started)
+    except Exception as err:  # noqa: BLE001 - a failing candidate or race is a result, not a crash
+        _SESSIONS.clear()
+        _BUILDS.clear()
+        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
+                "seconds": time.perf_counter() - started}
 
 
 # Candidates built and checked, kept for the worker's life (the most recently used): a kernel
