@@ -36,10 +36,11 @@ def race_entrant(job: dict, kernel: str | None) -> dict:
 def race(job: dict) -> dict:
     """Time ``job["kernels"]`` on ``job["shapes"][0]`` in turn, ``job["rounds"]`` rounds (the order
     reversed every other round), each turn one repeat of at least ``min_repeat_ms``; the weight
-    from DRAM where ``job["stream"]`` (local CPU only). A slow spell of a shared host then falls
+    from DRAM where ``job["stream"]`` (local CPU only); entrants clearly behind after
+    ``job["screen_rounds"]`` rounds stop there (``raced_rounds``). A slow spell of a shared host then falls
     on every kernel alike, where kernels timed minutes apart in the search each met the host as
     it was then. Returns the median seconds per kernel (None where one failed: its error in
-    ``errors``); never raises."""
+    ``errors``) and the rounds each ran; never raises."""
     return never_raises(_race, job)
 
 
@@ -80,16 +81,53 @@ def _race(job: dict, started: float) -> dict:
             touched.add(id(weights))
             timers.append(lambda f=function, s=sets: cycle.turn(f, s))
         else:
-            evaluator = outcome[0].time_evaluator("main", session.device, number=job.get("number", 3), repeat=1,
+            # One call a turn, more where a call is shorter than ``min_repeat_ms`` (as a streamed
+            # turn): the search's ``number`` doubled a long kernel's turns for no precision a
+            # race needs, as its rounds interleave the entrants anyway.
+            evaluator = outcome[0].time_evaluator("main", session.device, number=1, repeat=1,
                                                   min_repeat_ms=job.get("min_repeat_ms", 0))
             args = spec.call_arguments(shape, inputs, output)
             timers.append(lambda e=evaluator, a=args: e(*a).results[0])
             timers[-1]()  # warm-up: caches, page faults, the thread pool
         errors.append(None)
-    samples: list[list[float]] = [[] for _ in timers]
-    order = [i for i, timer in enumerate(timers) if timer is not None]
-    for round_ in range(job.get("rounds", 5)):
-        for i in order if round_ % 2 == 0 else order[::-1]:
-            samples[i].append(timers[i]())
-    return {"latencies": [float(np.median(s)) if s else None for s in samples], "errors": errors, "error": None,
+    latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))
+    return {"latencies": latencies, "rounds": rounds, "errors": errors, "error": None,
             "seconds": time.perf_counter() - started}
+
+
+def raced_rounds(timers: list, rounds: int, screen_rounds: int | None = None,
+                 drop_margin: float | None = None) -> tuple[list[float | None], list[int]]:
+    """Call ``timers`` (each returns one turn's seconds; None: an entrant that failed) in turn,
+    ``rounds`` rounds, the order reversed every other round. From ``screen_rounds`` on, an
+    entrant that ran more than ``drop_margin`` times as long as the leader (the lowest median)
+    in every round so far stops: it cannot win, and its turns were a third of a tune's races
+    (``tuner/race.py``). Returns each entrant's median seconds and the rounds it ran.
+
+    A stopped entrant's time is its median ratio to the final leader over the rounds they
+    shared, times the leader's median: a host that turns 1.8x slower after the screen (a
+    neighbour's job starting) must not make a stopped entrant, timed before it, read fastest."""
+    samples: list[list[float]] = [[] for _ in timers]
+    running = [i for i, timer in enumerate(timers) if timer is not None]
+    for round_ in range(rounds):
+        for i in running if round_ % 2 == 0 else running[::-1]:
+            samples[i].append(timers[i]())
+        if screen_rounds is not None and drop_margin is not None and len(running) > 1 \
+                and screen_rounds <= round_ + 1 < rounds:
+            leader = min(running, key=lambda i: np.median(samples[i]))
+            running = [i for i in running
+                       if min(t / lead for t, lead in zip(samples[i], samples[leader], strict=True)) <= drop_margin]
+            if len(running) == 1:
+                break
+    if not running:
+        return [None] * len(timers), [0] * len(timers)
+    leader = min(running, key=lambda i: np.median(samples[i]))
+    lead = float(np.median(samples[leader]))
+    latencies: list[float | None] = []
+    for i, own in enumerate(samples):
+        if not own:
+            latencies.append(None)
+        elif i in running:
+            latencies.append(float(np.median(own)))
+        else:
+            latencies.append(float(np.median([t / samples[leader][r] for r, t in enumerate(own)])) * lead)
+    return latencies, [len(own) for own in samples]

@@ -8,6 +8,14 @@ hang (TVM's compiler, generated code) runs here, never in the tuner's own proces
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # a worker process, started by ``runner.py``: before TVM is imported
+    # tvm_ffi imports torch wherever it is installed (its guard against a symbol clash on
+    # Windows). No job uses it, and it was 4.5 s of a worker's 6 s start on a 2-core host: paid
+    # by every tune, every operator the benchmark tunes, and every worker restarted after a crash.
+    sys.modules.setdefault("torch", None)
+
 import os
 import pickle
 import tempfile
