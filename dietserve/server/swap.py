@@ -9,7 +9,8 @@ heaviest shapes (``time_side_by_side``): a re-tuning job that timed its kernels 
 server kept busy once published kernels that made seq 384 1.8x slower (serial kernels look as
 fast as parallel ones when the other core is taken). Only then does the batcher take the new
 engine for its next batch. A candidate that fails to load, is incompatible, answers differently
-or is measured slower than ``HotSwap.min_gain`` of the served version's speed is marked
+or is measured slower than ``HotSwap.min_gain`` of the served version's speed (in each of
+``SPEED_READINGS`` readings) is marked
 rejected in the store, counted and logged, and the current version stays. A rollback (the store's
 current version set back by an operator, or another server's verified choice) is checked for its
 answers, not timed: it is a decision already made.
@@ -42,6 +43,10 @@ TIMED_SHAPES = 3  # the traffic's heaviest shapes a candidate is timed on
 # of alternating runs: two copies of one artifact timed so read 0.99-1.02x in four runs of
 # tests/integration/test_hot_swap.py (a client sending requests meanwhile; a shared 2-core VM).
 MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.25, 40
+# A reading below the minimum is timed again, up to this many readings in all, and the best one
+# decides: a refusal stays in the store for good, and on a contended host two copies of one
+# artifact once read 0.856x (one reading). A version truly slower reads slow every time.
+SPEED_READINGS = 2
 
 
 @dataclass
@@ -134,6 +139,21 @@ async def time_side_by_side(run_between_batches, current: Engine, candidate: Eng
     return served_total / candidate_total, lines
 
 
+async def best_reading(time_once, min_gain: float) -> tuple[float, list[str], list[float]]:
+    """(speed, its lines, every speed read) of the best of up to ``SPEED_READINGS`` readings of
+    ``time_once`` (an awaitable ``time_side_by_side``), read again only while below
+    ``min_gain``."""
+    readings, best = [], None
+    for _ in range(SPEED_READINGS):
+        speed, lines = await time_once()
+        readings.append(speed)
+        if best is None or speed > best[0]:
+            best = (speed, lines)
+        if speed >= min_gain:
+            break
+    return best[0], best[1], readings
+
+
 def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
     """Runs one sample through both; the difference if they disagree."""
     inputs = current.validate(ids)  # every token attended, one segment
@@ -219,18 +239,22 @@ class Swapper:
         if problem:
             return self._refuse(version, problem)
         if not decided and self.swap.min_gain > 0:
+            inputs = timed_inputs(current, self.traffic)
             try:
-                speed, lines = await time_side_by_side(self.batcher.run_between_batches, current, candidate,
-                                                       timed_inputs(current, self.traffic))
+                speed, lines, readings = await best_reading(
+                    lambda: time_side_by_side(self.batcher.run_between_batches, current, candidate, inputs),
+                    self.swap.min_gain)
             except Exception as err:  # noqa: BLE001 - a run that fails at a traffic shape refuses the candidate
                 return self._refuse(version, f"failed while timed on the traffic's shapes: {err}")
             self.metrics.checked_gain.set(speed)
+            again = f"; the best of {len(readings)} readings: {', '.join(map(_speed_text, readings))}" \
+                if len(readings) > 1 else ""
             self.say(f"version {version}: {_speed_text(speed)} the served version's speed, timed side by side "
-                     f"({'; '.join(lines)})")
+                     f"({'; '.join(lines)}){again}")
             if speed < self.swap.min_gain:
                 return self._refuse(version, f"measured {_speed_text(speed)} the served version's speed on the "
-                                             f"traffic's shapes ({'; '.join(lines)}), below the minimum "
-                                             f"{self.swap.min_gain}")
+                                             f"traffic's shapes ({'; '.join(lines)}{again}), below the "
+                                             f"minimum {self.swap.min_gain}")
         candidate.pool_bound = current.pool_bound  # one bound on the process, whichever engine runs
         self.batcher.engine = candidate  # the next batch runs on it
         self.gain.swapped()

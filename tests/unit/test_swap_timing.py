@@ -76,3 +76,21 @@ def test_the_speed_is_the_weighted_sum_of_median_times_served_over_candidate() -
 def test_a_speed_below_the_minimum_never_prints_as_the_minimum(speed, text):
     # A refusal at 0.8996 once read "measured 0.90x ..., below the minimum 0.9": rounded down, it cannot.
     assert swap._speed_text(speed) == text
+
+
+@pytest.mark.parametrize("readings, read, decides", [
+    ([1.01], [1.01], 1.01),  # at or above the minimum: read once
+    ([0.856, 0.99], [0.856, 0.99], 0.99),  # one slow reading (a contended host): read again, swapped
+    ([0.55, 0.6], [0.55, 0.6], 0.6),  # slow every time: refused on the better reading
+    ([0.5, 0.7, 1.2], [0.5, 0.7], 0.7),  # at most SPEED_READINGS
+])
+def test_a_reading_below_the_minimum_is_read_again_and_the_best_decides(readings, read, decides) -> None:
+    assert swap.SPEED_READINGS == 2
+    script = iter(readings)
+
+    async def time_once():
+        speed = next(script)
+        return speed, [f"line of {speed}"]
+
+    speed, lines, every = asyncio.run(swap.best_reading(time_once, min_gain=0.9))
+    assert (speed, lines, every) == (decides, [f"line of {decides}"], read)

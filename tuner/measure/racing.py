@@ -9,16 +9,7 @@ import time
 import numpy as np
 
 from .streaming import SharedCycle
-from .worker import (
-    _built_and_checked,
-    _freeze,
-    _kernel_inputs,
-    _session,
-    _spec,
-    _streamed_sets,
-    _weight_copies,
-    never_raises,
-)
+from .worker import JobOperator, never_raises
 
 
 def race_entrant(job: dict, kernel: str | None) -> dict:
@@ -45,49 +36,35 @@ def race(job: dict) -> dict:
 
 
 def _race(job: dict, started: float) -> dict:
-    from dietserve.kernels.host import target_cores
     from dietserve.kernels.microkernel import MicroKernel
 
-    from ..ops import weight_input
-
-    recipe = _freeze(job["recipe"])
-    spec = _spec(recipe)
-    target_kind = job["target"]["kind"]
-    session = _session(job["device"], target_kind, target_cores(job["target"]))
+    operator = JobOperator(job, stream=bool(job.get("stream")))
     (shape,) = job["shapes"]
-    key = tuple(sorted(shape.items()))
-    weight_index = weight_input(spec) if job.get("stream") and session.remote is None \
-        and target_kind == "llvm" else None
     timers, errors = [], []
     cycle = SharedCycle(job.get("min_repeat_ms", 0) / 1e3)  # (streamed: one cursor over the copies for all)
-    touched: set[int] = set()  # the weight copies first touched already (one list per packing)
+    touched: set[int] = set()  # the packings whose weight copies were first touched already
     libraries = job.get("libraries") or [None] * len(job["kernels"])
     for kernel, library in zip(job["kernels"], libraries, strict=True):
         pack = 0 if kernel is None else MicroKernel.from_json(kernel).pack
-        outcome = _built_and_checked({**race_entrant(job, kernel), "library": library}, spec, recipe, session, pack)
+        outcome = operator.built_and_checked({**race_entrant(job, kernel), "library": library}, pack)
         if isinstance(outcome, dict):  # a wrong result
             timers.append(None)
             errors.append(outcome["error"])
             continue
         function = outcome[0]["main"]
-        arrays = _kernel_inputs(recipe, key, pack)
-        output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
-        inputs = [session.tensor(x) for x in arrays]
-        if weight_index is not None:
-            weights = _weight_copies(session, recipe, pack, arrays[weight_index])
-            sets = _streamed_sets(spec, shape, inputs, output, weight_index, weights)
-            for arguments in sets if id(weights) not in touched else sets[:1]:
+        sets = operator.call_arguments(shape, pack)
+        if operator.weight_index is not None:
+            for arguments in sets if pack not in touched else sets[:1]:
                 function(*arguments)  # first touch of every copy (page faults) and of the kernel
-            touched.add(id(weights))
+            touched.add(pack)
             timers.append(lambda f=function, s=sets: cycle.turn(f, s))
         else:
             # One call a turn, more where a call is shorter than ``min_repeat_ms`` (as a streamed
             # turn): the search's ``number`` doubled a long kernel's turns for no precision a
             # race needs, as its rounds interleave the entrants anyway.
-            evaluator = outcome[0].time_evaluator("main", session.device, number=1, repeat=1,
+            evaluator = outcome[0].time_evaluator("main", operator.session.device, number=1, repeat=1,
                                                   min_repeat_ms=job.get("min_repeat_ms", 0))
-            args = spec.call_arguments(shape, inputs, output)
-            timers.append(lambda e=evaluator, a=args: e(*a).results[0])
+            timers.append(lambda e=evaluator, a=sets[0]: e(*a).results[0])
             timers[-1]()  # warm-up: caches, page faults, the thread pool
         errors.append(None)
     latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))

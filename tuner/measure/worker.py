@@ -226,18 +226,49 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
     return module, False
 
 
+class JobOperator:
+    """A job's operator in this worker: its spec, the session its kernels run in, and the input
+    whose copies stream from DRAM when ``stream`` (the weight of a dense layer, as the served
+    model reads it: ``streaming.py``; only local CPU runs, where over RPC each call would be a
+    round trip). What measuring and racing jobs share."""
+
+    def __init__(self, job: dict, stream: bool):
+        from dietserve.kernels.host import target_cores
+
+        from ..ops import weight_input
+
+        self.recipe = _freeze(job["recipe"])
+        self.spec = _spec(self.recipe)
+        kind = job["target"]["kind"]
+        self.session = _session(job["device"], kind, target_cores(job["target"]))
+        self.weight_index = weight_input(self.spec) if stream and self.session.remote is None \
+            and kind == "llvm" else None
+
+    def built_and_checked(self, job: dict, pack: int):
+        """``job``'s candidate (of this operator) built, loaded and checked: ``_built_and_checked``."""
+        return _built_and_checked(job, self.spec, self.recipe, self.session, pack)
+
+    def call_arguments(self, shape: dict, pack: int) -> list[list]:
+        """The arguments of a call on ``shape``, inputs laid out for a kernel packed in ``pack``-wide
+        panels: one set, or where the weight streams, one set per copy of it (``_weight_copies``),
+        the other inputs and the output shared."""
+        arrays = _kernel_inputs(self.recipe, tuple(sorted(shape.items())), pack)
+        output = self.session.tensor(np.empty(self.spec.output_shape(shape), "float32"))
+        inputs = [self.session.tensor(x) for x in arrays]
+        if self.weight_index is None:
+            return [self.spec.call_arguments(shape, inputs, output)]
+        weights = _weight_copies(self.session, self.recipe, pack, arrays[self.weight_index])
+        return [self.spec.call_arguments(shape, [w if i == self.weight_index else x for i, x in enumerate(inputs)],
+                                         output) for w in weights]
+
+
 def _measure(job: dict, started: float) -> dict:
-    from dietserve.kernels.host import target_cores
     from dietserve.kernels.microkernel import MicroKernel
 
-    from ..ops import weight_input
-
-    recipe = _freeze(job["recipe"])
-    spec = _spec(recipe)
-    target_kind = job["target"]["kind"]
+    operator = JobOperator(job, stream=bool(job.get("stream_weights")))
+    session = operator.session
     pack = 0 if job["kernel"] is None else MicroKernel.from_json(job["kernel"]).pack
-    session = _session(job["device"], target_kind, target_cores(job["target"]))
-    outcome = _built_and_checked(job, spec, recipe, session, pack)
+    outcome = operator.built_and_checked(job, pack)
     if isinstance(outcome, dict):  # a wrong result
         return {**outcome, "seconds": time.perf_counter() - started}
     module, reused = outcome
@@ -249,22 +280,14 @@ def _measure(job: dict, started: float) -> dict:
     latencies = {}
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
-    # A dense layer's weight comes from DRAM in the served model: cycle through copies of it
-    # (``streaming.py``). Only here: over RPC each call would be a round trip.
-    weight_index = weight_input(spec) if job.get("stream_weights") and session.remote is None \
-        and target_kind == "llvm" else None
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
-        arrays = _kernel_inputs(recipe, key, pack)
-        output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
-        inputs = [session.tensor(x) for x in arrays]
-        if weight_index is not None:
-            sets = _streamed_sets(spec, shape, inputs, output, weight_index,
-                                  _weight_copies(session, recipe, pack, arrays[weight_index]))
+        sets = operator.call_arguments(shape, pack)
+        if operator.weight_index is not None:  # cycle through the weight's copies
             latencies[_shape_text(key)] = time_streaming(function, sets, job.get("repeat", 5),
                                                          job.get("min_repeat_ms", 0) / 1e3)
             continue
-        args = spec.call_arguments(shape, inputs, output)
+        (args,) = sets
         function(*args)  # warm-up: caches, page faults, thread pool
         if session.remote is None:
             # One warm call decides whether the candidate is worth repeats (the first call pays
@@ -289,12 +312,6 @@ def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarr
         # on huge pages, where the served model keeps its weights (only local CPU jobs stream)
         session.kept[key] = on_huge_pages([weight] * count)
     return session.kept[key]
-
-
-def _streamed_sets(spec, shape: dict, inputs: list, output, weight_index: int, weights: list) -> list:
-    """One call's arguments per copy of the weight (``_weight_copies``), the other inputs shared."""
-    return [spec.call_arguments(shape, [w if i == weight_index else x for i, x in enumerate(inputs)], output)
-            for w in weights]
 
 
 def resolve(path: str):
