@@ -77,8 +77,8 @@ def raced_rounds(timers: list, rounds: int, screen_rounds: int | None = None,
     """Call ``timers`` (each returns one turn's seconds; None: an entrant that failed) in turn,
     ``rounds`` rounds, the order reversed every other round. From ``screen_rounds`` on, an
     entrant that ran more than ``drop_margin`` times as long as the leader (the lowest median)
-    in every round so far stops: it cannot win, and its turns were a third of a tune's races
-    (``tuner/race.py``). Returns each entrant's median seconds and the rounds it ran.
+    in every round so far stops: it cannot win (stopping them cut a bert-base tune's race rounds
+    by a third: ``tuner/race.py``). Returns each entrant's median seconds and the rounds it ran.
 
     A stopped entrant's time is its median ratio to the final leader over the rounds they
     shared, times the leader's median: a host that turns 1.8x slower after the screen (a
