@@ -11,7 +11,7 @@ core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``rac
 slow spell of the host then falls on each of them alike. A finalist clearly behind the leader in
 each of the first ``SCREEN_ROUNDS`` rounds stops there: the rounds go to the close ones.
 
-- Every race is timed as the search was, the weight in cache, and its times replace the
+- Every race is timed with the weight in cache, as the search was, and its times replace the
   finalists' measurements there, scaled to keep their geometric mean (the level the search
   measured everything else at); the estimates of the shapes around are carried from them.
 - On a shape a finalist passes over in at most ``STREAM_BOUND_PASSES`` row passes, the plan
