@@ -4,6 +4,8 @@ search's own state, the space and the committed packing, stays the tuner's to ch
 
 - **the packing**: a plan reads one weight layout, so after the first rounds the search commits
   to the panel width the plan would take, measured against every other width on the same shapes;
+  an unpacked space (attention's clamped tiles) has no packing to commit, and there every
+  column-tile width is measured instead, on the shape costing the most time;
 - **the plan's picks**: each tuned interval's variant is measured at the interval's ends and
   middle (and the smallest shape's one-row regime in the committed packing, and tiles exactly
   as tall as a few short shapes: the single-pass regime), then the plan is made again, until
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dietserve.kernels.cpu_clamped import is_clamped
 from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 
@@ -34,6 +37,7 @@ SMALL_REGIME_KERNELS = 3
 # of its rows.
 SINGLE_PASS_PROBE_ROWS = (2, 4, 7, 10, SINGLE_PASS_ROWS)
 SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit point spends on them (all 5 at 40 trials)
+WIDTH_SHARE = 1 / 8  # of the trial budget the commit point spends on the column widths (all 5 at 40 trials)
 # Shapes a kernel passes over in at most this many row passes: its first pass, which streams the
 # weight from DRAM, is at least half its FMAs (``weight_stream``), and how it streams shows.
 STREAM_BOUND_PASSES = 2
@@ -69,6 +73,45 @@ class PlanCommitment:
             if tuner.trials < until:
                 tuner.measure(kernel, shape)
         tuner.model.fit()
+
+    def measure_every_width(self, until: int) -> None:
+        """``width_probes`` at once (stopping at ``until`` trials, and after ``WIDTH_SHARE`` of the
+        budget)."""
+        tuner = self.tuner
+        until = min(until, tuner.trials + int(tuner.options.trials * WIDTH_SHARE))
+        probes = self.width_probes()
+        tuner.prepare(probes[:max(0, until - tuner.trials)])
+        for kernel, shape in probes:
+            if tuner.trials < until:
+                tuner.measure(kernel, shape)
+        tuner.model.fit()
+
+    def width_probes(self) -> list[tuple[MicroKernel, dict]]:
+        """For a space of clamped tiles, on the tuned shape costing the most (weight x FLOPs), the
+        cost model's best kernel of each column-tile width not yet measured there, on every core
+        where the space has such a kernel. The evolution follows the cost model, which may steer
+        away from a width early: of eleven 64-trial tunes of bert-base's context product, one
+        measured no 16-wide tile on every core at T >= 63, the width that ran 1.3-1.45x faster
+        than the 8-wide ones it planned at T = 129-512 (``forced_kernels.py --op
+        attention_context``). Calibrated on the longest shape, each width's estimate reaches the
+        plan everywhere, and the verification measures it where the plan takes it."""
+        tuner = self.tuner
+        kernels = [k for k in tuner.space if is_clamped(k) and k not in tuner.failed]
+        if not kernels:
+            return []
+        pairs = zip(tuner.shapes, tuner.weights, strict=True)
+        weighted = [(w * tuner.task.flops(s), i) for i, (s, w) in enumerate(pairs) if w > 0]
+        if not weighted:
+            return []
+        shape = tuner.shapes[max(weighted)[1]]
+        measured = tuner.measured.get(shape_key(shape), {})
+        done = {k.tile_sizes("j") for k in measured if is_clamped(k) and k.threads != 1}
+        probes = []
+        for width in sorted({k.tile_sizes("j") for k in kernels} - done):
+            of_width = [k for k in kernels if k.tile_sizes("j") == width]
+            of_width = [k for k in of_width if k.threads != 1] or of_width
+            probes.append((self._by_prediction(of_width, shape)[0], shape))
+        return probes
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:
         """On every shape measured so far, the kernel the cost model likes best of each packing

@@ -9,7 +9,8 @@ Each round:
 Operators whose weight is packed (CPU dense layers) choose the packing first: the first
 rounds search every panel width, then the packing the plan would take is committed and the
 rest of the budget searches only kernels that read it (a plan reads one packing, so a kernel
-of another can never be dispatched; ``commitment.py``, with the plan's verification). It
+of another can never be dispatched; ``commitment.py``, with the plan's verification); an
+unpacked space (attention) measures every column-tile width there instead. It
 stops at the trial budget or the time budget, then turns the measurements into a dispatch
 plan (``planning.py``): at most ``max_variants`` micro-kernels (and one for the smallest shape's regime, and
 those covering short shapes' rows in one pass over the weight) and a decision tree over the
@@ -49,7 +50,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 35  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 36  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -303,10 +304,12 @@ class Tuner:
         """Search only the packing the plan would take now (``PlanCommitment.choose_packing``,
         by ``until`` trials): kernels of other packings measured so far stay in the cost model's
         data, and the committed packing's single-pass tiles are measured at once (a space of
-        one packing: its own)."""
+        one packing: its own; an unpacked space of clamped tiles measures each column-tile
+        width instead, ``PlanCommitment.width_probes``)."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
             self.commitment.measure_single_pass(next(iter(widths), 0), until)
+            self.commitment.measure_every_width(until)
             return
         packing = self.commitment.choose_packing(widths, until)
         if packing is None:

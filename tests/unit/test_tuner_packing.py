@@ -18,7 +18,7 @@ from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
 from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
-from tuner.ops import attention_scores, dense
+from tuner.ops import attention_context, attention_scores, dense
 from tuner.options import TuneOptions
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
@@ -410,3 +410,63 @@ def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_dow
     variants, labels = plan_layouts([tall, one_row], shapes, [1.0] * len(shapes), estimate, measured, {}, 4, 8,
                                     rows=list(range(1, 129)), tallest={32: 12})
     assert variants[labels[0]] is one_row and variants[labels[-1]] is tall
+
+
+class ColumnWidthMachine:
+    """Attention's context product on a synthetic machine where 16-wide tiles run 1.4x the rate
+    of the others (as they did on bert-base's, ``forced_kernels.py --op attention_context``)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict] = []
+
+    def describe(self) -> str:
+        return "synthetic"
+
+    @staticmethod
+    def latency(kernel: MicroKernel | None, rows: int) -> float:
+        if kernel is None:
+            return 2e-8 * rows * rows
+        rate = (1.4 if kernel.tile_sizes("j") == (16,) else 1.0) * (0.5 if kernel.threads == 1 else 1.0)
+        return 1e-8 * rows * rows / rate
+
+    def run(self, job: dict) -> dict:
+        self.jobs.append(job)
+        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
+        (shape,) = job["shapes"]
+        return {"latencies": {"T": self.latency(kernel, shape["T"])}, "error": None, "build_seconds": 0.0}
+
+
+def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_path: Path) -> None:
+    """A clamped space has no packing to commit: there every column-tile width the space has is
+    measured on every core on the shape costing the most (weight x FLOPs), the cost model's
+    best of each width not measured there yet, and nothing once all are."""
+    task = TuningTask.create(attention_context(12, 64), TARGET, ShapeVar("T", range(1, 257)))
+    tuner = Tuner(task, clamped_cpu_space(CPU_PRESETS["avx2"]), 2, ColumnWidthMachine(),
+                  RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+    widths = {k.tile_sizes("j") for k in tuner.space}
+    assert len(widths) >= 4
+    eight_wide = next(k for k in tuner.space if k.tile_sizes("j") == (8,) and k.threads == 0)
+    tuner.measured[shape_key({"T": 256})] = {eight_wide: 1e-3}
+    probes = tuner.commitment.width_probes()
+    assert {shape["T"] for _, shape in probes} == {256}  # the longest: all shapes weigh the same
+    assert sorted(k.tile_sizes("j") for k, _ in probes) == sorted(widths - {(8,)})
+    assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
+    for kernel, _ in probes:
+        tuner.measured[shape_key({"T": 256})][kernel] = 1e-3
+    assert tuner.commitment.width_probes() == []
+
+
+def test_a_tune_of_an_unpacked_space_plans_the_fastest_width_at_long_shapes(tmp_path: Path) -> None:
+    """Through a whole tune: every width is measured on the longest shape, and the plan runs long
+    shapes on the width the machine runs fastest."""
+    task = TuningTask.create(attention_context(12, 64), TARGET, ShapeVar("T", range(1, 257)))
+    machine = ColumnWidthMachine()
+    tuner = Tuner(task, clamped_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=40, seed=3))
+    result = tuner.run()
+    assert result.trials == len(machine.jobs) == 40
+    longest = tuner.measured[shape_key({"T": 256})]
+    assert {k.tile_sizes("j") for k in longest if k.threads == 0} == {k.tile_sizes("j") for k in tuner.space}
+    for row in result.plan.shapes:
+        if row["value"] >= 128:
+            assert result.plan.kernel(row["variant"]).tile_sizes("j") == (16,), row
