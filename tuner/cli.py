@@ -222,11 +222,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _raced(plan) -> str:
-    """", finalists raced on N shapes (the fastest changed on M)" from a plan's provenance, or ""."""
+    """", finalists raced on N shapes (the fastest changed on M[, C beside other work])" from a plan's
+    provenance, or ""."""
     races = plan.provenance.get("races") or {}
     if not races.get("shapes"):
         return ""
-    return f", finalists raced on {races['shapes']} shapes (the fastest changed on {races['reordered']})"
+    busy = f", {races['contended']} beside other work" if races.get("contended") else ""
+    return f", finalists raced on {races['shapes']} shapes (the fastest changed on {races['reordered']}{busy})"
 
 
 def _add_measure_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,10 @@ core, however far behind) are timed again in turn, ``RACE_ROUNDS`` rounds (``rac
 slow spell of the host then falls on each of them alike. A finalist clearly behind the leader in
 each of the first ``SCREEN_ROUNDS`` rounds stops there: the rounds go to the close ones.
 
+- A race reads how much of the CPUs other work took while it ran (``measure/host_load.py``): a
+  neighbour on one core slows the kernels on every core and not the serial ones, which no
+  interleaving evens out. Above ``CONTENDED_SHARE`` it is run again, and if the machine is as
+  busy then, the shape keeps the search's times.
 - Every race is timed with the weight in cache, as the search was, and its times replace the
   finalists' measurements there, scaled to keep their geometric mean (the level the search
   measured everything else at); the estimates of the shapes around are carried from them.
@@ -49,6 +53,13 @@ DROP_MARGIN = 1.05
 # is in doubt (a neighbour's burst within one kernel's turns) more than the model. (A parallel
 # kernel timed in a spell 1.4x behind a serial one, raced 2x ahead of it: 0.6x and 1.7x.)
 CORRECTION_LIMIT = 2.0
+# A race during which other work took more than this share of the CPUs (``host_load``) is run
+# again; if the second run is as busy too, the shape keeps the search's times. A neighbour on one
+# core slows a kernel on every core and not a serial one, and a race beside it ranks them so:
+# one such race put a serial tile 1.76x ahead of one on both cores that the search had timed
+# 2.02x faster than it.
+CONTENDED_SHARE = 0.2
+CONTENDED_RUNS = 2
 
 
 @dataclass
@@ -60,6 +71,7 @@ class RaceSummary:
     reordered: int = 0  # where the fastest finalist changed
     stopped: int = 0  # finalists that stopped after SCREEN_ROUNDS, clearly behind
     failed: int = 0  # races that came back with an error (their shapes keep the search's times)
+    contended: int = 0  # races run twice beside other work (their shapes keep the search's times)
     seconds: float = 0.0
 
     def describe(self) -> dict:
@@ -122,20 +134,32 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
     if summary.shapes:
         tuner.log(f"{tuner.task.workload}: raced the finalists of {summary.shapes} shapes "
                   f"({summary.streamed} with the weight from DRAM) in {summary.seconds:.1f} s; "
-                  f"the fastest changed at {summary.reordered}")
+                  f"the fastest changed at {summary.reordered}"
+                  + (f"; {summary.contended} ran beside other work and left the search's times"
+                     if summary.contended else ""))
     return summary
 
 
 def _race(tuner, race, shape: dict, finalists: list, stream: bool, summary: RaceSummary) -> dict | None:
     """{kernel: median seconds} of ``finalists`` raced on ``shape`` (None where the race failed,
     or fewer than two came back)."""
-    result = race(tuner._job(shape, {
+    job = tuner._job(shape, {
         "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": RACE_ROUNDS,
         "screen_rounds": SCREEN_ROUNDS, "drop_margin": DROP_MARGIN,
-        "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition}))
-    if result.get("error") is not None:
-        summary.failed += 1
-        tuner.log(f"{tuner.task.workload}: the race at {shape} failed ({result['error']}); its search times stand")
+        "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition})
+    for _run in range(CONTENDED_RUNS):
+        result = race(job)
+        if result.get("error") is not None:
+            summary.failed += 1
+            tuner.log(f"{tuner.task.workload}: the race at {shape} failed ({result['error']}); its search times stand")
+            return None
+        others = result.get("others_share")
+        if others is None or others <= CONTENDED_SHARE:
+            break
+    else:
+        summary.contended += 1
+        tuner.log(f"{tuner.task.workload}: other work took {others:.0%} of the CPUs while the race at {shape} ran"
+                  f" ({CONTENDED_RUNS} runs); its search times stand")
         return None
     ran = result.get("rounds") or []
     summary.stopped += sum(0 < n < max(ran) for n in ran)
@@ -200,5 +224,5 @@ def _geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-__all__ = ["CORRECTION_LIMIT", "DROP_MARGIN", "RACE_MARGIN", "RACE_ROUNDS", "RACE_SIZE", "SCREEN_ROUNDS", "RaceSummary",
-           "race_finalists"]
+__all__ = ["CONTENDED_RUNS", "CONTENDED_SHARE", "CORRECTION_LIMIT", "DROP_MARGIN", "RACE_MARGIN", "RACE_ROUNDS",
+           "RACE_SIZE", "SCREEN_ROUNDS", "RaceSummary", "race_finalists"]

@@ -18,7 +18,7 @@ from tuner.dispatch import shape_key
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import dense
 from tuner.options import TuneOptions
-from tuner.race import RACE_MARGIN, RACE_ROUNDS, race_finalists
+from tuner.race import CONTENDED_RUNS, CONTENDED_SHARE, RACE_MARGIN, RACE_ROUNDS, race_finalists
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import Tuner
 from tuner.weight_stream import DramRates
@@ -42,9 +42,11 @@ class SpellMachine:
 
     device = {"kind": "local"}
 
-    def __init__(self, truth: dict, spell: set, spell_factor: float = 1.3, raced_truth: dict | None = None):
+    def __init__(self, truth: dict, spell: set, spell_factor: float = 1.3, raced_truth: dict | None = None,
+                 busy: list[float] | None = None):
         self.truth, self.spell, self.spell_factor = truth, spell, spell_factor
         self.raced_truth = raced_truth or truth
+        self.busy = list(busy or [])  # the share of the CPUs other work takes in each race, in turn
         self.jobs: list[dict] = []
         self.races: list[dict] = []
 
@@ -67,7 +69,8 @@ class SpellMachine:
         kernels = [None if k is None else MicroKernel.from_json(k) for k in job["kernels"]]
         truth = self.raced_truth if job["stream"] else self.truth
         return {"latencies": [self._true(truth, k, shape["T"]) for k in kernels],
-                "errors": [None] * len(kernels), "error": None}
+                "errors": [None] * len(kernels), "error": None,
+                "others_share": self.busy.pop(0) if self.busy else 0.0}
 
 
 def _tuner(machine, tmp_path: Path, **options) -> Tuner:
@@ -124,6 +127,24 @@ def test_the_best_serial_and_parallel_kernels_race_however_far_apart(tmp_path: P
     assert _chosen(tuner) == {FAST}
 
 
+def test_a_race_beside_other_work_is_run_again_and_then_leaves_the_search_times(tmp_path: Path) -> None:
+    """The first shape's race runs while other work takes half the CPUs: run again, as busy,
+    the shape keeps the search's times; the second's first run is busy and its second quiet,
+    which counts; the rest are quiet."""
+    busy = [0.5, 0.5, CONTENDED_SHARE * 1.5, CONTENDED_SHARE / 2]
+    machine = SpellMachine({FAST: 1.0, SLOW: 1.1}, spell={FAST}, busy=busy)
+    tuner = _tuner(machine, tmp_path)
+    first, second = (shape_key({"T": t}) for t in SHAPES[:2])
+    searched = dict(tuner.measured[first])
+    summary = race_finalists(tuner)
+    assert [race["shapes"][0]["T"] for race in machine.races] == [SHAPES[0]] * CONTENDED_RUNS + [SHAPES[1]] * 2 \
+        + list(SHAPES[2:])
+    assert summary.contended == 1 and summary.shapes == len(SHAPES) and summary.reordered == len(SHAPES) - 1
+    assert tuner.measured[first] == searched  # (FAST still read 1.3x slow there)
+    assert tuner.measured[second][SLOW] / tuner.measured[second][FAST] == pytest.approx(1.1)
+    assert summary.describe()["races"]["contended"] == 1
+
+
 def test_no_race_for_kernels_far_apart_when_turned_off_or_past_the_time_budget(tmp_path: Path) -> None:
     far = SpellMachine({FAST: 1.0, SLOW: RACE_MARGIN * 1.1}, spell=set())
     tuner = _tuner(far, tmp_path / "far")
@@ -171,6 +192,7 @@ def test_a_real_race_times_every_entrant_and_drops_a_wrong_one() -> None:
             result = runner.race({**job, "stream": stream})
             assert result["error"] is None and result["errors"] == [None, None]
             assert all(0 < t < 0.1 for t in result["latencies"]), result["latencies"]
+            assert 0.0 <= result["others_share"] <= 1.0  # (what other work took: here, whatever it was)
         wrong = runner.race({**job, "stream": False, "apply": "tests.unit.test_tuner_race:wrong_schedule"})
     assert wrong["error"] is None and wrong["latencies"][0] > 0 and wrong["latencies"][1] is None
     assert wrong["errors"][0] is None and wrong["errors"][1].startswith("wrong result on {'T': 13}")

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from .host_load import OtherLoad
 from .streaming import SharedCycle
 from .worker import JobOperator, never_raises
 
@@ -31,7 +32,8 @@ def race(job: dict) -> dict:
     ``job["screen_rounds"]`` rounds stop there (``raced_rounds``). A slow spell of a shared host then falls
     on every kernel alike, where kernels timed minutes apart in the search each met the host as
     it was then. Returns the median seconds per kernel (None where one failed: its error in
-    ``errors``) and the rounds each ran; never raises."""
+    ``errors``), the rounds each ran and ``others_share``, the share of this machine's CPUs
+    other work took during the rounds (``host_load``; None over RPC); never raises."""
     return never_raises(_race, job)
 
 
@@ -67,9 +69,11 @@ def _race(job: dict, started: float) -> dict:
             timers.append(lambda e=evaluator, a=sets[0]: e(*a).results[0])
             timers[-1]()  # warm-up: caches, page faults, the thread pool
         errors.append(None)
+    # (This machine's CPUs only: over RPC the kernels run elsewhere.)
+    load = OtherLoad() if operator.session.remote is None and job["target"]["kind"] == "llvm" else None
     latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))
     return {"latencies": latencies, "rounds": rounds, "errors": errors, "error": None,
-            "seconds": time.perf_counter() - started}
+            "others_share": None if load is None else load.share(), "seconds": time.perf_counter() - started}
 
 
 def raced_rounds(timers: list, rounds: int, screen_rounds: int | None = None,
