@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 
 from .commitment import STREAM_BOUND_PASSES
 from .dispatch import shape_key
+from .measure.host_load import CONTENDED_SHARE
 from .planning import plan_candidates, ranking
 from .progress import ProgressBar
 from .weight_stream import weight_bytes
@@ -53,12 +54,11 @@ DROP_MARGIN = 1.05
 # is in doubt (a neighbour's burst within one kernel's turns) more than the model. (A parallel
 # kernel timed in a spell 1.4x behind a serial one, raced 2x ahead of it: 0.6x and 1.7x.)
 CORRECTION_LIMIT = 2.0
-# A race during which other work took more than this share of the CPUs (``host_load``) is run
-# again; if the second run is as busy too, the shape keeps the search's times. A neighbour on one
-# core slows a kernel on every core and not a serial one, and a race beside it ranks them so:
-# one such race put a serial tile 1.76x ahead of one on both cores that the search had timed
-# 2.02x faster than it.
-CONTENDED_SHARE = 0.2
+# A race during which other work took more than ``CONTENDED_SHARE`` of the CPUs (``host_load``)
+# is run again, at most this many runs in all; if the last is as busy, the shape keeps the
+# search's times. A neighbour on one core slows a kernel on every core and not a serial one, and
+# a race beside it ranks them so: one such race put a serial tile 1.76x ahead of one on both
+# cores that the search had timed 2.02x faster than it.
 CONTENDED_RUNS = 2
 
 
@@ -224,5 +224,5 @@ def _geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-__all__ = ["CONTENDED_RUNS", "CONTENDED_SHARE", "CORRECTION_LIMIT", "DROP_MARGIN", "RACE_MARGIN", "RACE_ROUNDS",
+__all__ = ["CONTENDED_RUNS", "CORRECTION_LIMIT", "DROP_MARGIN", "RACE_MARGIN", "RACE_ROUNDS",
            "RACE_SIZE", "SCREEN_ROUNDS", "RaceSummary", "race_finalists"]

@@ -41,6 +41,7 @@ def test_crashing_and_hanging_candidates_cost_only_themselves() -> None:
     with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=8)) as runner:
         good = runner.run(job(kernel(4)))
         assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
+        assert 0.0 <= good["others_share"] <= 1.0  # (what other work took meanwhile: whatever it was)
         crashed = runner.run(job(kernel(2), FAULTY))
         assert "died" in crashed["error"] and "SIGSEGV" in crashed["error"]
         started = time.monotonic()
@@ -94,6 +95,7 @@ def test_candidates_built_ahead_are_all_timed_in_one_worker() -> None:
     assert any(compiled) and not all(compiled)  # each worker took a share
     for good in results[:2] + results[3:]:
         assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
+        assert 0.0 <= good["others_share"] <= 1.0  # (what other work took meanwhile: whatever it was)
         assert good["built_ahead"] and good["build_seconds"] > 0 and not good["build_reused"]
     assert results[2]["error"].startswith("wrong result on") and "latencies" not in results[2]
     assert again["error"] is None and again["build_reused"] and not again.get("built_ahead")

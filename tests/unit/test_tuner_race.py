@@ -15,10 +15,11 @@ import pytest
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import shape_key
+from tuner.measure.host_load import CONTENDED_SHARE
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import dense
 from tuner.options import TuneOptions
-from tuner.race import CONTENDED_RUNS, CONTENDED_SHARE, RACE_MARGIN, RACE_ROUNDS, race_finalists
+from tuner.race import CONTENDED_RUNS, RACE_MARGIN, RACE_ROUNDS, race_finalists
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import Tuner
 from tuner.weight_stream import DramRates

@@ -1,4 +1,5 @@
-"""How much of this process's CPUs other work took while a race ran (``racing.py``).
+"""How much of this process's CPUs other work took while a race ran (``racing.py``) or a
+candidate was timed (``worker._measure``).
 
 A race interleaves its finalists so that a slow spell of a shared host falls on each of them
 alike. A neighbour that holds one core does not: it slows a kernel on every core (each call
@@ -8,13 +9,19 @@ serial tile of the context product 1.76x faster than a 16-wide tile on both core
 search had timed 2.02x faster than it, and planned T = 64-512 on the serial tile. So a race
 reads what the rest of the machine did meanwhile: the busy time of its CPUs (``/proc/stat``:
 all but idle and I/O wait; steal counts, a hypervisor's neighbour is one too) less this
-process's own CPU time.
+process's own CPU time. A reading above ``CONTENDED_SHARE`` is timed again (``race.py``,
+``tune.Tuner``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+# Above this share of the CPUs taken by other work, a timing is done again. Quiet races on the
+# 2-core host read 0-13% (a 10 ms clock tick is 4.5% of a 0.11 s race on 2 cores), races beside a
+# process spinning on one core 45-52%.
+CONTENDED_SHARE = 0.2
 
 _STAT = "/proc/stat"
 _IDLE_FIELDS = (3, 4)  # of "cpuN user nice system idle iowait irq softirq steal guest guest_nice"

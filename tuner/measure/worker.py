@@ -29,6 +29,7 @@ import numpy as np
 from dietserve.kernels.hardware import last_level_cache_bytes
 from dietserve.kernels.huge_pages import on_huge_pages
 
+from .host_load import OtherLoad
 from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
@@ -280,6 +281,8 @@ def _measure(job: dict, started: float) -> dict:
     latencies = {}
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
+    # (This machine's CPUs only: over RPC or on a GPU other work does not slow the kernel so.)
+    load = OtherLoad() if session.remote is None and job["target"]["kind"] == "llvm" else None
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
         sets = operator.call_arguments(shape, pack)
@@ -299,7 +302,7 @@ def _measure(job: dict, started: float) -> dict:
                 continue
         latencies[_shape_text(key)] = float(np.median(timer(*args).results))
     return {"latencies": latencies, "error": None, "build_seconds": built - started, "build_reused": reused,
-            "seconds": time.perf_counter() - started}
+            "others_share": None if load is None else load.share(), "seconds": time.perf_counter() - started}
 
 
 def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
