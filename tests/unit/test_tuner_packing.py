@@ -412,15 +412,9 @@ def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_dow
     assert variants[labels[0]] is one_row and variants[labels[-1]] is tall
 
 
-class ColumnWidthMachine:
+class ColumnWidthMachine(SyntheticMachine):
     """Attention's context product on a synthetic machine where 16-wide tiles run 1.4x the rate
     of the others (as they did on bert-base's, ``forced_kernels.py --op attention_context``)."""
-
-    def __init__(self) -> None:
-        self.jobs: list[dict] = []
-
-    def describe(self) -> str:
-        return "synthetic"
 
     @staticmethod
     def latency(kernel: MicroKernel | None, rows: int) -> float:
@@ -428,12 +422,6 @@ class ColumnWidthMachine:
             return 2e-8 * rows * rows
         rate = (1.4 if kernel.tile_sizes("j") == (16,) else 1.0) * (0.5 if kernel.threads == 1 else 1.0)
         return 1e-8 * rows * rows / rate
-
-    def run(self, job: dict) -> dict:
-        self.jobs.append(job)
-        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
-        (shape,) = job["shapes"]
-        return {"latencies": {"T": self.latency(kernel, shape["T"])}, "error": None, "build_seconds": 0.0}
 
 
 def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 
-from .host_load import OtherLoad
 from .streaming import SharedCycle
 from .worker import JobOperator, never_raises
 
@@ -69,8 +68,7 @@ def _race(job: dict, started: float) -> dict:
             timers.append(lambda e=evaluator, a=sets[0]: e(*a).results[0])
             timers[-1]()  # warm-up: caches, page faults, the thread pool
         errors.append(None)
-    # (This machine's CPUs only: over RPC the kernels run elsewhere.)
-    load = OtherLoad() if operator.session.remote is None and job["target"]["kind"] == "llvm" else None
+    load = operator.other_load()
     latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))
     return {"latencies": latencies, "rounds": rounds, "errors": errors, "error": None,
             "others_share": None if load is None else load.share(), "seconds": time.perf_counter() - started}

@@ -242,8 +242,15 @@ class JobOperator:
         self.spec = _spec(self.recipe)
         kind = job["target"]["kind"]
         self.session = _session(job["device"], kind, target_cores(job["target"]))
-        self.weight_index = weight_input(self.spec) if stream and self.session.remote is None \
-            and kind == "llvm" else None
+        # Kernels on this machine's CPUs: the only ones whose weight can stream from DRAM here
+        # (over RPC each call would be a round trip) and that other work here slows.
+        self.on_this_cpu = self.session.remote is None and kind == "llvm"
+        self.weight_index = weight_input(self.spec) if stream and self.on_this_cpu else None
+
+    def other_load(self) -> OtherLoad | None:
+        """What other work takes of this machine's CPUs from now (``host_load``), where the
+        kernels run on them; else None."""
+        return OtherLoad() if self.on_this_cpu else None
 
     def built_and_checked(self, job: dict, pack: int):
         """``job``'s candidate (of this operator) built, loaded and checked: ``_built_and_checked``."""
@@ -281,8 +288,7 @@ def _measure(job: dict, started: float) -> dict:
     latencies = {}
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
-    # (This machine's CPUs only: over RPC or on a GPU other work does not slow the kernel so.)
-    load = OtherLoad() if session.remote is None and job["target"]["kind"] == "llvm" else None
+    load = operator.other_load()
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
         sets = operator.call_arguments(shape, pack)
