@@ -222,13 +222,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _raced(plan) -> str:
-    """", finalists raced on N shapes (the fastest changed on M[, C beside other work])" from a plan's
-    provenance, or ""."""
+    """"[, the packings raced on P shapes], finalists raced on N shapes (the fastest changed on M[, C
+    beside other work])" from a plan's provenance, or ""."""
     races = plan.provenance.get("races") or {}
+    packings = f", the packings raced on {races['packings']} shapes" if races.get("packings") else ""
     if not races.get("shapes"):
-        return ""
+        return packings
     busy = f", {races['contended']} beside other work" if races.get("contended") else ""
-    return f", finalists raced on {races['shapes']} shapes (the fastest changed on {races['reordered']}{busy})"
+    return (f"{packings}, finalists raced on {races['shapes']} shapes "
+            f"(the fastest changed on {races['reordered']}{busy})")
 
 
 def _add_measure_flags(parser: argparse.ArgumentParser) -> None:

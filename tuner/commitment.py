@@ -110,7 +110,7 @@ class PlanCommitment:
         for width in sorted({k.tile_sizes("j") for k in kernels} - done):
             of_width = [k for k in kernels if k.tile_sizes("j") == width]
             of_width = [k for k in of_width if k.threads != 1] or of_width
-            probes.append((self._by_prediction(of_width, shape)[0], shape))
+            probes.append((self.by_prediction(of_width, shape)[0], shape))
         return probes
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:
@@ -126,7 +126,7 @@ class PlanCommitment:
                     continue
                 candidates = [k for k in tuner.space if k.pack == width and k not in tuner.failed]
                 if candidates:
-                    probes.append((self._by_prediction(candidates, shape)[0], shape))
+                    probes.append((self.by_prediction(candidates, shape)[0], shape))
         probes = probes[:max(0, until - tuner.trials)]
         tuner.prepare(probes)
         for kernel, shape in probes:
@@ -190,7 +190,7 @@ class PlanCommitment:
         candidates = [k for k in kernels if k not in measured]
         if not candidates:
             return []
-        ranked = self._by_prediction(candidates, smallest)
+        ranked = self.by_prediction(candidates, smallest)
         probes = []
         for threads in sorted({k.threads for k in ranked} - {k.threads for k in done}):
             probes.append(next(k for k in ranked if k.threads == threads))
@@ -225,7 +225,7 @@ class PlanCommitment:
             # space has one (one core's tiles measured alone ran 2x slower, and the plan's rule
             # then had only them: ``dispatch.SINGLE_PASS_SLACK``).
             exact = [k for k in exact if k.threads != 1] or exact
-            probes.append((self._by_prediction(exact, shape)[0], shape))
+            probes.append((self.by_prediction(exact, shape)[0], shape))
         return probes
 
     def whole_reduction_probes(self, plan) -> list[tuple[MicroKernel, dict]]:
@@ -253,7 +253,7 @@ class PlanCommitment:
                 probes.append((twin, shape))
         return probes
 
-    def _by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:
+    def by_prediction(self, candidates: list[MicroKernel], shape: dict) -> list[MicroKernel]:
         """``candidates``, the one the cost model expects to run ``shape`` fastest first."""
         task = self.tuner.task
         predicted = self.tuner.model.predict_latency(candidates, task.axis_extents(shape), task.flops(shape))

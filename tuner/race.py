@@ -25,6 +25,14 @@ each of the first ``SCREEN_ROUNDS`` rounds stops there: the rounds go to the clo
   correct the model at that shape, kernel by kernel (``Tuner.corrections``): the finalists then
   rank there as they raced, at the model's level.
 
+The packing is raced too, before the search commits to it (``race_packings``): there a plan's
+choice between panel widths rests on one timing of each width's kernels per shape, and a slow
+spell during the few timings of one width committed bert-base's 768 -> 3072 layer to 24-wide
+panels, whose best tiles ran 7-15% behind the 16-wide ones at T = 128-512 timed side by side
+(``forced_kernels.py``). On the measured shapes costing the most, the best kernel of each width
+races (and the one the cost model expects to be its best), and a plan's packing that lost there
+by more than ``PACKING_RACE_MARGIN`` gives way to the winner.
+
 A race is a re-timing, not a trial: the budget does not count it and the records database does
 not hold it (the records are the search's own measurements); the plan's provenance counts them.
 """
@@ -54,6 +62,13 @@ DROP_MARGIN = 1.05
 # is in doubt (a neighbour's burst within one kernel's turns) more than the model. (A parallel
 # kernel timed in a spell 1.4x behind a serial one, raced 2x ahead of it: 0.6x and 1.7x.)
 CORRECTION_LIMIT = 2.0
+# The packing race: on this many of the measured shapes costing the most (weight x FLOPs), each
+# width's best kernels, raced; the plan's packing stands unless its weighted total there
+# is more than PACKING_RACE_MARGIN times the winner's. The slow spells it is for put a width
+# 1.3-3x behind; bert-base's 3072 -> 768 layer's widths tie at T = 500 within 3% (they differ
+# at T = 128-384, which weigh less), and races there came out either way.
+PACKING_RACE_SHAPES = 2
+PACKING_RACE_MARGIN = 1.05
 # A race during which other work took more than ``CONTENDED_SHARE`` of the CPUs (``host_load``)
 # is run again, at most this many runs in all; if the last is as busy, the shape keeps the
 # search's times. A neighbour on one core slows a kernel on every core and not a serial one, and
@@ -72,19 +87,72 @@ class RaceSummary:
     stopped: int = 0  # finalists that stopped after SCREEN_ROUNDS, clearly behind
     failed: int = 0  # races that came back with an error (their shapes keep the search's times)
     contended: int = 0  # races run twice beside other work (their shapes keep the search's times)
+    packings: int = 0  # shapes where the packings raced before the commit (``race_packings``)
     seconds: float = 0.0
 
     def describe(self) -> dict:
         return {"races": {**asdict(self), "seconds": round(self.seconds, 1)}}
 
 
-def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None = None) -> RaceSummary:
+def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSummary) -> int | None:
+    """The packing to commit ``tuner`` to: ``planned`` (the plan's, ``PlanCommitment.choose_packing``)
+    unless the ``widths`` raced on the ``PACKING_RACE_SHAPES`` measured shapes costing the most
+    say another is faster there by more than ``PACKING_RACE_MARGIN`` (weighted by the shapes'
+    weights). Each width races its best kernel measured there and the one the cost model expects
+    to be its best (the search may have timed only a poor kernel of a width on a shape: a serial
+    one, or a one-row tile); a width's time is its faster one's. The races decide the packing
+    and change no measurement. ``planned`` where nothing can race, or None was planned."""
+    race = getattr(tuner.runner, "race", None)
+    if planned is None or race is None or not tuner.options.race:
+        return planned
+    started = time.monotonic()
+    totals, raced = dict.fromkeys(widths, 0.0), 0
+    pairs = enumerate(zip(tuner.shapes, tuner.weights, strict=True))
+    costs = sorted(((w * tuner.task.flops(s), i) for i, (s, w) in pairs if w > 0 and tuner.measured.get(shape_key(s))),
+                   reverse=True)
+    for _cost, index in costs:
+        if raced == PACKING_RACE_SHAPES:
+            break
+        shape, weight = tuner.shapes[index], tuner.weights[index]
+        measured = tuner.measured[shape_key(shape)]
+        entrants = {}
+        for width in sorted(widths):
+            of_width = [k for k in measured if k.pack == width]
+            space = [k for k in tuner.space if k.pack == width and k not in tuner.failed]
+            if of_width and space:
+                entrants[width] = list(dict.fromkeys([min(of_width, key=measured.get),
+                                                      tuner.commitment.by_prediction(space, shape)[0]]))
+        if len(entrants) < len(widths):
+            continue
+        finalists = [k for kernels in entrants.values() for k in kernels]
+        _build_ahead(tuner, [(shape, finalists)])
+        times = _race(tuner, race, shape, finalists, stream=False, summary=summary)
+        if times is None or any(not any(k in times for k in kernels) for kernels in entrants.values()):
+            continue
+        raced += 1
+        for width, kernels in entrants.items():
+            totals[width] += weight * min(times[k] for k in kernels if k in times)
+    summary.packings += raced
+    summary.seconds += time.monotonic() - started
+    if not raced:
+        return planned
+    winner = min(totals, key=totals.get)
+    if totals[planned] <= PACKING_RACE_MARGIN * totals[winner]:
+        return planned
+    tuner.log(f"{tuner.task.workload}: the packings raced on {raced} shapes: {winner}-wide panels ran "
+              f"{totals[planned] / totals[winner]:.2f}x as fast as the {planned}-wide ones the plan took")
+    return winner
+
+
+def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None = None,
+                   summary: RaceSummary | None = None) -> RaceSummary:
     """Race the finalists of every measured shape of ``tuner`` (a ``tune.Tuner``), updating its
     measurements (hot races) and its stream-model corrections (streamed ones, where the stream
     bounds a finalist), until
     ``deadline`` (``time.monotonic()``; the tune's time budget) if given. Nothing where the
-    runner cannot race (``race`` missing: a synthetic machine) or the options say not to."""
-    summary = RaceSummary()
+    runner cannot race (``race`` missing: a synthetic machine) or the options say not to.
+    ``summary``: counts to add to (the packing race's), else a fresh one."""
+    summary = summary if summary is not None else RaceSummary()
     race = getattr(tuner.runner, "race", None)
     if race is None or not tuner.options.race:
         return summary
@@ -130,7 +198,7 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
                       f"as fast as the search's pick, {finalists[0] or 'the default kernel'}")
         if bar is not None:
             bar.update(tuner.trials, f"| raced {summary.shapes} shapes")
-    summary.seconds = time.monotonic() - started
+    summary.seconds += time.monotonic() - started
     if summary.shapes:
         tuner.log(f"{tuner.task.workload}: raced the finalists of {summary.shapes} shapes "
                   f"({summary.streamed} with the weight from DRAM) in {summary.seconds:.1f} s; "
@@ -224,5 +292,6 @@ def _geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-__all__ = ["CONTENDED_RUNS", "CORRECTION_LIMIT", "DROP_MARGIN", "RACE_MARGIN", "RACE_ROUNDS",
-           "RACE_SIZE", "SCREEN_ROUNDS", "RaceSummary", "race_finalists"]
+__all__ = ["CONTENDED_RUNS", "CORRECTION_LIMIT", "DROP_MARGIN", "PACKING_RACE_MARGIN", "PACKING_RACE_SHAPES",
+           "RACE_MARGIN", "RACE_ROUNDS", "RACE_SIZE", "SCREEN_ROUNDS", "RaceSummary", "race_finalists",
+           "race_packings"]

@@ -46,12 +46,12 @@ from .measure.host_load import CONTENDED_SHARE
 from .options import TuneOptions, TuneResult
 from .planning import make_plan
 from .progress import ProgressBar
-from .race import race_finalists
+from .race import RaceSummary, race_finalists, race_packings
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 36  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 37  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -78,6 +78,7 @@ class Tuner:
                 self.tallest_tiles[kernel.pack] = max(self.tallest_tiles.get(kernel.pack, 0), kernel.tile_sizes("i")[0])
         self.search = EvolutionarySearch(self.space, seed=options.seed)
         self.packing: int | None = None  # the committed panel width (``commit_packing``); None: any
+        self.race_summary = RaceSummary()  # the packing's race and the finalists' (``race.py``)
         self.rng = random.Random(options.seed)
         self.shapes = task.shapes()
         self.weights = list(task.weights)
@@ -305,7 +306,7 @@ class Tuner:
         self.commitment.verify(budget, bar)
         self._search(budget, started, bar)  # the trials the final verification did not need
         budget_s = self.options.time_budget_s
-        races = race_finalists(self, bar, None if budget_s is None else started + budget_s)
+        races = race_finalists(self, bar, None if budget_s is None else started + budget_s, self.race_summary)
         bar.close(self.trials, self.status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe(),
                           **races.describe()})
@@ -313,16 +314,17 @@ class Tuner:
 
     def commit_packing(self, until: int) -> None:
         """Search only the packing the plan would take now (``PlanCommitment.choose_packing``,
-        by ``until`` trials): kernels of other packings measured so far stay in the cost model's
-        data, and the committed packing's single-pass tiles are measured at once (a space of
-        one packing: its own; an unpacked space of clamped tiles measures each column-tile
-        width instead, ``PlanCommitment.width_probes``)."""
+        by ``until`` trials), unless it lost the packings' race (``race.race_packings``):
+        kernels of other packings measured so far stay in the cost model's data, and the
+        committed packing's single-pass tiles are measured at once (a space of one packing: its
+        own; an unpacked space of clamped tiles measures each column-tile width instead,
+        ``PlanCommitment.width_probes``)."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
             self.commitment.measure_single_pass(next(iter(widths), 0), until)
             self.commitment.measure_every_width(until)
             return
-        packing = self.commitment.choose_packing(widths, until)
+        packing = race_packings(self, widths, self.commitment.choose_packing(widths, until), self.race_summary)
         if packing is None:
             return
         self.packing = packing

@@ -29,7 +29,7 @@ import kernel_baselines  # noqa: E402
 
 from dietserve.compile.target import TargetSpec, build_target  # noqa: E402
 from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
-from dietserve.runtime.manifest import LIBRARY_FILE  # noqa: E402
+from dietserve.runtime.manifest import LIBRARY_FILE, Manifest  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, FFN = 768, 12, 64, 3072
 
@@ -59,6 +59,9 @@ def main() -> int:
     configure_cpu_threads()
     library = tvm.runtime.load_module(str(args.artifact / LIBRARY_FILE)).imports[0]
     dense, norm = library["fused_matmul5_add4_add5"], library["layer_norm"]
+    # the FFN output layer's weight as the artifact packs it: [HIDDEN / panel, FFN, panel]
+    panel = Manifest.read(args.artifact).dispatch.get("fused_matmul5_add4_add5", {}).get("packed_panel", 0)
+    weight_shape = (HIDDEN // panel, FFN, panel) if panel else (HIDDEN, FFN)
     scores, context = library["fused_matmul1_multiply1_add3_softmax"], library["matmul2"]
     peak = kernel_baselines.fma_peak_rate(  # GFLOP/s
         build_target(TargetSpec(kind="llvm")), repeats=3)
@@ -71,7 +74,7 @@ def main() -> int:
     print(f"# FMA peak {peak:.1f} GFLOP/s; us per call, medians of {args.rounds} rounds")
     for seq in (int(s) for s in args.lengths.split(",")):
         produced, other, out = tensor(seq, HIDDEN, fill=0), tensor(seq, HIDDEN), tensor(seq, HIDDEN, fill=0)
-        feed = (dense, (tensor(seq, FFN), tensor(HIDDEN // 32, FFN, 32, fill=0.01), tensor(HIDDEN),
+        feed = (dense, (tensor(seq, FFN), tensor(*weight_shape, fill=0.01), tensor(HIDDEN),
                         tensor(seq, HIDDEN), seq, 1, produced))
         gamma, beta = tensor(HIDDEN), tensor(HIDDEN)
         after_own = median_us(norm, (produced, gamma, beta, 1, seq, out), args.rounds, 100, feed)

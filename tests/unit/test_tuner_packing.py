@@ -20,6 +20,7 @@ from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan
 from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
 from tuner.ops import attention_context, attention_scores, dense
 from tuner.options import TuneOptions
+from tuner.race import PACKING_RACE_SHAPES, RaceSummary, race_packings
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import Tuner
@@ -458,3 +459,81 @@ def test_a_tune_of_an_unpacked_space_plans_the_fastest_width_at_long_shapes(tmp_
     for row in result.plan.shapes:
         if row["value"] >= 128:
             assert result.plan.kernel(row["variant"]).tile_sizes("j") == (16,), row
+
+
+class PackingSpellMachine(SyntheticMachine):
+    """The synthetic machine (16-wide panels 1.5x the rate of 24-wide ones) whose search timings of
+    16-wide kernels read ``spell`` times slower (a slow spell of the host while they were timed),
+    and whose races report the truth, each kernel in turn."""
+
+    def __init__(self, spell: float) -> None:
+        super().__init__()
+        self.spell = spell
+        self.races: list[dict] = []
+
+    def run(self, job: dict) -> dict:
+        result = super().run(job)
+        if job["kernel"] is not None and MicroKernel.from_json(job["kernel"]).pack == 16:
+            result["latencies"] = {name: value * self.spell for name, value in result["latencies"].items()}
+        return result
+
+    def race(self, job: dict) -> dict:
+        self.races.append(job)
+        (shape,) = job["shapes"]
+        kernels = [None if k is None else MicroKernel.from_json(k) for k in job["kernels"]]
+        return {"latencies": [self.latency(k, shape["T"]) for k in kernels], "errors": [None] * len(kernels),
+                "error": None, "others_share": 0.0}
+
+
+@pytest.mark.parametrize("race", [True, False])
+def test_the_packings_race_before_the_commit(tmp_path: Path, race: bool) -> None:
+    """Timed in a slow spell (2x), the 16-wide kernels read 1.33x slower than the 24-wide ones
+    and the plan takes 24-wide panels; raced side by side on the two costliest measured shapes
+    (the longest: every shape weighs the same), they run 1.5x faster, and the tune commits to
+    them. Without races it commits to what the search's timings say."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    machine = PackingSpellMachine(spell=2.0)
+    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=96, seed=3, race=race))
+    result = tuner.run()
+    assert result.trials == len(machine.jobs) == 96  # a race is no trial
+    if not race:
+        assert tuner.packing == 24 and not machine.races
+        return
+    assert tuner.packing == 16 == result.plan.pack
+    packing_races = [job for job in machine.races
+                     if {MicroKernel.from_json(k).pack for k in job["kernels"]} == {16, 24}]
+    assert len(packing_races) == PACKING_RACE_SHAPES == tuner.race_summary.packings
+    # each width's best measured kernel there and the cost model's pick of it, hot
+    assert all(2 <= len(job["kernels"]) <= 4 and not job["stream"] for job in packing_races)
+    costliest = sorted({shape["T"] for job in machine.jobs for shape in job["shapes"]})[-PACKING_RACE_SHAPES:]
+    assert sorted(job["shapes"][0]["T"] for job in packing_races) == costliest
+    assert result.plan.provenance["races"]["packings"] == PACKING_RACE_SHAPES
+
+
+def test_a_width_measured_only_in_a_poor_kernel_races_its_predicted_best_too(tmp_path: Path) -> None:
+    """On the costliest shape the search timed only a one-row 16-wide tile (0.4x the rate) beside
+    a good 24-wide one. The race takes each width's predicted best too: the 16-wide panels the
+    plan took win (1.5x the 24-wide rate), where the measured ones alone would have lost 1.7x."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    machine = PackingSpellMachine(spell=1.0)
+    space = packed_cpu_space(CPU_PRESETS["avx2"])
+    tuner = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
+
+    def tile(pack: int, mr: int) -> MicroKernel:
+        return next(k for k in space if k.pack == pack and k.tile_sizes("i")[0] == mr and k.threads != 1)
+
+    one_row, good24 = tile(16, 1), tile(24, 4)
+    for kernel in (one_row, good24):
+        tuner.measure(kernel, {"T": 128})
+    assert machine.latency(one_row, 128) > 1.6 * machine.latency(good24, 128)
+    tuner.commitment.by_prediction = lambda candidates, shape: sorted(
+        candidates, key=lambda k: machine.latency(k, shape["T"]))  # a cost model that knows the machine
+    summary = RaceSummary()
+    assert race_packings(tuner, {16, 24}, 16, summary) == 16 and summary.packings == 1
+    (job,) = machine.races
+    raced = {MicroKernel.from_json(k) for k in job["kernels"]}
+    assert {one_row, good24} < raced and any(k.pack == 16 and k.tile_sizes("i")[0] > 1 for k in raced)
+    machine.races.clear()
+    tuner.commitment.by_prediction = lambda candidates, shape: [one_row] + [k for k in candidates if k != one_row]
+    assert race_packings(tuner, {16, 24}, 16, RaceSummary()) == 24  # had it raced the measured ones only
