@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -156,7 +157,7 @@ class RetunePolicy:
         elapsed = now - self._started
         if code is None:
             if elapsed > self.settings.time_budget_seconds + 60:
-                self.process.kill()
+                self._kill()
                 self.say(f"re-tuning job {self.process.pid} ran past its budget; killed")
             return
         outcome = OUTCOMES.get(code, "failed")
@@ -174,4 +175,13 @@ class RetunePolicy:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            self._kill()
+
+    def _kill(self) -> None:
+        """The job and the worker processes it started: its own process group (``start``). Its
+        builders' library folder stays behind, for the next tuner to remove
+        (``tuner/measure/runner.candidates_folder``)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it exited meanwhile
+            pass

@@ -17,7 +17,7 @@ from dietserve.server.traffic_log import TrafficLog
 EDGES = [8, 16, 32, 64, 128, 256, 512]
 
 
-def _policy(tmp_path: Path, exit_code: int, publish: bool = False,
+def _policy(tmp_path: Path, exit_code: int, publish: bool = False, body: str = "",
             **settings) -> tuple[RetunePolicy, ServerMetrics, list[str]]:
     artifact = tmp_path / "artifact"
     artifact.mkdir()
@@ -36,7 +36,7 @@ def _policy(tmp_path: Path, exit_code: int, publish: bool = False,
         publishing = (f"from dietserve.runtime.versions import VersionStore; "
                       f"VersionStore({str(store_root)!r}).publish({str(artifact)!r}, tuned_for={str(traffic)!r}); "
                       if publish else "")
-        return [sys.executable, "-c", f"{publishing}import sys; sys.exit({exit_code})"]
+        return [sys.executable, "-c", f"{publishing}{body}import sys; sys.exit({exit_code})"]
 
     policy = RetunePolicy(RetuneSettings(command=command, **settings), HotSwap(store, version, lambda p: None),
                           TrafficLog(None, 3600.0, metrics), EDGES, 512, metrics, said.append)
@@ -157,3 +157,34 @@ def test_a_failed_job_is_retried_on_the_same_traffic(tmp_path):
     assert failing.process is not None
     _finish(failing)
     assert metrics.retune_runs.labels("failed")._value.get() == 2
+
+
+def test_stopping_kills_the_job_and_the_processes_it_started(tmp_path):
+    """As the tuner's measurement workers are the job's children, stopping the server (or a job
+    past its budget) kills its whole process group, not the job alone."""
+    pid_file = tmp_path / "worker.pid"
+    body = ("import subprocess, time; "
+            "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(worker.pid)); time.sleep(120); ")
+    policy, _metrics, _ = _policy(tmp_path, 0, body="import sys; " + body, drift_threshold=0.5, min_rows=1,
+                                  min_interval_seconds=0)
+    policy.traffic.traffic.record(1, 300, time.time())
+    policy.step()
+    job = policy.process
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    policy.stop()
+    assert job.wait(10) == -9
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(worker)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie awaiting its reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -20,7 +20,9 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +37,7 @@ from . import racing, worker
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so ``-m tuner.measure.worker`` imports this tree
 STARTUP_GRACE_S = 30.0  # a fresh worker imports TVM before its first job
+CANDIDATES_PREFIX = "dietserve-candidates-"  # + the owning process's pid + "-": see ``candidates_folder``
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,29 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def candidates_folder(temp_root: str | None = None) -> tempfile.TemporaryDirectory:
+    """A temporary folder for the builders' libraries, named after this process, after removing
+    those of processes that no longer run: a tuner killed outright (the server's re-tuning job
+    past its budget, or killed by hand) cannot remove its own, and each held a few MB."""
+    root = temp_root or tempfile.gettempdir()
+    pattern = re.compile(re.escape(CANDIDATES_PREFIX) + r"(\d+)-")
+    for entry in os.scandir(root):
+        owner = pattern.match(entry.name)
+        if owner and entry.is_dir(follow_symlinks=False) and not _running(int(owner.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{CANDIDATES_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: running
+        return True
+    return True
+
+
 class LocalRunner:
     """Measure on this machine's CPU (llvm) or first GPU (cuda)."""
 
@@ -181,7 +207,7 @@ class LocalRunner:
         self.options = options
         count = options.workers or min(os.cpu_count() or 1, MAX_WORKERS)
         self._workers = [_Worker() for _ in range(count)]  # [0] times; the others only compile
-        self._libraries = tempfile.TemporaryDirectory(prefix="dietserve-candidates-") if count > 1 else None
+        self._libraries = candidates_folder() if count > 1 else None
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
         self._ahead: dict[str, dict] = {}  # build key -> its prepare result, until it is timed
         # The build keys the timing worker holds, least recently used first: what its cache keeps
