@@ -28,10 +28,10 @@ each of the first ``SCREEN_ROUNDS`` rounds stops there: the rounds go to the clo
 The packing is raced too, before the search commits to it (``race_packings``): there a plan's
 choice between panel widths rests on one timing of each width's kernels per shape, and a slow
 spell during the few timings of one width committed bert-base's 768 -> 3072 layer to 24-wide
-panels, whose best tiles ran 7-15% behind the 16-wide ones at T = 128-512 timed side by side
-(``forced_kernels.py``). On the measured shapes costing the most, the best kernel of each width
-races (and the one the cost model expects to be its best), and a plan's packing that lost there
-by more than ``PACKING_RACE_MARGIN`` gives way to the winner.
+panels, whose best tiles took 1.06 / 1.19 / 1.07x as long as the 16-wide ones at T = 128 / 256 /
+512 timed side by side (``forced_kernels.py``). On the measured shapes costing the most, the best
+kernel of each width races (and the one the cost model expects to be its best), and a plan's
+packing that lost there by more than ``PACKING_RACE_MARGIN`` gives way to the winner.
 
 A race is a re-timing, not a trial: the budget does not count it and the records database does
 not hold it (the records are the search's own measurements); the plan's provenance counts them.
