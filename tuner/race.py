@@ -130,8 +130,11 @@ def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSum
         if times is None or any(not any(k in times for k in kernels) for kernels in entrants.values()):
             continue
         raced += 1
-        for width, kernels in entrants.items():
-            totals[width] += weight * min(times[k] for k in kernels if k in times)
+        fastest = {width: min(times[k] for k in kernels if k in times) for width, kernels in entrants.items()}
+        for width, latency in fastest.items():
+            totals[width] += weight * latency
+        tuner.log(f"{tuner.task.workload}: the packings raced at {shape}: "
+                  + ", ".join(f"{width}-wide {latency * 1e3:.3f} ms" for width, latency in sorted(fastest.items())))
     summary.packings += raced
     summary.seconds += time.monotonic() - started
     if not raced:
