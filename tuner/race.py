@@ -29,9 +29,9 @@ The packing is raced too, before the search commits to it (``race_packings``): t
 choice between panel widths rests on one timing of each width's kernels per shape, and a slow
 spell during the few timings of one width committed bert-base's 768 -> 3072 layer to 24-wide
 panels, whose best tiles took 1.06 / 1.19 / 1.07x as long as the 16-wide ones at T = 128 / 256 /
-512 timed side by side (``forced_kernels.py``). On the measured shapes costing the most, the best
-kernel of each width races (and the one the cost model expects to be its best), and a plan's
-packing that lost there by more than ``PACKING_RACE_MARGIN`` gives way to the winner.
+512 timed side by side (``forced_kernels.py``). On the measured shape costing the most and one at
+most half as long, the best kernel of each width races (and the one the cost model expects to be
+its best), and a plan's packing that lost there by more than ``PACKING_RACE_MARGIN`` gives way.
 
 A race is a re-timing, not a trial: the budget does not count it and the records database does
 not hold it (the records are the search's own measurements); the plan's provenance counts them.
@@ -62,11 +62,11 @@ DROP_MARGIN = 1.05
 # is in doubt (a neighbour's burst within one kernel's turns) more than the model. (A parallel
 # kernel timed in a spell 1.4x behind a serial one, raced 2x ahead of it: 0.6x and 1.7x.)
 CORRECTION_LIMIT = 2.0
-# The packing race: on this many of the measured shapes costing the most (weight x FLOPs), each
-# width's best kernels, raced; the plan's packing stands unless its weighted total there
-# is more than PACKING_RACE_MARGIN times the winner's. The slow spells it is for put a width
-# 1.3-3x behind; bert-base's 3072 -> 768 layer's widths tie at T = 500 within 3% (they differ
-# at T = 128-384, which weigh less), and races there came out either way.
+# The packing race: on this many measured shapes (the costliest, then the costliest at most half
+# as long, ...), each width's best kernels, raced; the plan's packing stands unless its weighted
+# total there is more than PACKING_RACE_MARGIN times the winner's. The slow spells it is for put
+# a width 1.3-3x behind; bert-base's 3072 -> 768 layer's widths tie at T = 500 within 3%, and
+# races of its two costliest shapes (both near 500) came out either way.
 PACKING_RACE_SHAPES = 2
 PACKING_RACE_MARGIN = 1.05
 # A race during which other work took more than ``CONTENDED_SHARE`` of the CPUs (``host_load``)
@@ -96,9 +96,11 @@ class RaceSummary:
 
 def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSummary) -> int | None:
     """The packing to commit ``tuner`` to: ``planned`` (the plan's, ``PlanCommitment.choose_packing``)
-    unless the ``widths`` raced on the ``PACKING_RACE_SHAPES`` measured shapes costing the most
-    say another is faster there by more than ``PACKING_RACE_MARGIN`` (weighted by the shapes'
-    weights). Each width races its best kernel measured there and the one the cost model expects
+    unless the ``widths`` raced on up to ``PACKING_RACE_SHAPES`` measured shapes say another is
+    faster there by more than ``PACKING_RACE_MARGIN`` (weighted by the shapes' weights): the one
+    costing the most (weight x FLOPs), then the one costing the most of those at most half as
+    long, and so on (the widths of bert-base's FFN layers tie within 2-7% at T = 512 and differ
+    by 10-19% at 256). Each width races its best kernel measured there and the one the cost model expects
     to be its best (the search may have timed only a poor kernel of a width on a shape: a serial
     one, or a one-row tile); a width's time is its faster one's. The races decide the packing
     and change no measurement. ``planned`` where nothing can race, or None was planned."""
@@ -110,10 +112,11 @@ def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSum
     pairs = enumerate(zip(tuner.shapes, tuner.weights, strict=True))
     costs = sorted(((w * tuner.task.flops(s), i) for i, (s, w) in pairs if w > 0 and tuner.measured.get(shape_key(s))),
                    reverse=True)
+    below = float("inf")  # the next raced shape's dispatch value at most this: half the last one's
     for _cost, index in costs:
-        if raced == PACKING_RACE_SHAPES:
-            break
         shape, weight = tuner.shapes[index], tuner.weights[index]
+        if raced == PACKING_RACE_SHAPES or tuner.task.dispatch_value(shape) > below:
+            continue
         measured = tuner.measured[shape_key(shape)]
         entrants = {}
         for width in sorted(widths):
@@ -130,6 +133,7 @@ def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSum
         if times is None or any(not any(k in times for k in kernels) for kernels in entrants.values()):
             continue
         raced += 1
+        below = tuner.task.dispatch_value(shape) / 2
         fastest = {width: min(times[k] for k in kernels if k in times) for width, kernels in entrants.items()}
         for width, latency in fastest.items():
             totals[width] += weight * latency
