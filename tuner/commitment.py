@@ -99,11 +99,10 @@ class PlanCommitment:
         kernels = [k for k in tuner.space if is_clamped(k) and k not in tuner.failed]
         if not kernels:
             return []
-        pairs = zip(tuner.shapes, tuner.weights, strict=True)
-        weighted = [(w * tuner.task.flops(s), i) for i, (s, w) in enumerate(pairs) if w > 0]
-        if not weighted:
+        by_cost = tuner.by_cost()
+        if not by_cost:
             return []
-        shape = tuner.shapes[max(weighted)[1]]
+        shape = by_cost[0][0]
         measured = tuner.measured.get(shape_key(shape), {})
         done = {k.tile_sizes("j") for k in measured if is_clamped(k) and k.threads != 1}
         probes = []

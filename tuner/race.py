@@ -100,24 +100,22 @@ def race_packings(tuner, widths: set[int], planned: int | None, summary: RaceSum
     faster there by more than ``PACKING_RACE_MARGIN`` (weighted by the shapes' weights): the one
     costing the most (weight x FLOPs), then the one costing the most of those at most half as
     long, and so on (the widths of bert-base's FFN layers tie within 2-7% at T = 512 and differ
-    by 10-19% at 256). Each width races its best kernel measured there and the one the cost model expects
-    to be its best (the search may have timed only a poor kernel of a width on a shape: a serial
-    one, or a one-row tile); a width's time is its faster one's. The races decide the packing
+    by 10-19% at 256). Each width races its best kernel measured there and the one the cost model
+    expects to be its best (the search may have timed only a poor kernel of a width on a shape: a
+    serial one, or a one-row tile); a width's time is its faster one's. The races decide the packing
     and change no measurement. ``planned`` where nothing can race, or None was planned."""
     race = getattr(tuner.runner, "race", None)
     if planned is None or race is None or not tuner.options.race:
         return planned
     started = time.monotonic()
     totals, raced = dict.fromkeys(widths, 0.0), 0
-    pairs = enumerate(zip(tuner.shapes, tuner.weights, strict=True))
-    costs = sorted(((w * tuner.task.flops(s), i) for i, (s, w) in pairs if w > 0 and tuner.measured.get(shape_key(s))),
-                   reverse=True)
     below = float("inf")  # the next raced shape's dispatch value at most this: half the last one's
-    for _cost, index in costs:
-        shape, weight = tuner.shapes[index], tuner.weights[index]
-        if raced == PACKING_RACE_SHAPES or tuner.task.dispatch_value(shape) > below:
+    for shape, weight in tuner.by_cost():
+        if raced == PACKING_RACE_SHAPES:
+            break
+        measured = tuner.measured.get(shape_key(shape))
+        if not measured or tuner.task.dispatch_value(shape) > below:
             continue
-        measured = tuner.measured[shape_key(shape)]
         entrants = {}
         for width in sorted(widths):
             of_width = [k for k in measured if k.pack == width]
@@ -205,10 +203,11 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
                       f"as fast as the search's pick, {finalists[0] or 'the default kernel'}")
         if bar is not None:
             bar.update(tuner.trials, f"| raced {summary.shapes} shapes")
-    summary.seconds += time.monotonic() - started
+    elapsed = time.monotonic() - started
+    summary.seconds += elapsed
     if summary.shapes:
         tuner.log(f"{tuner.task.workload}: raced the finalists of {summary.shapes} shapes "
-                  f"({summary.streamed} with the weight from DRAM) in {summary.seconds:.1f} s; "
+                  f"({summary.streamed} with the weight from DRAM) in {elapsed:.1f} s; "
                   f"the fastest changed at {summary.reordered}"
                   + (f"; {summary.contended} ran beside other work and left the search's times"
                      if summary.contended else ""))

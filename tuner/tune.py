@@ -263,6 +263,13 @@ class Tuner:
         if latency is not None:
             self.default_measured[shape_key(shape)] = latency
 
+    def by_cost(self) -> list[tuple[dict, float]]:
+        """(shape, weight) of the shapes the traffic has, the costliest (weight x FLOPs) first:
+        where the commitment probes and races (``commitment.width_probes``, ``race.race_packings``)."""
+        pairs = enumerate(zip(self.shapes, self.weights, strict=True))
+        costs = sorted(((w * self.task.flops(s), i) for i, (s, w) in pairs if w > 0), reverse=True)
+        return [(self.shapes[i], self.weights[i]) for _cost, i in costs]
+
     def measured_latency(self, kernel: MicroKernel | None, key: tuple) -> float:
         """``kernel``'s measurement on the shape ``key`` (None: the default kernel's)."""
         return self.default_measured[key] if kernel is None else self.measured[key][kernel]
