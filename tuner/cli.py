@@ -117,7 +117,7 @@ def _target_for(description: dict):
     return resolve_target("llvm", cores=cores, mcpu=description.get("mcpu"))
 
 
-def _plan_is_current(path: Path, workload: str, target: dict, trials: int) -> bool:
+def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softmax: bool = False) -> bool:
     import tvm
 
     from dietserve.kernels.plan import KernelPlan, PlanError
@@ -137,6 +137,10 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int) -> bo
     if plan.provenance.get("tuner") != TUNER_VERSION:
         # A plan from another version of the search may rest on what it got wrong.
         _say(f"re-tuning: {path} was made by tuner version {plan.provenance.get('tuner')}, this is {TUNER_VERSION}")
+        return False
+    if plan.provenance.get("softmax", False) != softmax:
+        _say(f"re-tuning: {path} was timed {'without' if softmax else 'with'} the fused softmax it is now served "
+             f"{'with' if softmax else 'without'}")
         return False
     return plan.provenance.get("trials_requested", 0) >= trials
 
@@ -168,14 +172,15 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
         for index, description in enumerate(tasks.tasks, 1):
             out = plan_path(Path(args.plans), description.workload)
             header = f"[{index}/{len(tasks.tasks)}] {description.operator} (x{description.calls} calls)"
-            if _plan_is_current(out, description.workload, tasks.target, args.trials):
+            if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax):
                 _say(f"{header}: plan {out} is up to date")
                 continue
-            spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func))
+            spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func), row_softmax=description.softmax)
             values = description.vary["values"]
             task = TuningTask.create(spec, where.target, ShapeVar(description.vary["var"], values),
                                      description.weights or None, description.fixed)
-            _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials")
+            _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials"
+                 + (", timed with its fused softmax" if description.softmax else ""))
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
                                   seed=args.seed, dram=dram, race=not args.no_race)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
@@ -185,7 +190,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
                                        provenance={
                 **result.plan.provenance, "trials_requested": args.trials, "records": str(Path(args.db).resolve()),
-                "model": tasks.model})
+                "model": tasks.model, "softmax": description.softmax})
             plan.write(out)
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
             _say(f"{header}: {result.trials} trials ({tuner.reused} reused records){_raced(plan)} in "
@@ -223,14 +228,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _raced(plan) -> str:
     """"[, the packings raced on P shapes], finalists raced on N shapes (the fastest changed on M[, C
-    beside other work])" from a plan's provenance, or ""."""
+    beside other work])[, I intervals chosen on predictions raced]" from a plan's provenance, or ""."""
     races = plan.provenance.get("races") or {}
     packings = f", the packings raced on {races['packings']} shapes" if races.get("packings") else ""
+    intervals = (f", {races['intervals']} intervals chosen on predictions raced" if races.get("intervals") else "")
     if not races.get("shapes"):
-        return packings
+        return packings + intervals
     busy = f", {races['contended']} beside other work" if races.get("contended") else ""
     return (f"{packings}, finalists raced on {races['shapes']} shapes "
-            f"(the fastest changed on {races['reordered']}{busy})")
+            f"(the fastest changed on {races['reordered']}{busy}){intervals}")
 
 
 def _add_measure_flags(parser: argparse.ArgumentParser) -> None:

@@ -279,6 +279,37 @@ def unverified_probes(plan, measured: dict, failed: set, default_measured: dict)
     return probes
 
 
+def unmeasured_stretches(plan, ratio: float) -> list[tuple[str, dict]]:
+    """(variant name, shape) for each interval of ``plan`` whose choice rests on predictions
+    carried far: of the interval's runs of shapes where its variant was not measured, the one
+    spanning the largest ratio of dispatch values (last / first), if the interval has no
+    measured shape at all or that ratio is at least ``ratio``; the shape is that run's middle
+    on a log scale (predictions carry by ratios of lengths, not by differences)."""
+    rows = plan.shapes
+    found = []
+    start = 0
+    for end in range(1, len(rows) + 1):
+        if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
+            continue
+        interval = rows[start:end]
+        runs, run = [], []
+        for row in interval:
+            if row["measured"]:
+                runs, run = runs + [run] if run else runs, []
+            else:
+                run.append(row)
+        runs = runs + [run] if run else runs
+        if runs:
+            widest = max(runs, key=lambda r: r[-1]["value"] / r[0]["value"])
+            never_measured = len(widest) == len(interval)
+            if never_measured or widest[-1]["value"] / widest[0]["value"] >= ratio:
+                middle = math.sqrt(widest[0]["value"] * widest[-1]["value"])
+                row = min(widest, key=lambda r: abs(math.log(r["value"] / middle)))
+                found.append((interval[0]["variant"], row["shape"]))
+        start = end
+    return found
+
+
 def plan_target(target: dict) -> dict:
     """The target as manifests describe it (strings; the host left out)."""
     return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}

@@ -2,7 +2,9 @@
 multiply-accumulate reduction, element-wise producers and epilogue) with symbolic dims.
 
 The reference for correctness checks is the same PrimFunc compiled unscheduled for the host CPU:
-TVM's plain lowering, independent of any micro-kernel.
+TVM's plain lowering, independent of any micro-kernel. An operator served fused with the softmax
+of its rows (``row_softmax``: attention's scores) is timed that way, its kernels built as the
+model's link pass builds them, and checked against that reference softmaxed by numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dietserve.kernels.matching import evaluate, matmul_extents, symbolic_vars, 
 from .ops import OperatorSpec, Shape
 
 
-def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
+def spec_from_prim_func(name: str, func: tirx.PrimFunc, row_softmax: bool = False) -> OperatorSpec:
     func = func.with_attr("global_symbol", "main")
     variables = symbolic_vars(func)
     if not variables:
@@ -40,7 +42,7 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
         shape = dict(shape) if shape is not None else _vars_from(inputs)
         out = tvm.runtime.tensor(np.zeros(shapes_of(shape)[-1], str(params[-1].dtype)))
         reference_lib["lib"](*spec.call_arguments(shape, [tvm.runtime.tensor(x) for x in inputs], out))
-        return out.numpy()
+        return numpy_softmax(out.numpy()) if row_softmax else out.numpy()
 
     def _vars_from(inputs) -> dict[str, int]:
         shape = {}
@@ -55,7 +57,8 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
 
     text = tvm.ir.save_json(func)
     spec = OperatorSpec(
-        name=f"{name}[{workload_key(func)}]",
+        # Timed with the softmax, its records are another workload's.
+        name=f"{name}[{workload_key(func)}]" + ("+softmax" if row_softmax else ""),
         kind="prim_func",
         func=func,
         shape_vars=tuple(sorted(variables)),
@@ -64,7 +67,15 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc) -> OperatorSpec:
         reference=reference,
         flops=lambda shape: 2 * math.prod(evaluate(extent, shape) for extent in extents),
         static=None,
-        recipe=("prim_func", name, text),
+        recipe=("prim_func", name, text, row_softmax),
         scalar_params=scalars,
+        row_softmax=row_softmax,
     )
     return spec
+
+
+def numpy_softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in float64, returned in ``x``'s dtype."""
+    wide = x.astype("float64")
+    e = np.exp(wide - wide.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype)

@@ -38,6 +38,8 @@ class OperatorSpec:
     # Scalar params (position, var name): Relax passes symbolic dims that no buffer shape
     # gives alone (rows = batch * seq_len) as int64 arguments.
     scalar_params: tuple[tuple[int, str], ...] = ()
+    # Served (and so timed) with its result softmaxed over the last axis by the same kernel.
+    row_softmax: bool = False
 
     def expected(self, shape: Shape, inputs: list[np.ndarray]) -> np.ndarray:
         """The reference output for ``inputs`` of ``shape``."""
@@ -174,8 +176,8 @@ def from_recipe(recipe: tuple | list) -> OperatorSpec:
     if kind == "prim_func":
         from .extract import spec_from_prim_func
 
-        name, text = args
-        return spec_from_prim_func(name, tvm.ir.load_json(text))
+        name, text, row_softmax = args
+        return spec_from_prim_func(name, tvm.ir.load_json(text), row_softmax=row_softmax)
     builders = {"dense": dense, "attention_scores": attention_scores, "attention_context": attention_context}
     if kind not in builders:
         raise ValueError(f"unknown operator kind {kind!r}; expected one of {sorted(builders)} or 'prim_func'")

@@ -46,12 +46,12 @@ from .measure.host_load import CONTENDED_SHARE
 from .options import TuneOptions, TuneResult
 from .planning import make_plan
 from .progress import ProgressBar
-from .race import RaceSummary, race_finalists, race_packings
+from .race import RaceSummary, race_finalists, race_packings, race_unmeasured_intervals
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 37  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 38  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -313,7 +313,9 @@ class Tuner:
         self.commitment.verify(budget, bar)
         self._search(budget, started, bar)  # the trials the final verification did not need
         budget_s = self.options.time_budget_s
-        races = race_finalists(self, bar, None if budget_s is None else started + budget_s, self.race_summary)
+        deadline = None if budget_s is None else started + budget_s
+        races = race_finalists(self, bar, deadline, self.race_summary)
+        races = race_unmeasured_intervals(self, bar, deadline, races)
         bar.close(self.trials, self.status())
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe(),
                           **races.describe()})

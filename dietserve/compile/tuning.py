@@ -29,6 +29,7 @@ from ..model.presets import resolve_model
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths
 from .artifact import CompileRequest, compile_artifact, model_display_name
+from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
 from .target import build_target, target_description
@@ -89,7 +90,8 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     """One task per distinct dynamic matmul-like workload of the model, varying ``seq_len`` over
     1..max length at batch 1 (dense layers see ``batch * seq_len`` rows, so batches reuse the
     plan), weighted by ``lengths`` where given; operators whose rows are ``batch`` alone vary
-    the batch instead."""
+    the batch instead. On CPU an operator the link pass fuses with its softmax (attention's
+    scores) is marked so, and the tuner times it with the softmax, as it is served."""
     folder = resolve_model(request.model, cache_dir, request.seed)
     checkpoint = Checkpoint.open(folder)
     target = build_target(request.target)
@@ -97,6 +99,7 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     with target:
         legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
     calls = call_counts(legalized)
+    softmaxed = softmaxed_operators(legalized) if target.kind.name == "llvm" else set()
     max_len = checkpoint.config.max_position_embeddings
     values = list(range(1, max_len + 1))
     observed = Counter(min(length, max_len) for length in lengths)
@@ -106,8 +109,9 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
         if not is_dynamic_matmul(func):
             continue
         key = workload_key(func)
-        if key in tasks:  # the same operator under another name: its calls add up
-            tasks[key] = dataclasses.replace(tasks[key], calls=tasks[key].calls + calls.get(gvar.name_hint, 0))
+        if key in tasks:  # the same operator under another name: its calls add up (fused: where all are)
+            tasks[key] = dataclasses.replace(tasks[key], calls=tasks[key].calls + calls.get(gvar.name_hint, 0),
+                                             softmax=tasks[key].softmax and gvar.name_hint in softmaxed)
             continue
         batch, seq_len = SHAPE_VARS
         if seq_len in names_in(matmul_axes(func)["i"]):
@@ -117,7 +121,8 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
             fixed, task_weights = {seq_len: min(POOLING_TUNE_LENGTH, max_len)}, []
         tasks[key] = TaskDescription(
             workload=key, operator=gvar.name_hint, calls=calls.get(gvar.name_hint, 0),
-            func=tvm.ir.save_json(func), vary=vary, fixed=fixed, weights=task_weights)
+            func=tvm.ir.save_json(func), vary=vary, fixed=fixed, weights=task_weights,
+            softmax=gvar.name_hint in softmaxed)
     model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
     return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
 
@@ -172,11 +177,12 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
                    calls: Mapping[str, int]) -> float | None:
     """Weighted kernel time of the served plans / of the newly tuned ones over the recorded
     traffic (each operator counted once per call site): above 1, the new kernels should be faster.
-    Compares only the workloads both have; None when there is nothing to compare."""
+    Compares only the workloads both have, timed alike (both with the fused softmax or both
+    without); None when there is nothing to compare."""
     old = {plan.workload: plan for plan in served}
     totals = [0.0, 0.0]
     for plan in tuned:
-        if plan.workload not in old:
+        if plan.workload not in old or _timed_with_softmax(old[plan.workload]) != _timed_with_softmax(plan):
             continue
         for (rows, seq_len), weight in traffic.weights.items():
             shape = {"batch": rows, "seq_len": seq_len}
@@ -187,3 +193,7 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
             totals[1] += weight * calls.get(plan.operator, 1) * after
     return totals[0] / totals[1] if totals[1] > 0 else None
 
+
+
+def _timed_with_softmax(plan: KernelPlan) -> bool:
+    return bool(plan.provenance.get("softmax", False))

@@ -7,7 +7,9 @@ One JSON file lists the model's dynamic matmul-like operators, one entry per dis
     model             display name and config digest of the model the operators come from
     target            the TVM target as a dict (kind, mcpu | arch, num-cores)
     tasks             [{workload, operator, calls, func (TVM JSON of the PrimFunc),
-                        vary: {var, values}, fixed: {var: value}, weights: [one per value]}]
+                        vary: {var, values}, fixed: {var: value}, weights: [one per value],
+                        softmax: whether the model softmaxes the result's rows right after it
+                        (CPU: served as one kernel, so tuned as one; absent = false)}]
 
 The tuner reads it, tunes, and answers with one kernel plan per task (``plan.py``).
 """
@@ -41,6 +43,7 @@ class TaskDescription:
     vary: dict  # {"var": "seq_len", "values": [1, ..., 512]}
     fixed: dict = field(default_factory=dict)  # e.g. {"batch": 1}
     weights: list = field(default_factory=list)  # one per value of vary; empty = uniform
+    softmax: bool = False  # served fused with a softmax over the result's last axis (attention's scores)
 
     def __post_init__(self) -> None:
         values = self.vary.get("values") if isinstance(self.vary, dict) else None
@@ -50,6 +53,8 @@ class TaskDescription:
             raise TaskFileError(f"task {self.operator}: values of {self.vary['var']} must be positive integers")
         if self.weights and (len(self.weights) != len(values) or min(self.weights) < 0 or sum(self.weights) <= 0):
             raise TaskFileError(f"task {self.operator}: weights must be non-negative, one per value, not all zero")
+        if type(self.softmax) is not bool:
+            raise TaskFileError(f"task {self.operator}: softmax must be true or false, got {self.softmax!r}")
 
 
 @dataclass(frozen=True)

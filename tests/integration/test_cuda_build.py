@@ -63,6 +63,7 @@ def test_cuda_artifact_with_split_plans_builds(cache_dir: Path, tmp_path: Path) 
     splits = [(8, "narrow"), (16, DEFAULT_VARIANT), (128, "narrow"), (4096, "typical")]
     request = CompileRequest(model="default", target=TargetSpec(kind="cuda", arch="sm_90"), max_batch=8)
     tasks = tuning_tasks(request, cache_dir)
+    assert not any(task.softmax for task in tasks.tasks)  # the softmax is fused on CPU only
     for task in tasks.tasks:
         if task.vary["var"] != "seq_len":  # the pooling sum: no [i,k]x[k,j] product to tile
             continue

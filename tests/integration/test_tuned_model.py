@@ -200,6 +200,9 @@ def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact
     # attention's scores and softmax became one kernel, one call per layer
     fused = [e for name, e in manifest.dispatch.items() if name.endswith(FUSED_SUFFIX)]
     assert len(fused) == 1 and fused[0]["calls"] == 6
+    # ... and their task says so, for the tuner to time them fused (``test_softmax_task.py``)
+    (fused_name,) = (name for name in manifest.dispatch if name.endswith(FUSED_SUFFIX))
+    assert [t.operator for t in minilm_tasks.tasks if t.softmax] == [fused_name.removesuffix(FUSED_SUFFIX)]
     assert len(list((linked_artifact / "plans").glob("*.plan.json"))) == len(minilm_tasks.tasks)
 
 
@@ -301,6 +304,9 @@ def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: P
     assert f"not linking 1 plan(s) in {tmp_path / 'out' / 'plans'}" in second.stderr
     records = (tmp_path / "records.jsonl").read_text().splitlines()
     assert all(json.loads(line)["workload"].startswith("matmul[") for line in records)
+    # The scores were timed with their softmax, as served: their own records, their plan says so.
+    assert any(json.loads(line)["workload"].endswith("]+softmax") for line in records)
+    assert sum(KernelPlan.read(path).provenance["softmax"] for path in plans) == 1
 
 
 def test_server_counts_operator_executions_by_the_variant_its_tree_chose(linked_artifact: Path) -> None:

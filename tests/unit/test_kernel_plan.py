@@ -153,3 +153,6 @@ def test_predicted_gain_weighs_the_plans_by_the_traffic_and_the_call_sites() -> 
     other = _timed({256: 1.0}, workload="11ee11ee11ee11ee")  # only in the new plans: not compared
     assert predicted_gain([served], [tuned, other], traffic, {"fused_matmul_add": 6}) == pytest.approx(3.0)
     assert predicted_gain([served], [other], traffic, {}) is None
+    # Timed with the fused softmax, the new plan's latencies are not the old one's kind: not compared.
+    fused = dataclasses.replace(tuned, provenance={**tuned.provenance, "softmax": True})
+    assert predicted_gain([served], [fused], traffic, {"fused_matmul_add": 6}) is None

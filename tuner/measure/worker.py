@@ -176,7 +176,16 @@ def _compiled(job: dict, spec):
     host = job["target"].get("host")
     device_target = {name: value for name, value in job["target"].items() if name != "host"}
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
-    if job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
+    if spec.row_softmax:  # served with the softmax fused in: built as the link pass builds it
+        from dietserve.kernels.apply import apply_variant
+
+        from ..options import DEFAULT_APPLY
+
+        if job.get("apply", DEFAULT_APPLY) != DEFAULT_APPLY:
+            raise ValueError(f"{job['apply']} cannot fuse the softmax this operator is served with")
+        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
+        scheduled = apply_variant(spec.func, kernel, target, job.get("loop_partition", False), row_softmax=True)
+    elif job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
         scheduled = apply_default(spec.func, target)
     else:
         kernel = MicroKernel.from_json(job["kernel"])

@@ -54,6 +54,27 @@ def fuse_scores_softmax(mod: tvm.IRModule, fusable: dict[str, Callable[[], tirx.
     return relax.transform.DeadCodeElimination()(builder.get())
 
 
+def softmaxed_operators(mod: tvm.IRModule) -> set[str]:
+    """Names of the PrimFuncs whose result feeds nothing but a last-axis softmax: the pairs
+    ``fuse_scores_softmax`` would make one kernel, so their tuning task times them fused, as
+    they are served. ``mod`` is left as it is."""
+    softmax = {gvar.name_hint for gvar, func in mod.functions_items()
+               if isinstance(func, tirx.PrimFunc) and is_last_axis_softmax(func)}
+    if not softmax:
+        return set()
+    found: set[str] = set()
+
+    def note(name: str) -> None:  # a producer the rewrite would fuse; nothing is rewritten
+        found.add(name)
+
+    prim_funcs = {gvar.name_hint for gvar, func in mod.functions_items() if isinstance(func, tirx.PrimFunc)}
+    finder = _Fuse(mod, prim_funcs - softmax, softmax, _use_counts(mod), note)
+    for _gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            finder.visit_expr(func)
+    return found
+
+
 @mutator
 class _Fuse(PyExprMutator):
     def __init__(self, mod, scores: set, softmax: set, uses: dict, fused_callee):
