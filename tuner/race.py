@@ -76,10 +76,15 @@ PACKING_RACE_MARGIN = 1.05
 # cores that the search had timed 2.02x faster than it.
 CONTENDED_RUNS = 2
 # Where the final plan's choice rests on predictions carried across lengths at least
-# STRETCH_RATIO apart (or an interval has no measurement at all), it is raced, then the plan made
-# again, at most INTERVAL_RACE_ROUNDS times (``race_unmeasured_intervals``).
+# STRETCH_RATIO apart (or an interval has no measurement at all), it races INTERVAL_RACE_SIZE
+# kernels for INTERVAL_RACE_ROUNDS rounds, then the plan is made again, at most INTERVAL_CHECKS
+# times (``race_unmeasured_intervals``). The errors it is for are large (1.5-3x), so fewer kernels
+# and rounds than the finalists' races: with 4 kernels and 7 rounds these races added 5.5-13.1 s
+# to a 64-trial operator's 40-45 s.
 STRETCH_RATIO = 2.0
-INTERVAL_RACE_ROUNDS = 2
+INTERVAL_RACE_SIZE = 3
+INTERVAL_RACE_ROUNDS = 3
+INTERVAL_CHECKS = 2
 
 
 @dataclass
@@ -225,9 +230,9 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
     """Race, where an interval of ``tuner``'s plan rests on predictions carried far
     (``dispatch.unmeasured_stretches``: a stretch of lengths ``STRETCH_RATIO`` apart where its
     variant was not measured, or no measurement in it at all), that variant beside the
-    ``RACE_SIZE`` - 1 others the plan ranks best there; their times become measurements (scaled
-    to the search's level where the shape had some), and the plan is made again, at most
-    ``INTERVAL_RACE_ROUNDS`` times.
+    ``INTERVAL_RACE_SIZE`` - 1 others the plan ranks best there, ``INTERVAL_RACE_ROUNDS`` rounds;
+    their times become measurements (scaled to the search's level where the shape had some), and
+    the plan is made again, at most ``INTERVAL_CHECKS`` times.
 
     The search spends its trials where the traffic costs most, so the short shapes get few, and
     a plan's choices there rest on predictions carried from longer ones. Fused with its softmax,
@@ -238,7 +243,7 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
     if race is None or not tuner.options.race:
         return summary
     started, raced, changed = time.monotonic(), 0, 0
-    for _round in range(INTERVAL_RACE_ROUNDS):
+    for _check in range(INTERVAL_CHECKS):
         try:
             plan = tuner.plan()
         except RuntimeError:  # nothing measured successfully
@@ -253,9 +258,9 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
                 break
             chosen = plan.kernel(name)
             ranked = sorted((k for k in candidates if k != chosen), key=lambda k, shape=shape: served(k, shape))
-            finalists = [chosen, *ranked[:RACE_SIZE - 1]]
+            finalists = [chosen, *ranked[:INTERVAL_RACE_SIZE - 1]]
             _build_ahead(tuner, [(shape, finalists)])
-            times = _race(tuner, race, shape, finalists, stream=False, summary=summary)
+            times = _race(tuner, race, shape, finalists, stream=False, summary=summary, rounds=INTERVAL_RACE_ROUNDS)
             if times is None:
                 continue
             raced += 1
@@ -283,11 +288,12 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
     return summary
 
 
-def _race(tuner, race, shape: dict, finalists: list, stream: bool, summary: RaceSummary) -> dict | None:
+def _race(tuner, race, shape: dict, finalists: list, stream: bool, summary: RaceSummary,
+          rounds: int = RACE_ROUNDS) -> dict | None:
     """{kernel: median seconds} of ``finalists`` raced on ``shape`` (None where the race failed,
     or fewer than two came back)."""
     job = tuner._job(shape, {
-        "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": RACE_ROUNDS,
+        "kernels": [None if k is None else k.to_json() for k in finalists], "rounds": rounds,
         "screen_rounds": SCREEN_ROUNDS, "drop_margin": DROP_MARGIN,
         "stream": stream, "apply": tuner.options.apply, "loop_partition": tuner.options.loop_partition})
     for _run in range(CONTENDED_RUNS):

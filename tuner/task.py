@@ -97,7 +97,7 @@ class TuningTask:
         return {**self.fixed, var: value}
 
     def flops(self, shape: Mapping[str, int]) -> int:
-        return self.spec.flops(shape)
+        return _flops_cached(self, tuple(sorted(shape.items())))
 
     @functools.cached_property
     def _extents(self):
@@ -121,6 +121,11 @@ class TuningTask:
         """Concrete extents of the matmul's axes: ``b`` (all batch axes), ``i``, ``j``, ``k``."""
         key = tuple(sorted(shape.items()))
         return dict(_axis_extents_cached(self, key))
+
+
+@functools.lru_cache(maxsize=65536)
+def _flops_cached(task: TuningTask, key: tuple) -> int:
+    return task.spec.flops(dict(key))  # (a plan prices every candidate on every shape: 0.9 M calls a tune)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -17,7 +17,7 @@ from tuner.database.records import RecordDatabase
 from tuner.dispatch import unmeasured_stretches
 from tuner.ops import dense
 from tuner.options import TuneOptions
-from tuner.race import RACE_SIZE, STRETCH_RATIO, race_unmeasured_intervals
+from tuner.race import INTERVAL_RACE_ROUNDS, INTERVAL_RACE_SIZE, STRETCH_RATIO, race_unmeasured_intervals
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import Tuner
 
@@ -88,7 +88,8 @@ def test_a_choice_resting_on_far_predictions_is_raced_and_corrected(tmp_path: Pa
     # raced in the middle of that stretch on a log scale, beside the plan's next best.
     raced = [job["shapes"][0]["T"] for job in machine.races]
     assert summary.intervals == len(raced) >= 1 and 4 <= raced[0] <= 8
-    assert all(len(job["kernels"]) <= RACE_SIZE and TALL.to_json() in job["kernels"] for job in machine.races)
+    assert all(len(job["kernels"]) <= INTERVAL_RACE_SIZE and TALL.to_json() in job["kernels"]
+               and job["rounds"] == INTERVAL_RACE_ROUNDS for job in machine.races)
     for rows in range(2, 10):
         assert _kernel_at(tuner, rows) == SHORT, rows
     assert _kernel_at(tuner, 32) == TALL
