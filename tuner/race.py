@@ -33,6 +33,12 @@ panels, whose best tiles took 1.06 / 1.19 / 1.07x as long as the 16-wide ones at
 most half as long, the best kernel of each width races (and the one the cost model expects to be
 its best), and a plan's packing that lost there by more than ``PACKING_RACE_MARGIN`` gives way.
 
+Last, the plan's choices that rest on predictions carried far are raced
+(``race_unmeasured_intervals``): the search spends its trials where the traffic costs most, so a
+plan's short shapes can go to a kernel never timed near them. Where an interval's variant was
+never measured in it, or not over a stretch of lengths ``STRETCH_RATIO`` apart, it races the
+plan's next best there, and the plan is made again.
+
 A race is a re-timing, not a trial: the budget does not count it and the records database does
 not hold it (the records are the search's own measurements); the plan's provenance counts them.
 """
@@ -244,6 +250,8 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
         return summary
     started, raced, changed = time.monotonic(), 0, 0
     for _check in range(INTERVAL_CHECKS):
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         try:
             plan = tuner.plan()
         except RuntimeError:  # nothing measured successfully

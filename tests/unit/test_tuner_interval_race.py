@@ -8,6 +8,7 @@ T = 2-15 to the tall tile; raced where that rests on predictions, the one-row ti
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,13 @@ def test_a_choice_resting_on_far_predictions_is_raced_and_corrected(tmp_path: Pa
     assert _kernel_at(tuner, 32) == TALL
     # Races are no trials and no records.
     assert tuner.trials == trials and (tmp_path / "records.jsonl").read_text() == records
+
+
+def test_no_interval_race_past_the_time_budget(tmp_path: Path) -> None:
+    machine = ShapeMachine()
+    tuner = _tuner(machine, tmp_path)
+    assert race_unmeasured_intervals(tuner, deadline=time.monotonic()).intervals == 0 and not machine.races
+    assert _kernel_at(tuner, 6) == TALL
 
 
 def test_stretches_are_raced_where_never_measured_or_carried_far() -> None:
