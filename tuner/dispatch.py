@@ -258,15 +258,22 @@ def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     return labels
 
 
+def plan_intervals(plan) -> list[tuple[int, int]]:
+    """(start, end) row ranges of ``plan``'s shapes, each a run of one variant."""
+    rows, runs, start = plan.shapes, [], 0
+    for end in range(1, len(rows) + 1):
+        if end == len(rows) or rows[end]["variant"] != rows[start]["variant"]:
+            runs.append((start, end))
+            start = end
+    return runs
+
+
 def unverified_probes(plan, measured: dict, failed: set, default_measured: dict) -> list[tuple[MicroKernel, dict]]:
     """(kernel, shape) at the first, middle and last shape of each micro-kernel's interval of
     ``plan`` where that kernel or the default kernel has not been measured yet."""
     rows = plan.shapes
     probes = []
-    start = 0
-    for end in range(1, len(rows) + 1):
-        if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
-            continue
+    for start, end in plan_intervals(plan):
         kernel = plan.kernel(rows[start]["variant"])
         if kernel is not None:
             for index in sorted({start, (start + end - 1) // 2, end - 1}):
@@ -275,7 +282,6 @@ def unverified_probes(plan, measured: dict, failed: set, default_measured: dict)
                 done = kernel in measured.get(key, {}) or kernel in failed
                 if not (done and key in default_measured):
                     probes.append((kernel, shape))
-        start = end
     return probes
 
 
@@ -285,13 +291,9 @@ def unmeasured_stretches(plan, ratio: float) -> list[tuple[str, dict]]:
     spanning the largest ratio of dispatch values (last / first), if the interval has no
     measured shape at all or that ratio is at least ``ratio``; the shape is that run's middle
     on a log scale (predictions carry by ratios of lengths, not by differences)."""
-    rows = plan.shapes
     found = []
-    start = 0
-    for end in range(1, len(rows) + 1):
-        if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
-            continue
-        interval = rows[start:end]
+    for start, end in plan_intervals(plan):
+        interval = plan.shapes[start:end]
         runs, run = [], []
         for row in interval:
             if row["measured"]:
@@ -306,7 +308,6 @@ def unmeasured_stretches(plan, ratio: float) -> list[tuple[str, dict]]:
                 middle = math.sqrt(widest[0]["value"] * widest[-1]["value"])
                 row = min(widest, key=lambda r: abs(math.log(r["value"] / middle)))
                 found.append((interval[0]["variant"], row["shape"]))
-        start = end
     return found
 
 

@@ -197,10 +197,7 @@ def race_finalists(tuner, bar: ProgressBar | None = None, deadline: float | None
         times = _race(tuner, race, shape, finalists, stream=False, summary=summary)
         if times is None:
             continue
-        before = [tuner.measured_latency(k, key) for k in times]
-        scale = _geomean(before) / _geomean(times.values())
-        for k, t in times.items():
-            tuner.set_measured(k, key, t * scale)
+        _keep_level(tuner, key, times)
         stream = _can_stream(tuner) and any(_stream_bound(tuner, k, shape) for k in finalists)
         if stream:
             streamed = _race(tuner, race, shape, finalists, stream=True, summary=summary)
@@ -272,13 +269,7 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
             if times is None:
                 continue
             raced += 1
-            key = shape_key(shape)
-            known = [k for k in times
-                     if (key in tuner.default_measured if k is None else k in tuner.measured.get(key, {}))]
-            scale = (_geomean([tuner.measured_latency(k, key) for k in known]) / _geomean([times[k] for k in known])
-                     if known else 1.0)
-            for k, t in times.items():
-                tuner.set_measured(k, key, t * scale)
+            _keep_level(tuner, shape_key(shape), times)
             fastest = min(times, key=times.get)
             if chosen in times and fastest != chosen:
                 changed += 1
@@ -294,6 +285,17 @@ def race_unmeasured_intervals(tuner, bar: ProgressBar | None = None, deadline: f
         tuner.log(f"{tuner.task.workload}: raced {raced} intervals chosen on predictions carried far in "
                   f"{time.monotonic() - started:.1f} s; another kernel was faster at {changed}")
     return summary
+
+
+def _keep_level(tuner, key: tuple, times: dict) -> None:
+    """Raced ``times`` become the shape ``key``'s measurements, scaled so the kernels measured
+    there before keep their geometric mean (the level the search measured everything at); as
+    they are where none was."""
+    known = [k for k in times if (key in tuner.default_measured if k is None else k in tuner.measured.get(key, {}))]
+    scale = (_geomean([tuner.measured_latency(k, key) for k in known]) / _geomean([times[k] for k in known])
+             if known else 1.0)
+    for k, t in times.items():
+        tuner.set_measured(k, key, t * scale)
 
 
 def _race(tuner, race, shape: dict, finalists: list, stream: bool, summary: RaceSummary,
