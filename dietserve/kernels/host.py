@@ -60,11 +60,49 @@ def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[s
     return sorted(flag for flag in required if flag not in available)
 
 
-def host_cpu() -> str:
-    """LLVM's name for this CPU (e.g. ``znver3``)."""
+# Where a virtual machine hides some features of the CPU LLVM names from its model number (AMX on
+# a cloud Emerald Rapids: LLVM says ``emeraldrapids``, /proc/cpuinfo lists no ``amx_tile``),
+# code built for that name may not run there, and an artifact built for it refuses to load. The
+# host is then built for the newest of these (its vendor's, then generic) whose features it has.
+OLDER_CPUS = {
+    "GenuineIntel": ("graniterapids", "emeraldrapids", "sapphirerapids", "icelake-server", "cascadelake",
+                     "skylake-avx512", "broadwell", "haswell"),
+    "AuthenticAMD": ("znver5", "znver4", "znver3", "znver2", "znver1"),
+}
+GENERIC_CPUS = ("x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64")
+
+
+def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """LLVM's name for this CPU (e.g. ``znver3``), or, where this machine lacks features of the
+    CPU of that name (a VM's), the newest CPU LLVM knows whose features it has (``OLDER_CPUS``)."""
     from tvm.target.codegen import llvm_get_system_cpu
 
-    return str(llvm_get_system_cpu())
+    return runnable_cpu(str(llvm_get_system_cpu()), cpu_flags(cpuinfo), cpu_vendor(cpuinfo))
+
+
+def runnable_cpu(named: str, flags: set[str] | None, vendor: str | None) -> str:
+    """``named`` if code built for it runs on a CPU with ``flags`` (/proc/cpuinfo's; None: cannot
+    tell), else the first of ``vendor``'s ``OLDER_CPUS``, then ``GENERIC_CPUS``, that does."""
+    if flags is None:
+        return named
+    import tvm
+
+    for cpu in (named, *OLDER_CPUS.get(vendor or "", ()), *GENERIC_CPUS):
+        if not missing_cpu_flags(sorted(target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))), flags):
+            return cpu
+    return "x86-64"
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), None where unknown."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 def available_cpus() -> list[int]:

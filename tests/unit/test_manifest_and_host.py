@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.host import cpu_flags, missing_cpu_flags
+from dietserve.kernels.host import cpu_flags, cpu_vendor, missing_cpu_flags, runnable_cpu, target_cpu_flags
 from dietserve.runtime.manifest import MANIFEST_FILE, ArtifactError, Manifest, write_text_atomic
 
 
@@ -60,3 +60,38 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
     assert missing_cpu_flags(["avx2", "avx512f"], flags) == ["avx512f"]
     assert missing_cpu_flags(["avx512f"], None) == []
     assert cpu_flags(tmp_path / "absent") is None
+
+
+# /proc/cpuinfo's flags of a cloud Emerald Rapids VM (2026-11-27): LLVM names it
+# ``emeraldrapids`` by its model number, but the VM hides AMX.
+EMERALD_RAPIDS_VM = set("fpu sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl avx512ifma "
+                        "avx512vbmi avx512_vbmi2 avx512_vnni avx512_bitalg avx512_vpopcntdq avx512_bf16 "
+                        "avx512_fp16".split())
+
+
+def _llvm_flags(cpu: str) -> set[str]:
+    import tvm
+
+    return target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))
+
+
+def test_a_cpu_missing_features_of_its_name_builds_for_one_it_can_run() -> None:
+    assert "amx_tile" in _llvm_flags("emeraldrapids")  # (else this test would test nothing)
+    chosen = runnable_cpu("emeraldrapids", EMERALD_RAPIDS_VM, "GenuineIntel")
+    assert chosen != "emeraldrapids"
+    assert _llvm_flags(chosen) <= EMERALD_RAPIDS_VM, "an artifact built for it would not load"
+    assert "avx512f" in _llvm_flags(chosen), "the fallback threw away AVX-512 the machine has"
+    # With AMX listed, the name LLVM gave stands.
+    assert runnable_cpu("emeraldrapids", EMERALD_RAPIDS_VM | {"amx_tile"}, "GenuineIntel") == "emeraldrapids"
+    # An AMD VM without AVX-512 that LLVM calls znver4: an AVX2 Zen, not an Intel CPU.
+    avx2 = {"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c"}
+    chosen = runnable_cpu("znver4", avx2, "AuthenticAMD")
+    assert chosen.startswith("znver") and _llvm_flags(chosen) <= avx2 and "avx2" in _llvm_flags(chosen)
+    assert runnable_cpu("znver4", None, "AuthenticAMD") == "znver4"  # no /proc/cpuinfo: cannot tell
+
+
+def test_cpu_vendor_is_read_from_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: fpu\n")
+    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    assert cpu_vendor(tmp_path / "absent") is None
