@@ -30,7 +30,9 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
         if kernel.pack:
-            return apply_cpu_packed(packed_form(func, kernel.pack), kernel, target_cores(target))
+            mcpu = target.attrs.get("mcpu")
+            return apply_cpu_packed(packed_form(func, kernel.pack), kernel, target_cores(target),
+                                    None if mcpu is None else str(mcpu))
         if is_clamped(kernel):
             return apply_cpu_clamped(func, kernel)
         return apply_cpu(func, kernel, loop_partition=loop_partition)

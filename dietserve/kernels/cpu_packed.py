@@ -67,6 +67,20 @@ from .tir_rebuild import expression_size
 # interleaved (``compare_artifacts.py``, znver4): seq 31 1.07-1.08x, 48 1.04-1.05x, 64
 # 1.01-1.02x, other lengths within the machine's noise; hot, the kernels time as before.
 PREFETCH_NEXT_BLOCK = True
+# On Intel's server cores a pass reading the weight from DRAM did not overlap the stream with its
+# FMAs: it took about the stream plus its time with the weight in cache (3072 -> 768, 9-row
+# tile, 2-core Emerald Rapids VM, ``cold_weights.py``: T = 1 0.35 ms, T = 7 0.59 against 0.20
+# hot, T = 16 0.88 against 0.35). The hardware's prefetchers run a few lines ahead and stop at
+# every 4 KB page, and the more FMAs a step has, the fewer lines the core has in flight. So the
+# passes that fetch no next block also fetch, each step, the lines STREAM_AHEAD_BYTES on in
+# their panel's run: there, at 4096 bytes, T = 7 ran 1.35-1.40x, T = 16 1.16-1.37x, T = 31
+# 1.18x, T = 64 1.10x, T = 1-3 1.00-1.13x (interleaved, 5 rounds; 1024 ahead: about half the
+# gain, 16384: less). AMD's Zen 4 overlapped the stream without them (``weight_stream.py``),
+# so only the CPUs of ``STREAM_AHEAD_CPUS`` get them.
+STREAM_AHEAD = True
+STREAM_AHEAD_BYTES = 4096
+STREAM_AHEAD_CPUS = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server", "sapphirerapids",
+                     "emeraldrapids", "graniterapids")
 # The tasks are taken at run time by the target's cores (``claimed_tasks``), not split evenly in
 # advance: on a shared machine a call then waits less for a core slowed by a neighbour.
 CLAIMED_TASKS = True
@@ -107,10 +121,18 @@ def packed_tile(kernel: MicroKernel) -> tuple[int, int, int, int]:
     return mr, panel, pk, pk * groups
 
 
-def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | None = None) -> tirx.PrimFunc:
+def stream_ahead_bytes(mcpu: str | None) -> int:
+    """How far ahead a pass over the weight fetches it on the CPU LLVM calls ``mcpu`` (0: not;
+    ``STREAM_AHEAD``)."""
+    return STREAM_AHEAD_BYTES if STREAM_AHEAD and mcpu in STREAM_AHEAD_CPUS else 0
+
+
+def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | None = None,
+                     mcpu: str | None = None) -> tirx.PrimFunc:
     """``func`` (already reading its weight packed, ``pack_prim_func``) as ``kernel``'s loop nest;
     ``workers``: the threads that take its tasks at run time (``claimed_tasks``: the target's
-    cores), None: TVM's even split of them."""
+    cores), None: TVM's even split of them; ``mcpu``: the CPU it is built for
+    (``stream_ahead_bytes``)."""
     mr, panel, pk, nb = packed_tile(kernel)
     lanes = kernel.vector
     if panel % lanes:
@@ -134,11 +156,13 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8) \
         if PACK_ROWS and op.activation is not None and isinstance(depth, tirx.IntImm) else None
 
+    distance = stream_ahead_bytes(mcpu)
+
     def reduction(tile: Tile) -> None:
         if blocked:
-            blocked_reduction(tile, tasks, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK)
+            blocked_reduction(tile, tasks, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK, distance)
         else:
-            whole_reduction(tile, tasks, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK)
+            whole_reduction(tile, tasks, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK, distance)
 
     with IRBuilder() as builder, T.seq_scope():
         if crowding is None:
@@ -155,7 +179,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
                 with T.Else():
                     reduction(tile.with_fewer_rows_than(crowding))
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
-    if PREFETCH_NEXT_BLOCK:
+    if PREFETCH_NEXT_BLOCK or distance:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
     return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True))
 

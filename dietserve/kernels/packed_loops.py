@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from .packed_prefetch import NextBlock
+from .packed_prefetch import NextBlock, stream_ahead
 from .packed_tile import Tile
 
 PACK_CHUNK = 256  # reduction steps per job of the copy
@@ -31,33 +31,41 @@ def packed_rows(tile: Tile, loop, depth: int):
     return packed
 
 
-def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0) -> None:
+def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0,
+            distance: int = 0) -> None:
     """``accs`` += the tile's products over reduction steps ``k_first`` .. ``+ extent - 1``;
-    with ``ahead``, step ``kk`` also fetches a line of the next block (``NextBlock.prefetch``)."""
+    with ``ahead``, step ``kk`` also fetches a line of the next block (``NextBlock.prefetch``),
+    else, with a ``distance``, the lines that far ahead of its own (``stream_ahead``)."""
     with T.serial(0, extent) as kk:
         tile.multiply_add(accs, i0, panel0, k_first + kk)
         if ahead is not None:
             ahead.prefetch(unit, kk)
+        elif distance:
+            stream_ahead(tile, panel0, k_first + kk, distance)
 
 
-def _reduce_fetching(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None, when, unit) -> None:
+def _reduce_fetching(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None, when, unit,
+                     distance: int) -> None:
     """The reduction, also fetching ``ahead`` (None: no prefetches) where ``when`` holds (a
-    row pass after the task's first, with a next block) and its units are enough for the block."""
+    row pass after the task's first, with a next block) and its units are enough for the block;
+    elsewhere the lines ``distance`` bytes ahead of each step's (0: none)."""
     if ahead is None or tile.remainder:
-        # (a remainder pass leaves its share of the block to the hardware: its own copy of the
-        # loop with the prefetches would add as much code again to every kernel)
-        _reduce(tile, accs, i0, panel0, k_first, extent)
+        # (a remainder pass leaves its share of the next block to the hardware: its own copy of
+        # the loop with those prefetches would add as much code again to every kernel)
+        _reduce(tile, accs, i0, panel0, k_first, extent, distance=distance)
         return
     with T.If(tirx.all(when, ahead.enough())):
         with T.Then():
             _reduce(tile, accs, i0, panel0, k_first, extent, ahead, unit)
         with T.Else():
-            _reduce(tile, accs, i0, panel0, k_first, extent)
+            _reduce(tile, accs, i0, panel0, k_first, extent, distance=distance)
 
 
-def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bool) -> None:
+def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bool, distance: int = 0) -> None:
     """Each task: one row tile over ``nb`` panels, the whole reduction in registers. ``tasks``:
-    the task loop (``claimed_tasks``, ``static_tasks``)."""
+    the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``: the later passes fetch the
+    next block (``NextBlock``); ``distance``: the other passes fetch that many bytes ahead
+    (``stream_ahead``; 0: not)."""
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with tasks(blocks * row_tiles) as claim:
@@ -77,7 +85,7 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
             ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth)) if prefetch else None
             _reduce_fetching(tile, accs, i0, block * nb + group * tile.pk, 0, depth, ahead,
                              tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
-                             later_pass * groups + group)
+                             later_pass * groups + group, distance)
 
         def row_pass(tile: Tile, remainder_sums=None) -> None:
             with T.serial(0, nb // tile.pk) as group:
@@ -98,10 +106,12 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
         tile.passes(i0, groups, row_pass, remainder)
 
 
-def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool) -> None:
+def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool,
+                      distance: int = 0) -> None:
     """Each task: ``nb`` panels over every row tile, the reduction in ``kc``-deep blocks (the
     block stays in L2 while the row tiles pass over it), partial sums in the task's workspace.
-    ``tasks``: the task loop (``claimed_tasks``, ``static_tasks``)."""
+    ``tasks``: the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``, ``distance``:
+    as ``whole_reduction``'s."""
     row_tiles = tile.row_tiles()
     last = int(depth) // kc - 1
     groups = nb // tile.pk
@@ -125,7 +135,7 @@ def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, p
                         if prefetch else None
                     _reduce_fetching(tile, accs, i0, task * nb + group * tile.pk, ko * kc, kc, ahead,
                                      tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),
-                                     (it - 1) * groups + group)
+                                     (it - 1) * groups + group, distance)
 
                 def row_pass(tile: Tile) -> None:
                     with T.serial(0, nb // tile.pk) as group:

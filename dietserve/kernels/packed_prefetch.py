@@ -1,5 +1,7 @@
-"""Prefetching the weight block a packed GEMM task reads next (``cpu_packed.py``), spread over
-the task's later row passes, one cache line per reduction step."""
+"""Prefetching a packed GEMM's weight (``cpu_packed.py``): the block a task reads next, spread
+over the task's later row passes, one cache line per reduction step (``NextBlock``); and, in
+the passes that fetch no next block, the lines a fixed distance ahead of those each step reads
+(``stream_ahead``)."""
 
 from __future__ import annotations
 
@@ -47,3 +49,19 @@ class NextBlock:
         # (address, read, keep in every cache level, data cache)
         T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
                                          T.address_of(self.tile.op.flat_weight[element]), 0, 3, 1))
+
+
+def stream_ahead(tile: Tile, panel0, k, distance: int) -> None:
+    """At reduction step ``k`` of the register tile at panel ``panel0``: each of the lines the
+    step reads, ``distance`` bytes further on in its panel's run (past the run's end: the next
+    panel's first lines, the ones the task reads next). The address is the load's plus a
+    constant, so it costs no register; past the weight's end it is not clamped (a compare per
+    line, and the registers it holds, spilled AVX2 tiles): a prefetch never faults."""
+    line = CACHE_LINE_BYTES // (tile.dtype.bits // 8)
+    ahead = distance // (tile.dtype.bits // 8)
+    depth = tile.op.extents[3]
+    for p in range(tile.pk):
+        for j in range(-(-tile.panel // line)):
+            element = ((panel0 + p) * depth + k) * tile.panel + j * line + ahead
+            T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                             T.address_of(tile.op.flat_weight[element]), 0, 3, 1))

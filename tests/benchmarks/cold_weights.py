@@ -11,14 +11,15 @@ Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is forced as a plan
 timed at every length. "Hot" runs one argument set over and over;
 "cold" cycles through ``--copies`` of them (40 x 9.4 MB for the 3072 -> 768 layer: more than
 the L3), so each call reads its weight from DRAM. Prints ms per call, median of ``--rounds``.
-``--interleaved`` times the cold case only, every kernel once per round in turn (the order
-reversed every other round), so a change of the DRAM rate falls on all of them alike; it prints
-each kernel's speed against the first's.
+``--interleaved`` times the cold case only, every kernel (and its builds ``--without`` a
+feature) once per round in turn (the order reversed every other round), so a change of the DRAM
+rate falls on all of them alike; it prints each one's speed against the first kernel's.
 ``--without prefetch`` builds each kernel also without the prefetch of the next weight block
 (``cpu_packed.PREFETCH_NEXT_BLOCK``), ``--without row-copy`` without the k-major copy of the
 activations' rows (``cpu_packed.PACK_ROWS``), ``--without remainder-in-place`` with the short
 remainder tiles of such copied rows reading the copy too (``cpu_packed.REMAINDER_ROWS_IN_PLACE``),
-and times them side by side: "gain" is the full
+``--without stream-ahead`` without the fetches ahead of a pass's own weight lines
+(``cpu_packed.STREAM_AHEAD``), and times them side by side: "gain" is the full
 kernel's speed over each. Not a test.
 """
 
@@ -60,7 +61,8 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
 
 # Features of the packed kernel that ``--without`` can switch off, by their module flags.
 FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES",
-            "epilogue-loop": "EPILOGUE_LOOP", "remainder-in-place": "REMAINDER_ROWS_IN_PLACE"}
+            "epilogue-loop": "EPILOGUE_LOOP", "remainder-in-place": "REMAINDER_ROWS_IN_PLACE",
+            "stream-ahead": "STREAM_AHEAD"}
 
 
 @contextmanager
@@ -104,22 +106,23 @@ def argument_sets(spec, length: int, copies: int):
     return sets_of
 
 
-def interleaved(builds: dict, texts: list[str], sets_of, rounds: int) -> dict[str, float]:
-    """Median seconds per cold call of each kernel, every kernel once per round in turn."""
-    for text in texts:
-        _spec, pack, function = builds[text, None]
+def interleaved(builds: dict, keys: list[tuple], sets_of, rounds: int) -> dict[tuple, float]:
+    """Median seconds per cold call of each build (``keys``: (kernel, without)), every build
+    once per round in turn."""
+    for key in keys:
+        _spec, pack, function = builds[key]
         for arguments in sets_of(pack):
             function(*arguments)
-    samples: dict[str, list[float]] = {text: [] for text in texts}
+    samples: dict[tuple, list[float]] = {key: [] for key in keys}
     for turn in range(rounds):
-        for text in texts if turn % 2 == 0 else texts[::-1]:
-            _spec, pack, function = builds[text, None]
+        for key in keys if turn % 2 == 0 else keys[::-1]:
+            _spec, pack, function = builds[key]
             sets = sets_of(pack)
             start = time.perf_counter()
             for arguments in sets:
                 function(*arguments)
-            samples[text].append((time.perf_counter() - start) / len(sets))
-    return {text: statistics.median(values) for text, values in samples.items()}
+            samples[key].append((time.perf_counter() - start) / len(sets))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def main() -> int:
@@ -142,10 +145,11 @@ def main() -> int:
     if args.interleaved:
         print(f"{args.op}, cold ms per call ({args.copies} weight copies cycled), rounds interleaved")
         for length in (int(v) for v in args.lengths.split(",")):
-            cold = interleaved(builds, args.kernel, argument_sets(spec, length, args.copies), args.rounds)
-            first = cold[args.kernel[0]]
-            print(f"T={length}: " + "  ".join(f"{text} {seconds * 1e3:.4f} ({first / seconds:.3f}x)"
-                                              for text, seconds in cold.items()), flush=True)
+            cold = interleaved(builds, list(builds), argument_sets(spec, length, args.copies), args.rounds)
+            first = cold[args.kernel[0], None]
+            print(f"T={length}: " + "  ".join(
+                f"{text}{f' without {without}' if without else ''} {seconds * 1e3:.4f} ({first / seconds:.3f}x)"
+                for (text, without), seconds in cold.items()), flush=True)
         return 0
     print(f"{args.op}, ms per call (hot: one weight; cold: {args.copies} copies cycled)")
     print(f"{'T':>5} {'kernel':>16} {'without':>9} {'hot':>8} {'cold':>8} {'cold/hot':>9}"

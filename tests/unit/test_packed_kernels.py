@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tvm
 
+from dietserve.kernels import cpu_packed
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.build import build
 from dietserve.kernels.cpu_packed import crowding_rows, packed_tile, remainder_heights
@@ -360,3 +361,27 @@ def test_large_tile_inner_loop_is_register_resident_fma_code(workers: int | None
     assert seen == tiles and {rows for rows, _ in tiles} == {*remainder_heights(4)}, loops
     full = [prefetches > 0 for fmas, loads, broadcasts, stack, prefetches in loops if broadcasts == 4 * loads // 3]
     assert set(full) == {False, True}, loops
+
+
+HASWELL = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2: runs on any x86 here
+
+
+@pytest.mark.parametrize("tile", [(4, 24, 1, 2, 1), (3, 16, 2, 1, 1), (4, 24, 1, 2, 128), (1, 16, 2, 1, 128)])
+def test_kernels_fetching_their_weight_ahead_match_numpy(tile: tuple, monkeypatch) -> None:
+    """The passes that fetch no next block fetch their own panels' lines ahead, on the CPUs
+    that need it (``cpu_packed.STREAM_AHEAD_CPUS``; here haswell stands in for them, since its
+    code runs on every x86 machine): exactly one prefetch per line a step reads, the results
+    numpy's, nothing written past the output; on other CPUs none."""
+    mr, panel, pk, groups, kc = tile
+    spec = dense(512, 96, "bias_gelu")
+    kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
+    monkeypatch.setattr(cpu_packed, "STREAM_AHEAD_CPUS", ())
+    plain = fma_loops(build(apply_kernel(spec.func, kernel, HASWELL), HASWELL).mod.inspect_source("asm"))
+    assert any(prefetches == 0 for *_, prefetches in plain), plain  # (the first passes fetch nothing)
+    monkeypatch.setattr(cpu_packed, "STREAM_AHEAD_CPUS", ("haswell",))
+    built = build(apply_kernel(spec.func, kernel, HASWELL), HASWELL)
+    ahead = fma_loops(built.mod.inspect_source("asm"))
+    # Every FMA loop now fetches: a next block's line a step, or a line ahead per line it reads
+    # (a ymm load reads half a line: at most one prefetch per load).
+    assert all(0 < prefetches <= loads for fmas, loads, broadcasts, stack, prefetches in ahead), ahead
+    assert_exact_within_the_output(built["main"], spec, kernel, SHAPES, 96)
