@@ -34,16 +34,35 @@ LLVM_TO_CPUINFO = {
 }
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The flags of the first CPU, or None where the platform has no /proc/cpuinfo."""
+def first_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str] | None:
+    """The first CPU's ``name: value`` lines of ``cpuinfo``, None where there is no such file."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return None
+        if not line.strip():
+            if fields:
+                break  # (the next CPU's block)
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The flags of the first CPU, or None where the platform has no /proc/cpuinfo."""
+    return _flags(first_cpu(cpuinfo))
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), None where unknown."""
+    return (first_cpu(cpuinfo) or {}).get("vendor_id")
+
+
+def _flags(fields: dict[str, str] | None) -> set[str] | None:
+    return set(fields["flags"].split()) if fields and "flags" in fields else None
 
 
 def target_cpu_flags(target) -> set[str]:
@@ -77,32 +96,21 @@ def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     CPU of that name (a VM's), the newest CPU LLVM knows whose features it has (``OLDER_CPUS``)."""
     from tvm.target.codegen import llvm_get_system_cpu
 
-    return runnable_cpu(str(llvm_get_system_cpu()), cpu_flags(cpuinfo), cpu_vendor(cpuinfo))
+    fields = first_cpu(cpuinfo)
+    return runnable_cpu(str(llvm_get_system_cpu()), _flags(fields), (fields or {}).get("vendor_id"))
 
 
 def runnable_cpu(named: str, flags: set[str] | None, vendor: str | None) -> str:
     """``named`` if code built for it runs on a CPU with ``flags`` (/proc/cpuinfo's; None: cannot
-    tell), else the first of ``vendor``'s ``OLDER_CPUS``, then ``GENERIC_CPUS``, that does."""
+    tell), else the first of ``vendor``'s ``OLDER_CPUS``, then ``GENERIC_CPUS``, that does (the
+    last, ``x86-64``, needs none of the features checked)."""
     if flags is None:
         return named
     import tvm
 
-    for cpu in (named, *OLDER_CPUS.get(vendor or "", ()), *GENERIC_CPUS):
-        if not missing_cpu_flags(sorted(target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))), flags):
-            return cpu
-    return "x86-64"
-
-
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The first CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), None where unknown."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return None
+    candidates = (named, *OLDER_CPUS.get(vendor or "", ()), *GENERIC_CPUS)
+    return next(cpu for cpu in candidates
+                if target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": cpu})) <= flags)
 
 
 def available_cpus() -> list[int]:

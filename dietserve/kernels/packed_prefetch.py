@@ -33,7 +33,7 @@ class NextBlock:
     def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int):
         self.tile, self.row_tiles, self.first_panel, self.panels, self.k0, self.span, self.depth = \
             tile, row_tiles, first_panel, panels, k0, span, depth
-        self.line = CACHE_LINE_BYTES // (tile.dtype.bits // 8)  # elements per cache line
+        self.line = line_elements(tile)
         self.per_run = -(-tile.panel // self.line)  # lines per step of one panel
         self.run_lines = -(-span * tile.panel // self.line)
         self.per_step = tile.pk * self.per_run
@@ -46,9 +46,7 @@ class NextBlock:
         panel = tirx.min(unit // self.per_run, self.panels - 1)
         line = tirx.min(unit % self.per_run * self.span + step, self.run_lines - 1)
         element = ((self.first_panel + panel) * self.depth + self.k0) * self.tile.panel + line * self.line
-        # (address, read, keep in every cache level, data cache)
-        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                         T.address_of(self.tile.op.flat_weight[element]), 0, 3, 1))
+        prefetch(self.tile, element)
 
 
 def stream_ahead(tile: Tile, panel0, k, distance: int) -> None:
@@ -57,11 +55,20 @@ def stream_ahead(tile: Tile, panel0, k, distance: int) -> None:
     panel's first lines, the ones the task reads next). The address is the load's plus a
     constant, so it costs no register; past the weight's end it is not clamped (a compare per
     line, and the registers it holds, spilled AVX2 tiles): a prefetch never faults."""
-    line = CACHE_LINE_BYTES // (tile.dtype.bits // 8)
+    line = line_elements(tile)
     ahead = distance // (tile.dtype.bits // 8)
     depth = tile.op.extents[3]
     for p in range(tile.pk):
         for j in range(-(-tile.panel // line)):
-            element = ((panel0 + p) * depth + k) * tile.panel + j * line + ahead
-            T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                             T.address_of(tile.op.flat_weight[element]), 0, 3, 1))
+            prefetch(tile, ((panel0 + p) * depth + k) * tile.panel + j * line + ahead)
+
+
+def line_elements(tile: Tile) -> int:
+    """The weight's elements in one cache line."""
+    return CACHE_LINE_BYTES // (tile.dtype.bits // 8)
+
+
+def prefetch(tile: Tile, element) -> None:
+    """Fetch the cache line of the tile's flat weight at ``element`` into every cache level."""
+    # (address, read, keep in every cache level, data cache)
+    T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(tile.op.flat_weight[element]), 0, 3, 1))
