@@ -5,11 +5,12 @@ the IR builder, every buffer they allocate already at its exact size. TVM's defa
 still runs ``CompactBufferAllocation`` on them, which bounds every access to every allocated
 buffer under every enclosing condition: the register tile's accumulators are read and written
 hundreds of times a reduction step, under the remainder tiles' branches. On bert-base's dense
-layers (znver4, ``tests/benchmarks/build_time.py --tvm-pipeline``) builds without it ran
-1.14-1.36x faster, and 4.15x for a 13-row tile reading its rows from a k-major copy (0.61 s,
-not 2.53), with the same assembly (the one difference in the IR, the row copy's workspace,
-had got a 13-deep min/max expression for the size it already had). The tuner builds one
-kernel per trial.
+layers (znver4, ``tests/benchmarks/build_time.py``, when it could still build them both ways)
+builds without it ran 1.14-1.36x faster, and 4.15x for a 13-row tile reading its rows from a
+k-major copy (0.61 s, not 2.53), with the same assembly (the one difference in the IR, the row
+copy's workspace, had got a 13-deep min/max expression for the size it already had). The packed
+kernels now index their register tiles with vectors (``Tile.panel_vectors``), which that
+compaction cannot bound at all: TVM's own pipeline fails on them.
 
 Such functions carry ``EXACT_BUFFERS``; ``TIR_PIPELINE`` is TVM's default (S-TIR) pipeline in
 which compaction skips them and runs on every other function as before (the default rule's

@@ -31,6 +31,25 @@ def packed_rows(tile: Tile, loop, depth: int):
     return packed
 
 
+def held(*values) -> list:
+    """``values`` computed once, then read back as variables TVM's passes cannot see through.
+
+    A whole-reduction task's block and row tile are the task's quotient and remainder by the
+    row tiles, ``(T + mr - 1) // mr``: a division by a symbolic divisor. As plain expressions
+    they sat in every address of the task, and TVM's lowering and LLVM spent most of a build
+    on those divisions (the 768 -> 3072 layer's 9-row tile, Emerald Rapids VM: 1.5-2.1 s, the
+    TIR passes' share 0.6-0.9 s). Stored to a stack array and loaded back, the task's
+    addresses are plain values, and the machine code is the same instruction for instruction,
+    less one test."""
+    # (scope "global": a stack alloca; a "local" array inside the parallel body was allocated
+    # through the runtime's workspace calls, once per task)
+    dtype = str(values[0].ty.dtype)
+    stack = T.alloc_buffer((len(values),), dtype, scope="global")
+    for index, value in enumerate(values):
+        T.buffer_store(stack, tirx.Cast(dtype, value), [index])
+    return [T.bind(stack[index]) for index in range(len(values))]
+
+
 def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0,
             distance: int = 0) -> None:
     """``accs`` += the tile's products over reduction steps ``k_first`` .. ``+ extent - 1``;
@@ -69,7 +88,7 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with tasks(blocks * row_tiles) as claim:
-        block, it = claim.task // row_tiles, claim.task % row_tiles
+        block, it = held(claim.task // row_tiles, claim.task % row_tiles)
         # A worker going backward passes over a block's row tiles from the last: its passes
         # after the block's first count from there, and its next block is the one before.
         later_pass = tirx.Select(claim.forward, it - 1, row_tiles - 2 - it)

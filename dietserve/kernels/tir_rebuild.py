@@ -38,7 +38,7 @@ def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_lo
                     return replacement
             return tirx.BufferLoad(node.source, [visit(index) for index in node.indices])
         if isinstance(node, _BINARY):
-            return type(node)(visit(node.a), visit(node.b))
+            return type(node)(*_same_lanes(visit(node.a), visit(node.b)))
         if isinstance(node, tirx.Not):
             return tirx.Not(visit(node.a))
         if isinstance(node, tirx.Cast):
@@ -57,6 +57,15 @@ def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_lo
         raise ScheduleMismatch(f"cannot rebase expression node {type(node).__name__} onto a tile")
 
     return visit(expr)
+
+
+def _same_lanes(a, b):
+    """``a``, ``b`` with a scalar broadcast to the other's vector lanes (a vector substituted
+    for a variable: ``Tile.panel_vectors``)."""
+    lanes_a, lanes_b = a.ty.dtype.lanes, b.ty.dtype.lanes
+    if lanes_a == lanes_b:
+        return a, b
+    return (tirx.Broadcast(a, lanes_b), b) if lanes_a == 1 else (a, tirx.Broadcast(b, lanes_a))
 
 
 def expression_size(expr) -> int:

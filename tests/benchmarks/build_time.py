@@ -2,15 +2,16 @@
 timed), and where that time goes: applying the kernel (our IR builder), TVM's passes, and LLVM.
 
     python tests/benchmarks/build_time.py --op dense_768x3072 --kernel 8,48,1,4,1 --kernel 6,48,1,1,384 \
-        [--without epilogue-loop] [--tvm-pipeline] [--repeats 3] [--passes 8]
+        [--without epilogue-loop] [--repeats 3] [--passes 8]
 
 Each ``--kernel mr,panel,panels_per_tile,tiles_per_task,kc`` is built ``--repeats`` times for
 this CPU (the median printed); ``--without FEATURE`` builds it also without one of the packed
-kernel's features (``cold_weights.FEATURES``), side by side; ``--tvm-pipeline`` builds it also
-with TVM's default TIR pipeline, which compacts its buffers (ours skips that for kernels whose
-buffers are exact: ``dietserve/kernels/build.py``). ``--passes N`` prints the N
+kernel's features (``cold_weights.FEATURES``), side by side. ``--passes N`` prints the N
 slowest TVM passes of one build (``PassTimingInstrument``); the rest of the compile time is
-LLVM's code generation. Not a test: run it on an idle machine.
+LLVM's code generation. The kernels are applied for this machine's target as the tuner applies
+them (its cores take the tasks at run time, its CPU picks the prefetches) and lowered with our
+TIR pipeline (``dietserve/kernels/build.py``; TVM's default one cannot bound their vector
+indices). Not a test: run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -35,17 +36,16 @@ from dietserve.kernels.apply import apply_kernel  # noqa: E402
 from dietserve.kernels.build import TIR_PIPELINE  # noqa: E402
 
 
-def build_once(op: str, kernel, target, profile: bool = False,
-               pipeline: str = TIR_PIPELINE) -> tuple[float, float, str]:
-    """(seconds applying the kernel, seconds compiling it with the TIR ``pipeline``, the TVM
-    passes' timing report if ``profile``) of one build."""
+def build_once(op: str, kernel, target, profile: bool = False) -> tuple[float, float, str]:
+    """(seconds applying the kernel, seconds compiling it, the TVM passes' timing report if
+    ``profile``) of one build."""
     spec = OPERATORS[op]()
     start = time.perf_counter()
-    func = apply_kernel(spec.func, kernel, "llvm")
+    func = apply_kernel(spec.func, kernel, target)
     applied = time.perf_counter()
     timing = PassTimingInstrument()
     with tvm.transform.PassContext(instruments=[timing] if profile else []):
-        tvm.compile(func, target, tir_pipeline=pipeline)
+        tvm.compile(func, target, tir_pipeline=TIR_PIPELINE)
         report = timing.render() if profile else ""  # (inside: leaving the context clears it)
     return applied - start, time.perf_counter() - applied, report
 
@@ -68,30 +68,25 @@ def main() -> int:
                         help="mr,panel,panels_per_tile,tiles_per_task,kc (repeatable)")
     parser.add_argument("--without", action="append", default=[], choices=list(FEATURES),
                         help="also build each kernel without this feature (repeatable)")
-    parser.add_argument("--tvm-pipeline", action="store_true",
-                        help="also build each kernel with TVM's default TIR pipeline (buffer compaction)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passes", type=int, default=0, help="print this many of the slowest TVM passes")
     args = parser.parse_args()
     _where, target, lanes = llvm_target()
     print(f"{args.op}, seconds per build (median of {args.repeats})")
-    print(f"{'kernel':>16} {'without':>14} {'pipeline':>9} {'apply':>7} {'compile':>8} {'total':>7} {'x full':>8}")
-    variants = [(without, TIR_PIPELINE) for without in [None, *args.without]]
-    variants += [(None, "default")] if args.tvm_pipeline else []
+    print(f"{'kernel':>16} {'without':>14} {'apply':>7} {'compile':>8} {'total':>7} {'x full':>8}")
     for text in args.kernel:
         kernel = packed_kernel(text, lanes)
         full = None
-        for without, pipeline in variants:
+        for without in [None, *args.without]:
             with without_feature(without):
-                builds = [build_once(args.op, kernel, target, pipeline=pipeline) for _ in range(args.repeats)]
-                rendered = build_once(args.op, kernel, target, True, pipeline)[2] if args.passes else ""
+                builds = [build_once(args.op, kernel, target) for _ in range(args.repeats)]
+                rendered = build_once(args.op, kernel, target, True)[2] if args.passes else ""
             apply_s = statistics.median(b[0] for b in builds)
             compile_s = statistics.median(b[1] for b in builds)
             total = apply_s + compile_s
             ratio = f"{total / full:>7.2f}x" if full else f"{'-':>8}"
             full = full or total
-            name = "ours" if pipeline == TIR_PIPELINE else "tvm"
-            print(f"{text:>16} {without or '-':>14} {name:>9} {apply_s:>7.2f} {compile_s:>8.2f} {total:>7.2f} {ratio}",
+            print(f"{text:>16} {without or '-':>14} {apply_s:>7.2f} {compile_s:>8.2f} {total:>7.2f} {ratio}",
                   flush=True)
             if args.passes:
                 passes = pass_times(rendered)
