@@ -33,6 +33,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from .build import with_exact_buffers
+from .held import held
 from .matching import ScheduleMismatch
 from .microkernel import MicroKernel
 from .row_softmax import softmax_rows
@@ -233,6 +234,7 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes) -> N
         block = tirx.floormod(task, blocks)
         first = block * rows_per_block
         rows = tirx.Select(block == blocks - 1, m - first, tirx.const(rows_per_block, "int64"))
+        *z, first, rows = held(*z, first, rows)  # (divisions by the symbolic row blocks: ``held``)
         with T.serial(0, col_tiles) as jo:
             j0 = tirx.min(jo * nr, n - nr) if nr > 1 else jo
             if panel:

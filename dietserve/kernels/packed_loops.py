@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
+from .held import held
 from .packed_prefetch import NextBlock, stream_ahead
 from .packed_tile import Tile
 
@@ -29,25 +30,6 @@ def packed_rows(tile: Tile, loop, depth: int):
                 T.buffer_store(packed, tile.op.activation_at(tile.clamped_row(i0, r), k0 + kk),
                                [i0 * depth + (k0 + kk) * tile.mr + r])
     return packed
-
-
-def held(*values) -> list:
-    """``values`` computed once, then read back as variables TVM's passes cannot see through.
-
-    A whole-reduction task's block and row tile are the task's quotient and remainder by the
-    row tiles, ``(T + mr - 1) // mr``: a division by a symbolic divisor. As plain expressions
-    they sat in every address of the task, and TVM's lowering and LLVM spent most of a build
-    on those divisions (the 768 -> 3072 layer's 9-row tile, Emerald Rapids VM: 1.5-2.1 s, the
-    TIR passes' share 0.6-0.9 s). Stored to a stack array and loaded back, the task's
-    addresses are plain values, and the machine code is the same instruction for instruction,
-    less one test."""
-    # (scope "global": a stack alloca; a "local" array inside the parallel body was allocated
-    # through the runtime's workspace calls, once per task)
-    dtype = str(values[0].ty.dtype)
-    stack = T.alloc_buffer((len(values),), dtype, scope="global")
-    for index, value in enumerate(values):
-        T.buffer_store(stack, tirx.Cast(dtype, value), [index])
-    return [T.bind(stack[index]) for index in range(len(values))]
 
 
 def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0,
