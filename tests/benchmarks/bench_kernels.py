@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 
+from dietserve.kernels.build import build  # noqa: E402
 from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
 from dietserve.kernels.plan import KernelPlan  # noqa: E402
 from tuner.database.records import RecordDatabase  # noqa: E402
@@ -80,7 +81,7 @@ def compile_ours(spec, plan, target: dict):
     host = target.get("host")
     device_target = {k: v for k, v in target.items() if k != "host"}
     tvm_target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
-    return tvm.compile(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
+    return build(dispatched_prim_func(spec.func, plan, tvm_target), tvm_target).jit()
 
 
 def time_ours(spec, plan, lib, target: dict, length: int) -> float:

@@ -29,6 +29,7 @@ from bench_kernels import OPERATORS, hand_reference  # noqa: E402
 from tvm import tirx  # noqa: E402
 
 import tuner.ops  # noqa: E402
+from dietserve.kernels.build import build as build_kernels  # noqa: E402
 from dietserve.kernels.cpu_clamped import CLAMPED  # noqa: E402
 from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
 from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
@@ -74,7 +75,7 @@ def build(op: str, kernel: MicroKernel | None, where, target, gelu: bool):
     plan = KernelPlan(workload="forced", operator=spec.name, shape_vars=["T"], axes={}, target=dict(where.target),
                       tvm_version=tvm.__version__, variants={name: None if kernel is None else kernel.to_dict()},
                       tree={"variant": name}, tuned_range={})
-    return spec, tvm.compile(dispatched_prim_func(spec.func, plan, target), target).jit()
+    return spec, build_kernels(dispatched_prim_func(spec.func, plan, target), target).jit()
 
 
 def main() -> int:

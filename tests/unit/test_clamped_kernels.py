@@ -5,10 +5,13 @@ on registers with no bound checks."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import tvm
 
+from dietserve.kernels import cpu_clamped
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.build import build
 from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
@@ -100,11 +103,40 @@ def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
     asm = build(apply_kernel(attention_scores(12, 64).func, kernel, "llvm"), target).mod.inspect_source("asm")
     loops = fma_loops(asm)
     assert loops, "no FMA loop in the generated code"
-    fmas, loads, broadcasts, stack, prefetches = max(loops)
-    # 4 rows x 3 vectors of accumulators: 12 FMAs per reduction step from 3 B loads and 4
-    # broadcasts, nothing spilled, no compare in the loop body but the loop's own.
-    assert fmas % 12 == 0 and stack == 0 and prefetches == 0, loops
-    assert loads == 3 * fmas // 12 and broadcasts == 4 * fmas // 12, loops
+    # Every FMA loop (the whole tile's and the narrower ones of the columns left): 4 FMAs per B
+    # load (one per row), nothing spilled, no prefetch, no compare in the loop body but the
+    # loop's own. The whole tile's: 4 rows x 3 vectors of accumulators, 12 FMAs per reduction
+    # step from 3 B loads and 4 broadcasts.
+    assert all(fmas == 4 * loads and stack == 0 and prefetches == 0
+               for fmas, loads, _broadcasts, stack, prefetches in loops), loops
+    assert any(fmas % 12 == 0 and fmas == 3 * broadcasts for fmas, _loads, broadcasts, _stack, _p in loops), loops
+
+
+def test_columns_left_take_the_narrowest_tile_that_holds_them(monkeypatch) -> None:
+    """A 4 x 24 AVX2 tile (3 vectors): the columns left after the whole tiles run on a tile of
+    1, 2 or 3 vectors ending at the last column (not always a whole tile started before them),
+    each FMA-dense, and every remainder matches numpy."""
+    kernel = MicroKernel(tile=(("i", (4,)), ("j", (24,)), ("k", (1,))), vector=8, cache_scopes=("clamped",))
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    spec = attention_scores(heads=2, head_dim=32)
+
+    def loops_by_vectors(remainder_columns: bool) -> Counter:
+        """How many FMA loops step each number of vectors (the tiles of shapes narrower than
+        the tile included)."""
+        monkeypatch.setattr(cpu_clamped, "REMAINDER_COLUMNS", remainder_columns)
+        asm = build(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
+        loops = fma_loops(asm)
+        assert all(fmas == 4 * loads and stack == 0 for fmas, loads, broadcasts, stack, _ in loops if broadcasts)
+        return Counter(fmas // broadcasts for fmas, _loads, broadcasts, _stack, _p in loops if broadcasts)
+
+    whole_tiles_only = loops_by_vectors(False)
+    assert loops_by_vectors(True) - whole_tiles_only == Counter({1: 1, 2: 1}), whole_tiles_only
+    function = build(apply_kernel(spec.func, kernel, "llvm"), target)["main"]
+    for length in (24, 25, 32, 33, 40, 41, 47, 48, 49, 100):  # 0-23 columns left of whole 24s
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        out = tvm.runtime.tensor(np.full(spec.output_shape({"T": length}), np.nan, "float32"))
+        function(*[tvm.runtime.tensor(x) for x in inputs], out)
+        np.testing.assert_allclose(out.numpy(), spec.reference(*inputs), rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

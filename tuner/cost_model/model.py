@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from dietserve.kernels.cpu_clamped import is_clamped, tile_at
+from dietserve.kernels.cpu_clamped import computed_columns, is_clamped, tile_at
 from dietserve.kernels.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
@@ -47,7 +47,8 @@ def _adapt(extent_items: tuple, kernel: MicroKernel, cores: int) -> float:
         # estimated at 1 TFLOP/s).
         height, width = tile_at(kernel, extents["i"], extents["j"])
         rows, columns = extents["i"], extents["j"]
-        overlap = rows / (math.ceil(rows / height) * height) * columns / (math.ceil(columns / width) * width)
+        overlap = rows / (math.ceil(rows / height) * height) \
+            * columns / computed_columns(columns, width, min(width, kernel.vector))
         whole = (height, width) == (kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0])
         tile_rows = kernel.tile_of("i") if whole else height
         instances = extents.get("b", 1) * math.ceil(rows / tile_rows)
