@@ -221,7 +221,7 @@ class Tile:
         GELU calls functions the IR builder would have to retype). TVM's FlattenBuffer simplifies
         every index against every loop variable the function has met before it, so a loop per
         vector made the tile's build quadratic in its size (the 768 -> 3072 layer's 9-row tile:
-        FlattenBuffer 0.20 s of a 0.55 s build, 0.05 of 0.31 with vector indices)."""
+        FlattenBuffer 0.20 s of a 0.55 s build, 0.08 of 0.48 with vector indices)."""
         for v in range(self.panel // self.lanes):
             if looped:
                 with T.vectorized(0, self.lanes) as lane:
