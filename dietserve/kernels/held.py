@@ -21,7 +21,7 @@ def held(*values) -> list:
     512: packed 0.98-1.10x, clamped 0.96-1.06x but one length at 1.25x)."""
     # (scope "global": a stack alloca; a "local" array inside a parallel body was allocated
     # through the runtime's workspace calls, once per task)
-    dtype = str(values[0].ty.dtype)
+    dtype = str(max((value.ty.dtype for value in values), key=lambda d: d.bits))  # (the widest: none narrowed)
     stack = T.alloc_buffer((len(values),), dtype, scope="global")
     for index, value in enumerate(values):
         T.buffer_store(stack, tirx.Cast(dtype, value), [index])
