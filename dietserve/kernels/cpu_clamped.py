@@ -262,15 +262,10 @@ def _column_tiles(n, nr: int, lanes: int, column_tile) -> None:
     if isinstance(n, tirx.IntImm) and int(n) % nr == 0:
         return
     left = n - whole * nr
-    widths = _remainder_widths(nr, lanes)
-
-    def remainder(width: int) -> None:
-        if width:
-            column_tile(n - width, width)
-        else:
-            T.evaluate(0)  # (no columns left)
-
-    _first_that_fits([0, *widths, nr], lambda width: left <= width, remainder)
+    with T.If(left > 0):
+        with T.Then():
+            _first_that_fits([*_remainder_widths(nr, lanes), nr], lambda width: left <= width,
+                             lambda width: column_tile(n - width, width))
 
 
 def computed_columns(columns: int, width: int, lanes: int) -> int:

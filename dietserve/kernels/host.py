@@ -56,11 +56,6 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     return _flags(first_cpu(cpuinfo))
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The first CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), None where unknown."""
-    return (first_cpu(cpuinfo) or {}).get("vendor_id")
-
-
 def _flags(fields: dict[str, str] | None) -> set[str] | None:
     return set(fields["flags"].split()) if fields and "flags" in fields else None
 

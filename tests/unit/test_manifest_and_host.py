@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.host import cpu_flags, cpu_vendor, missing_cpu_flags, runnable_cpu, target_cpu_flags
+from dietserve.kernels.host import cpu_flags, first_cpu, missing_cpu_flags, runnable_cpu, target_cpu_flags
 from dietserve.runtime.manifest import MANIFEST_FILE, ArtifactError, Manifest, write_text_atomic
 
 
@@ -93,5 +93,5 @@ def test_a_cpu_missing_features_of_its_name_builds_for_one_it_can_run() -> None:
 def test_cpu_vendor_is_read_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: fpu\n")
-    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
-    assert cpu_vendor(tmp_path / "absent") is None
+    assert first_cpu(cpuinfo)["vendor_id"] == "AuthenticAMD"
+    assert first_cpu(tmp_path / "absent") is None
