@@ -6,9 +6,9 @@ product and epilogue expressions (as ``cpu_clamped.py`` does), not scheduled fro
 
     parallel over (task: nb panels x mr rows):
         for each group of pk panels:                 the register tile: mr x (pk * P)
-            acc[r] = 0, one small buffer per row     (each row's vectors: values LLVM keeps
-            for k in K:                               in registers)
-                for r, p, v: acc[r][p, v] += X[row(r), k] * Wp[panel + p, k, v]
+            acc[r][p] = 0, one small buffer per      (each row's vectors: values LLVM keeps
+            for k in K:          row and panel         in registers)
+                for r, p, v: acc[r][p][v] += X[row(r), k] * Wp[panel + p, k, v]
             for r: if row r is real: out[row, cols] = epilogue(acc[r])   stored once, vectorised
                                                       (a large epilogue, BERT's GELU: acc to the
                                                       stack, then one loop over the rows)
@@ -181,7 +181,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if PREFETCH_NEXT_BLOCK or distance:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
-    return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True))
+    return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True), own_storage=True)
 
 
 def reduces_in_blocks(kernel: MicroKernel | None, depth: int) -> bool:

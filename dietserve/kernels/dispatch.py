@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.target import Target
 
 from .apply import apply_variant
-from .build import has_exact_buffers, with_exact_buffers
+from .build import has_exact_buffers, has_own_storage, with_exact_buffers
 from .matching import symbolic_vars
 from .packing import packed_form
 from .plan import KernelPlan
@@ -48,14 +48,15 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
     if plan.pack:
         func = packed_form(func, plan.pack)
 
-    exact = []
+    exact, own = [], []
 
     def leaf(name: str) -> tirx.Stmt:
         scheduled = apply_variant(func, plan.kernel(name), target, loop_partition, row_softmax)
         exact.append(has_exact_buffers(scheduled))
+        own.append(has_own_storage(scheduled))
         return scheduled.body
 
     body = lower_tree(func, plan.tree, leaf, thread_invariant=target.kind.name == "cuda")
     dispatched = func.with_body(body).with_attr("tirx.is_scheduled", True)
-    # Buffer compaction is skipped only where no variant needs it (``build.py``).
-    return with_exact_buffers(dispatched) if all(exact) else dispatched
+    # Buffer compaction (and StorageRewrite) is skipped only where no variant needs it (``build.py``).
+    return with_exact_buffers(dispatched, own_storage=all(own)) if all(exact) else dispatched

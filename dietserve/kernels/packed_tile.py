@@ -203,10 +203,14 @@ class Tile:
         return tirx.min(i0 + r, self.rows - 1) if self.padded and r else i0 + r
 
     def accumulators(self) -> list:
-        # Scope "global": TVM makes such small buffers stack allocas, which LLVM keeps in vector
-        # registers with the prefetches in the loop; "local" ones it then kept in memory (the
-        # 3072 -> 768 layer at T = 31 ran 2.7x slower).
-        return [T.alloc_buffer((self.pk * self.panel,), self.dtype, scope="global") for _ in range(self.mr)]
+        """Per row, one buffer per panel (``acc[r][p]``, ``panel`` values): TVM makes a buffer
+        of at most 1 KB a stack alloca (``kMaxStackAlloca``), which LLVM keeps in vector
+        registers, and a larger one a workspace it keeps in memory: a widened one-row remainder
+        tile's single buffer of 8 panels of 48 (1.5 KB) stored all 24 accumulators every step."""
+        # Scope "global": "local" buffers LLVM kept in memory with the prefetches in the loop
+        # (the 3072 -> 768 layer at T = 31 ran 2.7x slower).
+        return [[T.alloc_buffer((self.panel,), self.dtype, scope="global") for _ in range(self.pk)]
+                for _ in range(self.mr)]
 
     def vectors(self, body, looped: bool = False) -> None:
         """``body(p, offset)`` for every vector of the tile row (``offset``: its lanes within
@@ -232,25 +236,24 @@ class Tile:
     def zero(self, accs) -> None:
         zero = tirx.const(0, self.dtype)
         for acc in accs:
-            self.vectors(lambda p, c, acc=acc: T.buffer_store(
-                acc, tirx.Broadcast(zero, self.lanes), [p * self.panel + c]))
+            self.vectors(lambda p, c, acc=acc: T.buffer_store(acc[p], tirx.Broadcast(zero, self.lanes), [c]))
 
     def load(self, accs, partial, i0, column0) -> None:
         for r, acc in enumerate(accs):
             self.vectors(lambda p, c, r=r, acc=acc: T.buffer_store(
-                acc, partial[i0 + r, column0 + p * self.panel + c], [p * self.panel + c]))
+                acc[p], partial[i0 + r, column0 + p * self.panel + c], [c]))
 
     def save(self, accs, partial, i0, column0) -> None:
         for r, acc in enumerate(accs):
             self.vectors(lambda p, c, r=r, acc=acc: T.buffer_store(
-                partial, acc[p * self.panel + c], [i0 + r, column0 + p * self.panel + c]))
+                partial, acc[p][c], [i0 + r, column0 + p * self.panel + c]))
 
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
             x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
-                acc, acc[p * self.panel + c] + self.op.term(row, panel0 + p, c, k, x), [p * self.panel + c]))
+                acc[p], acc[p][c] + self.op.term(row, panel0 + p, c, k, x), [c]))
 
     def finish(self, accs, i0, panel0, sums, row0, column0) -> None:
         """The epilogue of each real row, stored once: a padded row is never written. With
@@ -264,7 +267,7 @@ class Tile:
         for r, acc in enumerate(accs):
             def store(p, c, r=r, acc=acc):
                 column = (panel0 + p) * self.panel + c
-                T.buffer_store(self.op.out, self.op.finish(acc[p * self.panel + c], i0 + r, column),
+                T.buffer_store(self.op.out, self.op.finish(acc[p][c], i0 + r, column),
                                [i0 + r, column])
 
             if not self.exact and r:

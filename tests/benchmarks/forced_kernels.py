@@ -10,7 +10,8 @@ A kernel is ``mr,panel,panels_per_tile,tiles_per_task,kc`` (packed dense layers)
 ``clamped:mr,row_tiles,vectors,threads`` (threads: 0 every core, 1 serial),
 or ``default`` (the model's default CPU rule). ``:no-gelu`` builds it with the GELU epilogue
 replaced by ``v / 2``: the GELU's share of the kernel. ``--reference`` adds the hand-scheduled
-dense + GELU kernel (dense_768x3072 only). Prints ms per call. Not a test.
+dense + GELU kernel (dense_768x3072 only), ``--torch`` PyTorch's (oneDNN's) time in the same
+rounds. Prints ms per call. Not a test.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="7,13,64")
     parser.add_argument("--kernel", action="append", required=True, help="see above (repeatable)")
     parser.add_argument("--reference", type=Path, help="the hand-scheduled dense + GELU kernel")
+    parser.add_argument("--torch", action="store_true", help="time PyTorch (oneDNN) in the same rounds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mcpu", help="build for this CPU (default this one's), e.g. znver3 for AVX2 code here")
     args = parser.parse_args()
@@ -102,6 +104,9 @@ def main() -> int:
         timers[text] = timer
     if args.reference:
         timers["reference"] = hand_reference(args.reference)
+    if args.torch:
+        spec = OPERATORS[args.op]()
+        timers["torch"] = lambda length: baselines.time_torch(spec, {"T": length})
     lengths = [int(v) for v in args.lengths.split(",")]
     samples: dict[tuple, list[float]] = {}
     for _round in range(args.rounds):

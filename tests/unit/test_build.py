@@ -9,7 +9,7 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_default, apply_kernel
-from dietserve.kernels.build import EXACT_BUFFERS, build, has_exact_buffers
+from dietserve.kernels.build import EXACT_BUFFERS, build, has_exact_buffers, has_own_storage
 from dietserve.kernels.dispatch import dispatched_prim_func
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.packing import pack_array
@@ -79,12 +79,14 @@ def test_a_dispatched_function_is_marked_only_when_every_variant_is() -> None:
                           tuned_range={"var": "T", "min": 1, "max": 64})
 
     both_packed = plan({"a": packed(1, 16, 3, 1).to_dict(), "b": packed(6, 16, 1, 1).to_dict()})
-    assert has_exact_buffers(dispatched_prim_func(spec.func, both_packed, TARGET))
+    dispatched = dispatched_prim_func(spec.func, both_packed, TARGET)
+    # packed kernels also skip StorageRewrite (``build.OWN_STORAGE``)
+    assert has_exact_buffers(dispatched) and has_own_storage(dispatched)
     # The untuned kernel as one of the variants (beside an unpacked one): it needs compaction.
     unpacked = MicroKernel(tile=(("i", (4, 1)), ("j", (16, 1)), ("k", (1,))), vector=16, cache_scopes=("local",))
     with_default = plan({DEFAULT_VARIANT: None, "b": unpacked.to_dict()})
     dispatched = dispatched_prim_func(spec.func, with_default, TARGET)
-    assert not has_exact_buffers(dispatched)
+    assert not has_exact_buffers(dispatched) and not has_own_storage(dispatched)
     assert compacted_names(tvm.IRModule({"main": dispatched}), ours=True) == ["main"]
 
 
