@@ -23,6 +23,7 @@ from dietserve.kernels.cpu_clamped import is_clamped
 from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 
+from .cost_model.features import register_tile
 from .dispatch import SINGLE_PASS_ROWS, shape_key, unverified_probes
 from .progress import ProgressBar
 
@@ -41,6 +42,11 @@ WIDTH_SHARE = 1 / 8  # of the trial budget the commit point spends on the column
 # Shapes a kernel passes over in at most this many row passes: its first pass, which streams the
 # weight from DRAM, is at least half its FMAs (``weight_stream``), and how it streams shows.
 STREAM_BOUND_PASSES = 2
+
+
+def _width(kernel: MicroKernel) -> int:
+    """The columns of ``kernel``'s register tile."""
+    return register_tile(kernel)[1]
 
 
 class PlanCommitment:
@@ -87,16 +93,20 @@ class PlanCommitment:
         tuner.model.fit()
 
     def width_probes(self) -> list[tuple[MicroKernel, dict]]:
-        """For a space of clamped tiles, on the tuned shape costing the most (weight x FLOPs), the
-        cost model's best kernel of each column-tile width not yet measured there, on every core
+        """On the tuned shape costing the most (weight x FLOPs), the cost model's best kernel of
+        each register-tile width (``features.register_tile``: a clamped tile's columns, a packed
+        one's ``pk`` panels, of the committed packing) not yet measured there, on every core
         where the space has such a kernel. The evolution follows the cost model, which may steer
         away from a width early: of eleven 64-trial tunes of bert-base's context product, one
         measured no 16-wide tile on every core at T >= 63, the width that ran 1.3-1.45x faster
         than the 8-wide ones it planned at T = 129-512 (``forced_kernels.py --op
-        attention_context``). Calibrated on the longest shape, each width's estimate reaches the
-        plan everywhere, and the verification measures it where the plan takes it."""
+        attention_context``); a bert-base benchmark's tune of the 3072 -> 768 layer planned a
+        10 x 32 tile at T = 478-512, where a 6 x 64 one (two 32-wide panels) ran 1.21x as fast
+        (forced, interleaved: 7.36 against 8.91 ms at T = 512, PyTorch 8.29). Calibrated on the
+        longest shape, each width's estimate reaches the plan everywhere, and the verification
+        measures it where the plan takes it."""
         tuner = self.tuner
-        kernels = [k for k in tuner.space if is_clamped(k) and k not in tuner.failed]
+        kernels = [k for k in tuner.space if (is_clamped(k) or k.pack) and k not in tuner.failed]
         if not kernels:
             return []
         by_cost = tuner.by_cost()
@@ -104,10 +114,10 @@ class PlanCommitment:
             return []
         shape = by_cost[0][0]
         measured = tuner.measured.get(shape_key(shape), {})
-        done = {k.tile_sizes("j") for k in measured if is_clamped(k) and k.threads != 1}
+        done = {_width(k) for k in measured if k is not None and k in kernels and k.threads != 1}
         probes = []
-        for width in sorted({k.tile_sizes("j") for k in kernels} - done):
-            of_width = [k for k in kernels if k.tile_sizes("j") == width]
+        for width in sorted({_width(k) for k in kernels} - done):
+            of_width = [k for k in kernels if _width(k) == width]
             of_width = [k for k in of_width if k.threads != 1] or of_width
             probes.append((self.by_prediction(of_width, shape)[0], shape))
         return probes

@@ -51,7 +51,7 @@ from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 39  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 40  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -325,9 +325,9 @@ class Tuner:
         """Search only the packing the plan would take now (``PlanCommitment.choose_packing``,
         by ``until`` trials), unless it lost the packings' race (``race.race_packings``):
         kernels of other packings measured so far stay in the cost model's data, and the
-        committed packing's single-pass tiles are measured at once (a space of one packing: its
-        own; an unpacked space of clamped tiles measures each column-tile width instead,
-        ``PlanCommitment.width_probes``)."""
+        committed packing's single-pass tiles and each of its register-tile widths are measured
+        at once (a space of one packing: its own; an unpacked space of clamped tiles, each
+        column-tile width: ``PlanCommitment.width_probes``)."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
             self.commitment.measure_single_pass(next(iter(widths), 0), until)
@@ -342,6 +342,7 @@ class Tuner:
         self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
                  f" ({len(self.space)} kernels read it)")
         self.commitment.measure_single_pass(packing, until)
+        self.commitment.measure_every_width(until)
 
     def _search(self, until: int, started: float, bar: ProgressBar) -> None:
         while self.trials < until:

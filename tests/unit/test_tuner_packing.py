@@ -15,6 +15,7 @@ from dietserve.kernels.cpu_packed import computed_extent
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
+from tuner.cost_model.features import register_tile
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
 from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
@@ -327,11 +328,39 @@ def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_pat
         tuner = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / f"r{trials}.jsonl"),
                       TuneOptions(trials=trials, seed=3))
         tuner.commit_packing(until=trials)
-        timed = [(MicroKernel.from_json(job["kernel"]).tile_sizes("i")[0], job["shapes"][0]["T"])
-                 for job in machine.jobs]
+        kernels = [MicroKernel.from_json(job["kernel"]) for job in machine.jobs]
+        timed = [(k.tile_sizes("i")[0], job["shapes"][0]["T"]) for k, job in zip(kernels, machine.jobs, strict=True)]
         # Each height on its own shape (AVX2's tallest is 6), within SINGLE_PASS_SHARE of the
         # budget: 3 of 24 trials, 1 of 8.
-        assert timed == [(rows, rows) for rows in heights]
+        assert timed[:len(heights)] == [(rows, rows) for rows in heights]
+        # Then each register-tile width not yet measured on the costliest shape (T = 128), on
+        # every core, within WIDTH_SHARE of the budget: 1, 2 and 4 panels of 16 at 24 trials,
+        # one of them at 8.
+        probes = [(register_tile(k)[1], k.threads, job["shapes"][0]["T"])
+                  for k, job in zip(kernels[len(heights):], machine.jobs[len(heights):], strict=True)]
+        assert len(probes) == min(3, trials // 8) and {(threads, t) for _, threads, t in probes} == {(0, 128)}
+        assert len({width for width, _, _ in probes}) == len(probes)
+
+
+def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(tmp_path: Path) -> None:
+    """After the packing is committed, each register-tile width of it (``pk`` panels) is measured
+    on every core on the shape costing the most, the cost model's best of each not measured
+    there yet; nothing once all are."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    space = [k for k in packed_cpu_space(CPU_PRESETS["avx512"]) if k.pack == 32]
+    tuner = Tuner(task, space, 2, SyntheticMachine(), RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=8, seed=3))
+    widths = {register_tile(k)[1] for k in space}
+    assert widths == {32, 64, 128}
+    one_panel = next(k for k in space if register_tile(k)[1] == 32 and k.threads == 0)
+    tuner.measured[shape_key({"T": 128})] = {one_panel: 1e-3}
+    probes = tuner.commitment.width_probes()
+    assert {shape["T"] for _, shape in probes} == {128}
+    assert sorted(register_tile(k)[1] for k, _ in probes) == [64, 128]
+    assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
+    for kernel, _ in probes:
+        tuner.measured[shape_key({"T": 128})][kernel] = 1e-3
+    assert tuner.commitment.width_probes() == []
 
 
 def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
