@@ -17,6 +17,11 @@ from .dispatch import Estimate, Variant, shape_key
 # itself, a tune sent the GELU layer's T = 1 to a 12-row tile carried down to the one-row
 # kernel's measured 54 us; the tile, one row of 2 vectors a pass there, ran 109 us.
 FLOOR_MARGIN = 1.25
+# A carried estimate is worth less the farther it is carried: it is priced up by this much per
+# unit of |ln| of the ratio between the shape and the one it was carried from (x1.17 carried
+# over a ratio of 2, x1.55 over 9), so a kernel measured near a shape keeps it from one
+# predicted a little faster from far away.
+CARRY_PENALTY = 0.25
 
 
 def nearest_measured_estimates(task, measured: dict, default_measured: dict, cores: int = 1) -> Estimate:
@@ -75,12 +80,13 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         if table is None:
             return float("inf")
         value = task.dispatch_value(shape)
-        nearest = int(np.argmin(np.abs(table[:, 0] - math.log(value))))
+        distance = np.abs(table[:, 0] - math.log(value))
+        nearest = int(np.argmin(distance))
         carried = max(task.flops(shape) / (table[nearest, 1] * factor(kernel, shape)), task.flops(shape) / fastest)
         bound = floor if value >= floor_value else 0.0
         if kernel is not None and kernel.threads != 1 and value >= parallel_value:
             bound = max(bound, parallel_floor)
-        return max(carried, bound * FLOOR_MARGIN)
+        return max(carried, bound * FLOOR_MARGIN) * (1 + CARRY_PENALTY * float(distance[nearest]))
 
     # A plan asks for each (kernel, shape) several times (the best per shape, each layout's
     # set cover, the guard, the plan's rows): 60 candidates x 512 shapes, over and over. The

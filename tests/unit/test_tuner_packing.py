@@ -6,6 +6,7 @@ tested is the search's bookkeeping, not a measurement. The real measurements are
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,12 @@ from dietserve.kernels.cpu_clamped import CLAMPED
 from dietserve.kernels.cpu_packed import computed_extent
 from dietserve.kernels.hardware import CPU_PRESETS
 from dietserve.kernels.microkernel import MicroKernel
+from tuner import estimates
 from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
 from tuner.cost_model.features import register_tile
 from tuner.database.records import RecordDatabase
 from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
-from tuner.estimates import FLOOR_MARGIN, nearest_measured_estimates
+from tuner.estimates import CARRY_PENALTY, FLOOR_MARGIN, nearest_measured_estimates
 from tuner.ops import attention_context, attention_scores, dense
 from tuner.options import TuneOptions
 from tuner.race import PACKING_RACE_SHAPES, RaceSummary, race_packings
@@ -136,6 +138,34 @@ def test_the_smallest_shape_keeps_a_variant_of_its_own() -> None:
     assert variants == [tall]
 
 
+@pytest.fixture
+def no_carry_penalty(monkeypatch) -> None:
+    """The floors and caps of the estimates alone, without the price of carrying them far."""
+    monkeypatch.setattr(estimates, "CARRY_PENALTY", 0.0)
+
+
+def test_an_estimate_carried_far_is_priced_up_by_the_distance(monkeypatch) -> None:
+    """A kernel measured near a shape keeps it from one measured far away and predicted a little
+    faster: carried from T = 8 to T = 60, an estimate costs 1 + CARRY_PENALTY x ln(60 / 8)
+    times what f_adapt alone gives, and one carried from T = 64 only 1 + CARRY_PENALTY x ln(64 /
+    60); without the price the far kernel, 10% faster where it ran, would take T = 60."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    near = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
+    far = MicroKernel(tile=(("i", (4,)), ("j", (16, 1, 2)), ("k", (1,))), vector=8, pack=16)
+    measured = {shape_key({"T": 64}): {near: 64e-6}, shape_key({"T": 8}): {far: 8e-6 / 1.1}}
+    shapes = ({"T": 60}, {"T": 64})
+    priced = nearest_measured_estimates(task, measured, {}, cores=2)
+    priced = {(k, s["T"]): priced(k, s) for k in (near, far) for s in shapes}
+    monkeypatch.setattr(estimates, "CARRY_PENALTY", 0.0)  # (read when an estimate is made)
+    unpriced = nearest_measured_estimates(task, measured, {}, cores=2)
+    unpriced = {(k, s["T"]): unpriced(k, s) for k in (near, far) for s in shapes}
+    assert priced[far, 60] == pytest.approx(unpriced[far, 60] * (1 + CARRY_PENALTY * math.log(60 / 8)))
+    assert priced[near, 60] == pytest.approx(unpriced[near, 60] * (1 + CARRY_PENALTY * math.log(64 / 60)))
+    assert priced[near, 64] == unpriced[near, 64] == 64e-6  # measured: as measured
+    assert unpriced[far, 60] < unpriced[near, 60] and priced[near, 60] < priced[far, 60]
+
+
+@pytest.mark.usefixtures("no_carry_penalty")
 def test_no_estimate_goes_below_the_smallest_shapes_best() -> None:
     """A kernel measured only on long sequences, carried over to short ones at its GFLOP/s,
     would beat one pass over the weight; the best measured on the smallest shape bounds it."""
@@ -363,6 +393,7 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
     assert tuner.commitment.width_probes() == []
 
 
+@pytest.mark.usefixtures("no_carry_penalty")
 def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
     """A 13-row tile measured only at T = 8 (run on its 10-row remainder tile, 2 rows padding),
     carried to T = 10 by f_adapt, would run 1.25x its measured rate; nothing measured ran faster
@@ -382,6 +413,7 @@ def _attention_kernel(mr: int, threads: int) -> MicroKernel:
                        threads=threads)
 
 
+@pytest.mark.usefixtures("no_carry_penalty")
 def test_kernels_on_every_core_are_floored_by_their_own_best_on_the_smallest_shape() -> None:
     """Waking the thread pool costs a kernel on every core more than a tiny shape's work: a
     two-core kernel measured only on long sequences, carried down to T = 1, is not estimated
@@ -425,6 +457,7 @@ def test_an_unpacked_space_probes_the_smallest_shape_in_every_threading(tmp_path
     assert tuner.commitment.small_regime_probes(0) == []
 
 
+@pytest.mark.usefixtures("no_carry_penalty")
 def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_down_to_its_time() -> None:
     """A 12-row tile measured only on long sequences, carried down to T = 1, would look as fast
     there as the one-row kernel measured at the floor's time (it ran 2x slower: one row of two
