@@ -179,7 +179,7 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
             _tiled(op, batch, extents, (1, 1, 1), 1, False, parallel, softmax_lanes)
             return
         _first_that_fits(heights, lambda height: m >= height, lambda height: _tiled(
-            op, batch, extents, (height, width, 1), min(width, lanes), False, parallel, softmax_lanes))
+            op, batch, extents, (height, width, 1), tile_lanes(width, lanes), False, parallel, softmax_lanes))
 
     _first_that_fits([*widths, None], lambda width: n >= width, columns)
 
@@ -187,6 +187,12 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
 def _narrow_options(mr: int, nr: int, lanes: int) -> tuple[list[int], list[int]]:
     """(column widths, row heights) of the tiles ``_narrow`` picks from, the first that fits."""
     return [nr] + [w for w in (lanes, lanes // 2, lanes // 4) if 4 <= w < nr], sorted({mr, min(mr, 4), 1}, reverse=True)
+
+
+def tile_lanes(width: int, lanes: int) -> int:
+    """The lanes of the vectors a ``width``-wide column tile computes with, on a machine of
+    ``lanes``: a narrow tile's vectors are no wider than the tile."""
+    return min(width, lanes)
 
 
 def tile_at(kernel: MicroKernel, rows: int, columns: int) -> tuple[int, int]:
@@ -323,4 +329,4 @@ def _vector_loop(width, lanes, store) -> None:
             store(jv * lanes + lane)
 
 
-__all__ = ["CLAMPED", "apply_cpu_clamped", "clamped_fits", "computed_columns", "is_clamped", "tile_at"]
+__all__ = ["CLAMPED", "apply_cpu_clamped", "clamped_fits", "computed_columns", "is_clamped", "tile_at", "tile_lanes"]

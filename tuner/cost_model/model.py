@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from dietserve.kernels.cpu_clamped import computed_columns, is_clamped, tile_at
+from dietserve.kernels.cpu_clamped import computed_columns, is_clamped, tile_at, tile_lanes
 from dietserve.kernels.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
@@ -48,11 +48,12 @@ def _adapt(extent_items: tuple, kernel: MicroKernel, cores: int) -> float:
         height, width = tile_at(kernel, extents["i"], extents["j"])
         rows, columns = extents["i"], extents["j"]
         overlap = rows / (math.ceil(rows / height) * height) \
-            * columns / computed_columns(columns, width, min(width, kernel.vector))
+            * columns / computed_columns(columns, width, tile_lanes(width, kernel.vector))
         whole = (height, width) == (kernel.tile_sizes("i")[0], kernel.tile_sizes("j")[0])
         tile_rows = kernel.tile_of("i") if whole else height
         instances = extents.get("b", 1) * math.ceil(rows / tile_rows)
-        lanes = 1 / (2 * kernel.vector) if width == 1 else min(1.0, 2 * min(width, kernel.vector) / kernel.vector)
+        vector_lanes = tile_lanes(width, kernel.vector)
+        lanes = 1 / (2 * kernel.vector) if width == 1 else min(1.0, 2 * vector_lanes / kernel.vector)
         return overlap * lanes * core_occupancy(instances, cores)
     padded = ("i", "j", "k") if kernel.tile_of("k") > 1 else ("i", "j")
     instances = extents.get("b", 1) * kernel_instances(extents, kernel, ("i", "j"))
