@@ -43,6 +43,7 @@ def has_exact_buffers(func) -> bool:
 
 
 def has_own_storage(func) -> bool:
+    """Whether ``func`` keeps its buffers as allocated: no StorageRewrite (``OWN_STORAGE``)."""
     return has_exact_buffers(func) and bool(func.attrs.get(OWN_STORAGE, False))
 
 
