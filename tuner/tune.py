@@ -330,17 +330,16 @@ class Tuner:
         column-tile width: ``PlanCommitment.width_probes``)."""
         widths = {k.pack for k in self.space}
         if len(widths) < 2:
-            self.commitment.measure_single_pass(next(iter(widths), 0), until)
-            self.commitment.measure_every_width(until)
-            return
-        packing = race_packings(self, widths, self.commitment.choose_packing(widths, until), self.race_summary)
-        if packing is None:
-            return
-        self.packing = packing
-        self.space = [k for k in self.space if k.pack == packing]
-        self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
-        self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
-                 f" ({len(self.space)} kernels read it)")
+            packing = next(iter(widths), 0)
+        else:
+            packing = race_packings(self, widths, self.commitment.choose_packing(widths, until), self.race_summary)
+            if packing is None:
+                return
+            self.packing = packing
+            self.space = [k for k in self.space if k.pack == packing]
+            self.search = EvolutionarySearch(self.space, seed=self.options.seed + 1)
+            self.log(f"{self.task.workload}: packing committed to {packing}-wide panels after {self.trials} trials"
+                     f" ({len(self.space)} kernels read it)")
         self.commitment.measure_single_pass(packing, until)
         self.commitment.measure_every_width(until)
 
