@@ -1,12 +1,16 @@
 """The rounds of one race (``racing.raced_rounds``): entrants clearly behind the leader after
 the screen stop there, close ones run every round, and a stopped entrant's time stays behind
 the leader's even when the host slows down after it stopped. Timers here replay scripted turn
-times (seconds), as a worker's timers would read them."""
+times (seconds), as a worker's timers would read them. Last, what a turn of a race costs
+(``racing.race``): as many calls as fill the minimum, and one warm-up call."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from tuner.measure import racing
 from tuner.measure.racing import raced_rounds
 
 
@@ -63,3 +67,44 @@ def test_without_a_screen_every_entrant_runs_every_round_and_a_failed_one_none()
     latencies, rounds = raced_rounds(timers, rounds=5)
     assert rounds == [5, 0, 5] and latencies == [10.0, None, 30.0]
     assert raced_rounds([None, None], 5, 3, 1.05) == ([None, None], [0, 0])
+
+
+class _Operator:
+    """A race's operator in a worker (``worker.JobOperator``), each entrant a Python kernel that
+    sleeps ``seconds`` a call, and counts its calls."""
+
+    def __init__(self, job: dict, stream: bool):
+        assert not stream
+        self.weight_index = None
+        self.kernels: list = []
+        _Operator.made = self
+
+    def built_and_checked(self, job: dict, pack: int):
+        def kernel() -> None:
+            kernel.calls += 1
+            time.sleep(SLEEP_S)
+
+        kernel.calls = 0
+        self.kernels.append(kernel)
+        return {"main": kernel}, False
+
+    def call_arguments(self, shape: dict, pack: int) -> list[list]:
+        return [[]]
+
+    def other_load(self):
+        return None
+
+
+SLEEP_S = 0.012
+
+
+def test_a_hot_turn_is_as_many_calls_as_fill_the_minimum_and_no_more(monkeypatch) -> None:
+    # TVM's time_evaluator adds a warm-up call to every turn and, once one call fell short of
+    # min_repeat_ms, makes two a turn for good: a 7.5 ms kernel cost three calls a turn.
+    monkeypatch.setattr(racing, "JobOperator", _Operator)
+    job = {"shapes": [{"T": 512}], "kernels": [None, None], "rounds": 3, "min_repeat_ms": 10}
+    result = racing.race(job)
+    assert result["error"] is None and result["rounds"] == [3, 3]
+    # one warm-up call each, then one call a turn: 12 ms fill the 10 ms minimum
+    assert [kernel.calls for kernel in _Operator.made.kernels] == [4, 4]
+    assert all(SLEEP_S <= latency < 3 * SLEEP_S for latency in result["latencies"])

@@ -54,19 +54,16 @@ def _race(job: dict, started: float) -> dict:
             continue
         function = outcome[0]["main"]
         sets = operator.call_arguments(shape, pack)
-        if operator.weight_index is not None:
-            for arguments in sets if pack not in touched else sets[:1]:
-                function(*arguments)  # first touch of every copy (page faults) and of the kernel
-            touched.add(pack)
-            timers.append(lambda f=function, s=sets: cycle.turn(f, s))
-        else:
-            # One call a turn, more where a call is shorter than ``min_repeat_ms`` (as a streamed
-            # turn): the search's ``number`` doubled a long kernel's turns for no precision a
-            # race needs, as its rounds interleave the entrants anyway.
-            evaluator = outcome[0].time_evaluator("main", operator.session.device, number=1, repeat=1,
-                                                  min_repeat_ms=job.get("min_repeat_ms", 0))
-            timers.append(lambda e=evaluator, a=sets[0]: e(*a).results[0])
-            timers[-1]()  # warm-up: caches, page faults, the thread pool
+        # Warm-up: caches, page faults, the thread pool; streamed, the first touch of every
+        # copy of the weight (once per packing).
+        streamed_first = operator.weight_index is not None and pack not in touched
+        for arguments in sets if streamed_first else sets[:1]:
+            function(*arguments)
+        touched.add(pack)
+        # A turn is as many calls as fill ``min_repeat_ms``, timed here, hot or streamed: TVM's
+        # time_evaluator adds a warm-up call to every turn and, where one call falls short of
+        # the minimum, raises the count for good (a 7.5 ms kernel: three calls a turn, two timed).
+        timers.append(lambda f=function, s=sets: cycle.turn(f, s))
         errors.append(None)
     load = operator.other_load()
     latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))

@@ -154,7 +154,10 @@ def never_raises(body, job: dict) -> dict:
 # Candidates built and checked, kept for the worker's life (the most recently used): a kernel
 # is symbolic in the shape, so one build serves every shape it is timed on (the default rule's
 # kernel on each shape the search works on, a plan's variant at its interval's ends and middle).
-BUILDS_KEPT = 16
+# As many as a tune of 64 trials builds: the races come last, and with 16 kept their finalists
+# built early had been evicted and were built again, serially, inside the races. A jitted
+# AVX-512 candidate of bert-base's 3072 -> 768 layer holds about 3 MiB (ad hoc, 12 kept).
+BUILDS_KEPT = 64
 _BUILDS: OrderedDict[str, object] = OrderedDict()
 
 
