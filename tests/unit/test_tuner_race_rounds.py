@@ -7,6 +7,7 @@ times (seconds), as a worker's timers would read them. Last, what a turn of a ra
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -73,9 +74,12 @@ class _Operator:
     """A race's operator in a worker (``worker.JobOperator``), each entrant a Python kernel that
     sleeps ``seconds`` a call, and counts its calls."""
 
+    on_this_cpu = True
+
     def __init__(self, job: dict, stream: bool):
         assert not stream
         self.weight_index = None
+        self.session = None
         self.kernels: list = []
         _Operator.made = self
 
@@ -108,3 +112,38 @@ def test_a_hot_turn_is_as_many_calls_as_fill_the_minimum_and_no_more(monkeypatch
     # one warm-up call each, then one call a turn: 12 ms fill the 10 ms minimum
     assert [kernel.calls for kernel in _Operator.made.kernels] == [4, 4]
     assert all(SLEEP_S <= latency < 3 * SLEEP_S for latency in result["latencies"])
+
+
+class _Device(_Operator):
+    """The same, on a device this worker does not time itself (a GPU, or a machine over RPC):
+    each entrant a module whose evaluator says how it was asked to time."""
+
+    on_this_cpu = False
+
+    def __init__(self, job: dict, stream: bool):
+        super().__init__(job, stream)
+        self.session = SimpleNamespace(device="the device")
+
+    def built_and_checked(self, job: dict, pack: int):
+        asked: list[dict] = []
+
+        class Module:
+            def __getitem__(self, name: str):
+                return lambda *_args: None
+
+            def time_evaluator(self, name: str, device, **how):
+                assert (name, device) == ("main", "the device")
+                asked.append(how)
+                return lambda *_args: type("Result", (), {"results": [SLEEP_S]})()
+
+        self.kernels.append(asked)
+        return Module(), False
+
+
+def test_a_device_turn_is_timed_by_the_device_evaluator(monkeypatch) -> None:
+    # (a GPU's calls return before its kernels end: a turn timed in Python would time launches)
+    monkeypatch.setattr(racing, "JobOperator", _Device)
+    job = {"shapes": [{"T": 512}], "kernels": [None, None], "rounds": 3, "min_repeat_ms": 10}
+    result = racing.race(job)
+    assert result["error"] is None and result["latencies"] == [SLEEP_S, SLEEP_S]
+    assert [asked for asked in _Operator.made.kernels] == [[{"number": 1, "repeat": 1, "min_repeat_ms": 10}]] * 2

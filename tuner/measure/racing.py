@@ -54,16 +54,25 @@ def _race(job: dict, started: float) -> dict:
             continue
         function = outcome[0]["main"]
         sets = operator.call_arguments(shape, pack)
-        # Warm-up: caches, page faults, the thread pool; streamed, the first touch of every
-        # copy of the weight (once per packing).
-        streamed_first = operator.weight_index is not None and pack not in touched
-        for arguments in sets if streamed_first else sets[:1]:
-            function(*arguments)
-        touched.add(pack)
-        # A turn is as many calls as fill ``min_repeat_ms``, timed here, hot or streamed: TVM's
-        # time_evaluator adds a warm-up call to every turn and, where one call falls short of
-        # the minimum, raises the count for good (a 7.5 ms kernel: three calls a turn, two timed).
-        timers.append(lambda f=function, s=sets: cycle.turn(f, s))
+        if operator.on_this_cpu:
+            # Warm-up: caches, page faults, the thread pool; streamed, the first touch of every
+            # copy of the weight (once per packing).
+            streamed_first = operator.weight_index is not None and pack not in touched
+            for arguments in sets if streamed_first else sets[:1]:
+                function(*arguments)
+            touched.add(pack)
+            # A turn is as many calls as fill ``min_repeat_ms``, timed here, hot or streamed:
+            # TVM's time_evaluator adds a warm-up call to every turn and, where one call falls
+            # short of the minimum, raises the count for good (a 7.5 ms kernel: three calls a
+            # turn, two of them timed).
+            timers.append(lambda f=function, s=sets: cycle.turn(f, s))
+        else:
+            # A GPU's calls return before the kernel ends, and over RPC each call is a round
+            # trip: the evaluator times on the device, synchronised.
+            evaluator = outcome[0].time_evaluator("main", operator.session.device, number=1, repeat=1,
+                                                  min_repeat_ms=job.get("min_repeat_ms", 0))
+            timers.append(lambda e=evaluator, a=sets[0]: e(*a).results[0])
+            timers[-1]()  # warm-up: caches, page faults, the device's first launch
         errors.append(None)
     load = operator.other_load()
     latencies, rounds = raced_rounds(timers, job.get("rounds", 5), job.get("screen_rounds"), job.get("drop_margin"))
