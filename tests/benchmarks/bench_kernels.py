@@ -69,11 +69,13 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: Path):
+def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: Path, hardware=None):
+    """``hardware``: the CPU's description, as the command line gives it (the L2 a task block
+    must fit at the weight's own depth: ``task_space``)."""
     task = TuningTask.create(spec, target, ShapeVar("T", range(1, 513)))
     database = RecordDatabase(folder / f"{spec.name}.jsonl")
     with LocalRunner(MeasureOptions(number=2, repeat=3, timeout_s=60)) as runner:
-        result = Tuner(task, space, cores, runner, database, TuneOptions(trials=trials)).run()
+        result = Tuner(task, space, cores, runner, database, TuneOptions(trials=trials), hardware=hardware).run()
     return result
 
 
@@ -191,7 +193,9 @@ def main() -> int:
                 _log(f"{spec.name}: the plan {args.load_plans / f'{op}.plan.json'}, not tuned again")
             else:
                 _log(f"{spec.name}: tuning ours, {args.trials} trials for every T in 1..512")
-                tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch))
+                # (with the CPU's description, as ``python -m tuner`` tunes: without it, 1.5 MB
+                # whole-reduction tasks of the 3072-deep layer stayed in the space)
+                tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch), where.hardware)
             ours_tuning += tuned.wall_s
             if args.save_plans:
                 tuned.plan.write(args.save_plans / f"{op}.plan.json")

@@ -33,6 +33,9 @@ PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
 # The depth the space's L2 rule sizes whole-reduction tasks for (a hidden size); a deeper weight
 # keeps only the tasks whose panels fit at its own depth (``task_space``, ``whole_task_fits_l2``).
 PACKED_PANEL_DEPTH = 768
+# Of the L2, what a whole-reduction task of several rows may take at its weight's own depth
+# (``whole_task_fits_l2``); the space is sized with 3/4 (blocked tasks keep that).
+WHOLE_TASK_L2_SHARE = 1 / 2
 # Reduction blocks of the packed kernels: 1 = the whole reduction per register tile; else
 # kc-deep blocks of the task's panels stay in L2 while every row tile passes over them (for
 # weights too deep for L2: BERT's 3072 -> 768 layer).
@@ -99,9 +102,9 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
     return kernels
 
 
-def _task_fits_l2(panel: int, panels: int, depth: int, hw: CpuHardware) -> bool:
-    """A task's ``panels`` weight panels, ``depth`` reduction steps deep, in 3/4 of L2."""
-    return panels * panel * depth * DTYPE_BYTES <= hw.l2_bytes * 3 // 4
+def _task_fits_l2(panel: int, panels: int, depth: int, hw: CpuHardware, share: float = 3 / 4) -> bool:
+    """A task's ``panels`` weight panels, ``depth`` reduction steps deep, in ``share`` of L2."""
+    return panels * panel * depth * DTYPE_BYTES <= hw.l2_bytes * share
 
 
 def whole_task_fits_l2(kernel: MicroKernel, depth: int, hw: CpuHardware) -> bool:
@@ -116,11 +119,19 @@ def whole_task_fits_l2(kernel: MicroKernel, depth: int, hw: CpuHardware) -> bool
     dense_3072x768 --interleaved --kernel 6,16,1,8,1 --kernel 6,16,1,2,1 --kernel
     6,16,1,8,384``, 7 rounds, 2-core znver3): 2-panel tasks (384 KB) 1.16x, 1.23x, 1.13x the
     8-panel ones at T = 13, 20, 31, 1.03x at 128, 0.98x at 512, where the 8-panel tasks blocked
-    384 deep (which the space keeps) ran 0.99x."""
+    384 deep (which the space keeps) ran 0.99x.
+
+    A whole-reduction task of several rows must fit ``WHOLE_TASK_L2_SHARE`` (half) of the L2,
+    not the 3/4 the space is sized with: beside it the L2 holds the row tiles' own rows (a 13-row
+    tile over 3072: 160 KB) and what the prefetches bring. Forced, interleaved (2-core Emerald
+    Rapids, 2 MB L2, ``forced_kernels.py``, 5 rounds): tasks of 1.2-1.5 MB ran 1.01-1.37x slower
+    than the same register tile's tasks of 0.6-0.8 MB in 11 of 12 pairs at T = 128 and 512 (6 x 64
+    over 3072: 13.26 against 9.65 ms at T = 512; 6 x 48 over 768: 9.76 against 8.06), 0.91x in
+    one; tasks of 0.8 MB and 0.4 MB tied (1.00-1.04x)."""
     if not kernel.pack or kernel.tile_sizes("k")[0] != 1:
         return True
     mr, panel, _, panels = packed_tile(kernel)
-    return mr == 1 or _task_fits_l2(panel, panels, depth, hw)
+    return mr == 1 or _task_fits_l2(panel, panels, depth, hw, WHOLE_TASK_L2_SHARE)
 
 
 def clamped_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
