@@ -58,6 +58,12 @@ DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
 
 
+def _abandoning(job: dict, best_s: float) -> dict:
+    """``job``, told to time its kernel once where it runs ``ABANDON_FACTOR`` x ``best_s`` (the
+    best latency known on its shape; infinite: none known, every repeat)."""
+    return {**job, "abandon_above_s": ABANDON_FACTOR * best_s} if math.isfinite(best_s) else job
+
+
 class Tuner:
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner, database: RecordDatabase,
                  options: TuneOptions = DEFAULT_OPTIONS, log: Callable[[str], None] = lambda _m: None,
@@ -263,11 +269,7 @@ class Tuner:
         it runs ``ABANDON_FACTOR`` times as long as the best kernel measured there (or, before
         any, predicted), one call is its time: no plan takes it there, and on bert-base's 3072 ->
         768 layer at T near 512 its warm-up, probe and repeats took 0.2-1.5 s a shape (ad hoc)."""
-        job = {"kernel": None}
-        best = self._best_latency(shape)
-        if math.isfinite(best):
-            job["abandon_above_s"] = ABANDON_FACTOR * best
-        latency = self._run_job(None, shape, job)
+        latency = self._run_job(None, shape, _abandoning({"kernel": None}, self._best_latency(shape)))
         if latency is not None:
             self.default_measured[shape_key(shape)] = latency
 
@@ -292,10 +294,8 @@ class Tuner:
             self._calibrated_cache = None
 
     def measure(self, kernel: MicroKernel, shape: dict) -> None:
-        job = self._kernel_job(kernel)
         best = self.measured.get(shape_key(shape))
-        if best:
-            job["abandon_above_s"] = ABANDON_FACTOR * min(best.values())
+        job = _abandoning(self._kernel_job(kernel), min(best.values()) if best else math.inf)
         latency = self._run_job(kernel, shape, job)
         if latency is None:
             self.failed.add(kernel)
