@@ -49,6 +49,12 @@ def _width(kernel: MicroKernel) -> int:
     return register_tile(kernel)[1]
 
 
+def _plain(kernel: MicroKernel) -> bool:
+    """A packed kernel in its plainest layout: one register tile a task, the whole reduction in
+    registers (``width_probes``)."""
+    return bool(kernel.pack) and kernel.tile_sizes("j")[2] == 1 and kernel.tile_sizes("k")[0] == 1
+
+
 class PlanCommitment:
     """Packing commitment and plan verification for one ``tune.Tuner``."""
 
@@ -104,7 +110,16 @@ class PlanCommitment:
         10 x 32 tile at T = 478-512, where a 6 x 64 one (two 32-wide panels) ran 1.21x as fast
         (forced, interleaved: 7.36 against 8.91 ms at T = 512, PyTorch 8.29). Calibrated on the
         longest shape, each width's estimate reaches the plan everywhere, and the verification
-        measures it where the plan takes it."""
+        measures it where the plan takes it.
+
+        A packed width also gets its plainest layout (``_plain``: one register tile a task, the
+        whole reduction), the cost model's best of those, unless one is measured there: a width
+        measured only in blocked or many-tile tasks, in a slow spell, lost the plan. A bert-base
+        benchmark's version-42 tune of the 3072 -> 768 layer timed the 6 x 64 tile at T = 503-512
+        only as 6,32,2,1,384, 6,32,2,4,256 and 6,32,2,4,384 (12.2-16.2 ms) and planned 11 x 32
+        and 9 x 32 tiles there; forced (``forced_kernels.py``, 5 rounds, 2-core Emerald Rapids),
+        the plain 6,32,2,1,1 ran 8.68 ms at T = 512 against 10.05 (11 x 32), 10.78 (6,32,2,4,256)
+        and PyTorch's 9.73, and 1.91 at T = 128 against 2.39, 2.51 and 2.59."""
         tuner = self.tuner
         kernels = [k for k in tuner.space if (is_clamped(k) or k.pack) and k not in tuner.failed]
         if not kernels:
@@ -113,13 +128,19 @@ class PlanCommitment:
         if not by_cost:
             return []
         shape = by_cost[0][0]
-        measured = tuner.measured.get(shape_key(shape), {})
-        done = {_width(k) for k in measured if k is not None and k in kernels and k.threads != 1}
+        measured = [k for k in tuner.measured.get(shape_key(shape), {}) if k in kernels and k.threads != 1]
         probes = []
-        for width in sorted({_width(k) for k in kernels} - done):
+        for width in sorted({_width(k) for k in kernels}):
             of_width = [k for k in kernels if _width(k) == width]
             of_width = [k for k in of_width if k.threads != 1] or of_width
-            probes.append((self.by_prediction(of_width, shape)[0], shape))
+            best = self.by_prediction(of_width, shape)[0]
+            if not any(_width(k) == width for k in measured):
+                probes.append((best, shape))
+            plain = [k for k in of_width if _plain(k)]
+            if plain and not any(_width(k) == width and _plain(k) for k in measured):
+                kernel = self.by_prediction(plain, shape)[0]
+                if (kernel, shape) not in probes:
+                    probes.append((kernel, shape))
         return probes
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:

@@ -393,6 +393,33 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
     assert tuner.commitment.width_probes() == []
 
 
+def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layout_probed(tmp_path: Path) -> None:
+    """The costliest shape has each width measured, the 64-wide one only in a blocked
+    reduction and in 4-tile tasks (as a version-42 tune of bert-base's 3072 -> 768 layer had it,
+    where the plain 6 x 64 tile ran fastest): its plainest layout (one tile a task, the whole
+    reduction) is probed there, the cost model's best of those, and no other width's; nothing
+    once it is measured."""
+    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
+    space = [k for k in packed_cpu_space(CPU_PRESETS["avx512"]) if k.pack == 32]
+    tuner = Tuner(task, space, 2, SyntheticMachine(), RecordDatabase(tmp_path / "r.jsonl"),
+                  TuneOptions(trials=8, seed=3))
+
+    def kernel(width: int, groups: int, kc: int) -> MicroKernel:
+        return next(k for k in space if register_tile(k)[1] == width and k.threads == 0
+                    and k.tile_sizes("j")[2] == groups and k.tile_sizes("k")[0] == kc)
+
+    longest = shape_key({"T": 128})
+    blocked, many_tiles = kernel(64, 1, 256), kernel(64, 4, 1)
+    tuner.measured[longest] = {kernel(32, 1, 1): 1e-3, kernel(128, 1, 1): 1e-3, blocked: 3e-3, many_tiles: 3e-3}
+    plain = [k for k in space if register_tile(k)[1] == 64 and k.threads == 0
+             and k.tile_sizes("j")[2] == 1 and k.tile_sizes("k")[0] == 1]
+    probes = tuner.commitment.width_probes()
+    assert [shape for _, shape in probes] == [{"T": 128}]
+    assert probes[0][0] == tuner.commitment.by_prediction(plain, {"T": 128})[0]
+    tuner.measured[longest][probes[0][0]] = 1e-3
+    assert tuner.commitment.width_probes() == []
+
+
 @pytest.mark.usefixtures("no_carry_penalty")
 def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
     """A 13-row tile measured only at T = 8 (run on its 10-row remainder tile, 2 rows padding),
