@@ -113,8 +113,9 @@ class PlanCommitment:
         measures it where the plan takes it.
 
         A packed width also gets its plainest layout (``_plain``: one register tile a task, the
-        whole reduction), the cost model's best of those, unless one is measured there: a width
-        measured only in blocked or many-tile tasks, in a slow spell, lost the plan. A bert-base
+        whole reduction), its tallest tile (the most reuse of each weight vector; the cost model
+        picked one-row tiles, the small-T regime, at T = 512), unless one is measured there: a
+        width measured only in blocked or many-tile tasks, in a slow spell, lost the plan. A bert-base
         benchmark's version-42 tune of the 3072 -> 768 layer timed the 6 x 64 tile at T = 503-512
         only as 6,32,2,1,384, 6,32,2,4,256 and 6,32,2,4,384 (12.2-16.2 ms) and planned 11 x 32
         and 9 x 32 tiles there; forced (``forced_kernels.py``, 5 rounds, 2-core Emerald Rapids),
@@ -138,7 +139,7 @@ class PlanCommitment:
                 probes.append((best, shape))
             plain = [k for k in of_width if _plain(k)]
             if plain and not any(_width(k) == width and _plain(k) for k in measured):
-                kernel = self.by_prediction(plain, shape)[0]
+                kernel = max(plain, key=lambda k: k.tile_sizes("i")[0])  # (the first of the tallest)
                 if (kernel, shape) not in probes:
                     probes.append((kernel, shape))
         return probes
