@@ -50,9 +50,11 @@ def _width(kernel: MicroKernel) -> int:
 
 
 def _plain(kernel: MicroKernel) -> bool:
-    """A packed kernel in its plainest layout: one register tile a task, the whole reduction in
-    registers (``width_probes``)."""
-    return bool(kernel.pack) and kernel.tile_sizes("j")[2] == 1 and kernel.tile_sizes("k")[0] == 1
+    """A kernel in its plainest layout (``width_probes``): a packed one with one register tile a
+    task and the whole reduction in registers; any clamped one (each reduces whole, and its task
+    layouts, the rows a task runs and whether it stages B, ran within 1.1x of each other:
+    ``forced_kernels.py --op attention_context``, 6 x 64 tiles at T = 512, 1.40-1.55 ms)."""
+    return not kernel.pack or (kernel.tile_sizes("j")[2] == 1 and kernel.tile_sizes("k")[0] == 1)
 
 
 class PlanCommitment:
@@ -112,10 +114,13 @@ class PlanCommitment:
         longest shape, each width's estimate reaches the plan everywhere, and the verification
         measures it where the plan takes it.
 
-        A packed width also gets its plainest layout (``_plain``: one register tile a task, the
-        whole reduction), its tallest tile (the most reuse of each weight vector; the cost model
-        picked one-row tiles, the small-T regime, at T = 512), unless one is measured there: a
-        width measured only in blocked or many-tile tasks, in a slow spell, lost the plan. A bert-base
+        Each width also gets its tallest tile (the most rows the registers hold: the most reuse of
+        each B vector) in its plainest layout (``_plain``), the cost model's pick of those, unless
+        one is measured there; these come first. The cost model, given the choice, picked one-row
+        tiles (the small-T regime) at T = 512, and a width measured only in blocked or many-tile
+        tasks, in a slow spell, lost the plan. A version-44 benchmark tune of the context product
+        planned an 11 x 32 tile at T >= 129; forced, 6 x 64 tiles ran 1.40-1.55 ms at T = 512
+        against its 1.90 (PyTorch 2.05). A bert-base
         benchmark's version-42 tune of the 3072 -> 768 layer timed the 6 x 64 tile at T = 503-512
         only as 6,32,2,1,384, 6,32,2,4,256 and 6,32,2,4,384 (12.2-16.2 ms) and planned 11 x 32
         and 9 x 32 tiles there; forced (``forced_kernels.py``, 5 rounds, 2-core Emerald Rapids),
@@ -130,19 +135,20 @@ class PlanCommitment:
             return []
         shape = by_cost[0][0]
         measured = [k for k in tuner.measured.get(shape_key(shape), {}) if k in kernels and k.threads != 1]
-        probes = []
+        tallest, best = [], []
         for width in sorted({_width(k) for k in kernels}):
             of_width = [k for k in kernels if _width(k) == width]
             of_width = [k for k in of_width if k.threads != 1] or of_width
-            best = self.by_prediction(of_width, shape)[0]
-            if not any(_width(k) == width for k in measured):
-                probes.append((best, shape))
             plain = [k for k in of_width if _plain(k)]
-            if plain and not any(_width(k) == width and _plain(k) for k in measured):
-                kernel = max(plain, key=lambda k: k.tile_sizes("i")[0])  # (the first of the tallest)
-                if (kernel, shape) not in probes:
-                    probes.append((kernel, shape))
-        return probes
+            if plain:
+                rows = max(k.tile_sizes("i")[0] for k in plain)
+                candidates = [k for k in plain if k.tile_sizes("i")[0] == rows]
+                if not any(k in candidates for k in measured):
+                    tallest.append(self.by_prediction(candidates, shape)[0])
+            if not any(_width(k) == width for k in measured):
+                best.append(self.by_prediction(of_width, shape)[0])
+        # The tallest tiles first: the commit point's share of the budget may end before the rest.
+        return [(kernel, shape) for kernel in dict.fromkeys(tallest + best)]
 
     def _measure_every_packing(self, widths: set[int], until: int) -> None:
         """On every shape measured so far, the kernel the cost model likes best of each packing

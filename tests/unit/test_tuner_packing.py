@@ -386,7 +386,15 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
     tuner.measured[shape_key({"T": 128})] = {one_panel: 1e-3}
     probes = tuner.commitment.width_probes()
     assert {shape["T"] for _, shape in probes} == {128}
-    assert sorted(register_tile(k)[1] for k, _ in probes) == [64, 128]
+    # First each width's tallest tile, one a task, the whole reduction (the measured one-panel
+    # kernel is one row tall); then the cost model's best of each width not measured at all.
+    tallest = [k for k, _ in probes[:3]]
+    assert [register_tile(k)[1] for k in tallest] == [32, 64, 128]
+    for kernel in tallest:
+        plain = [k for k in space if register_tile(k)[1] == register_tile(kernel)[1]
+                 and k.tile_sizes("j")[2] == 1 and k.tile_sizes("k")[0] == 1]
+        assert kernel in plain and kernel.tile_sizes("i")[0] == max(k.tile_sizes("i")[0] for k in plain)
+    assert {register_tile(k)[1] for k, _ in probes[3:]} <= {64, 128}
     assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
     for kernel, _ in probes:
         tuner.measured[shape_key({"T": 128})][kernel] = 1e-3
@@ -404,9 +412,10 @@ def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layo
     tuner = Tuner(task, space, 2, SyntheticMachine(), RecordDatabase(tmp_path / "r.jsonl"),
                   TuneOptions(trials=8, seed=3))
 
-    def kernel(width: int, groups: int, kc: int) -> MicroKernel:
-        return next(k for k in space if register_tile(k)[1] == width and k.threads == 0
-                    and k.tile_sizes("j")[2] == groups and k.tile_sizes("k")[0] == kc)
+    def kernel(width: int, groups: int, kc: int) -> MicroKernel:  # (the tallest such tile)
+        return max((k for k in space if register_tile(k)[1] == width and k.threads == 0
+                    and k.tile_sizes("j")[2] == groups and k.tile_sizes("k")[0] == kc),
+                   key=lambda k: k.tile_sizes("i")[0])
 
     longest = shape_key({"T": 128})
     blocked, many_tiles = kernel(64, 1, 256), kernel(64, 4, 1)
@@ -527,7 +536,14 @@ def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_
     tuner.measured[shape_key({"T": 256})] = {eight_wide: 1e-3}
     probes = tuner.commitment.width_probes()
     assert {shape["T"] for _, shape in probes} == {256}  # the longest: all shapes weigh the same
-    assert sorted(k.tile_sizes("j") for k, _ in probes) == sorted(widths - {(8,)})
+    # Each width's tallest tile first (the measured 8-wide one is shorter), then the cost
+    # model's best of each width not measured at all.
+    tallest = [k for k, _ in probes[:len(widths)]]
+    assert sorted(k.tile_sizes("j") for k in tallest) == sorted(widths)
+    for kernel in tallest:
+        assert kernel.tile_sizes("i")[0] == max(k.tile_sizes("i")[0] for k in tuner.space
+                                                 if k.tile_sizes("j") == kernel.tile_sizes("j"))
+    assert {k.tile_sizes("j") for k, _ in probes[len(widths):]} <= widths - {(8,)}
     assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
     for kernel, _ in probes:
         tuner.measured[shape_key({"T": 256})][kernel] = 1e-3
