@@ -52,7 +52,7 @@ def _width(kernel: MicroKernel) -> int:
 def _plain(kernel: MicroKernel) -> bool:
     """A kernel in its plainest layout (``width_probes``): a packed one with one register tile a
     task and the whole reduction in registers; any clamped one (each reduces whole, and its task
-    layouts, the rows a task runs and whether it stages B, ran within 1.1x of each other:
+    layouts, the rows a task runs and whether it stages B, ran within 1.11x of each other:
     ``forced_kernels.py --op attention_context``, 6 x 64 tiles at T = 512, 1.40-1.55 ms)."""
     return not kernel.pack or (kernel.tile_sizes("j")[2] == 1 and kernel.tile_sizes("k")[0] == 1)
 
@@ -120,8 +120,8 @@ class PlanCommitment:
         tiles (the small-T regime) at T = 512, and a width measured only in blocked or many-tile
         tasks, in a slow spell, lost the plan. A version-44 benchmark tune of the context product
         planned an 11 x 32 tile at T >= 129; forced, 6 x 64 tiles ran 1.40-1.55 ms at T = 512
-        against its 1.90 (PyTorch 2.05). A bert-base
-        benchmark's version-42 tune of the 3072 -> 768 layer timed the 6 x 64 tile at T = 503-512
+        against its 1.90 (PyTorch 2.05). A bert-base benchmark's version-42 tune of the 3072 -> 768
+        layer timed the 6 x 64 tile at T = 503-512
         only as 6,32,2,1,384, 6,32,2,4,256 and 6,32,2,4,384 (12.2-16.2 ms) and planned 11 x 32
         and 9 x 32 tiles there; forced (``forced_kernels.py``, 5 rounds, 2-core Emerald Rapids),
         the plain 6,32,2,1,1 ran 8.68 ms at T = 512 against 10.05 (11 x 32), 10.78 (6,32,2,4,256)
