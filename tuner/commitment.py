@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dietserve.kernels.cpu_clamped import is_clamped
-from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
+from dietserve.kernels.cpu_packed import packed_tile, reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.microkernel import MicroKernel
 
 from .cost_model.features import register_tile
@@ -49,12 +49,16 @@ def _width(kernel: MicroKernel) -> int:
     return register_tile(kernel)[1]
 
 
-def _plain(kernel: MicroKernel) -> bool:
-    """A kernel in its plainest layout (``width_probes``): a packed one with one register tile a
-    task and the whole reduction in registers; any clamped one (each reduces whole, and its task
-    layouts, the rows a task runs and whether it stages B, ran within 1.11x of each other:
-    ``forced_kernels.py --op attention_context``, 6 x 64 tiles at T = 512, 1.40-1.55 ms)."""
-    return not kernel.pack or (kernel.tile_sizes("j")[2] == 1 and kernel.tile_sizes("k")[0] == 1)
+def _plain(kernel: MicroKernel, depth: int) -> bool:
+    """A kernel in its plainest layout (``width_probes``) for a reduction ``depth`` deep: a packed
+    one with one register tile a task and the whole reduction in registers; any clamped one (each
+    reduces whole, and its task layouts, the rows a task runs and whether it stages B, ran within
+    1.11x of each other: ``forced_kernels.py --op attention_context``, 6 x 64 tiles at T = 512,
+    1.40-1.55 ms)."""
+    if not kernel.pack:
+        return True
+    _mr, _panel, per_tile, per_task = packed_tile(kernel)
+    return per_tile == per_task and not reduces_in_blocks(kernel, depth)
 
 
 class PlanCommitment:
@@ -134,12 +138,13 @@ class PlanCommitment:
         if not by_cost:
             return []
         shape = by_cost[0][0]
+        depth = tuner.task.axis_extents(shape)["k"]
         measured = [k for k in tuner.measured.get(shape_key(shape), {}) if k in kernels and k.threads != 1]
         tallest, best = [], []
         for width in sorted({_width(k) for k in kernels}):
             of_width = [k for k in kernels if _width(k) == width]
             of_width = [k for k in of_width if k.threads != 1] or of_width
-            plain = [k for k in of_width if _plain(k)]
+            plain = [k for k in of_width if _plain(k, depth)]
             if plain:
                 rows = max(k.tile_sizes("i")[0] for k in plain)
                 candidates = [k for k in plain if k.tile_sizes("i")[0] == rows]
