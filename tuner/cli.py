@@ -39,7 +39,8 @@ def _measure_options(args: argparse.Namespace):
     from .measure.runner import MeasureOptions
 
     return MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                          timeout_s=args.timeout, stream_weights=args.stream_weights, workers=args.workers)
+                          timeout_s=args.timeout, stream_weights=args.stream_weights,
+                          workers=args.workers).for_trials(args.trials)
 
 
 def _dram_rates(args: argparse.Namespace, where):

@@ -270,7 +270,7 @@ def _column_tiles(n, nr: int, lanes: int, column_tile) -> None:
     left = n - whole * nr
     with T.If(left > 0):
         with T.Then():
-            _first_that_fits([*_remainder_widths(nr, lanes), nr], lambda width: left <= width,
+            _first_that_fits(_last_tile_widths(nr, lanes), lambda width: left <= width,
                              lambda width: column_tile(n - width, width))
 
 
@@ -280,12 +280,15 @@ def computed_columns(columns: int, width: int, lanes: int) -> int:
     whole, left = divmod(columns, width)
     if not left or width == 1:
         return columns
-    return whole * width + next((w for w in _remainder_widths(width, lanes) if w >= left), width)
+    return whole * width + next(w for w in _last_tile_widths(width, lanes) if w >= left)
 
 
-def _remainder_widths(nr: int, lanes: int) -> list[int]:
-    """The widths narrower than ``nr`` that columns left after whole tiles may take."""
-    return list(range(lanes, nr, lanes)) if REMAINDER_COLUMNS else []
+def _last_tile_widths(nr: int, lanes: int) -> list[int]:
+    """The widths the columns left after whole ``nr``-wide tiles may take, narrowest first: the
+    narrower tiles of whole vectors (``REMAINDER_COLUMNS``), then ``nr``. The first that holds
+    them is taken, by the kernel (``_column_tiles``) and by the cost model's count of the columns
+    it computes (``computed_columns``) alike."""
+    return [*range(lanes, nr, lanes), nr] if REMAINDER_COLUMNS else [nr]
 
 
 def _column_tile(op, z, first, rows, j0, tile, lanes, panel, depth) -> None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -204,13 +205,33 @@ def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
 
 def test_the_runner_forgets_builds_the_timing_worker_has_evicted() -> None:
     """The runner's view of the timing worker's cache keeps what the worker keeps (its most
-    recently used ``BUILDS_KEPT``), so an evicted kernel is built ahead again, not assumed held."""
+    recently used ``builds_kept``), so an evicted kernel is built ahead again, not assumed held."""
     from tuner.measure.worker import BUILDS_KEPT
 
     with LocalRunner(MeasureOptions(workers=1)) as runner:
+        assert runner._job({})["builds_kept"] == BUILDS_KEPT  # what the worker is told to keep
         for index in range(BUILDS_KEPT + 3):
             runner._held(f"k{index}")
         runner._held("k3")  # used again: most recent
         runner._held("new")
         assert len(runner._timed) == BUILDS_KEPT
         assert "k3" in runner._timed and "k4" not in runner._timed and "k0" not in runner._timed
+
+
+def test_a_longer_tune_keeps_every_build_it_makes() -> None:
+    """``python -m tuner tune`` measures 256 trials by default: its workers keep that many builds
+    (and the default kernel's), so the races at the end rebuild nothing; a short tune keeps the
+    worker's floor."""
+    from tuner.cli import _measure_options, build_parser
+    from tuner.measure.worker import BUILDS_KEPT
+
+    long = _measure_options(build_parser().parse_args(["tune", "--op", "dense", "--k", "8", "--n", "8", "--t", "1:8"]))
+    short = _measure_options(build_parser().parse_args(["tune", "--op", "dense", "--k", "8", "--n", "8", "--t", "1:8",
+                                                        "--trials", "16"]))
+    assert long.builds_kept == 257 and short.builds_kept == BUILDS_KEPT
+    with LocalRunner(replace(long, workers=1)) as runner:
+        for index in range(300):
+            runner._held(f"k{index}")
+        assert len(runner._timed) == 257 and runner._job({})["builds_kept"] == 257
+    with pytest.raises(ValueError, match="builds_kept"):
+        MeasureOptions(builds_kept=0)

@@ -55,10 +55,20 @@ class MeasureOptions:
     # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
     # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
     workers: int | None = None
+    # Candidates the timing worker keeps built (``worker.BUILDS_KEPT``): as many as a tune builds
+    # (``for_trials``), so the races at its end find their finalists still built.
+    builds_kept: int = worker.BUILDS_KEPT
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.builds_kept < 1:
+            raise ValueError(f"builds_kept must be at least 1, got {self.builds_kept}")
+
+    def for_trials(self, trials: int) -> MeasureOptions:
+        """These options, keeping every build of a ``trials``-trial tune of one operator (and its
+        default kernel's): at least ``worker.BUILDS_KEPT``."""
+        return replace(self, builds_kept=max(self.builds_kept, trials + 1))
 
 
 MAX_WORKERS = 4
@@ -211,7 +221,7 @@ class LocalRunner:
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
         self._ahead: dict[str, dict] = {}  # build key -> its prepare result, until it is timed
         # The build keys the timing worker holds, least recently used first: what its cache keeps
-        # (``worker.BUILDS_KEPT``), so an evicted build is built ahead again.
+        # (``MeasureOptions.builds_kept``), so an evicted build is built ahead again.
         self._timed: OrderedDict[str, None] = OrderedDict()
         self._names = itertools.count()
 
@@ -225,7 +235,8 @@ class LocalRunner:
 
     def _job(self, job: dict) -> dict:
         return {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
-                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights}
+                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights,
+                "builds_kept": self.options.builds_kept}
 
     def prepare(self, jobs: list[dict]) -> None:
         """Build the candidates of ``jobs`` ahead, on every worker at once: the timing worker
@@ -304,7 +315,7 @@ class LocalRunner:
         """The timing worker built or used ``key``: as its cache does, keep it, most recent last."""
         self._timed[key] = None
         self._timed.move_to_end(key)
-        while len(self._timed) > worker.BUILDS_KEPT:
+        while len(self._timed) > self.options.builds_kept:
             self._timed.popitem(last=False)
 
     def close(self) -> None:

@@ -155,8 +155,9 @@ def never_raises(body, job: dict) -> dict:
 # is symbolic in the shape, so one build serves every shape it is timed on (the default rule's
 # kernel on each shape the search works on, a plan's variant at its interval's ends and middle).
 # As many as a tune of 64 trials builds: the races come last, and with 16 kept their finalists
-# built early had been evicted and were built again, serially, inside the races. A jitted
-# AVX-512 candidate of bert-base's 3072 -> 768 layer holds about 3 MiB (ad hoc, 12 kept).
+# built early had been evicted and were built again, serially, inside the races. A job may ask
+# for more (``builds_kept``: ``MeasureOptions.for_trials``, a longer tune). A jitted AVX-512
+# candidate of bert-base's 3072 -> 768 layer holds about 3 MiB (ad hoc, 12 kept).
 BUILDS_KEPT = 64
 _BUILDS: OrderedDict[str, object] = OrderedDict()
 
@@ -234,7 +235,7 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
         worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
         return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}"}
     _BUILDS[key] = module
-    while len(_BUILDS) > BUILDS_KEPT:
+    while len(_BUILDS) > job.get("builds_kept", BUILDS_KEPT):
         _BUILDS.popitem(last=False)
     return module, False
 
