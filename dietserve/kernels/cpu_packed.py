@@ -67,6 +67,16 @@ from .tir_rebuild import expression_size
 # interleaved (``compare_artifacts.py``, znver4): seq 31 1.07-1.08x, 48 1.04-1.05x, 64
 # 1.01-1.02x, other lengths within the machine's noise; hot, the kernels time as before.
 PREFETCH_NEXT_BLOCK = True
+# Where the later passes are more than the next block needs at a line a step, its lines are
+# spread over them (up to 8 times as many passes, ``NextBlock``), not fetched in the first few
+# at a pace one core's share of the DRAM cannot keep. Weight from DRAM, with / without,
+# interleaved, 7 rounds (``cold_weights.py --interleaved --without spread``, 2-core Emerald
+# Rapids): 3072 -> 768 7 x 48 tile T = 48 / 64 / 128 1.12 / 1.10 / 1.00x, 6 x 64 1.01-1.05x;
+# 768 -> 3072 9 x 48 T = 64 / 128 1.09 / 1.10x, 4 x 96 1.01-1.08x, 7 x 48 in 256-deep blocks
+# 1.04-1.19x (T = 256: 0.98-1.05x). bert-base, one version-45 tune's plans built with and
+# without (``compare_artifacts.py``, 11 rounds): seq 48-256 1.008-1.054x, the control
+# 0.986-1.020x.
+SPREAD_NEXT_BLOCK = True
 # On Intel's server cores a pass reading the weight from DRAM did not overlap the stream with its
 # FMAs: it took about the stream plus its time with the weight in cache (3072 -> 768, 9-row
 # tile, 2-core Emerald Rapids VM, ``cold_weights.py``: T = 1 0.35 ms, T = 7 0.59 against 0.20
@@ -160,9 +170,10 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
 
     def reduction(tile: Tile) -> None:
         if blocked:
-            blocked_reduction(tile, tasks, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK, distance)
+            blocked_reduction(tile, tasks, int(panels) // nb, nb, depth, kc, PREFETCH_NEXT_BLOCK, distance,
+                              SPREAD_NEXT_BLOCK)
         else:
-            whole_reduction(tile, tasks, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK, distance)
+            whole_reduction(tile, tasks, int(panels) // nb, nb, depth, PREFETCH_NEXT_BLOCK, distance, SPREAD_NEXT_BLOCK)
 
     with IRBuilder() as builder, T.seq_scope():
         if crowding is None:

@@ -62,11 +62,12 @@ def _reduce_fetching(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextB
             _reduce(tile, accs, i0, panel0, k_first, extent, distance=distance)
 
 
-def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bool, distance: int = 0) -> None:
+def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bool, distance: int = 0,
+                    spread: bool = False) -> None:
     """Each task: one row tile over ``nb`` panels, the whole reduction in registers. ``tasks``:
     the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``: the later passes fetch the
-    next block (``NextBlock``); ``distance``: the other passes fetch that many bytes ahead
-    (``stream_ahead``; 0: not)."""
+    next block (``NextBlock``), over every later pass where ``spread``; ``distance``: the other
+    passes fetch that many bytes ahead (``stream_ahead``; 0: not)."""
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with tasks(blocks * row_tiles) as claim:
@@ -83,7 +84,8 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
 
         def reduce(tile: Tile, accs: list, group) -> None:
             tile.zero(accs)
-            ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth)) if prefetch else None
+            ahead = NextBlock(tile, row_tiles, next_block * nb, nb, 0, int(depth), int(depth), spread) \
+                if prefetch else None
             _reduce_fetching(tile, accs, i0, block * nb + group * tile.pk, 0, depth, ahead,
                              tirx.all(later_pass >= 0, next_block >= 0, next_block < blocks),
                              later_pass * groups + group, distance)
@@ -108,11 +110,11 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
 
 
 def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, prefetch: bool,
-                      distance: int = 0) -> None:
+                      distance: int = 0, spread: bool = False) -> None:
     """Each task: ``nb`` panels over every row tile, the reduction in ``kc``-deep blocks (the
     block stays in L2 while the row tiles pass over it), partial sums in the task's workspace.
-    ``tasks``: the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``, ``distance``:
-    as ``whole_reduction``'s."""
+    ``tasks``: the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``, ``distance``,
+    ``spread``: as ``whole_reduction``'s."""
     row_tiles = tile.row_tiles()
     last = int(depth) // kc - 1
     groups = nb // tile.pk
@@ -132,7 +134,7 @@ def blocked_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, kc: int, p
                             tile.load(accs, partial, i0, column0)
                     # Next: this task's next reduction block, or after its last the next task's first.
                     ahead = NextBlock(tile, row_tiles, tirx.Select(ko < last, task, claim.successor()) * nb,
-                                      nb, tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth)) \
+                                      nb, tirx.Select(ko < last, ko * kc + kc, 0), kc, int(depth), spread) \
                         if prefetch else None
                     _reduce_fetching(tile, accs, i0, task * nb + group * tile.pk, ko * kc, kc, ahead,
                                      tirx.all(it >= 1, tirx.any(ko < last, claim.has_successor(blocks))),

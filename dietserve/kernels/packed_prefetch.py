@@ -11,6 +11,7 @@ from tvm.script.ir_builder import tirx as T
 from .packed_tile import Tile
 
 CACHE_LINE_BYTES = 64
+MAX_SPREAD_LOG2 = 3  # a spread next block takes at most 8 times as many passes (``NextBlock``)
 
 
 class NextBlock:
@@ -28,23 +29,47 @@ class NextBlock:
     ``per_step`` lines a step, so that takes ``per_step`` passes after the first. Fetching
     faster, to cover the block in fewer passes, ran slower than not fetching at all (bert-base
     seq 13 and 20 at 0.89x and 0.92x end to end): the stream then competes with the current
-    block's loads."""
+    block's loads.
 
-    def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int):
+    Where there are at least twice as many later passes (``spread``), each unit's share is
+    fetched by 2, 4 or 8 units in turn, a line every 2, 4 or 8 steps: at a line a step, a
+    3-line tile fetched its next 590 KB block in 3 of 9 later passes, faster than one core's
+    share of the DRAM, and the rest fetched nothing (``cpu_packed.SPREAD_NEXT_BLOCK``)."""
+
+    def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int,
+                 spread: bool = False):
         self.tile, self.row_tiles, self.first_panel, self.panels, self.k0, self.span, self.depth = \
             tile, row_tiles, first_panel, panels, k0, span, depth
         self.line = line_elements(tile)
         self.per_run = -(-tile.panel // self.line)  # lines per step of one panel
         self.run_lines = -(-span * tile.panel // self.line)
         self.per_step = tile.pk * self.per_run
+        # log2 of the passes each share is spread over (``spread``): the later passes over the
+        # passes the block needs at a line a step, rounded down to a power of two, at most
+        # MAX_SPREAD: a shift, not a division, in the FMA loop.
+        ratio = (row_tiles - 1) // self.per_step
+        self.shift = sum(tirx.Select(ratio >= 1 << s, 1, 0) for s in range(1, MAX_SPREAD_LOG2 + 1)) \
+            if spread else 0
 
     def enough(self) -> tirx.Expr:
         return self.row_tiles - 1 >= self.per_step
 
+    def fetched(self, unit, step) -> tuple:
+        """(panel of the block, line of its run) that ``unit`` fetches at reduction step ``step``:
+        line ``step`` of its share (past the block's end: a line of its last run); spread, a
+        share of ``span`` lines is fetched by ``2 ** shift`` units in turn, each taking a line
+        every ``2 ** shift`` steps."""
+        if isinstance(self.shift, int) and self.shift == 0:
+            share, offset = unit, step
+        else:
+            share = tirx.shift_right(unit, self.shift)
+            part = unit - tirx.shift_left(share, self.shift)
+            offset = tirx.shift_right(part * self.span + step, self.shift)
+        panel = tirx.min(share // self.per_run, self.panels - 1)
+        return panel, tirx.min(share % self.per_run * self.span + offset, self.run_lines - 1)
+
     def prefetch(self, unit, step) -> None:
-        """Line ``step`` of ``unit``'s share (past the block's end: a line of its last run)."""
-        panel = tirx.min(unit // self.per_run, self.panels - 1)
-        line = tirx.min(unit % self.per_run * self.span + step, self.run_lines - 1)
+        panel, line = self.fetched(unit, step)
         element = ((self.first_panel + panel) * self.depth + self.k0) * self.tile.panel + line * self.line
         prefetch(self.tile, element)
 

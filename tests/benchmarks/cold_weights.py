@@ -62,7 +62,7 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
 # Features of the packed kernel that ``--without`` can switch off, by their module flags.
 FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES",
             "epilogue-loop": "EPILOGUE_LOOP", "remainder-in-place": "REMAINDER_ROWS_IN_PLACE",
-            "stream-ahead": "STREAM_AHEAD"}
+            "stream-ahead": "STREAM_AHEAD", "spread": "SPREAD_NEXT_BLOCK"}
 
 
 @contextmanager

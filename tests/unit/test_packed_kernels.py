@@ -413,3 +413,48 @@ def test_kernels_fetching_their_weight_ahead_match_numpy(tile: tuple, monkeypatc
     # (a ymm load reads half a line: at most one prefetch per load).
     assert all(0 < prefetches <= loads for fmas, loads, broadcasts, stack, prefetches in ahead), ahead
     assert_exact_within_the_output(built["main"], spec, kernel, SHAPES, 96)
+
+
+@pytest.mark.parametrize(("later_passes", "spread"), [(3, 1), (5, 1), (6, 2), (9, 2), (12, 4), (24, 8), (40, 8)])
+def test_the_next_block_is_spread_over_the_later_passes(later_passes: int, spread: int) -> None:
+    """A task's row passes after its first fetch its next weight block (``NextBlock``): 2 panels
+    48 wide (3 lines a step each) over 64 reduction steps, 384 lines. At a line a step that takes
+    3 passes of its 2 register tiles; with more later passes the lines are spread over up to 8
+    times as many (the power of two that fits), a line every ``spread`` steps. Every line of the
+    block is fetched within those passes, first in memory order, no unit more than its share."""
+    from types import SimpleNamespace
+
+    from tvm.sym import Analyzer
+
+    from dietserve.kernels.packed_prefetch import NextBlock
+
+    tile = SimpleNamespace(panel=48, pk=1, dtype=tvm.DataType("float32"))
+    groups, span, lines_per_panel = 2, 64, 3 * 64
+    ahead = NextBlock(tile, later_passes + 1, 0, 2, 0, span, span, spread=True)
+    analyzer = Analyzer()
+    units = []
+    for unit in range(later_passes * groups):
+        lines = []
+        for step in range(span):
+            panel, line = (int(analyzer.simplify(x)) for x in ahead.fetched(tvm.tirx.const(unit, "int64"), step))
+            lines.append(panel * lines_per_panel + line)
+        assert len(set(lines)) <= span // spread, (unit, sorted(set(lines)))
+        units.append(lines)
+    block = list(range(2 * lines_per_panel))
+    within = [line for lines in units[:3 * spread * groups] for line in lines]
+    assert list(dict.fromkeys(within)) == block  # all of it, each line first fetched in memory order
+
+
+def test_a_spread_next_block_loop_stays_register_resident() -> None:
+    """The spread fetch adds a shift and a clamp to the FMA loop, no division, and keeps every
+    accumulator in a register (AVX-512, the 3072 -> 768 layer's 7 x 48 tile)."""
+    spec = dense(3072, 768, "bias_residual")
+    kernel = MicroKernel(tile=(("i", (7,)), ("j", (48, 1, 1)), ("k", (1,))), vector=16, pack=48)
+    asm = build(apply_kernel(spec.func, kernel, AVX512), AVX512).mod.inspect_source("asm")
+    bodies = [body for body in fma_loop_bodies(asm) if len(re.findall(r"vfmadd\d+ps", body)) == 21]
+    # (the loops fetching 3 lines a step fetch their own lines ahead: ``stream_ahead``)
+    fetching = [body for body in bodies if len(re.findall("prefetch", body)) == 1]
+    assert fetching, bodies
+    for body in fetching:
+        assert re.search(r"\bsar", body) and not re.search(r"\bi?div", body), body
+        assert not re.findall(r"vmov[au]ps\s+%zmm\d+, [^\n]*\(", body), body
