@@ -66,8 +66,9 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
                     spread: bool = False) -> None:
     """Each task: one row tile over ``nb`` panels, the whole reduction in registers. ``tasks``:
     the task loop (``claimed_tasks``, ``static_tasks``); ``prefetch``: the later passes fetch the
-    next block (``NextBlock``), over every later pass where ``spread``; ``distance``: the other
-    passes fetch that many bytes ahead (``stream_ahead``; 0: not)."""
+    next block (``NextBlock``), spread over up to 8 times as many of them where they are that many
+    (``spread``); ``distance``: the other passes fetch that many bytes ahead (``stream_ahead``;
+    0: not)."""
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with tasks(blocks * row_tiles) as claim:

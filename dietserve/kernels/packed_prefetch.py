@@ -46,7 +46,7 @@ class NextBlock:
         self.per_step = tile.pk * self.per_run
         # log2 of the passes each share is spread over (``spread``): the later passes over the
         # passes the block needs at a line a step, rounded down to a power of two, at most
-        # MAX_SPREAD: a shift, not a division, in the FMA loop.
+        # 2 ** MAX_SPREAD_LOG2: a shift, not a division, in the FMA loop.
         ratio = (row_tiles - 1) // self.per_step
         self.shift = sum(tirx.Select(ratio >= 1 << s, 1, 0) for s in range(1, MAX_SPREAD_LOG2 + 1)) \
             if spread else 0
