@@ -146,8 +146,8 @@ class PlanCommitment:
             of_width = [k for k in of_width if k.threads != 1] or of_width
             plain = [k for k in of_width if _plain(k, depth)]
             if plain:
-                rows = max(k.tile_sizes("i")[0] for k in plain)
-                candidates = [k for k in plain if k.tile_sizes("i")[0] == rows]
+                rows = max(register_tile(k)[0] for k in plain)
+                candidates = [k for k in plain if register_tile(k)[0] == rows]
                 if not any(k in candidates for k in measured):
                     tallest.append(self.by_prediction(candidates, shape)[0])
             if not any(_width(k) == width for k in measured):

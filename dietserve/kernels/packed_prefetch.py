@@ -47,9 +47,10 @@ class NextBlock:
         # log2 of the passes each share is spread over (``spread``): the later passes over the
         # passes the block needs at a line a step, rounded down to a power of two, at most
         # 2 ** MAX_SPREAD_LOG2: a shift, not a division, in the FMA loop.
-        ratio = (row_tiles - 1) // self.per_step
-        self.shift = sum(tirx.Select(ratio >= 1 << s, 1, 0) for s in range(1, MAX_SPREAD_LOG2 + 1)) \
-            if spread else 0
+        self.shift = 0
+        if spread:
+            ratio = (row_tiles - 1) // self.per_step
+            self.shift = sum(tirx.Select(ratio >= 1 << s, 1, 0) for s in range(1, MAX_SPREAD_LOG2 + 1))
 
     def enough(self) -> tirx.Expr:
         return self.row_tiles - 1 >= self.per_step
