@@ -81,7 +81,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
                           loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where),
-                          race=not args.no_race)
+                          race=not args.no_race, reference_timing=not args.no_reference_timing)
     measure = _measure_options(args)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
@@ -183,7 +183,8 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials"
                  + (", timed with its fused softmax" if description.softmax else ""))
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
-                                  seed=args.seed, dram=dram, race=not args.no_race)
+                                  seed=args.seed, dram=dram, race=not args.no_race,
+                                  reference_timing=not args.no_reference_timing)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
                           log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
             result = tuner.run()
@@ -258,6 +259,9 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-race", action="store_true",
                         help="plan from the search's timings alone; by default each shape's finalists (within "
                              f"{RACE_MARGIN}x of its best) are timed again side by side before the plan is made")
+    parser.add_argument("--no-reference-timing", action="store_true",
+                        help="time each CPU candidate alone; by default it is timed beside a reference kernel of "
+                             "its shape and kept as its ratio to it (the host's speed moves within minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

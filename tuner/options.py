@@ -31,6 +31,10 @@ class TuneOptions:
     # Before the final plan, each shape's finalists timed again side by side (``race.py``): on a
     # shared host the search's single timings rank near-equal kernels by when each was timed.
     race: bool = True
+    # CPU candidates timed beside a reference kernel of their shape and kept on its scale
+    # (``reference_scale.py``): the host's speed moves within minutes, the ratio of two kernels
+    # timed together far less.
+    reference_timing: bool = True
 
     def __post_init__(self) -> None:
         if self.trials < 1:

@@ -48,11 +48,12 @@ from .options import TuneOptions, TuneResult
 from .planning import make_plan
 from .progress import ProgressBar
 from .race import RaceSummary, race_finalists, race_packings, race_unmeasured_intervals
+from .reference_scale import ReferenceScale
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
-TUNER_VERSION = 47  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 48  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 ABANDON_FACTOR = 4.0  # a candidate this much slower than the shape's best is timed once, not repeated
 DEFAULT_OPTIONS = TuneOptions()  # (frozen: one shared default)
 PACKING_SHARE = 3 / 8  # of the trial budget searched over every packing before one is committed
@@ -105,6 +106,10 @@ class Tuner:
         # shape key -> kernel -> factor on the served-latency model there (``race.py``'s streamed races)
         self.corrections: dict[tuple, dict[MicroKernel | None, float]] = {}
         self.commitment = PlanCommitment(self)
+        # Each shape's candidates timed beside a reference kernel, on its scale (``reference_scale``):
+        # CPU kernels timed hot on this machine (the worker ignores it elsewhere).
+        self.scale = ReferenceScale() if options.reference_timing and task.target.get("kind") == "llvm" \
+            and not self.streams_weights else None
         self._reuse_records()
 
     def _reuse_records(self) -> None:
@@ -236,10 +241,14 @@ class Tuner:
         prepare([self._job(shape, self._kernel_job(kernel)) for kernel, shape in probes[:left]])
 
     def _run_job(self, kernel: MicroKernel | None, shape: dict, job: dict) -> float | None:
-        """Run one measurement job and record it (append-only); returns the latency or None. A
+        """Run one measurement job and record it (append-only); returns the latency to keep, on
+        the shape's reference scale where there is one (``_timed``), or None. A
         timing during which other work took more than ``CONTENDED_SHARE`` of the CPUs is done
         once more (not another trial), and the quieter of the two is kept: a neighbour on one
         core slows a kernel on every core and not a serial one."""
+        reference = None if self.scale is None else self.scale.reference(shape_key(shape))
+        if reference is not None and reference != kernel:
+            job = {**job, "reference": self._kernel_job(reference)}
         result = self.runner.run(self._job(shape, job))
         busy = result.get("others_share")
         if result.get("error") is None and busy is not None and busy > CONTENDED_SHARE:
@@ -250,6 +259,7 @@ class Tuner:
         self.trials += 1
         error = result.get("error")
         latency = None if error is not None else next(iter(result["latencies"].values()))
+        beside = next(iter((result.get("references") or {}).values()), None)
         if error is not None:
             self.failures += 1
             self.log(f"{kernel or 'the default kernel'} failed on {shape}: {error}")
@@ -260,9 +270,27 @@ class Tuner:
                   "time": time.time(), "others_share": result.get("others_share"),
                   "flops": self.task.flops(shape), "build_s": result.get("build_seconds"),
                   "build_reused": result.get("build_reused", False),
-                  "check_shape": self.check_shape},
+                  "check_shape": self.check_shape,
+                  **({"reference": reference.to_json(), "reference_s": beside["seconds"],
+                      "reference_ratio": beside["ratio"]} if beside is not None else {})},
         ))
-        return latency
+        return None if latency is None else self._timed(kernel, shape, latency, beside, job)
+
+    def _timed(self, kernel: MicroKernel | None, shape: dict, latency: float, beside: dict | None, job: dict) -> float:
+        """``kernel``'s measurement on ``shape`` to keep: ``latency`` as timed, or on the shape's
+        reference scale (``ReferenceScale``), which may move the shape's other measurements."""
+        if self.scale is None:
+            return latency
+        key = shape_key(shape)
+        hopeless = latency > job.get("abandon_above_s", math.inf)
+        here = dict(self.measured.get(key, {}))
+        if key in self.default_measured:
+            here[None] = self.default_measured[key]
+        kept = self.scale.timed(key, kernel, latency, beside, here, hopeless)
+        for other, value in kept.items():
+            if other != kernel:
+                self.set_measured(other, key, value, rescaled=True)
+        return kept[kernel]
 
     def measure_default(self, shape: dict) -> None:
         """The untuned build's kernel on ``shape``: the bar every variant must clear there. Where
@@ -284,9 +312,11 @@ class Tuner:
         """``kernel``'s measurement on the shape ``key`` (None: the default kernel's)."""
         return self.default_measured[key] if kernel is None else self.measured[key][kernel]
 
-    def set_measured(self, kernel: MicroKernel | None, key: tuple, latency: float) -> None:
-        """Replace a measurement (``race.py``: timed again beside its rivals); the cost model keeps
-        the search's."""
+    def set_measured(self, kernel: MicroKernel | None, key: tuple, latency: float, rescaled: bool = False) -> None:
+        """Replace a measurement (``race.py``: timed again beside its rivals; ``rescaled``: the
+        shape's reference level moved); the cost model keeps the search's."""
+        if self.scale is not None and not rescaled:
+            self.scale.replaced(key, kernel, latency)
         if kernel is None:
             self.default_measured[key] = latency
         else:
