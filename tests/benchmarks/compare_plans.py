@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [_geomean(medians[index, t] / medians[0, t] for t in lengths) for index in order[1:]]
     for label, ratio in zip(labels[1:], ratios, strict=True):
         print(f"{label}: {ratio:.3f}x the time of {labels[0]} (geomean over T)")
-    print("RESULT geomean_vs_first=" + ",".join(f"{r:.3f}" for r in ratios) + f" spread_geomean={_geomean(spreads):.3f}")
+    ratio_text = ",".join(f"{r:.3f}" for r in ratios)
+    print(f"RESULT geomean_vs_first={ratio_text} spread_geomean={_geomean(spreads):.3f}")
     return 0
 
 
