@@ -33,8 +33,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import numpy as np
-
 from dietserve.kernels.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.microkernel import MicroKernel
 from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
@@ -50,6 +48,7 @@ from .progress import ProgressBar
 from .race import RaceSummary, race_finalists, race_packings, race_unmeasured_intervals
 from .reference_scale import ReferenceScale
 from .search.evolution import EvolutionarySearch
+from .shape_choice import choose_shapes
 from .space import task_space
 from .task import TuningTask
 
@@ -160,40 +159,6 @@ class Tuner:
 
     def _weighted(self) -> list[tuple[dict, float]]:
         return list(zip(self.shapes, self.weights, strict=True))
-
-    def choose_shapes(self) -> list[dict]:
-        priorities = np.asarray([w * self._best_latency(s) for s, w in self._weighted()])
-        count = min(self.options.shapes_per_round, len(self.shapes))
-        if np.isinf(priorities).any():  # cold start: shapes nobody has estimated, spread by weight x FLOPs
-            scale = np.asarray([w * self.task.flops(s) for s, w in self._weighted()], dtype=float)
-            picks = self._sample(scale, count)
-        else:
-            # The shape costing the most weighted time first; then shapes never measured, by
-            # weight, so small shapes (cheap, but served as often) get kernels of their own
-            # rather than extrapolations from kernels sized for large ones.
-            first = int(np.argmax(priorities))
-            unmeasured = np.asarray([0.0 if self._measured_here(s) else w for s, w in self._weighted()])
-            unmeasured[first] = 0
-            picks = [first] + self._sample(unmeasured, count - 1)
-            if len(picks) < count:
-                rest = priorities.copy()
-                rest[picks] = 0
-                picks += self._sample(rest, count - len(picks))
-        smallest = self.smallest
-        if self.weights[smallest] > 0 and not self._measured_here(self.shapes[smallest]) \
-                and smallest not in picks and count > 1:
-            # The smallest shape is a regime of its own (weight streaming, no row reuse) that
-            # FLOP-weighted picks would reach last: search it from the start.
-            picks[-1] = smallest
-        return [self.shapes[i] for i in picks]
-
-    def _sample(self, scale: np.ndarray, count: int) -> list[int]:
-        positive = np.flatnonzero(scale > 0)
-        if count <= 0 or positive.size == 0:
-            return []
-        probabilities = scale[positive] / scale[positive].sum()
-        generator = np.random.default_rng(self.rng.randrange(1 << 30))
-        return list(generator.choice(positive, size=min(count, positive.size), replace=False, p=probabilities))
 
     # -- measurements ----------------------------------------------------------------------
     def calibrated(self) -> dict[MicroKernel, float]:
@@ -386,7 +351,7 @@ class Tuner:
             if self.options.time_budget_s is not None and time.monotonic() - started >= self.options.time_budget_s:
                 self.log(f"time budget of {self.options.time_budget_s:.0f} s reached after {self.trials} trials")
                 return
-            shapes = self.choose_shapes()
+            shapes = choose_shapes(self)
             per_shape = max(1, self.options.candidates_per_round // len(shapes))
             for shape in shapes:
                 extents, flops = self.task.axis_extents(shape), self.task.flops(shape)

@@ -4,18 +4,17 @@
         [--lengths 1,7,31,64,128,257,512] [--rounds 7] [--labels a,b,...]
 
 Each plan (``bench_kernels.py --save-plans``, or ``python -m tuner tune --out``) is built once;
-then, round after round, every plan is timed on every length in turn (the order of the plans
-reversed every other round), each turn one repeat of at least 10 ms, so a slow spell of a shared
-host falls on each plan alike. Prints each plan's median ms per length, its time over the first
-plan's (per length and geomean), and how far apart the plans are at each length (slowest over
-fastest). The last line is ``RESULT geomean_vs_first=...`` (one per plan after the first, >1:
-slower than the first) ``spread_geomean=...``. Not a test: run it on an idle machine.
+then, length by length, the plans race as the tuner's finalists do (``racing.raced_rounds``: in
+turn, round after round, the order reversed every other round), each turn one repeat of at least
+10 ms, so a slow spell of a shared host falls on each plan alike. Prints each plan's median ms
+per length, its time over the first plan's (per length and geomean), and how far apart the plans
+are at each length (slowest over fastest). The last line is ``RESULT geomean_vs_first=...`` (one
+per plan after the first, >1: slower than the first) ``spread_geomean=...``. Not a test: run it on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,16 +27,11 @@ import tvm  # noqa: E402
 
 from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
 from dietserve.kernels.plan import KernelPlan  # noqa: E402
+from tuner.measure.racing import raced_rounds  # noqa: E402
 from tuner.measure.streaming import SharedCycle  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 
 MIN_TURN_S = 0.01
-
-
-def _geomean(values) -> float:
-    values = list(values)
-    return statistics.geometric_mean(values) if values else float("nan")
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,14 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             library["main"](*arguments)
             baselines.check_against_reference(spec, arguments[-1].numpy(), inputs)
             turns[index, length] = lambda f=library["main"], a=arguments: cycle.turn(f, [a])
-    samples: dict[tuple, list[float]] = {key: [] for key in turns}
     order = list(range(len(plans)))
-    for round_ in range(args.rounds):
-        for length in lengths:
-            for index in order if round_ % 2 == 0 else order[::-1]:
-                samples[index, length].append(turns[index, length]())
-        print(f"[compare] round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    medians = {key: statistics.median(values) for key, values in samples.items()}
+    medians = {}
+    for length in lengths:
+        latencies, _rounds = raced_rounds([turns[index, length] for index in order], args.rounds)
+        medians.update({(index, length): latency for index, latency in zip(order, latencies, strict=True)})
+        print(f"[compare] T = {length}: {args.rounds} rounds", file=sys.stderr, flush=True)
 
     print("    T  " + "  ".join(f"{label[-14:]:>14}" for label in labels) + "  spread")
     spreads = []
@@ -84,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         spreads.append(max(row) / min(row))
         cells = [f"{row[0] * 1e3:>11.3f} ms"] + [f"{t * 1e3:>7.3f} {t / row[0]:>5.2f}x" for t in row[1:]]
         print(f"{length:>5}  " + "  ".join(f"{cell:>14}" for cell in cells) + f"  {spreads[-1]:.3f}")
-    ratios = [_geomean(medians[index, t] / medians[0, t] for t in lengths) for index in order[1:]]
+    ratios = [bench_kernels.geomean([medians[index, t] / medians[0, t] for t in lengths]) for index in order[1:]]
     for label, ratio in zip(labels[1:], ratios, strict=True):
         print(f"{label}: {ratio:.3f}x the time of {labels[0]} (geomean over T)")
     ratio_text = ",".join(f"{r:.3f}" for r in ratios)
-    print(f"RESULT geomean_vs_first={ratio_text} spread_geomean={_geomean(spreads):.3f}")
+    print(f"RESULT geomean_vs_first={ratio_text} spread_geomean={bench_kernels.geomean(spreads):.3f}")
     return 0
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+
+from .streaming import SharedCycle
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,33 @@ def timed_beside(candidate: Callable[[], float], reference: Callable[[], float],
             references.append(reference())
     return Beside(statistics.median(candidates), statistics.median(references),
                   statistics.median(c / r for c, r in zip(candidates, references, strict=True)))
+
+
+def reference_kernel(operator, job: dict):
+    """(the main function, the packing) of the reference kernel a measuring ``job`` names, for
+    its ``operator`` (``worker.JobOperator``), built and checked as its own measuring job was (and
+    so kept from it); None where the job names none, its weight streams (the reference would read
+    it from DRAM as well: no common spell), the kernels run elsewhere (a GPU or RPC: timed by the
+    device's evaluator), or the reference fails its check (the candidate is then timed alone)."""
+    from dietserve.kernels.microkernel import MicroKernel
+
+    named = job.get("reference")
+    if named is None or not operator.on_this_cpu or operator.weight_index is not None:
+        return None
+    entrant = {name: value for name, value in job.items() if name not in ("reference", "library", "abandon_above_s")}
+    entrant.update(named)
+    pack = MicroKernel.from_json(named["kernel"]).pack
+    outcome = operator.built_and_checked(entrant, pack)
+    return None if isinstance(outcome, dict) else (outcome[0]["main"], pack)
+
+
+def time_beside_reference(operator, function, arguments: list, reference, shape: dict, job: dict) -> Beside:
+    """``function`` (a candidate, warm) called on ``arguments`` timed beside ``reference``
+    (``reference_kernel``) on ``shape``: ``job["repeat"]`` rounds, each turn as many calls as fill
+    ``job["min_repeat_ms"]``."""
+    reference_function, reference_pack = reference
+    (reference_arguments,) = operator.call_arguments(shape, reference_pack)
+    reference_function(*reference_arguments)  # warm-up, as the candidate's
+    turns = SharedCycle(job.get("min_repeat_ms", 0) / 1e3)
+    return timed_beside(partial(turns.turn, function, [arguments]),
+                        partial(turns.turn, reference_function, [reference_arguments]), job.get("repeat", 5))

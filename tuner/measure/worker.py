@@ -22,16 +22,16 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import numpy as np
 
 from dietserve.kernels.hardware import last_level_cache_bytes
 from dietserve.kernels.huge_pages import on_huge_pages
 
-from .beside import timed_beside
+from .beside import reference_kernel, time_beside_reference
 from .host_load import OtherLoad
-from .streaming import SharedCycle, copies, time_streaming
+from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
 CHECK_ATOL = 1e-3
@@ -302,7 +302,7 @@ def _measure(job: dict, started: float) -> dict:
     latencies, references = {}, {}
     timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
                                   min_repeat_ms=job.get("min_repeat_ms", 0))
-    reference = _reference(operator, job)
+    reference = reference_kernel(operator, job)
     load = operator.other_load()
     for shape in job["shapes"]:
         key = tuple(sorted(shape.items()))
@@ -322,12 +322,7 @@ def _measure(job: dict, started: float) -> dict:
                 latencies[_shape_text(key)] = time.perf_counter() - probe  # hopeless: not worth repeats
                 continue
         if reference is not None:
-            reference_function, reference_pack = reference
-            (reference_args,) = operator.call_arguments(shape, reference_pack)
-            reference_function(*reference_args)  # warm-up, as the candidate's
-            turns = SharedCycle(job.get("min_repeat_ms", 0) / 1e3)
-            beside = timed_beside(partial(turns.turn, function, [args]),
-                                  partial(turns.turn, reference_function, [reference_args]), job.get("repeat", 5))
+            beside = time_beside_reference(operator, function, args, reference, shape, job)
             latencies[_shape_text(key)] = beside.candidate_s
             references[_shape_text(key)] = {"seconds": beside.reference_s, "ratio": beside.ratio}
             continue
@@ -335,24 +330,6 @@ def _measure(job: dict, started: float) -> dict:
     return {"latencies": latencies, "references": references, "error": None, "build_seconds": built - started,
             "build_reused": reused, "others_share": None if load is None else load.share(),
             "seconds": time.perf_counter() - started}
-
-
-def _reference(operator: JobOperator, job: dict):
-    """(the main function, the packing) of the job's reference kernel (``beside.py``), built and
-    checked as its own measuring job was (and so kept from it); None where the job names none,
-    its weight streams (the reference would read it from DRAM as well: no common spell), the
-    kernels run elsewhere (a GPU or RPC: timed by the device's evaluator), or the reference
-    fails its check (the candidate is then timed alone)."""
-    from dietserve.kernels.microkernel import MicroKernel
-
-    named = job.get("reference")
-    if named is None or not operator.on_this_cpu or operator.weight_index is not None:
-        return None
-    entrant = {name: value for name, value in job.items() if name not in ("reference", "library", "abandon_above_s")}
-    entrant.update(named)
-    pack = MicroKernel.from_json(named["kernel"]).pack
-    outcome = operator.built_and_checked(entrant, pack)
-    return None if isinstance(outcome, dict) else (outcome[0]["main"], pack)
 
 
 def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
