@@ -5,7 +5,7 @@
     python -m tuner report --db records.jsonl [--plot latency.png]
 
 ``tune-tasks`` is how ``python -m dietserve tune`` hands over a model's operators: a task file
-in, one kernel plan per task out (``dietserve/kernels/tasks.py`` and ``plan.py``).
+in, one kernel plan per task out (``dietserve/kernels/plan/task_file.py`` and ``plan.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .database.records import RecordDatabase
 from .ops import EPILOGUES, attention_context, attention_scores, dense
-from .race import RACE_MARGIN
 from .targets import resolve_target
 from .task import ShapeVar, TuningTask
 
@@ -37,10 +36,11 @@ def _spec(args: argparse.Namespace):
 
 def _measure_options(args: argparse.Namespace):
     from .measure.runner import MeasureOptions
+    from .measure.timing import TimingPolicy
 
-    return MeasureOptions(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                          timeout_s=args.timeout, stream_weights=args.stream_weights,
-                          workers=args.workers).for_trials(args.trials)
+    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
+                          stream_weights=args.stream_weights)
+    return MeasureOptions(timing=timing, timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
 
 
 def _dram_rates(args: argparse.Namespace, where):
@@ -49,10 +49,10 @@ def _dram_rates(args: argparse.Namespace, where):
     weights already from DRAM (``--stream-weights``), on a GPU, or ``--plan-weights cache``."""
     if args.plan_weights == "cache" or args.stream_weights or args.rpc_tracker or where.target.get("kind") != "llvm":
         return None
-    from dietserve.kernels.hardware import last_level_cache_bytes
+    from dietserve.host.hardware import last_level_cache_bytes
 
     from .measure.streaming import dram_read_rate
-    from .weight_stream import DramRates
+    from .planning.weight_stream import DramRates
 
     cache = last_level_cache_bytes()
     rates = DramRates(every_core=dram_read_rate(where.cores, cache), one_core=dram_read_rate(1, cache))
@@ -80,8 +80,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
-                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where),
-                          race=not args.no_race, reference_timing=not args.no_reference_timing)
+                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where))
     measure = _measure_options(args)
     runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
     database = RecordDatabase(Path(args.db))
@@ -94,7 +93,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = Tuner(task, where.space, where.cores, runner, database, options, log=log,
                        hardware=where.hardware).run()
     plan_path = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
-    _say(f"{result.trials} trials ({result.failures} failed){_raced(result.plan)} in {result.wall_s:.1f} s; "
+    _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
          f"{len(result.plan.variants)} variants; plan written to {plan_path}")
     for name, _kernel in result.plan.variants.items():
         _say(f"  {name}: {result.plan.kernel(name)}")
@@ -103,12 +102,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _target_for(description: dict):
     """The tuning target for a manifest-style target description."""
-    from dietserve.kernels.host import target_cores
+    from dietserve.host.cpu import target_cores
 
     kind = description.get("kind")
     cores = target_cores(description)
     if kind == "cuda":
-        from dietserve.kernels.hardware import GPU_PRESETS
+        from dietserve.host.hardware import GPU_PRESETS
 
         presets = {hw.arch: name for name, hw in GPU_PRESETS.items()}
         arch = description.get("arch")
@@ -121,7 +120,7 @@ def _target_for(description: dict):
 def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softmax: bool = False) -> bool:
     import tvm
 
-    from dietserve.kernels.plan import KernelPlan, PlanError
+    from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError
 
     if not path.exists():
         return False
@@ -152,8 +151,8 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
 
     import tvm
 
-    from dietserve.kernels.plan import plan_path
-    from dietserve.kernels.tasks import TaskFile
+    from dietserve.kernels.plan.kernel_plan import plan_path
+    from dietserve.kernels.plan.task_file import TaskFile
 
     from .extract import spec_from_prim_func
     from .measure.runner import LocalRunner, RPCRunner
@@ -183,8 +182,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials"
                  + (", timed with its fused softmax" if description.softmax else ""))
             options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
-                                  seed=args.seed, dram=dram, race=not args.no_race,
-                                  reference_timing=not args.no_reference_timing)
+                                  seed=args.seed, dram=dram)
             tuner = Tuner(task, where.space, where.cores, runner, database, options,
                           log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
             result = tuner.run()
@@ -195,7 +193,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
                 "model": tasks.model, "softmax": description.softmax})
             plan.write(out)
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
-            _say(f"{header}: {result.trials} trials ({tuner.reused} reused records){_raced(plan)} in "
+            _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in "
                  f"{result.wall_s:.1f} s -> {out.name}: {chosen}")
     _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
     return 0
@@ -228,19 +226,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _raced(plan) -> str:
-    """"[, the packings raced on P shapes], finalists raced on N shapes (the fastest changed on M[, C
-    beside other work])[, I intervals chosen on predictions raced]" from a plan's provenance, or ""."""
-    races = plan.provenance.get("races") or {}
-    packings = f", the packings raced on {races['packings']} shapes" if races.get("packings") else ""
-    intervals = (f", {races['intervals']} intervals chosen on predictions raced" if races.get("intervals") else "")
-    if not races.get("shapes"):
-        return packings + intervals
-    busy = f", {races['contended']} beside other work" if races.get("contended") else ""
-    return (f"{packings}, finalists raced on {races['shapes']} shapes "
-            f"(the fastest changed on {races['reordered']}{busy}){intervals}")
-
-
 def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
     parser.add_argument("--number", type=int, default=2, help="runs per timed repeat")
@@ -256,12 +241,6 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes building candidates in parallel (default: one per core, at most 4; "
                              "timings run one at a time)")
-    parser.add_argument("--no-race", action="store_true",
-                        help="plan from the search's timings alone; by default each shape's finalists (within "
-                             f"{RACE_MARGIN}x of its best) are timed again side by side before the plan is made")
-    parser.add_argument("--no-reference-timing", action="store_true",
-                        help="time each CPU candidate alone; by default it is timed beside a reference kernel of "
-                             "its shape and kept as its ratio to it (the host's speed moves within minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

@@ -15,7 +15,7 @@ import numpy as np
 import tvm
 from tvm import tirx
 
-from dietserve.kernels.matching import evaluate, matmul_extents, symbolic_vars, workload_key
+from dietserve.kernels.tir.matching import evaluate, matmul_extents, symbolic_vars, workload_key
 
 from .ops import OperatorSpec, Shape
 

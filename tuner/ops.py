@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from dietserve.kernels.gelu import gelu_expr
+from dietserve.kernels.tir.gelu import gelu_expr
 
 Shape = Mapping[str, int]
 
@@ -194,7 +194,7 @@ def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> li
     Inputs leave out the PrimFunc's scalar params, so the weight's position shifts past them."""
     if not pack:
         return inputs
-    from dietserve.kernels.packing import pack_array
+    from dietserve.kernels.cpu_packed.packing import pack_array
 
     index = weight_input(spec)
     return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
@@ -203,7 +203,7 @@ def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> li
 def weight_input(spec: OperatorSpec) -> int | None:
     """The position of the constant weight among ``spec``'s inputs (``random_inputs``' order,
     which leaves out the PrimFunc's scalar params); None if the operator has none."""
-    from dietserve.kernels.packing import weight_param
+    from dietserve.kernels.cpu_packed.packing import weight_param
 
     found = weight_param(spec.func)
     if found is None:

@@ -1,15 +1,13 @@
-"""What a tune is asked for (``TuneOptions``) and what it returns (``TuneResult``): the tuning
-loop's (``tune.py``) inputs and output, read by the command line and the benchmarks."""
+"""What a tune is asked for (``TuneOptions``) and what it returns (``TuneResult``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dietserve.kernels.plan import KernelPlan
+from dietserve.kernels.plan.kernel_plan import KernelPlan
 
-from .weight_stream import DramRates
-
-DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
+from .measure.job import DEFAULT_APPLY
+from .planning.weight_stream import DramRates
 
 
 @dataclass(frozen=True)
@@ -28,13 +26,6 @@ class TuneOptions:
     # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
     # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.
     dram: DramRates | None = None
-    # Before the final plan, each shape's finalists timed again side by side (``race.py``): on a
-    # shared host the search's single timings rank near-equal kernels by when each was timed.
-    race: bool = True
-    # CPU candidates timed beside a reference kernel of their shape and kept on its scale
-    # (``reference_scale.py``): the host's speed moves within minutes, the ratio of two kernels
-    # timed together far less.
-    reference_timing: bool = True
 
     def __post_init__(self) -> None:
         if self.trials < 1:

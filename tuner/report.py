@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import DEFAULT_VARIANT
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .database.records import TuningRecord
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dietserve.kernels.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.host.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
 
@@ -33,7 +33,7 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
         return TuningTarget(target, gpu_space(hardware), hardware.sm_count, hardware)
     if kind != "llvm":
         raise ValueError(f"target must be llvm or cuda, got {kind!r}")
-    from dietserve.kernels.host import cpu_flags, host_cpu, target_cpu_flags
+    from dietserve.host.cpu import cpu_flags, host_cpu, target_cpu_flags
 
     flags = cpu_flags() or set()
     if mcpu:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dietserve.kernels.matching import evaluate, matmul_axes, matmul_extents
+from dietserve.kernels.tir.matching import evaluate, matmul_axes, matmul_extents
 
 from .ops import OperatorSpec
 

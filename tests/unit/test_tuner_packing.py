@@ -11,22 +11,26 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.cpu_clamped import CLAMPED
-from dietserve.kernels.cpu_packed import computed_extent
-from dietserve.kernels.hardware import CPU_PRESETS
-from dietserve.kernels.microkernel import MicroKernel
-from tuner import estimates
-from tuner.commitment import SINGLE_PASS_PROBE_ROWS, SMALL_REGIME_KERNELS
+from dietserve.host.hardware import CPU_PRESETS
+from dietserve.kernels.cpu_clamped.kernel import CLAMPED
+from dietserve.kernels.cpu_packed.kernel import computed_extent
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.cost_model.features import register_tile
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts, shape_key
-from tuner.estimates import CARRY_PENALTY, FLOOR_MARGIN, nearest_measured_estimates
+from tuner.measurements import shape_key
 from tuner.ops import attention_context, attention_scores, dense
 from tuner.options import TuneOptions
-from tuner.race import PACKING_RACE_SHAPES, RaceSummary, race_packings
+from tuner.phases import Probe
+from tuner.phases.commit import SINGLE_PASS_PROBE_ROWS, CommitPacking, single_pass_probes, width_probes
+from tuner.phases.verify import SMALL_REGIME_KERNELS, small_regime_probes
+from tuner.planning import estimates
+from tuner.planning.estimates import CARRY_PENALTY, FLOOR_MARGIN, nearest_measured_estimates
+from tuner.planning.layouts import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import Tuner
+
+from .fake_runner import FakeRunner
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 
@@ -34,32 +38,22 @@ TARGET = {"kind": "llvm", "num-cores": 2}
 STREAM_S = 3e-5  # the synthetic machine's pass over the weight
 
 
-class SyntheticMachine:
+def synthetic_latency(kernel: MicroKernel | None, shape) -> float:
     """A kernel takes the longer of one pass over the weight and its compute: packs of 16 run
     1.5x the FLOP rate of packs of 24, and tiles of fewer than 4 rows run at ``mr / 4`` of it
     (one row: 0.4; their loads bound them). Rows are computed as the packed kernels compute
     them: whole tiles, then a remainder tile (``computed_extent``), whose padding counts."""
+    rows = shape["T"]
+    if kernel is None:
+        return 1e-3 * rows
+    mr = kernel.tile_sizes("i")[0]
+    padded = computed_extent(kernel, "i", rows)
+    rate = (1.5 if kernel.pack == 16 else 1.0) * (0.4 if mr == 1 else min(1.0, mr / 4))
+    return max(STREAM_S, 1e-5 * padded / rate) * (1 + 0.01 * kernel.tile_sizes("j")[2])
 
-    def __init__(self) -> None:
-        self.jobs: list[dict] = []
 
-    def describe(self) -> str:
-        return "synthetic"
-
-    @staticmethod
-    def latency(kernel: MicroKernel | None, rows: int) -> float:
-        if kernel is None:
-            return 1e-3 * rows
-        mr = kernel.tile_sizes("i")[0]
-        padded = computed_extent(kernel, "i", rows)
-        rate = (1.5 if kernel.pack == 16 else 1.0) * (0.4 if mr == 1 else min(1.0, mr / 4))
-        return max(STREAM_S, 1e-5 * padded / rate) * (1 + 0.01 * kernel.tile_sizes("j")[2])
-
-    def run(self, job: dict) -> dict:
-        self.jobs.append(job)
-        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
-        (shape,) = job["shapes"]
-        return {"latencies": {"T": self.latency(kernel, shape["T"])}, "error": None, "build_seconds": 0.0}
+def SyntheticMachine() -> FakeRunner:  # noqa: N802 - a machine, as the tests name it
+    return FakeRunner(synthetic_latency)
 
 
 def test_the_packing_is_committed_and_its_small_regime_searched(tmp_path: Path) -> None:
@@ -70,30 +64,30 @@ def test_the_packing_is_committed_and_its_small_regime_searched(tmp_path: Path) 
     result = tuner.run()
     assert result.trials == len(machine.jobs) == 96  # the budget, neither more nor less
     assert tuner.packing == 16 == result.plan.pack
-    kernels = [MicroKernel.from_json(j["kernel"]) for j in machine.jobs if j["kernel"] is not None]
+    kernels = [k for k in machine.kernels() if k is not None]
     committed_at = next(i for i, k in enumerate(kernels) if all(later.pack == 16 for later in kernels[i:]))
     assert 0 < committed_at < len(kernels) - 10  # both widths searched first, then only one
     assert {k.pack for k in kernels[:committed_at]} == {16, 24}
-    one_row = [k for k in tuner.measured[shape_key({"T": 1})] if k.pack == 16 and k.tile_sizes("i")[0] == 1]
+    one_row = [k for k in tuner.store.kernels[shape_key({"T": 1})] if k.pack == 16 and k.tile_sizes("i")[0] == 1]
     assert one_row, "the smallest shape was never searched in the committed packing"
     t1 = next(row for row in result.plan.shapes if row["value"] == 1)
     # What the plan's T = 1 kernel really costs on the machine: one pass over the weight.
-    assert SyntheticMachine.latency(result.plan.kernel(t1["variant"]), 1) <= STREAM_S * 1.09
+    assert synthetic_latency(result.plan.kernel(t1["variant"]), {"T": 1}) <= STREAM_S * 1.09
     t128 = next(row for row in result.plan.shapes if row["value"] == 128)
     assert result.plan.kernel(t128["variant"]).tile_sizes("i")[0] >= 4
 
 
-class PackingFlipMachine(SyntheticMachine):
+class PackingFlipMachine(FakeRunner):
     """The synthetic machine, but packs of 24 time 4x faster from ``flip`` on (the noise that
     can make a packing measured before the commit look best after it)."""
 
-    flip = False
+    def __init__(self) -> None:
+        super().__init__(self._latency)
+        self.flip = False
 
-    def run(self, job: dict) -> dict:
-        result = super().run(job)
-        if self.flip and job["kernel"] is not None and MicroKernel.from_json(job["kernel"]).pack == 24:
-            result["latencies"] = {name: value / 4 for name, value in result["latencies"].items()}
-        return result
+    def _latency(self, kernel, shape) -> float:
+        faster = self.flip and kernel is not None and kernel.pack == 24
+        return synthetic_latency(kernel, shape) / (4 if faster else 1)
 
 
 def test_the_plan_keeps_to_the_committed_packing(tmp_path: Path) -> None:
@@ -108,7 +102,7 @@ def test_the_plan_keeps_to_the_committed_packing(tmp_path: Path) -> None:
     other = [k for k in packed_cpu_space(CPU_PRESETS["avx2"]) if k.pack == 24][:4]
     for shape in tuner.shapes[::8]:
         for kernel in other:
-            tuner.measure(kernel, shape)
+            tuner.measure(Probe(kernel, shape))
     plan = tuner.plan()
     assert plan.pack == 16 and all(v is None or v["pack"] == 16 for v in plan.variants.values())
     tuner.packing = None  # uncommitted, the same measurements plan on the faster packing
@@ -190,16 +184,16 @@ def test_the_smallest_shape_is_probed_in_every_threading_of_the_committed_packin
                   RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
     one_row = [k for k in tuner.space if k.pack == 16 and k.tile_sizes("i")[0] == 1]
     serial = next(k for k in one_row if k.threads == 1)
-    tuner.measured[shape_key({"T": 1})] = {serial: 1e-4}
-    probes = tuner.commitment.small_regime_probes(16)
+    tuner.store.kernels[shape_key({"T": 1})] = {serial: 1e-4}
+    probes = small_regime_probes(tuner, 16)
     assert {shape["T"] for _, shape in probes} == {1}
     kernels = [kernel for kernel, _ in probes]
     assert len(kernels) == SMALL_REGIME_KERNELS - 1 and serial not in kernels
     assert all(k.pack == 16 and k.tile_sizes("i")[0] == 1 for k in kernels)
     assert kernels[0].threads == 0  # the threading not yet measured, first
     for kernel in kernels:
-        tuner.measured[shape_key({"T": 1})][kernel] = 1e-4
-    assert tuner.commitment.small_regime_probes(16) == []  # enough measured, both threadings among them
+        tuner.store.kernels[shape_key({"T": 1})][kernel] = 1e-4
+    assert small_regime_probes(tuner, 16) == []  # enough measured, both threadings among them
 
 
 def _packed(mr: int) -> MicroKernel:
@@ -257,7 +251,7 @@ def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
                   RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
     tallest = max(k.tile_sizes("i")[0] for k in tuner.space if k.pack == 16)  # 6 on AVX2's 16 registers
-    probes = tuner.commitment.single_pass_probes(16)
+    probes = single_pass_probes(tuner, 16)
     # The rows asked for, the taller ones probed with the packing's tallest tile instead.
     expected = sorted({min(rows, tallest) for rows in SINGLE_PASS_PROBE_ROWS})
     assert [shape["T"] for _, shape in probes] == expected and expected[-1] == tallest < SINGLE_PASS_ROWS
@@ -265,8 +259,8 @@ def test_single_pass_tiles_are_probed_on_short_shapes(tmp_path: Path) -> None:
     # the tiles on every core: a single pass is to keep the memory bus busy, which one core cannot
     assert any(k.threads == 1 for k in tuner.space) and all(k.threads != 1 for k, _ in probes)
     for kernel, shape in probes:
-        tuner.measured[shape_key(shape)][kernel] = 1e-4
-    assert tuner.commitment.single_pass_probes(16) == []  # each measured once: nothing left to probe
+        tuner.store.kernels[shape_key(shape)][kernel] = 1e-4
+    assert single_pass_probes(tuner, 16) == []  # each measured once: nothing left to probe
 
 
 def test_avx512_probes_a_tile_as_tall_as_the_single_pass_rule_reaches(tmp_path: Path) -> None:
@@ -276,7 +270,7 @@ def test_avx512_probes_a_tile_as_tall_as_the_single_pass_rule_reaches(tmp_path: 
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
     tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx512"]), 2, SyntheticMachine(),
                   RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
-    rows = {pack: [shape["T"] for _, shape in tuner.commitment.single_pass_probes(pack)] for pack in (32, 48)}
+    rows = {pack: [shape["T"] for _, shape in single_pass_probes(tuner, pack)] for pack in (32, 48)}
     assert rows == {32: [2, 4, 7, 10, SINGLE_PASS_ROWS], 48: [2, 4, 7, 9]}
     for count in range(2, SINGLE_PASS_ROWS + 1):
         probe = min(r for r in rows[32] if r >= count)
@@ -357,16 +351,16 @@ def test_a_space_of_one_packing_measures_its_single_pass_tiles_at_commit(tmp_pat
         machine = SyntheticMachine()
         tuner = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / f"r{trials}.jsonl"),
                       TuneOptions(trials=trials, seed=3))
-        tuner.commit_packing(until=trials)
-        kernels = [MicroKernel.from_json(job["kernel"]) for job in machine.jobs]
-        timed = [(k.tile_sizes("i")[0], job["shapes"][0]["T"]) for k, job in zip(kernels, machine.jobs, strict=True)]
+        tuner.run_phase(CommitPacking(), until=trials)
+        kernels = machine.kernels()
+        timed = [(k.tile_sizes("i")[0], job.shape["T"]) for k, job in zip(kernels, machine.jobs, strict=True)]
         # Each height on its own shape (AVX2's tallest is 6), within SINGLE_PASS_SHARE of the
         # budget: 3 of 24 trials, 1 of 8.
         assert timed[:len(heights)] == [(rows, rows) for rows in heights]
         # Then each register-tile width not yet measured on the costliest shape (T = 128), on
         # every core, within WIDTH_SHARE of the budget: 1, 2 and 4 panels of 16 at 24 trials,
         # one of them at 8.
-        probes = [(register_tile(k)[1], k.threads, job["shapes"][0]["T"])
+        probes = [(register_tile(k)[1], k.threads, job.shape["T"])
                   for k, job in zip(kernels[len(heights):], machine.jobs[len(heights):], strict=True)]
         assert len(probes) == min(3, trials // 8) and {(threads, t) for _, threads, t in probes} == {(0, 128)}
         assert len({width for width, _, _ in probes}) == len(probes)
@@ -383,8 +377,8 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
     widths = {register_tile(k)[1] for k in space}
     assert widths == {32, 64, 128}
     one_panel = next(k for k in space if register_tile(k)[1] == 32 and k.threads == 0)
-    tuner.measured[shape_key({"T": 128})] = {one_panel: 1e-3}
-    probes = tuner.commitment.width_probes()
+    tuner.store.kernels[shape_key({"T": 128})] = {one_panel: 1e-3}
+    probes = width_probes(tuner)
     assert {shape["T"] for _, shape in probes} == {128}
     # First each width's tallest tile, one a task, the whole reduction (the measured one-panel
     # kernel is one row tall); then the cost model's best of each width not measured at all.
@@ -397,8 +391,8 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
     assert {register_tile(k)[1] for k, _ in probes[3:]} <= {64, 128}
     assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
     for kernel, _ in probes:
-        tuner.measured[shape_key({"T": 128})][kernel] = 1e-3
-    assert tuner.commitment.width_probes() == []
+        tuner.store.kernels[shape_key({"T": 128})][kernel] = 1e-3
+    assert width_probes(tuner) == []
 
 
 def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layout_probed(tmp_path: Path) -> None:
@@ -419,14 +413,14 @@ def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layo
 
     longest = shape_key({"T": 128})
     blocked, many_tiles = kernel(64, 1, 256), kernel(64, 4, 1)
-    tuner.measured[longest] = {kernel(32, 1, 1): 1e-3, kernel(128, 1, 1): 1e-3, blocked: 3e-3, many_tiles: 3e-3}
+    tuner.store.kernels[longest] = {kernel(32, 1, 1): 1e-3, kernel(128, 1, 1): 1e-3, blocked: 3e-3, many_tiles: 3e-3}
     plain = [k for k in space if register_tile(k)[1] == 64 and k.threads == 0
              and k.tile_sizes("j")[2] == 1 and k.tile_sizes("k")[0] == 1]
-    probes = tuner.commitment.width_probes()
+    probes = width_probes(tuner)
     assert [shape for _, shape in probes] == [{"T": 128}]
-    assert probes[0][0] in plain and probes[0][0].tile_sizes("i")[0] == 6  # 6 x 4 vectors: the registers' most
-    tuner.measured[longest][probes[0][0]] = 1e-3
-    assert tuner.commitment.width_probes() == []
+    assert probes[0].kernel in plain and probes[0].kernel.tile_sizes("i")[0] == 6  # 6 x 4 vectors: the registers' most
+    tuner.store.kernels[longest][probes[0].kernel] = 1e-3
+    assert width_probes(tuner) == []
 
 
 @pytest.mark.usefixtures("no_carry_penalty")
@@ -484,13 +478,13 @@ def test_an_unpacked_space_probes_the_smallest_shape_in_every_threading(tmp_path
     tuner = Tuner(task, clamped_cpu_space(CPU_PRESETS["avx2"]), 2, SyntheticMachine(),
                   RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
     serial = next(k for k in tuner.space if k.threads == 1)
-    tuner.measured[shape_key({"T": 1})] = {serial: 2e-7}
-    probes = tuner.commitment.small_regime_probes(0)
-    assert len(probes) == 1 and probes[0][1] == {"T": 1}
-    kernel = probes[0][0]
+    tuner.store.kernels[shape_key({"T": 1})] = {serial: 2e-7}
+    probes = small_regime_probes(tuner, 0)
+    assert len(probes) == 1 and probes[0].shape == {"T": 1}
+    kernel = probes[0].kernel
     assert kernel.threads == 0 and not kernel.pack
-    tuner.measured[shape_key({"T": 1})][kernel] = 1e-6
-    assert tuner.commitment.small_regime_probes(0) == []
+    tuner.store.kernels[shape_key({"T": 1})][kernel] = 1e-6
+    assert small_regime_probes(tuner, 0) == []
 
 
 @pytest.mark.usefixtures("no_carry_penalty")
@@ -511,16 +505,18 @@ def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_dow
     assert variants[labels[0]] is one_row and variants[labels[-1]] is tall
 
 
-class ColumnWidthMachine(SyntheticMachine):
+def column_width_latency(kernel: MicroKernel | None, shape) -> float:
     """Attention's context product on a synthetic machine where 16-wide tiles run 1.4x the rate
-    of the others (as they did on bert-base's, ``forced_kernels.py --op attention_context``)."""
+    of the others."""
+    rows = shape["T"]
+    if kernel is None:
+        return 2e-8 * rows * rows
+    rate = (1.4 if kernel.tile_sizes("j") == (16,) else 1.0) * (0.5 if kernel.threads == 1 else 1.0)
+    return 1e-8 * rows * rows / rate
 
-    @staticmethod
-    def latency(kernel: MicroKernel | None, rows: int) -> float:
-        if kernel is None:
-            return 2e-8 * rows * rows
-        rate = (1.4 if kernel.tile_sizes("j") == (16,) else 1.0) * (0.5 if kernel.threads == 1 else 1.0)
-        return 1e-8 * rows * rows / rate
+
+def ColumnWidthMachine() -> FakeRunner:  # noqa: N802
+    return FakeRunner(column_width_latency)
 
 
 def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_path: Path) -> None:
@@ -533,8 +529,8 @@ def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_
     widths = {k.tile_sizes("j") for k in tuner.space}
     assert len(widths) >= 4
     eight_wide = next(k for k in tuner.space if k.tile_sizes("j") == (8,) and k.threads == 0)
-    tuner.measured[shape_key({"T": 256})] = {eight_wide: 1e-3}
-    probes = tuner.commitment.width_probes()
+    tuner.store.kernels[shape_key({"T": 256})] = {eight_wide: 1e-3}
+    probes = width_probes(tuner)
     assert {shape["T"] for _, shape in probes} == {256}  # the longest: all shapes weigh the same
     # Each width's tallest tile first (the measured 8-wide one is shorter), then the cost
     # model's best of each width not measured at all.
@@ -546,8 +542,8 @@ def test_an_unpacked_space_probes_every_column_width_on_the_costliest_shape(tmp_
     assert {k.tile_sizes("j") for k, _ in probes[len(widths):]} <= widths - {(8,)}
     assert all(k.threads == 0 and k in tuner.space for k, _ in probes)
     for kernel, _ in probes:
-        tuner.measured[shape_key({"T": 256})][kernel] = 1e-3
-    assert tuner.commitment.width_probes() == []
+        tuner.store.kernels[shape_key({"T": 256})][kernel] = 1e-3
+    assert width_probes(tuner) == []
 
 
 def test_a_tune_of_an_unpacked_space_plans_the_fastest_width_at_long_shapes(tmp_path: Path) -> None:
@@ -559,89 +555,8 @@ def test_a_tune_of_an_unpacked_space_plans_the_fastest_width_at_long_shapes(tmp_
                   TuneOptions(trials=40, seed=3))
     result = tuner.run()
     assert result.trials == len(machine.jobs) == 40
-    longest = tuner.measured[shape_key({"T": 256})]
+    longest = tuner.store.kernels[shape_key({"T": 256})]
     assert {k.tile_sizes("j") for k in longest if k.threads == 0} == {k.tile_sizes("j") for k in tuner.space}
     for row in result.plan.shapes:
         if row["value"] >= 128:
             assert result.plan.kernel(row["variant"]).tile_sizes("j") == (16,), row
-
-
-class PackingSpellMachine(SyntheticMachine):
-    """The synthetic machine (16-wide panels 1.5x the rate of 24-wide ones) whose search timings of
-    16-wide kernels read ``spell`` times slower (a slow spell of the host while they were timed),
-    and whose races report the truth, each kernel in turn."""
-
-    def __init__(self, spell: float) -> None:
-        super().__init__()
-        self.spell = spell
-        self.races: list[dict] = []
-
-    def run(self, job: dict) -> dict:
-        result = super().run(job)
-        if job["kernel"] is not None and MicroKernel.from_json(job["kernel"]).pack == 16:
-            result["latencies"] = {name: value * self.spell for name, value in result["latencies"].items()}
-        return result
-
-    def race(self, job: dict) -> dict:
-        self.races.append({**job, "after_jobs": len(self.jobs)})
-        (shape,) = job["shapes"]
-        kernels = [None if k is None else MicroKernel.from_json(k) for k in job["kernels"]]
-        return {"latencies": [self.latency(k, shape["T"]) for k in kernels], "errors": [None] * len(kernels),
-                "error": None, "others_share": 0.0}
-
-
-@pytest.mark.parametrize("race", [True, False])
-def test_the_packings_race_before_the_commit(tmp_path: Path, race: bool) -> None:
-    """Timed in a slow spell (2x), the 16-wide kernels read 1.33x slower than the 24-wide ones
-    and the plan takes 24-wide panels; raced side by side on the costliest measured shape and
-    one at most half as long, they run 1.5x faster, and the tune commits to them. Without races
-    it commits to what the search's timings say."""
-    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
-    machine = PackingSpellMachine(spell=2.0)
-    tuner = Tuner(task, packed_cpu_space(CPU_PRESETS["avx2"]), 2, machine, RecordDatabase(tmp_path / "r.jsonl"),
-                  TuneOptions(trials=96, seed=3, race=race))
-    result = tuner.run()
-    assert result.trials == len(machine.jobs) == 96  # a race is no trial
-    if not race:
-        assert tuner.packing == 24 and not machine.races
-        return
-    assert tuner.packing == 16 == result.plan.pack
-    packing_races = [job for job in machine.races
-                     if {MicroKernel.from_json(k).pack for k in job["kernels"]} == {16, 24}]
-    assert len(packing_races) == PACKING_RACE_SHAPES == tuner.race_summary.packings
-    # each width's best measured kernel there and the cost model's pick of it, hot
-    assert all(2 <= len(job["kernels"]) <= 4 and not job["stream"] for job in packing_races)
-    # the costliest shape measured by then (the longest: every shape weighs the same), then the
-    # costliest of those at most half as long
-    measured = {shape["T"] for job in machine.jobs[:packing_races[0]["after_jobs"]] for shape in job["shapes"]}
-    first, second = (job["shapes"][0]["T"] for job in packing_races)
-    assert first == max(measured) and second == max(t for t in measured if t <= first / 2)
-    assert result.plan.provenance["races"]["packings"] == PACKING_RACE_SHAPES
-
-
-def test_a_width_measured_only_in_a_poor_kernel_races_its_predicted_best_too(tmp_path: Path) -> None:
-    """On the costliest shape the search timed only a one-row 16-wide tile (0.4x the rate) beside
-    a good 24-wide one. The race takes each width's predicted best too: the 16-wide panels the
-    plan took win (1.5x the 24-wide rate), where the measured ones alone would have lost 1.7x."""
-    task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
-    machine = PackingSpellMachine(spell=1.0)
-    space = packed_cpu_space(CPU_PRESETS["avx2"])
-    tuner = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, seed=3))
-
-    def tile(pack: int, mr: int) -> MicroKernel:
-        return next(k for k in space if k.pack == pack and k.tile_sizes("i")[0] == mr and k.threads != 1)
-
-    one_row, good24 = tile(16, 1), tile(24, 4)
-    for kernel in (one_row, good24):
-        tuner.measure(kernel, {"T": 128})
-    assert machine.latency(one_row, 128) > 1.6 * machine.latency(good24, 128)
-    tuner.commitment.by_prediction = lambda candidates, shape: sorted(
-        candidates, key=lambda k: machine.latency(k, shape["T"]))  # a cost model that knows the machine
-    summary = RaceSummary()
-    assert race_packings(tuner, {16, 24}, 16, summary) == 16 and summary.packings == 1
-    (job,) = machine.races
-    raced = {MicroKernel.from_json(k) for k in job["kernels"]}
-    assert {one_row, good24} < raced and any(k.pack == 16 and k.tile_sizes("i")[0] > 1 for k in raced)
-    machine.races.clear()
-    tuner.commitment.by_prediction = lambda candidates, shape: [one_row] + [k for k in candidates if k != one_row]
-    assert race_packings(tuner, {16, 24}, 16, RaceSummary()) == 24  # had it raced the measured ones only

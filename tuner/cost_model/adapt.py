@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from dietserve.kernels.cpu_packed import computed_extent
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.cpu_packed.kernel import computed_extent
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 
 def padding_efficiency(shape: Mapping[str, int], kernel: MicroKernel, axes: Iterable[str]) -> float:

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 AXES = ("i", "j", "k")
 LEVELS = 3  # packed CPU kernels tile j three ways (panel, panels per register tile, per task)

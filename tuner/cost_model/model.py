@@ -14,8 +14,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from dietserve.kernels.cpu_clamped import computed_columns, is_clamped, tile_at, tile_lanes
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.cpu_clamped.kernel import computed_columns, is_clamped, tile_at, tile_lanes
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
 from .features import feature_matrix, register_intensity

@@ -5,14 +5,11 @@ or hangs past the timeout costs only that candidate: the worker is killed if nee
 fresh one starts for the next job. Two device kinds: this machine (``LocalRunner``) or a
 remote device reached through a TVM RPC tracker (``RPCRunner``); both build in the worker.
 
-Building is most of a CPU trial (TVM's lowering of a kernel: 0.2-0.7 s, timing it 0.1-0.2 s), so
-a local runner keeps one worker per core (``MeasureOptions.workers``) and ``prepare`` builds the
-candidates the tuner is about to measure on all of them at once, as MetaSchedule's builder does.
-Every timing runs in the first worker, after the builds, one at a time. The others only compile
-(into shared libraries the first loads and checks): a worker that has run a parallel kernel
-keeps its TVM thread pool spinning on the cores for a while, and when two workers took turns at
-timing, the same kernels timed 1.15x slower in the median and up to 3.2x (attention scores,
-2-core znver4).
+Building is most of a CPU trial, so a local runner keeps one worker per core and ``prepare``
+builds the candidates the tuner is about to measure on all of them at once, as MetaSchedule's
+builder does. Every timing runs in the first worker, one at a time; the others only compile
+into shared libraries the first loads and checks (a worker that has run a parallel kernel keeps
+its TVM thread pool spinning on the cores for a while, which slows another's timings).
 """
 
 from __future__ import annotations
@@ -29,35 +26,30 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import racing, worker
+from . import worker
+from .job import MeasureJob, MeasureResult, RunnerFeatures, WorkerJob, build_key
+from .timing import TimingPolicy
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # so ``-m tuner.measure.worker`` imports this tree
 STARTUP_GRACE_S = 30.0  # a fresh worker imports TVM before its first job
 CANDIDATES_PREFIX = "dietserve-candidates-"  # + the owning process's pid + "-": see ``candidates_folder``
+BUILDS_KEPT = 64  # builds the timing worker keeps, at least (``MeasureOptions.for_trials``)
+MAX_WORKERS = 4
 
 
 @dataclass(frozen=True)
 class MeasureOptions:
-    number: int = 3  # runs per timed repeat
-    repeat: int = 5  # timed repeats; the median is kept
-    # A repeat lasts at least this long (more runs of a short kernel): a 30 us kernel timed over
-    # 2 runs reads its thread pool's wake-up, not its own speed (T = 1 dense: 50 us, not 30).
-    min_repeat_ms: int = 10
+    timing: TimingPolicy = field(default_factory=TimingPolicy)
     timeout_s: float = 60.0  # per job: build + check + timing of every shape
-    # CPU dense layers: time each call on a weight fresh from DRAM, as the served model reads
-    # it (``streaming.py``). Off by default: plans tuned so ran no faster in the model than
-    # plans tuned on a cached weight (tests/benchmarks/HISTORY.md). Local only.
-    stream_weights: bool = False
     # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
     # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
     workers: int | None = None
-    # Candidates the timing worker keeps built (``worker.BUILDS_KEPT``): as many as a tune builds
-    # (``for_trials``), so the races at its end find their finalists still built.
-    builds_kept: int = worker.BUILDS_KEPT
+    builds_kept: int = BUILDS_KEPT  # as many as a tune builds: its later phases find them built
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
@@ -67,11 +59,8 @@ class MeasureOptions:
 
     def for_trials(self, trials: int) -> MeasureOptions:
         """These options, keeping every build of a ``trials``-trial tune of one operator (and its
-        default kernel's): at least ``worker.BUILDS_KEPT``."""
+        default kernel's)."""
         return replace(self, builds_kept=max(self.builds_kept, trials + 1))
-
-
-MAX_WORKERS = 4
 
 
 class _Worker:
@@ -95,20 +84,20 @@ class _Worker:
         )
         self.jobs_done = 0
 
-    def run(self, job: dict, timeout_s: float) -> dict:
+    def run(self, work: WorkerJob, timeout_s: float) -> MeasureResult:
         self.ensure_started()
         budget = timeout_s + (STARTUP_GRACE_S if self.jobs_done == 0 else 0.0)
         try:
-            worker.write_frame(self.process.stdin, job)
+            worker.write_frame(self.process.stdin, work)
             result = self._read(budget)
         except (BrokenPipeError, ConnectionResetError, OSError, EOFError, pickle.UnpicklingError):
             result = "died"
         if result == "timeout":
             self.kill()
-            return {"error": f"timeout: no result within {timeout_s:.0f} s (worker killed)"}
+            return MeasureResult.failed(f"timeout: no result within {timeout_s:.0f} s (worker killed)")
         if result == "died":
             code = self._reap()
-            return {"error": f"worker process died ({_describe_exit(code)}) while measuring this candidate"}
+            return MeasureResult.failed(f"worker process died ({_describe_exit(code)}) while measuring this candidate")
         self.jobs_done += 1
         return result
 
@@ -211,112 +200,82 @@ def _running(pid: int) -> bool:
 class LocalRunner:
     """Measure on this machine's CPU (llvm) or first GPU (cuda)."""
 
-    device = {"kind": "local"}
-
     def __init__(self, options: MeasureOptions = MeasureOptions()):
         self.options = options
+        self.device: dict = {"kind": "local"}
         count = options.workers or min(os.cpu_count() or 1, MAX_WORKERS)
+        self.features = RunnerFeatures(builds_ahead=count > 1, streams_weights=options.timing.stream_weights,
+                                       local=True)
         self._workers = [_Worker() for _ in range(count)]  # [0] times; the others only compile
         self._libraries = candidates_folder() if count > 1 else None
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
-        self._ahead: dict[str, dict] = {}  # build key -> its prepare result, until it is timed
-        # The build keys the timing worker holds, least recently used first: what its cache keeps
-        # (``MeasureOptions.builds_kept``), so an evicted build is built ahead again.
+        self._ahead: dict[str, MeasureResult] = {}  # build key -> its prepare result, until it is timed
+        # The build keys the timing worker holds, least recently used first: what its cache keeps,
+        # so an evicted build is built ahead again.
         self._timed: OrderedDict[str, None] = OrderedDict()
         self._names = itertools.count()
 
-    @property
-    def streams_weights(self) -> bool:
-        """Whether dense layers are timed on weights fresh from DRAM (records say so)."""
-        return self.options.stream_weights and self.device["kind"] == "local"
-
     def describe(self) -> str:
-        return "local, weights from DRAM" if self.streams_weights else "local"
+        return "local, weights from DRAM" if self.features.streams_weights else "local"
 
-    def _job(self, job: dict) -> dict:
-        return {**job, "device": self.device, "number": self.options.number, "repeat": self.options.repeat,
-                "min_repeat_ms": self.options.min_repeat_ms, "stream_weights": self.options.stream_weights,
-                "builds_kept": self.options.builds_kept}
+    def _work(self, job: MeasureJob) -> WorkerJob:
+        return WorkerJob(job, device=self.device, timing=self.options.timing, builds_kept=self.options.builds_kept)
 
-    def prepare(self, jobs: list[dict]) -> None:
+    def prepare(self, jobs: Sequence[MeasureJob]) -> None:
         """Build the candidates of ``jobs`` ahead, on every worker at once: the timing worker
         builds (and checks) its share in memory, the others compile theirs into libraries it
         loads when ``run`` times them; a build that fails comes back as that job's result."""
-        pending = deque()
-        for job in map(self._job, jobs):
-            key = worker.build_key(job)
+        pending: deque = deque()
+        for work in map(self._work, jobs):
+            key = build_key(work)
             known = key in self._compiled or key in self._ahead or key in self._timed
             if not known and all(key != queued for queued, _ in pending):
-                pending.append((key, job))
+                pending.append((key, work))
         if len(self._workers) < 2 or len(pending) < 2:
             return  # nothing to overlap: built when timed
-
-        def drain(index: int) -> None:
-            while True:
-                try:
-                    key, job = pending.popleft()  # (atomic: the threads share the queue)
-                except IndexError:
-                    return
-                if index == 0:
-                    result = self._workers[0].run({**job, "build_only": True}, self.options.timeout_s)
-                    if self._workers[0].process is None:  # died or killed: its builds went with it
-                        self._timed.clear()
-                    elif result.get("error") is None:
-                        self._held(key)
-                else:
-                    # (a fresh name each: loading a path already loaded would return the old library)
-                    library = os.path.join(self._libraries.name, f"candidate-{next(self._names)}.so")
-                    result = self._workers[index].run({**job, "compile_to": library}, self.options.timeout_s)
-                    if result.get("error") is None:
-                        self._compiled[key] = library
-                self._ahead[key] = result
-
         with ThreadPoolExecutor(len(self._workers)) as pool:
-            list(pool.map(drain, range(len(self._workers))))
+            list(pool.map(lambda index: self._drain(index, pending), range(len(self._workers))))
 
-    def run(self, job: dict) -> dict:
-        job = self._job(job)
-        key = worker.build_key(job)
+    def _drain(self, index: int, pending: deque) -> None:
+        while True:
+            try:
+                key, work = pending.popleft()  # (atomic: the threads share the queue)
+            except IndexError:
+                return
+            if index == 0:
+                result = self._workers[0].run(work.with_(build_only=True), self.options.timeout_s)
+                self._after_timing_worker(key, result)
+            else:
+                # (a fresh name each: loading a path already loaded would return the old library)
+                library = os.path.join(self._libraries.name, f"candidate-{next(self._names)}.so")
+                result = self._workers[index].run(work.with_(compile_to=library), self.options.timeout_s)
+                if result.ok:
+                    self._compiled[key] = library
+            self._ahead[key] = result
+
+    def run(self, job: MeasureJob) -> MeasureResult:
+        work = self._work(job)
+        key = build_key(work)
         ahead = self._ahead.pop(key, None)
-        if ahead is not None and ahead.get("error") is not None:
+        if ahead is not None and not ahead.ok:
             return ahead  # the build failed: as its timing job would have
-        timer = self._workers[0]
-        result = timer.run({**job, "library": self._compiled.get(key)}, self.options.timeout_s)
-        if ahead is not None and result.get("error") is None:
+        result = self._workers[0].run(work.with_(library=self._compiled.get(key)), self.options.timeout_s)
+        if ahead is not None and result.ok:
             # (the record shows what building it cost, ahead: loading a library is not a build)
-            result = {**result, "build_seconds": ahead["build_seconds"], "build_reused": False, "built_ahead": True}
-        if timer.process is None:  # it died or was killed: its builds went with it (not the libraries)
-            self._timed.clear()
-        elif result.get("error") is None:
-            self._held(key)
+            result = replace(result, build_seconds=ahead.build_seconds, build_reused=False)
+        self._after_timing_worker(key, result)
         return result
 
-    def race(self, job: dict) -> dict:
-        """Time the kernels of a race ``job`` (``racing.race``) in the timing worker, in turn, on
-        one shape; each one's build from the search is reused where it is still held (in the
-        worker, or a builder's library). A timeout or a crash fails the whole race (``error``)."""
-        job = self._job({**job, "race": True})
-        keys = [worker.build_key(racing.race_entrant(job, kernel)) for kernel in job["kernels"]]
-        for key in keys:  # (built ahead or not, each is built or loaded now)
-            self._ahead.pop(key, None)
-        timer = self._workers[0]
-        # (each kernel may be built again: the budget of a job per kernel)
-        result = timer.run({**job, "libraries": [self._compiled.get(key) for key in keys]},
-                           self.options.timeout_s * max(1, len(keys)))
-        if timer.process is None:
+    def _after_timing_worker(self, key: str, result: MeasureResult) -> None:
+        """Keep count of the builds the timing worker holds, as its cache does (most recent last);
+        a worker that died or was killed took its builds with it (not the libraries)."""
+        if self._workers[0].process is None:
             self._timed.clear()
-        elif result.get("error") is None:
-            for key, error in zip(keys, result["errors"], strict=True):
-                if error is None:
-                    self._held(key)
-        return result
-
-    def _held(self, key: str) -> None:
-        """The timing worker built or used ``key``: as its cache does, keep it, most recent last."""
-        self._timed[key] = None
-        self._timed.move_to_end(key)
-        while len(self._timed) > self.options.builds_kept:
-            self._timed.popitem(last=False)
+        elif result.ok:
+            self._timed[key] = None
+            self._timed.move_to_end(key)
+            while len(self._timed) > self.options.builds_kept:
+                self._timed.popitem(last=False)
 
     def close(self) -> None:
         for each in self._workers:  # (all told to finish first: each takes a while to exit)
@@ -347,6 +306,7 @@ class RPCRunner(LocalRunner):
             raise ValueError(f"tracker must be host:port, got {tracker!r}")
         self.device = {"kind": "rpc", "host": host, "port": int(port), "key": key, "priority": priority,
                        "session_timeout": session_timeout_s}
+        self.features = RunnerFeatures()
 
     def describe(self) -> str:
         return f"rpc {self.device['host']}:{self.device['port']} key={self.device['key']}"

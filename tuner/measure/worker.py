@@ -1,9 +1,8 @@
-"""What runs inside a measurement worker process: build one candidate, check it against the
-reference on a sample shape, then time it on each requested shape (or race several on one
-shape: ``racing.py``).
+"""What runs inside a measurement worker process: build one candidate, check it against numpy on
+a sample shape, then time it on each requested shape (``timing.TimingPolicy``).
 
-A job and its result are plain dicts (they cross a process pipe). Everything that can crash or
-hang (TVM's compiler, generated code) runs here, never in the tuner's own process.
+Jobs and results are frozen values (``job.py``) pickled over the process pipe. Everything that
+can crash or hang (TVM's compiler, generated code) runs here, never in the tuner's own process.
 """
 
 from __future__ import annotations
@@ -11,9 +10,8 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # a worker process, started by ``runner.py``: before TVM is imported
-    # tvm_ffi imports torch wherever it is installed (its guard against a symbol clash on
-    # Windows). No job uses it, and it was 4.5 s of a worker's 6 s start on a 2-core host: paid
-    # by every tune, every operator the benchmark tunes, and every worker restarted after a crash.
+    # tvm_ffi imports torch wherever it is installed; no job uses it, and the import is most of
+    # a worker's start.
     sys.modules.setdefault("torch", None)
 
 import os
@@ -26,11 +24,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from dietserve.kernels.hardware import last_level_cache_bytes
-from dietserve.kernels.huge_pages import on_huge_pages
+from dietserve.host.hardware import last_level_cache_bytes
+from dietserve.host.huge_pages import on_huge_pages
 
-from .beside import reference_kernel, time_beside_reference
-from .host_load import OtherLoad
+from .job import MeasureResult, WorkerJob, build_key
 from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
@@ -92,7 +89,7 @@ class _Session:
                 # Time kernels on as many threads as the served model runs them on (the engine
                 # sizes the pool the same way); TVM's default pool has half the cores on x86,
                 # which made serial kernels look as fast as parallel ones.
-                from dietserve.kernels.host import configure_cpu_threads
+                from dietserve.host.cpu import configure_cpu_threads
 
                 configure_cpu_threads(threads)
 
@@ -133,100 +130,74 @@ def _session(device_config: dict, target_kind: str, threads: int | None = None) 
     return _SESSIONS[key]
 
 
-def measure(job: dict) -> dict:
-    """Build, check and time one micro-kernel; never raises (errors are in the result)."""
-    return never_raises(_measure, job)
-
-
-def never_raises(body, job: dict) -> dict:
-    """``body(job, started)``'s result, or the error result of a job that raised, after forgetting
-    the session and the builds: the remote end may be what failed (reconnect for the next job),
-    and modules loaded there go with it. A failing job is a result, not a crash."""
+def measure(work: WorkerJob) -> MeasureResult:
+    """Build, check and time one candidate; never raises (errors are in the result). A job that
+    raised forgets the sessions and builds: the remote end may be what failed."""
     started = time.perf_counter()
     try:
-        return body(job, started)
-    except Exception as err:  # noqa: BLE001 - a failing candidate or race is a result, not a crash
+        return _measure(work, started)
+    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
         _SESSIONS.clear()
         _BUILDS.clear()
-        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
-                "seconds": time.perf_counter() - started}
+        return MeasureResult.failed(f"{type(err).__name__}: {err}", time.perf_counter() - started,
+                                    traceback.format_exc(limit=8)[-2000:])
 
 
-# Candidates built and checked, kept for the worker's life (the most recently used): a kernel
-# is symbolic in the shape, so one build serves every shape it is timed on (the default rule's
-# kernel on each shape the search works on, a plan's variant at its interval's ends and middle).
-# As many as a tune of 64 trials builds: the races come last, and with 16 kept their finalists
-# built early had been evicted and were built again, serially, inside the races. A job may ask
-# for more (``builds_kept``: ``MeasureOptions.for_trials``, a longer tune). A jitted AVX-512
-# candidate of bert-base's 3072 -> 768 layer holds about 3 MiB (ad hoc, 12 kept).
-BUILDS_KEPT = 64
+# Candidates built and checked, kept for the worker's life (the most recently used): a kernel is
+# symbolic in the shape, so one build serves every shape it is timed on. A job says how many
+# (``WorkerJob.builds_kept``: as many as its tune builds).
 _BUILDS: OrderedDict[str, object] = OrderedDict()
 
 
-def build_key(job: dict) -> str:
-    """What decides the compiled module and its check: everything of the job but the shapes
-    timed and how they are timed."""
-    return repr([job["recipe"], sorted(job["target"].items()), job["kernel"], job.get("apply"),
-                 job.get("loop_partition", False), sorted(job["device"].items()), sorted(job["check_shape"].items())])
-
-
-def _compiled(job: dict, spec):
+def _compiled(work: WorkerJob, spec):
     """The job's candidate scheduled and compiled (not loaded, not run)."""
     import tvm
 
-    from dietserve.kernels.apply import apply_default
-    from dietserve.kernels.build import build
-    from dietserve.kernels.microkernel import MicroKernel
+    from dietserve.kernels.apply import apply_default, apply_variant
+    from dietserve.kernels.plan.microkernel import MicroKernel
+    from dietserve.kernels.tir.build import build
 
-    host = job["target"].get("host")
-    device_target = {name: value for name, value in job["target"].items() if name != "host"}
+    from .job import DEFAULT_APPLY
+
+    job = work.job
+    host = job.target.get("host")
+    device_target = {name: value for name, value in job.target.items() if name != "host"}
     target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    kernel = None if job.kernel is None else MicroKernel.from_json(job.kernel)
     if spec.row_softmax:  # served with the softmax fused in: built as the link pass builds it
-        from dietserve.kernels.apply import apply_variant
-
-        from ..options import DEFAULT_APPLY
-
-        if job.get("apply", DEFAULT_APPLY) != DEFAULT_APPLY:
-            raise ValueError(f"{job['apply']} cannot fuse the softmax this operator is served with")
-        kernel = None if job["kernel"] is None else MicroKernel.from_json(job["kernel"])
-        scheduled = apply_variant(spec.func, kernel, target, job.get("loop_partition", False), row_softmax=True)
-    elif job["kernel"] is None:  # the default rule's kernel: what an untuned build runs
+        if job.apply != DEFAULT_APPLY:
+            raise ValueError(f"{job.apply} cannot fuse the softmax this operator is served with")
+        scheduled = apply_variant(spec.func, kernel, target, job.loop_partition, row_softmax=True)
+    elif kernel is None:  # the default rule's kernel: what an untuned build runs
         scheduled = apply_default(spec.func, target)
-    else:
-        kernel = MicroKernel.from_json(job["kernel"])
-        # Given the target, as the model's build gives it: a CPU kernel's tasks are taken by its cores.
-        scheduled = resolve(job["apply"])(spec.func, kernel, target, job.get("loop_partition", False))
+    else:  # given the target, as the model's build gives it: a CPU kernel's tasks fit its cores
+        scheduled = resolve(job.apply)(spec.func, kernel, target, job.loop_partition)
     return build(scheduled, target)
 
 
-def compile_only(job: dict) -> dict:
-    """Compile the job's candidate into a shared library at ``job["compile_to"]`` and stop: a
-    builder worker (``LocalRunner.prepare``) never runs a kernel, so its TVM thread pool never
-    starts (an idle pool's threads spin on the cores for a while after each parallel call, and
-    kernels timed meanwhile in another process ran up to 3x slower). Never raises."""
+def compile_only(work: WorkerJob) -> MeasureResult:
+    """Compile the job's candidate into a shared library at ``work.compile_to`` and stop: a
+    builder worker never runs a kernel, so its TVM thread pool never spins on the cores while
+    the timing worker times. Never raises."""
     started = time.perf_counter()
     try:
-        _compiled(job, _spec(_freeze(job["recipe"]))).export_library(job["compile_to"])
-        return {"error": None, "library": job["compile_to"], "build_seconds": time.perf_counter() - started}
+        _compiled(work, _spec(_freeze(work.job.recipe))).export_library(work.compile_to)
+        return MeasureResult(library=work.compile_to, build_seconds=time.perf_counter() - started)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc(limit=8)[-2000:],
-                "seconds": time.perf_counter() - started}
+        return MeasureResult.failed(f"{type(err).__name__}: {err}", time.perf_counter() - started,
+                                    traceback.format_exc(limit=8)[-2000:])
 
 
-def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: int):
-    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was
-    kept from before: ``_BUILDS``); or the error result of a wrong one (not kept)."""
-    key = build_key(job)
+def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, pack: int):
+    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was kept
+    from before); or the error message of a wrong one (not kept)."""
+    key = build_key(work)
     if key in _BUILDS:
         _BUILDS.move_to_end(key)
         return _BUILDS[key], True
-    if job.get("library"):  # compiled by another worker (``compile_only``): loaded, then checked here
-        module = session.load_library(job["library"])
-    else:
-        module = session.load(_compiled(job, spec))
-
+    module = session.load_library(work.library) if work.library else session.load(_compiled(work, spec))
     # Correctness first: on the sample shape, against the independent reference.
-    check_key = tuple(sorted(job["check_shape"].items()))
+    check_key = tuple(sorted(work.job.check_shape.items()))
     inputs = _kernel_inputs(recipe, check_key, pack)
     expected = _expected(recipe, check_key)
     output = session.tensor(np.full(expected.shape, np.nan, "float32"))
@@ -234,102 +205,59 @@ def _built_and_checked(job: dict, spec, recipe: tuple, session: _Session, pack: 
     got = output.numpy()
     if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
         worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
-        return {"error": f"wrong result on {dict(check_key)}: max abs error {worst:.3g}"}
+        return f"wrong result on {dict(check_key)}: max abs error {worst:.3g}"
     _BUILDS[key] = module
-    while len(_BUILDS) > job.get("builds_kept", BUILDS_KEPT):
+    while len(_BUILDS) > work.builds_kept:
         _BUILDS.popitem(last=False)
     return module, False
 
 
-class JobOperator:
-    """A job's operator in this worker: its spec, the session its kernels run in, and the input
-    whose copies stream from DRAM when ``stream`` (the weight of a dense layer, as the served
-    model reads it: ``streaming.py``; only local CPU runs, where over RPC each call would be a
-    round trip). What measuring and racing jobs share."""
+def _call_arguments(work: WorkerJob, session: _Session, spec, recipe: tuple, shape: dict, pack: int) -> list:
+    """The arguments of a call on ``shape`` (inputs laid out for ``pack``-wide panels): one set,
+    or where the weight streams from DRAM, one set per copy of the weight."""
+    from ..ops import weight_input
 
-    def __init__(self, job: dict, stream: bool):
-        from dietserve.kernels.host import target_cores
-
-        from ..ops import weight_input
-
-        self.recipe = _freeze(job["recipe"])
-        self.spec = _spec(self.recipe)
-        kind = job["target"]["kind"]
-        self.session = _session(job["device"], kind, target_cores(job["target"]))
-        # Kernels on this machine's CPUs: the only ones whose weight can stream from DRAM here
-        # (over RPC each call would be a round trip) and that other work here slows.
-        self.on_this_cpu = self.session.remote is None and kind == "llvm"
-        self.weight_index = weight_input(self.spec) if stream and self.on_this_cpu else None
-
-    def other_load(self) -> OtherLoad | None:
-        """What other work takes of this machine's CPUs from now (``host_load``), where the
-        kernels run on them; else None."""
-        return OtherLoad() if self.on_this_cpu else None
-
-    def built_and_checked(self, job: dict, pack: int):
-        """``job``'s candidate (of this operator) built, loaded and checked: ``_built_and_checked``."""
-        return _built_and_checked(job, self.spec, self.recipe, self.session, pack)
-
-    def call_arguments(self, shape: dict, pack: int) -> list[list]:
-        """The arguments of a call on ``shape``, inputs laid out for a kernel packed in ``pack``-wide
-        panels: one set, or where the weight streams, one set per copy of it (``_weight_copies``),
-        the other inputs and the output shared."""
-        arrays = _kernel_inputs(self.recipe, tuple(sorted(shape.items())), pack)
-        output = self.session.tensor(np.empty(self.spec.output_shape(shape), "float32"))
-        inputs = [self.session.tensor(x) for x in arrays]
-        if self.weight_index is None:
-            return [self.spec.call_arguments(shape, inputs, output)]
-        weights = _weight_copies(self.session, self.recipe, pack, arrays[self.weight_index])
-        return [self.spec.call_arguments(shape, [w if i == self.weight_index else x for i, x in enumerate(inputs)],
-                                         output) for w in weights]
+    arrays = _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)
+    output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
+    inputs = [session.tensor(x) for x in arrays]
+    index = weight_input(spec) if work.timing.stream_weights and _local_cpu(work, session) else None
+    if index is None:
+        return [spec.call_arguments(shape, inputs, output)]
+    weights = _weight_copies(session, recipe, pack, arrays[index])
+    return [spec.call_arguments(shape, [w if i == index else x for i, x in enumerate(inputs)], output)
+            for w in weights]
 
 
-def _measure(job: dict, started: float) -> dict:
-    from dietserve.kernels.microkernel import MicroKernel
+def _local_cpu(work: WorkerJob, session: _Session) -> bool:
+    return session.remote is None and work.job.target["kind"] == "llvm"
 
-    operator = JobOperator(job, stream=bool(job.get("stream_weights")))
-    session = operator.session
-    pack = 0 if job["kernel"] is None else MicroKernel.from_json(job["kernel"]).pack
-    outcome = operator.built_and_checked(job, pack)
-    if isinstance(outcome, dict):  # a wrong result
-        return {**outcome, "seconds": time.perf_counter() - started}
+
+def _measure(work: WorkerJob, started: float) -> MeasureResult:
+    from dietserve.host.cpu import target_cores
+    from dietserve.kernels.plan.microkernel import MicroKernel
+
+    job, timing = work.job, work.timing
+    recipe = _freeze(job.recipe)
+    spec = _spec(recipe)
+    session = _session(dict(work.device), job.target["kind"], target_cores(job.target))
+    pack = 0 if job.kernel is None else MicroKernel.from_json(job.kernel).pack
+    outcome = _built_and_checked(work, spec, recipe, session, pack)
+    if isinstance(outcome, str):  # a wrong result
+        return MeasureResult.failed(outcome, time.perf_counter() - started)
     module, reused = outcome
     built = time.perf_counter()
-    if job.get("build_only"):  # built ahead (``LocalRunner.prepare``): timed by a later job
-        return {"error": None, "build_seconds": built - started, "build_reused": reused, "seconds": built - started}
-    function = module["main"]
-
-    latencies, references = {}, {}
-    timer = module.time_evaluator("main", session.device, number=job.get("number", 3), repeat=job.get("repeat", 5),
-                                  min_repeat_ms=job.get("min_repeat_ms", 0))
-    reference = reference_kernel(operator, job)
-    load = operator.other_load()
-    for shape in job["shapes"]:
-        key = tuple(sorted(shape.items()))
-        sets = operator.call_arguments(shape, pack)
-        if operator.weight_index is not None:  # cycle through the weight's copies
-            latencies[_shape_text(key)] = time_streaming(function, sets, job.get("repeat", 5),
-                                                         job.get("min_repeat_ms", 0) / 1e3)
-            continue
-        (args,) = sets
-        function(*args)  # warm-up: caches, page faults, thread pool
-        if session.remote is None:
-            # One warm call decides whether the candidate is worth repeats (the first call pays
-            # for page faults and waking the pool: at small shapes several times the kernel).
-            probe = time.perf_counter()
-            function(*args)
-            if time.perf_counter() - probe > job.get("abandon_above_s", float("inf")):
-                latencies[_shape_text(key)] = time.perf_counter() - probe  # hopeless: not worth repeats
-                continue
-        if reference is not None:
-            beside = time_beside_reference(operator, function, args, reference, shape, job)
-            latencies[_shape_text(key)] = beside.candidate_s
-            references[_shape_text(key)] = {"seconds": beside.reference_s, "ratio": beside.ratio}
-            continue
-        latencies[_shape_text(key)] = float(np.median(timer(*args).results))
-    return {"latencies": latencies, "references": references, "error": None, "build_seconds": built - started,
-            "build_reused": reused, "others_share": None if load is None else load.share(),
-            "seconds": time.perf_counter() - started}
+    if work.build_only:  # built ahead (``LocalRunner.prepare``): timed by a later job
+        return MeasureResult(build_seconds=built - started, build_reused=reused, seconds=built - started)
+    latencies = []
+    for shape in job.shapes:
+        sets = _call_arguments(work, session, spec, recipe, dict(shape), pack)
+        if len(sets) > 1:  # the weight streams: cycle through its copies
+            latencies.append(time_streaming(module["main"], sets, timing.repeat, timing.min_repeat_ms / 1e3))
+        else:
+            latencies.append(timing.time(module, session.device, sets[0], job.abandon_above_s,
+                                         local=session.remote is None))
+    return MeasureResult(latencies=tuple(latencies), build_seconds=built - started, build_reused=reused,
+                         seconds=time.perf_counter() - started)
 
 
 def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
@@ -337,9 +265,9 @@ def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarr
     life per (operator, packing): the weight does not depend on the shape."""
     key = (recipe, pack)
     if key not in session.kept:
-        session.kept.clear()  # one operator's copies at a time (a 3072 x 768 weight: 7 x 9.4 MB)
+        session.kept.clear()  # one operator's copies at a time
         count = copies(weight.nbytes, last_level_cache_bytes())
-        # on huge pages, where the served model keeps its weights (only local CPU jobs stream)
+        # on huge pages, where the served model keeps its weights
         session.kept[key] = on_huge_pages([weight] * count)
     return session.kept[key]
 
@@ -352,10 +280,6 @@ def resolve(path: str):
     if not name:
         raise ValueError(f"schedule function must look like 'package.module:function', got {path!r}")
     return getattr(importlib.import_module(module), name)
-
-
-def _shape_text(key: tuple) -> str:
-    return ",".join(f"{name}={value}" for name, value in key)
 
 
 def _read_frame(stream) -> object | None:
@@ -373,26 +297,21 @@ def write_frame(stream, message) -> None:
 
 
 def main() -> None:
-    """The worker loop over stdin/stdout frames: one job in, one result out, until EOF.
-
-    The protocol owns the original stdout; anything else printing (TVM, nvcc) goes to stderr.
-    """
-    # Run as ``-m``, this file is ``__main__``; the races' module imports it as ``worker``. The jobs
-    # go through that one copy, so measuring and racing share its kept builds and sessions.
-    from . import racing, worker
+    """The worker loop over stdin/stdout frames: one ``WorkerJob`` in, one ``MeasureResult`` out,
+    until EOF. The protocol owns the original stdout; anything else printing (TVM, nvcc) goes
+    to stderr."""
+    # Run as ``-m``, this file is ``__main__``: the jobs go through the imported module, whose
+    # builds and sessions every job shares.
+    from . import worker
 
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     protocol_in = os.fdopen(0, "rb")
     while True:
-        job = _read_frame(protocol_in)
-        if job is None:
+        work = _read_frame(protocol_in)
+        if work is None:
             return
-        if job.get("compile_to"):
-            result = worker.compile_only(job)
-        else:
-            result = racing.race(job) if job.get("race") else worker.measure(job)
-        write_frame(protocol_out, result)
+        write_frame(protocol_out, worker.compile_only(work) if work.compile_to else worker.measure(work))
 
 
 if __name__ == "__main__":

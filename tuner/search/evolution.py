@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 Score = Callable[[list[MicroKernel]], np.ndarray]  # higher is better
 

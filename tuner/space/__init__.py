@@ -1,10 +1,10 @@
 """Micro-kernel search space: built from hardware limits, not from any one shape."""
 
-from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
-from dietserve.kernels.cpu_packed import packed_tile
-from dietserve.kernels.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packing import weight_param
+from dietserve.host.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
+from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
+from dietserve.kernels.cpu_packed.kernel import packed_tile
+from dietserve.kernels.cpu_packed.packing import weight_param
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .cpu import whole_task_fits_l2
 

@@ -1,10 +1,10 @@
 """The CPU micro-kernel spaces, from the register file and caches (never from a shape).
 
 Three spaces. Operators with a constant weight (dense layers) get the packed-weight GEMM kernels
-(``packed_cpu_space``, ``dietserve/kernels/cpu_packed.py``): the packing is chosen first (the
+(``packed_cpu_space``, ``dietserve/kernels/cpu_packed/kernel.py``): the packing is chosen first (the
 panel width, from the vector width) and every kernel of a plan shares it. Operators without
 one (attention's batched products, symbolic in both output axes) get the clamped-tile kernels
-(``clamped_cpu_space``, ``dietserve/kernels/cpu_clamped.py``), which need no padding, and the
+(``clamped_cpu_space``, ``dietserve/kernels/cpu_clamped/kernel.py``), which need no padding, and the
 locally padded kernels (``cpu_space``):
 
 A CPU micro-kernel computes an ``mr x nr`` register tile (``nr`` a whole number of vectors)
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import itertools
 
-from dietserve.kernels.cpu_clamped import CLAMPED, PANEL
-from dietserve.kernels.cpu_packed import packed_tile
-from dietserve.kernels.hardware import CpuHardware
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packed_tile import register_footprint
+from dietserve.host.hardware import CpuHardware
+from dietserve.kernels.cpu_clamped.kernel import CLAMPED, PANEL
+from dietserve.kernels.cpu_packed.kernel import packed_tile
+from dietserve.kernels.cpu_packed.tile import register_footprint
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from itertools import product
 
-from dietserve.kernels.hardware import GpuHardware
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.host.hardware import GpuHardware
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 __all__ = ["STATIC_SHARED_MEMORY_BYTES", "gpu_space", "registers_per_thread", "shared_memory_bytes", "threads"]
 

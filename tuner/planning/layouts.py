@@ -1,10 +1,11 @@
-"""From measurements to a dispatch plan: a few variants and a decision tree that sends each
-shape to its best one (DietCode's dispatcher), written as a ``dietserve.kernels.plan.KernelPlan``.
+"""From estimates to a plan's variants: a few micro-kernels per weight layout (a greedy set
+cover of the weighted slowdown), the layout with the least, and the intervals of the decision
+tree over the ordered shapes (dynamic programming): DietCode's dispatcher.
 
-A variant is a micro-kernel, or ``None`` for the default rule's own kernel (what an untuned
-build runs), which is always a candidate: no measured shape is sent to a variant that measured
-slower there than the untuned kernel, where the plan's weight layout has another variant for it
-(a packed plan cannot hold the untuned kernel, which reads its weight unpacked).
+A variant is a micro-kernel, or None for the default rule's own kernel, always a candidate: no
+measured shape goes to a variant measured slower there than the untuned kernel, where the plan's
+weight layout has another variant for it (a packed plan cannot hold the untuned kernel, which
+reads its weight unpacked).
 """
 
 from __future__ import annotations
@@ -13,46 +14,29 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import tvm
 
-from dietserve.kernels.matching import workload_key
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
-from dietserve.kernels.tree import interval_tree
+from dietserve.kernels.plan.microkernel import MicroKernel
+
+from ..measurements import shape_key
 
 Variant = MicroKernel | None  # None: the default rule's kernel
 Estimate = Callable[[Variant, dict], float]  # (variant, shape) -> latency seconds
 # The smallest shape gets a variant of its own (beyond max_variants) when one measured there is
-# this much faster than the variants chosen for the rest: it is a regime of its own (weight
-# streaming, one row), which a weighted set cover over all shapes would trade away for a
-# fraction of a percent elsewhere.
+# this much faster than the variants chosen for the rest: a regime of its own (weight streaming,
+# one row) that a weighted set cover would trade away for a fraction of a percent elsewhere.
 SMALL_REGIME_GAIN = 1.2
 # Shapes of at most this many rows run one pass over the weight in a plan of packed kernels: a
-# register tile covering every row. The served model's weights together exceed the last-level
-# cache, so each dense layer's weight comes from DRAM; a kernel that passes over it again per row
-# tile leaves the memory bus idle while it computes from cache. Forced kernels of bert-base's
-# layers on a 2-core znver4, weight from DRAM (``tests/benchmarks/cold_weights.py``), ms:
-# - 768->3072: a 7-row tile 0.27-0.29 at T = 4, 6 and 7, where two passes of 3 or 5 rows took
-#   0.32-0.39 (and 0.14-0.24 with the weight in cache, as the tuner times them: as fast or
-#   faster); a 9-row tile 0.33 at T = 9 against 0.38; a 13-row tile 0.40 at T = 13 against 0.51
-#   for two 7-row passes.
-# - 768x768 at T = 11 and 13: a 12- or 13-row tile 0.085-0.087, two 7-row passes 0.100-0.101,
-#   three 5-row passes 0.129-0.132 (the plan's pick before; hot 0.070, 0.074, 0.079).
-# Past 13 rows the gain goes: at T = 14 a 14-row tile and two 7-row passes tied (0.094 and 0.089
-# here, 0.40-0.50 and 0.44 for the 768->3072 layer); at T = 16-28 the best height changed from
-# length to length, 5-15% ahead, the noise of that size.
+# register tile covering every row. The served model's weights exceed the last-level cache, so a
+# dense layer streams its weight from DRAM, and a kernel passing over it again per row tile
+# leaves the memory bus idle while it computes; timed hot, the tuner cannot see that. Past this
+# height the gain measured from DRAM was gone (docs/design/tuner.md).
 SINGLE_PASS_ROWS = 13
 # The rule holds where a covering kernel is estimated (weight in cache) at most this much slower
-# than the fastest kernel there: the largest gain a single pass showed from DRAM above was 1.28x
-# (0.40 against 0.51 ms). A covering kernel further behind is not worth a pass saved: a tune of
-# the 768 -> 2304 layer had measured only one-core 10- to 13-row tiles (0.31-0.41 ms, 2x the
-# two-core 8-row tile's estimate), and the rule sent T = 9-13 to them: 0.88-0.92x end to end.
+# than the fastest kernel there: about the largest gain a single pass showed from DRAM.
 SINGLE_PASS_SLACK = 1.3
-# Layouts whose plans' weighted slowdowns are this close are a tie: the measurements cannot tell
-# them apart (repeated timings of one kernel differ by 1-3%). The tie goes to the layout whose
-# tiles cover more short shapes' rows in one pass, a gain the weight in cache hides: a tune put
-# bert-base's 768x768 layers on 48-wide panels (9-row tiles at most) over 32-wide ones (14)
-# at 1.0103 against 1.0113, losing the single pass at T = 11-13 (1.08-1.12x end to end).
+# Layouts whose plans' weighted slowdowns are this close are a tie (repeated timings of one kernel
+# differ by more). The tie goes to the layout whose tiles cover more short shapes' rows in one
+# pass, a gain the weight in cache hides.
 LAYOUT_TIE = 0.01
 
 
@@ -116,12 +100,8 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
                       and measured.get(shape_key(shape), {}).get(variant, -math.inf) > untuned
                       for variant in variants]
             # Measured slower than the untuned kernel here: sent elsewhere, where the layout has
-            # another variant. Where it has none (a packed layout cannot hold the untuned kernel,
-            # which reads the weight unpacked) the guard yields, and the layouts' comparison
-            # prices that shape: forbidding it made the whole layout infeasible, and a bert-base
-            # tune ran its 3072 -> 768 layer on the untuned kernel at every length (its only
-            # packed variant timed 0.146 ms against 0.140 at T = 5; at seq 16 the layer took
-            # 54% of the model's time, 2.9x the packed plan's).
+            # another variant. Where it has none the guard yields and the layouts' comparison
+            # prices that shape (forbidding it would make a whole packed layout infeasible).
             if not all(slower):
                 cost[[row for row, is_slower in enumerate(slower) if is_slower], column] = np.inf
         return cost
@@ -215,11 +195,6 @@ def _layout(variant: Variant) -> int:
     return 0 if variant is None else variant.pack
 
 
-def shape_key(shape: dict) -> tuple:
-    """A shape as a hashable key (sorted (var, value) pairs), as measurements are indexed."""
-    return tuple(sorted(shape.items()))
-
-
 def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     """Label each of ``n`` ordered shapes with one of ``V`` variants so that the labels form at
     most ``max_segments`` intervals and the summed ``cost[v, s]`` is least (dynamic programming).
@@ -238,7 +213,7 @@ def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     choice = np.zeros((max_segments + 1, n + 1, 2), dtype=np.int64)  # (segment start, variant)
     for end in range(1, n + 1):
         # cost of shapes [start, end) under each variant, inf where a shape forbids it: the same
-        # for every segment count, so all counts are taken at once (a tune plans 6-8 times)
+        # for every segment count, so all counts are taken at once
         run = prefix[:, end][:, None] - prefix[:, :end]
         run = np.where(forbidden[:, end][:, None] - forbidden[:, :end] > 0, np.inf, run)
         total = (best[:max_segments, :end][:, None, :] + run[None, :, :]).reshape(max_segments, -1)
@@ -257,91 +232,3 @@ def segment(cost: np.ndarray, max_segments: int) -> list[int]:
     return labels
 
 
-def plan_intervals(plan) -> list[tuple[int, int]]:
-    """(start, end) row ranges of ``plan``'s shapes, each a run of one variant."""
-    rows, runs, start = plan.shapes, [], 0
-    for end in range(1, len(rows) + 1):
-        if end == len(rows) or rows[end]["variant"] != rows[start]["variant"]:
-            runs.append((start, end))
-            start = end
-    return runs
-
-
-def unverified_probes(plan, measured: dict, failed: set, default_measured: dict) -> list[tuple[MicroKernel, dict]]:
-    """(kernel, shape) at the first, middle and last shape of each micro-kernel's interval of
-    ``plan`` where that kernel or the default kernel has not been measured yet."""
-    rows = plan.shapes
-    probes = []
-    for start, end in plan_intervals(plan):
-        kernel = plan.kernel(rows[start]["variant"])
-        if kernel is not None:
-            for index in sorted({start, (start + end - 1) // 2, end - 1}):
-                shape = rows[index]["shape"]
-                key = shape_key(shape)
-                done = kernel in measured.get(key, {}) or kernel in failed
-                if not (done and key in default_measured):
-                    probes.append((kernel, shape))
-    return probes
-
-
-def unmeasured_stretches(plan, ratio: float) -> list[tuple[str, dict]]:
-    """(variant name, shape) for each interval of ``plan`` whose choice rests on predictions
-    carried far: of the interval's runs of shapes where its variant was not measured, the one
-    spanning the largest ratio of dispatch values (last / first), if the interval has no
-    measured shape at all or that ratio is at least ``ratio``; the shape is that run's middle
-    on a log scale (predictions carry by ratios of lengths, not by differences)."""
-    found = []
-    for start, end in plan_intervals(plan):
-        interval = plan.shapes[start:end]
-        runs, run = [], []
-        for row in interval:
-            if row["measured"]:
-                runs, run = runs + [run] if run else runs, []
-            else:
-                run.append(row)
-        runs = runs + [run] if run else runs
-        if runs:
-            widest = max(runs, key=lambda r: r[-1]["value"] / r[0]["value"])
-            never_measured = len(widest) == len(interval)
-            if never_measured or widest[-1]["value"] / widest[0]["value"] >= ratio:
-                middle = math.sqrt(widest[0]["value"] * widest[-1]["value"])
-                row = min(widest, key=lambda r: abs(math.log(r["value"] / middle)))
-                found.append((interval[0]["variant"], row["shape"]))
-    return found
-
-
-def plan_target(target: dict) -> dict:
-    """The target as manifests describe it (strings; the host left out)."""
-    return {key: str(value) for key, value in target.items() if key in ("kind", "mcpu", "arch", "num-cores")}
-
-
-def build_plan(task, variants: Sequence[Variant], labels: Sequence[int], shapes: Sequence[dict],
-               weights: Sequence[float], estimate: Estimate, measured: dict, default_measured: dict,
-               provenance: dict) -> KernelPlan:
-    """The plan file's content: the variants used (the default rule's first), the decision tree
-    over the dispatch value, one row per shape with its estimate and whether it was measured."""
-    used = sorted(set(labels), key=lambda v: (variants[v] is not None, v))
-    names = {v: DEFAULT_VARIANT if variants[v] is None else f"v{rank}" for rank, v in enumerate(used)}
-    values = [task.dispatch_value(s) for s in shapes]
-    tree = interval_tree(task.dispatch_var, values, [names[v] for v in labels])
-    rows = []
-    for shape, value, v in zip(shapes, values, labels, strict=True):
-        variant, key = variants[v], shape_key(shape)
-        was_measured = key in default_measured if variant is None else variant in measured.get(key, {})
-        rows.append({"shape": shape, "value": value, "variant": names[v],
-                     "latency_s": estimate(variant, shape), "measured": was_measured,
-                     "default_latency_s": estimate(None, shape), "default_measured": key in default_measured})
-    return KernelPlan(
-        workload=workload_key(task.spec.func),
-        operator=task.spec.name,
-        shape_vars=sorted(task.spec.shape_vars),
-        axes=task.axes,
-        target=plan_target(task.target),
-        tvm_version=str(tvm.__version__),
-        variants={names[v]: (None if variants[v] is None else variants[v].to_dict()) for v in used},
-        tree=tree,
-        tuned_range={"var": task.dispatch_var, "min": min(values), "max": max(values)},
-        shapes=rows,
-        provenance={**provenance, "fixed": dict(task.fixed),
-                    "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0}},
-    )

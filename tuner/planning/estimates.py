@@ -9,18 +9,16 @@ from collections import defaultdict
 
 import numpy as np
 
-from .dispatch import Estimate, Variant, shape_key
+from ..measurements import shape_key
+from .layouts import Estimate, Variant
 
 # The floors of ``nearest_measured_estimates`` are bounds, not measurements: a carried estimate
 # stays this much above them, so the kernel measured at the floor's time on the smallest shape
-# keeps that shape and the small regime its variant (``SMALL_REGIME_GAIN``). At the floor
-# itself, a tune sent the GELU layer's T = 1 to a 12-row tile carried down to the one-row
-# kernel's measured 54 us; the tile, one row of 2 vectors a pass there, ran 109 us.
+# keeps that shape (a tile carried down to the floor would otherwise tie a one-row kernel there).
 FLOOR_MARGIN = 1.25
-# A carried estimate is worth less the farther it is carried: it is priced up by this much per
-# unit of |ln| of the ratio between the shape and the one it was carried from (x1.17 carried
-# over a ratio of 2, x1.55 over 9), so a kernel measured near a shape keeps it from one
-# predicted a little faster from far away.
+# A carried estimate is worth less the farther it is carried: priced up by this much per unit of
+# |ln| of the ratio between the shape and the one it was carried from, so a kernel measured near
+# a shape keeps it from one predicted a little faster from far away.
 CARRY_PENALTY = 0.25
 
 
@@ -38,7 +36,7 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
     at T=1, where 5 of its 6 rows pad.
 
     ``measured``: shape key -> {kernel: latency}; ``default_measured``: shape key -> latency."""
-    from .cost_model.model import adapt
+    from ..cost_model.model import adapt
 
     def factor(kernel: Variant, shape: dict) -> float:
         return 1.0 if kernel is None else adapt(task.axis_extents(shape), kernel, cores)
@@ -55,18 +53,15 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
         points[None].append(point(None, key, latency))
     tables = {kernel: np.asarray(sorted(values)) for kernel, values in points.items()}
     floor_value, floor = _smallest_measured_floor(task, measured, default_measured)
-    # A CPU kernel on every core wakes the thread pool however little it computes (about 1 us on
-    # a 2-core znver4), which a serial kernel measured on the smallest shape does not pay: kernels
-    # on every core get a floor of their own, the best of theirs on the smallest shape one of
-    # them was measured on. With only the shared floor a two-core attention kernel, carried down
-    # to T = 1 at the serial kernels' 0.17 us, took T = 1 from them and ran 1-2 us there.
+    # A CPU kernel on every core wakes the thread pool however little it computes, which a serial
+    # kernel measured on the smallest shape does not pay: kernels on every core get a floor of
+    # their own, the best of theirs on the smallest shape one of them was measured on.
     parallel_value, parallel_floor = math.inf, 0.0
     if task.target.get("kind") == "llvm":
         on_every_core = {key: {k: t for k, t in kernels.items() if k.threads != 1} for key, kernels in measured.items()}
         parallel_value, parallel_floor = _smallest_measured_floor(task, on_every_core, {})
     # No carried estimate runs faster than any kernel was measured to run, on any shape: an
-    # f_adapt that misjudges one shape (as one did narrow attention shapes, 32x) must not
-    # turn a kernel into the fastest thing the machine ever did where it was never measured.
+    # f_adapt that misjudges one shape must not make a kernel the fastest thing ever seen there.
     timed = [(key, latency) for key, kernels in measured.items() for latency in kernels.values()]
     fastest = max((task.flops(dict(key)) / latency for key, latency in timed + list(default_measured.items())),
                   default=0.0)
@@ -88,9 +83,8 @@ def nearest_measured_estimates(task, measured: dict, default_measured: dict, cor
             bound = max(bound, parallel_floor)
         return max(carried, bound * FLOOR_MARGIN) * (1 + CARRY_PENALTY * float(distance[nearest]))
 
-    # A plan asks for each (kernel, shape) several times (the best per shape, each layout's
-    # set cover, the guard, the plan's rows): 60 candidates x 512 shapes, over and over. The
-    # measurements it reads are the tuner's of the moment; a plan is made from them at once.
+    # A plan asks for each (kernel, shape) several times (the best per shape, each layout's set
+    # cover, the guard, the rows); the measurements it reads do not change while it is made.
     known: dict[tuple, float] = {}
 
     def remembered(kernel: Variant, shape: dict) -> float:

@@ -1,0 +1,53 @@
+"""How a candidate is timed: one policy, one number per candidate.
+
+Each timed repeat runs the kernel ``number`` times, or more until it lasts ``min_repeat_ms`` (a
+short kernel timed over a couple of calls reads its thread pool's wake-up, not its own speed);
+the median of ``repeat`` repeats is the candidate's time. One warm call first: a candidate slower
+than the job's abandon bar (a multiple of the best known on its shape) cannot win and is kept at
+that one call's time, as tinygrad's search stops early on a hopeless program.
+
+TVM's evaluator times the repeats (on the device's clock for a GPU or over RPC). With
+``stream_weights`` a dense layer's calls cycle over copies of its weight that no cache holds (``streaming.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ABANDON_FACTOR = 4.0  # a candidate this much slower than its shape's best is timed once
+
+
+def abandon_bar(best_s: float) -> float | None:
+    """The abandon bar of a candidate on a shape whose best known time is ``best_s`` (None: no bar)."""
+    return ABANDON_FACTOR * best_s if best_s < float("inf") else None
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    number: int = 2  # calls per timed repeat, at least
+    repeat: int = 3  # timed repeats; the median is kept
+    min_repeat_ms: int = 10  # a repeat lasts at least this long
+    stream_weights: bool = False  # dense layers: every call reads its weight from DRAM (local only)
+
+    def __post_init__(self) -> None:
+        if self.number < 1 or self.repeat < 1 or self.min_repeat_ms < 0:
+            raise ValueError(f"number and repeat must be positive and min_repeat_ms >= 0, got {self}")
+
+    def time(self, module, device, arguments: Sequence, abandon_above_s: float | None, local: bool) -> float:
+        """Median seconds per call of ``module["main"](*arguments)``, timed by TVM's evaluator on
+        ``device``; on this machine (``local``) after a warm call, which alone decides a
+        candidate slower than ``abandon_above_s``."""
+        if local:
+            function = module["main"]
+            function(*arguments)  # warm-up: caches, page faults, the thread pool
+            start = time.perf_counter()
+            function(*arguments)
+            probe = time.perf_counter() - start
+            if abandon_above_s is not None and probe > abandon_above_s:
+                return probe
+        evaluator = module.time_evaluator("main", device, number=self.number, repeat=self.repeat,
+                                          min_repeat_ms=self.min_repeat_ms)
+        return float(statistics.median(evaluator(*arguments).results))

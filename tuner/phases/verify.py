@@ -1,0 +1,99 @@
+"""Verify: plan, measure each tuned interval's variant (beside the default kernel) at the
+interval's ends and middle where it was only predicted, plan again, until every choice rests on
+measurements or ``VERIFY_ROUNDS`` rounds are done.
+
+Between measured shapes a plan relies on predictions (f_microkernel x f_adapt), which a small
+budget can get badly wrong; a shape measured slower than the default kernel forbids that variant
+there. First the small-T regime (the smallest shape in the plan's packing, every threading), the
+single-pass tiles, and where the plan, ranked as served, sends short shapes to a tile with a
+blocked reduction, its whole-reduction twin (timed hot the two tie; only measured can the plan
+weigh the blocked one's slower stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from dietserve.kernels.cpu_packed.kernel import reduces_in_blocks, with_whole_reduction
+from dietserve.kernels.plan.microkernel import MicroKernel
+
+from ..planning.plan_file import unverified_probes
+from . import BatchPhase, Probe, by_prediction
+from .commit import single_pass_probes
+
+if TYPE_CHECKING:
+    from ..tune import Tuner
+
+VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
+# One-row kernels of the committed packing measured on the smallest shape, every threading
+# among them: a plan that saw only serial ones there missed a parallel one-row kernel.
+SMALL_REGIME_KERNELS = 3
+# Shapes a kernel passes over in at most this many row passes: its first pass, which streams the
+# weight from DRAM, is at least half its FMAs, and how it streams shows.
+STREAM_BOUND_PASSES = 2
+
+
+class Verify(BatchPhase):
+    def batches(self, tuner: Tuner, until: int) -> Iterator[list[Probe]]:
+        for _round in range(VERIFY_ROUNDS):
+            try:
+                plan = tuner.plan()
+            except RuntimeError:  # nothing measured successfully: nothing to verify
+                return
+            probes = small_regime_probes(tuner, plan.pack) + single_pass_probes(tuner, plan.pack) \
+                + whole_reduction_probes(tuner, plan) \
+                + [Probe(k, s) for k, s in unverified_probes(plan, tuner.store.kernels, tuner.store.failed,
+                                                             tuner.store.default)]
+            if not probes:
+                return
+            # Each beside the default kernel on its shape, measured first.
+            yield [p for probe in probes for p in (Probe(None, probe.shape), probe)]
+
+    def observe(self, tuner: Tuner, results: list[tuple[Probe, float | None]]) -> None:
+        """(No refit: the next exploration fits on everything measured.)"""
+
+
+def small_regime_probes(tuner: Tuner, pack: int) -> list[Probe]:
+    """One-row kernels of the plan's packing for the smallest shape, until
+    ``SMALL_REGIME_KERNELS`` are measured there and each threading (every core, serial) is among
+    them: the threadings missing first, then the cost model's next best. An unpacked space gets
+    each threading missing on the smallest shape, any tile (kernels on every core are floored by
+    their own best there: ``estimates.nearest_measured_estimates``)."""
+    smallest = tuner.shapes[tuner.smallest]
+    measured = tuner.store.on(smallest)
+    if pack:
+        kernels = [k for k in tuner.space if k.pack == pack and k.tile_sizes("i")[0] == 1]
+    else:
+        kernels = [k for k in tuner.space if not k.pack]
+    kernels = [k for k in kernels if k not in tuner.store.failed]
+    done = [k for k in kernels if k in measured]
+    candidates = [k for k in kernels if k not in measured]
+    if not candidates:
+        return []
+    ranked = by_prediction(tuner, candidates, smallest)
+    probes = [next(k for k in ranked if k.threads == threads)
+              for threads in sorted({k.threads for k in ranked} - {k.threads for k in done})]
+    if pack:  # (the one-row regime: the cost model's next best too)
+        probes += [k for k in ranked if k not in probes][:max(0, SMALL_REGIME_KERNELS - len(done) - len(probes))]
+    return [Probe(kernel, smallest) for kernel in probes]
+
+
+def whole_reduction_probes(tuner: Tuner, plan) -> list[Probe]:
+    """Where ``plan`` (ranked as served: the tune has DRAM rates) runs a blocked-reduction tile on
+    shapes it passes over in at most ``STREAM_BOUND_PASSES`` row passes, the same tile with the
+    whole reduction at the middle such shape, unless measured there."""
+    if tuner.options.dram is None:
+        return []
+    runs: dict[MicroKernel, list[dict]] = {}
+    for row in plan.shapes:
+        kernel = plan.kernel(row["variant"])
+        extents = tuner.task.axis_extents(row["shape"])
+        if reduces_in_blocks(kernel, extents["k"]) and extents["i"] <= STREAM_BOUND_PASSES * kernel.tile_sizes("i")[0]:
+            runs.setdefault(kernel, []).append(row["shape"])
+    probes = []
+    for kernel, shapes in runs.items():
+        twin, shape = with_whole_reduction(kernel), shapes[len(shapes) // 2]
+        if twin in tuner.space and not tuner.store.has(twin, shape):
+            probes.append(Probe(twin, shape))
+    return probes
