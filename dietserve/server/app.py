@@ -1,8 +1,12 @@
 """Server lifecycle: listen, load and warm up, serve, and on SIGTERM drain and exit.
 
-    start gRPC (live, not ready) -> load artifact, warm up -> ready (v2 + grpc health SERVING)
-    SIGTERM/SIGINT -> not ready -> keep serving ``drain_seconds`` -> stop accepting, finish
-    in-flight requests (up to ``grace_seconds``) -> exit 0
+    start: /metrics -> traffic record -> gRPC listening (live, not ready) -> load and warm up
+           -> batcher -> hot-swap watcher -> re-tuning policy -> traffic saver -> ready
+    stop:  the same in reverse: not ready -> keep serving ``drain_seconds`` -> stop accepting and
+           finish in-flight requests (up to ``grace_seconds``) -> ... -> last traffic save -> /metrics
+
+Each ``_start_*`` step acquires one part and registers its teardown on an ``AsyncExitStack``, so
+a failure half-way through ``start`` releases exactly what was acquired, newest first.
 """
 
 from __future__ import annotations
@@ -10,67 +14,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable
+from contextlib import AsyncExitStack
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from ..model.tokenizer import TextTokenizer
 from ..runtime.batcher import BatchRun, DynamicBatcher, bucket_edges
 from ..runtime.engine import Engine
 from ..runtime.memory import resident_bytes
-from ._proto import open_inference_pb2 as pb
+from . import grpc_server
+from .batch_metrics import BatchRecorder
 from .config import ServerConfig
+from .grpc_server import SERVICE_NAME
 from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
 from .retune import RetunePolicy, RetuneSettings
-from .servicer import InferenceServicer, ServingState, inference_handlers
-from .status import ServingInterceptor
+from .servicer import ServingState
 from .swap import HotSwap, MeasuredGain, Swapper
 from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-# Room for a reply's framing beyond its tensors, which --max-response-bytes bounds.
-REPLY_OVERHEAD_BYTES = 64 << 10
 # Resident memory may exceed the figure after warm-up by this share before the VM's pooled
 # buffers are released (runtime/memory.py).
 MEMORY_SLACK = 0.05
 RETUNE_BUCKET_RATIO = 1.5  # length buckets over which traffic drift is measured
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _record_batch(metrics: ServerMetrics, traffic: TrafficLog, gain: MeasuredGain) -> Callable[[BatchRun], None]:
-    dispatch_counters = {}  # labels() costs microseconds; a model has dozens of dynamic operators
-
-    def record(run: BatchRun) -> None:
-        traffic.record(run)
-        gain.record(run.rows, run.seq_len, run.compute_seconds)
-        computed = run.rows * run.seq_len
-        metrics.compute_duration.observe(run.compute_seconds)
-        metrics.batch_size.observe(run.rows)
-        metrics.computed_tokens.inc(computed)
-        metrics.padding_tokens.inc(computed - run.real_tokens)
-        metrics.padding_ratio.observe((computed - run.real_tokens) / computed)
-        for length in run.row_lengths:
-            metrics.sequence_length.observe(length)
-        for operator, variant, executions in run.variants:
-            counter = dispatch_counters.get((operator, variant))
-            if counter is None:
-                counter = dispatch_counters[(operator, variant)] = metrics.kernel_dispatch.labels(operator, variant)
-            counter.inc(executions)
-
-    return record
-
-
-def _warm_up(engine: Engine, rows: int) -> int:
+def warm_up(engine: Engine, rows: int) -> int:
     """Runs a small shape and the largest batch the server forms (``rows``) at the longest
     sequence: first touch of the weights and of the planned buffers, thread pool start. Returns
     the resident bytes afterwards: what the server needs for any batch it forms. A single request
     with more rows (up to the artifact's bound) needs more while it runs; the pool is released
-    after it (``runtime/memory.py``). Warming up at the artifact's own bound instead would hold
-    its worst case resident for good: 4.5 GiB for MiniLM at 64 x 512."""
+    after it (``runtime/memory.py``). Warming up at the artifact's own bound instead would keep
+    its worst case resident for good."""
     import numpy as np
 
     for batch, seq in ((1, 8), (min(rows, engine.max_batch), engine.max_seq_len)):
@@ -79,20 +59,248 @@ def _warm_up(engine: Engine, rows: int) -> int:
     return resident_bytes()
 
 
-def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    if not config.tls:
-        return None
-    client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    (outcome,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(outcome, Exception):  # (a cancellation is a BaseException)
+        log.error("background task %s had failed: %r", task.get_name(), outcome)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC to {address}")
-    return bound
+class Server:
+    """Serves ``model_name`` (token ids) and ``model_name-text`` (text) from the engine
+    ``load_model`` returns. ``say`` reports progress; the line
+    ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports. ``hot_swap``: serve a
+    version store's versions; ``retune`` (with ``hot_swap``): re-tune when the traffic drifts.
+    ``stop``: an event that requests a stop when set (default: a new one)."""
+
+    def __init__(self, config: ServerConfig, model_name: str,
+                 load_model: Callable[[], tuple[Engine, TextTokenizer]], say: Callable[[str], None], *,
+                 hot_swap: HotSwap | None = None, retune: RetuneSettings | None = None,
+                 stop: asyncio.Event | None = None):
+        self.config, self.model_name, self.text_name = config, model_name, model_name + TEXT_MODEL_SUFFIX
+        self.say, self.hot_swap, self.retune = say, hot_swap, retune
+        self.stop_requested = stop or asyncio.Event()
+        self.metrics = ServerMetrics()
+        self.gain = MeasuredGain(self.metrics)
+        self.state = ServingState(config=config, metrics=self.metrics, model_names=(model_name, self.text_name))
+        self.health = health.aio.HealthServicer()
+        self.ports = ""  # "grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT" once listening
+        self.traffic: TrafficLog | None = None
+        self.engine: Engine | None = None
+        self.batcher: DynamicBatcher | None = None
+        self._load_model = load_model
+        self._tokenizer: TextTokenizer | None = None
+        self._settled_bytes = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._grace = config.grace_seconds
+        self._parts = AsyncExitStack()
+        self._requests_finished = self._stopped = False
+        self._health_updates: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ the public lifecycle
+
+    def stop_on_signals(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        """Makes :meth:`wait` return; a stop requested so drains (``drain_seconds``)."""
+        self.stop_requested.set()
+
+    async def start(self) -> None:
+        """Acquires the parts in order, ready at the end. If a step fails, what the steps before it
+        acquired is released (as :meth:`stop` does) and the error raised."""
+        steps = (self._start_metrics, self._open_traffic, self._listen, self._load, self._start_batcher,
+                 self._start_hot_swap, self._start_retune, self._keep_saving_traffic, self._open)
+        try:
+            for step in steps:
+                await step()
+        except BaseException:
+            await self.stop()
+            raise
+        self._say_ready()
+
+    async def wait(self) -> None:
+        """Returns once a stop is requested."""
+        await self.stop_requested.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Releases the parts in reverse order: in-flight requests get ``grace`` seconds (default
+        ``grace_seconds``) to finish. Then says how the inference calls were answered. Once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if grace is not None:
+            self._grace = grace
+        await self._parts.aclose()
+        self._say_answered()
+
+    async def run(self) -> int:
+        """Starts, serves until a stop is requested, stops; 0."""
+        await self.start()
+        try:
+            await self.wait()
+        finally:
+            await self.stop()
+        return 0
+
+    # ------------------------------------------------------------------ the parts, in order
+
+    async def _start_metrics(self) -> None:
+        server, port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
+        self._parts.callback(server.server_close)  # the port, after the serving thread stopped
+        self._parts.callback(server.shutdown)
+        self._metrics_address = f"{self.config.metrics_host}:{port}"
+
+    async def _open_traffic(self) -> None:
+        self.traffic = TrafficLog(self.config.traffic_file, self.config.traffic_half_life_seconds, self.metrics)
+        self._parts.push_async_callback(self._save_traffic)
+
+    async def _save_traffic(self) -> None:
+        try:
+            await self.traffic.save()
+        except OSError as err:
+            log.error("cannot write the traffic file %s: %s", self.config.traffic_file, err)
+
+    async def _listen(self) -> None:
+        """gRPC up, live but not ready, and the probes' health port if configured."""
+        config = self.config
+        self._grpc = grpc_server.inference_server(config, self.state, self.health)
+        self._parts.callback(self.state.decode_pool.shutdown, wait=False, cancel_futures=True)
+        await self._set_health(NOT_SERVING)
+        port = grpc_server.bind(self._grpc, config.host, config.port, grpc_server.credentials(config))
+        await self._grpc.start()
+        self._parts.push_async_callback(self._finish_requests)
+        ports = f"grpc={config.host}:{port}"
+        if config.health_port is not None:
+            probes = grpc_server.probe_server(self.health)
+            ports += f" health={config.host}:{grpc_server.bind(probes, config.host, config.health_port, None)}"
+            await probes.start()
+            self._parts.push_async_callback(probes.stop, 0)
+        self.ports = f"{ports} metrics={self._metrics_address}"
+        tls = (" (mutual TLS)" if config.tls_client_ca else " (TLS)") if config.tls else ""
+        self.say(f"listening {self.ports}{tls}")
+
+    async def _finish_requests(self) -> None:
+        """Stops accepting calls and gives the ones in flight the grace period; once."""
+        if self._requests_finished:
+            return
+        self._requests_finished = True
+        self.say("stopping: finishing in-flight requests")
+        await self._grpc.stop(self._grace)
+
+    async def _load(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine, self._tokenizer = await loop.run_in_executor(None, self._load_model)
+        engine = self.engine
+        self._settled_bytes = await loop.run_in_executor(None, warm_up, engine, self.config.max_batch_size)
+        engine.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))
+        self.metrics.settled_memory.set(self._settled_bytes)
+        if engine.pool_bound is not None:
+            self.metrics.memory_limit.set(engine.pool_bound.limit_bytes)
+            self.metrics.pool_releases.set_function(lambda: engine.pool_bound.releases)
+
+    async def _start_batcher(self) -> None:
+        config = self.config
+        self.batcher = DynamicBatcher(
+            self.engine,
+            batching=config.batching,
+            max_batch_size=config.max_batch_size,
+            max_queue_delay_s=config.max_queue_delay_ms / 1000,
+            bucket_ratio=config.bucket_ratio,
+            max_queue_rows=config.max_queue_rows,
+            on_queue_change=self.metrics.queued_rows.set,
+            on_batch=self.batch_recorder(),
+            on_stopped=self._execution_stopped,
+        )
+        self.batcher.start()
+        self._parts.push_async_callback(self.batcher.close)  # runs what is queued
+        self.state.batcher = self.batcher
+        self.state.models = {self.model_name: ServedModel(self.model_name, self.engine),
+                             self.text_name: ServedModel(self.text_name, self.engine, self._tokenizer)}
+
+    def batch_recorder(self) -> Callable[[BatchRun], None]:
+        """The batcher's ``on_batch``: metrics, traffic record, measured swap gain."""
+        return BatchRecorder(self.metrics, self.traffic, self.gain)
+
+    async def _start_hot_swap(self) -> None:
+        hot_swap = self.hot_swap
+        if hot_swap is None:
+            return
+        hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
+        for model in self.state.models.values():
+            model.version = str(hot_swap.version)
+        swapper = Swapper(hot_swap, self.batcher, self.state.models, self.metrics, self.traffic, self.gain, self.say)
+        self._background(swapper.watch(), "dietserve-versions")
+
+    async def _start_retune(self) -> None:
+        if self.retune is None or self.hot_swap is None:
+            return
+        edges = bucket_edges(self.engine.max_seq_len, RETUNE_BUCKET_RATIO)
+        policy = RetunePolicy(self.retune, self.hot_swap, self.traffic, edges, self.engine.max_seq_len,
+                              self.metrics, self.say)
+        self._parts.callback(policy.stop)  # kills a running job
+        self._background(policy.watch(), "dietserve-retune")
+
+    async def _keep_saving_traffic(self) -> None:
+        self._background(self.traffic.keep_saving(self.config.traffic_save_seconds, self.gain.publish),
+                         "dietserve-traffic")
+
+    async def _open(self) -> None:
+        await self._set_ready(True)
+        self._parts.push_async_callback(self._close)
+
+    async def _close(self) -> None:
+        """Not ready; on a requested stop, serves on for ``drain_seconds`` while load balancers
+        notice; then takes no more calls and finishes the ones in flight."""
+        await self._set_ready(False)
+        drain = self.config.drain_seconds
+        if self.stop_requested.is_set() and drain > 0:
+            self.say(f"stopping: not ready; serving {drain} s more while load balancers notice")
+            await asyncio.sleep(drain)
+        await self._finish_requests()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _background(self, coroutine: Coroutine, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._parts.push_async_callback(_cancel, task)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", SERVICE_NAME):  # "" is the whole server, as Kubernetes probes ask
+            await self.health.set(service, status)
+
+    async def _set_ready(self, ready: bool) -> None:
+        self.state.ready = ready
+        self.metrics.ready.set(int(ready))
+        await self._set_health(SERVING if ready else NOT_SERVING)
+
+    def _execution_stopped(self, err: BaseException) -> None:
+        """The batcher's ``on_stopped``: model execution ended without a stop: not ready."""
+        if isinstance(err, asyncio.CancelledError) or self.stop_requested.is_set() or self._stopped:
+            return
+        log.error("model execution stopped; reporting NOT_SERVING")
+        self.state.ready = False
+        self.metrics.ready.set(0)
+        update = asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
+
+    def _say_ready(self) -> None:
+        config, batcher = self.config, self.batcher
+        batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
+                    if config.batching else "batching off")
+        served = f"version {self.hot_swap.version} of {self.hot_swap.store.root}; " if self.hot_swap else ""
+        self.say(f"ready: models '{self.model_name}' (token ids) and '{self.text_name}' (text); {served}{batching}; "
+                 f"{self._settled_bytes / 2**20:.0f} MiB resident after warm-up")
+
+    def _say_answered(self) -> None:
+        # What the handlers answered: a client can tell a request the server never took (gRPC
+        # cancels calls that arrive while it shuts down, before any handler sees them) from a loss.
+        answered = self.metrics.calls_by_code("ModelInfer")
+        self.say("stopped; ModelInfer calls answered: "
+                 + (", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"))
 
 
 async def serve(
@@ -104,134 +312,7 @@ async def serve(
     hot_swap: HotSwap | None = None,
     retune: RetuneSettings | None = None,
 ) -> int:
-    """Serves ``model_name`` (token ids) and ``model_name-text`` (text) until ``stop`` is set
-    (SIGTERM and SIGINT set it). ``say`` reports progress; the line
-    ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports."""
-    loop = asyncio.get_running_loop()
-    stop = stop or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    metrics = ServerMetrics()
-    traffic = TrafficLog(config.traffic_file, config.traffic_half_life_seconds, metrics)
-    gain = MeasuredGain(metrics)
-    text_name = model_name + TEXT_MODEL_SUFFIX
-    state = ServingState(config=config, metrics=metrics, model_names=(model_name, text_name))
-    server = grpc.aio.server(
-        interceptors=[ServingInterceptor(metrics, config.max_concurrent_rpcs)],
-        options=[
-            ("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_send_message_length", config.max_response_bytes + REPLY_OVERHEAD_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
-    server.add_generic_rpc_handlers((inference_handlers(InferenceServicer(state)),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.reflection:
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server)
-
-    async def set_health(status) -> None:
-        for service in ("", SERVICE_NAME):  # "" is the whole server, as Kubernetes probes ask
-            await health_servicer.set(service, status)
-
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = _bind(server, config.host, config.port, _credentials(config))
-    await server.start()
-    health_server = None
-    ports = f"grpc={config.host}:{port}"
-    if config.health_port is not None:
-        # Probes only: the same health servicer, nothing else, without TLS.
-        health_server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        ports += f" health={config.host}:{_bind(health_server, config.host, config.health_port, None)}"
-        await health_server.start()
-    metrics_server, metrics_port = metrics.serve_http(config.metrics_host, config.metrics_port)
-    tls = (" (mutual TLS)" if config.tls_client_ca else " (TLS)") if config.tls else ""
-    say(f"listening {ports} metrics={config.metrics_host}:{metrics_port}{tls}")
-
-    def execution_stopped(err: BaseException) -> None:
-        if isinstance(err, asyncio.CancelledError) or stop.is_set():
-            return
-        log.error("model execution stopped; reporting NOT_SERVING")
-        state.ready = False
-        metrics.ready.set(0)
-        loop.create_task(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
-
-    batcher = saver = watcher = policy = policy_task = None
-    try:
-        engine, tokenizer = await loop.run_in_executor(None, load_model)
-        settled = await loop.run_in_executor(None, _warm_up, engine, config.max_batch_size)
-        engine.bound_memory(int(settled * (1 + MEMORY_SLACK)))
-        metrics.settled_memory.set(settled)
-        if engine.pool_bound is not None:
-            metrics.memory_limit.set(engine.pool_bound.limit_bytes)
-            metrics.pool_releases.set_function(lambda: engine.pool_bound.releases)
-        batcher = DynamicBatcher(
-            engine,
-            batching=config.batching,
-            max_batch_size=config.max_batch_size,
-            max_queue_delay_s=config.max_queue_delay_ms / 1000,
-            bucket_ratio=config.bucket_ratio,
-            max_queue_rows=config.max_queue_rows,
-            on_queue_change=metrics.queued_rows.set,
-            on_batch=_record_batch(metrics, traffic, gain),
-            on_stopped=execution_stopped,
-        )
-        batcher.start()
-        state.batcher = batcher
-        state.models = {model_name: ServedModel(model_name, engine),
-                        text_name: ServedModel(text_name, engine, tokenizer)}
-        if hot_swap is not None:
-            hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
-            for model in state.models.values():
-                model.version = str(hot_swap.version)
-            swapper = Swapper(hot_swap, batcher, state.models, metrics, traffic, gain, say)
-            watcher = loop.create_task(swapper.watch(), name="dietserve-versions")
-            if retune is not None:
-                edges = bucket_edges(engine.max_seq_len, RETUNE_BUCKET_RATIO)
-                policy = RetunePolicy(retune, hot_swap, traffic, edges, engine.max_seq_len, metrics, say)
-                policy_task = loop.create_task(policy.watch(), name="dietserve-retune")
-        state.ready = True
-        metrics.ready.set(1)
-        await set_health(health_pb2.HealthCheckResponse.SERVING)
-        batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
-                    if config.batching else "batching off")
-        saver = loop.create_task(traffic.keep_saving(config.traffic_save_seconds, gain.publish),
-                                 name="dietserve-traffic")
-        served = f"version {hot_swap.version} of {hot_swap.store.root}; " if hot_swap is not None else ""
-        say(f"ready: models '{model_name}' (token ids) and '{text_name}' (text); {served}{batching}; "
-            f"{settled / 2**20:.0f} MiB resident after warm-up")
-        await stop.wait()
-    finally:
-        state.ready = False
-        metrics.ready.set(0)
-        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if stop.is_set() and config.drain_seconds > 0:
-            say(f"stopping: not ready; serving {config.drain_seconds} s more while load balancers notice")
-            await asyncio.sleep(config.drain_seconds)
-        say("stopping: finishing in-flight requests")
-        await server.stop(config.grace_seconds)
-        if health_server is not None:
-            await health_server.stop(0)
-        for task in (watcher, policy_task):
-            if task is not None:
-                task.cancel()
-        if policy is not None:
-            policy.stop()
-        if batcher is not None:
-            await batcher.close()
-        if saver is not None:
-            saver.cancel()
-        try:
-            await traffic.save()
-        except OSError as err:
-            log.error("cannot write the traffic file %s: %s", config.traffic_file, err)
-        state.decode_pool.shutdown(wait=False, cancel_futures=True)
-        metrics_server.shutdown()
-        # What the handlers answered: a client can tell a request the server never took (gRPC
-        # cancels calls that arrive while it shuts down, before any handler sees them) from a loss.
-        answered = metrics.calls_by_code("ModelInfer")
-        say("stopped; ModelInfer calls answered: "
-            + (", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"))
-    return 0
+    """Runs a :class:`Server` until ``stop`` is set; SIGTERM and SIGINT set it."""
+    server = Server(config, model_name, load_model, say, hot_swap=hot_swap, retune=retune, stop=stop)
+    server.stop_on_signals()
+    return await server.run()

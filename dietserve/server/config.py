@@ -81,6 +81,12 @@ class ServerConfig:
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig(artifact=None)
     group = parser.add_argument_group("server")
+    for add in (_add_address_flags, _add_batching_flags, _add_limit_flags, _add_shutdown_flags,
+                _add_tls_flags, _add_traffic_flags):
+        add(group, defaults)
+
+
+def _add_address_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--model-name", default=None, help="name clients use (default: the artifact's model name)")
     group.add_argument("--host", default=defaults.host,
                        help=f"address to bind gRPC to (default {defaults.host}; 0.0.0.0 in a pod)")
@@ -93,6 +99,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=defaults.reflection,
                        help="gRPC server reflection, which lists the services to tools such as grpcurl "
                             "(default on)")
+
+
+def _add_batching_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--no-batching", dest="batching", action="store_false",
                        help="run every request alone (default: dynamic batching)")
     group.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
@@ -105,6 +114,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                             f"(default {defaults.bucket_ratio})")
     group.add_argument("--max-queue-rows", type=int, default=defaults.max_queue_rows,
                        help=f"rows allowed to wait; more get RESOURCE_EXHAUSTED (default {defaults.max_queue_rows})")
+
+
+def _add_limit_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                        help=f"largest request message (default {defaults.max_request_bytes})")
     group.add_argument("--max-response-bytes", type=int, default=defaults.max_response_bytes,
@@ -115,15 +127,27 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                             f"(default {defaults.max_concurrent_rpcs})")
     group.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the kernels (default: every CPU this process may use)")
+
+
+def _add_shutdown_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds,
                        help="after SIGTERM, keep serving this long while reporting not-ready (default 0)")
     group.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
                        help=f"then wait this long for in-flight requests (default {defaults.grace_seconds})")
+
+
+def _add_tls_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--tls-cert", type=Path, default=None,
                        help="PEM certificate (chain): serve gRPC over TLS on --port (with --tls-key)")
     group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     group.add_argument("--tls-client-ca", type=Path, default=None,
                        help="mutual TLS: PEM CA certificate(s); only clients with a certificate it signed are served")
+    group.add_argument("--health-port", type=int, default=None,
+                       help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
+                            "probes, which cannot speak TLS; 0: any)")
+
+
+def _add_traffic_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--traffic-file", type=Path, default=None,
                        help="record the executed shapes, decayed, in this file (written atomically every "
                             "--traffic-save-seconds and at exit; read back at start); `dietserve tune --lengths "
@@ -133,9 +157,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                             f"(default {defaults.traffic_half_life_seconds:g})")
     group.add_argument("--traffic-save-seconds", type=float, default=defaults.traffic_save_seconds,
                        help=f"how often the traffic file is written (default {defaults.traffic_save_seconds:g})")
-    group.add_argument("--health-port", type=int, default=None,
-                       help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
-                            "probes, which cannot speak TLS; 0: any)")
 
 
 def config_from_args(args: argparse.Namespace, artifact: Path | None) -> ServerConfig:

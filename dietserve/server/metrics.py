@@ -23,6 +23,13 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        self._add_request_metrics(r)
+        self._add_batch_metrics(r)
+        self._add_memory_metrics(r)
+        self._add_traffic_and_retune_metrics(r)
+        self._add_swap_metrics(r)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "dietserve_requests",
             "gRPC calls by method and status code: every service (health, reflection), refusals by the "
@@ -34,6 +41,10 @@ class ServerMetrics:
         self.queue_duration = Histogram(
             "dietserve_queue_duration_seconds", "time a request waited for its batch to start",
             buckets=DURATION_BUCKETS, registry=r)
+        self.inflight = Gauge("dietserve_inflight_requests", "ModelInfer requests being handled", registry=r)
+        self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
+
+    def _add_batch_metrics(self, r: CollectorRegistry) -> None:
         self.compute_duration = Histogram(
             "dietserve_compute_duration_seconds", "model execution time per batch",
             buckets=DURATION_BUCKETS, registry=r)
@@ -49,13 +60,13 @@ class ServerMetrics:
                                       "tokens computed only because a batch was padded", registry=r)
         self.computed_tokens = Counter("dietserve_computed_tokens", "tokens computed, padding included",
                                        registry=r)
-        self.inflight = Gauge("dietserve_inflight_requests", "ModelInfer requests being handled", registry=r)
         self.queued_rows = Gauge("dietserve_queued_rows", "rows waiting for a batch", registry=r)
         self.kernel_dispatch = Counter(
             "dietserve_kernel_dispatch",
             "operator executions (call sites x batches) by dynamic operator and the variant its compiled tree chose",
             ["operator", "variant"], registry=r)
-        self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
+
+    def _add_memory_metrics(self, r: CollectorRegistry) -> None:
         self.settled_memory = Gauge(
             "dietserve_settled_memory_bytes",
             "resident memory after warming up at the largest batch the server forms (--max-batch-size rows of the "
@@ -65,6 +76,10 @@ class ServerMetrics:
             "dietserve_memory_limit_bytes",
             "resident memory past which the VM's pooled buffers are released after a batch (settled + 5%)",
             registry=r)
+        self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
+                                   registry=r)
+
+    def _add_traffic_and_retune_metrics(self, r: CollectorRegistry) -> None:
         self.traffic_rows = Gauge(
             "dietserve_traffic_rows",
             "executed rows at or below each sequence length, each execution's weight halving every "
@@ -72,6 +87,16 @@ class ServerMetrics:
             ["le"], registry=r)
         self.traffic_file_resets = Counter(
             "dietserve_traffic_file_resets", "unreadable traffic files set aside at start", registry=r)
+        self.traffic_drift = Gauge(
+            "dietserve_traffic_drift", "total variation distance between the recorded sequence-length mix and "
+            "the one the served kernels were tuned for (re-tuning starts above --retune-drift)", registry=r)
+        self.retune_runs = Counter("dietserve_retune_runs", "re-tuning jobs finished, by outcome", ["outcome"],
+                                   registry=r)
+        self.retune_duration = Gauge("dietserve_last_retune_duration_seconds", "wall time of the last re-tuning job",
+                                     registry=r)
+        self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", registry=r)
+
+    def _add_swap_metrics(self, r: CollectorRegistry) -> None:
         self.artifact_version = Gauge(
             "dietserve_artifact_version_info", "1 for the artifact version being served (hot swap; label: version)",
             ["version"], registry=r)
@@ -90,16 +115,6 @@ class ServerMetrics:
             "plans' kernel time over the recorded traffic, served version / new", registry=r)
         self.swap_duration = Gauge("dietserve_last_swap_duration_seconds",
                                    "load + checks + swap of the last version swapped in", registry=r)
-        self.traffic_drift = Gauge(
-            "dietserve_traffic_drift", "total variation distance between the recorded sequence-length mix and "
-            "the one the served kernels were tuned for (re-tuning starts above --retune-drift)", registry=r)
-        self.retune_runs = Counter("dietserve_retune_runs", "re-tuning jobs finished, by outcome", ["outcome"],
-                                   registry=r)
-        self.retune_duration = Gauge("dietserve_last_retune_duration_seconds", "wall time of the last re-tuning job",
-                                     registry=r)
-        self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", registry=r)
-        self.pool_releases = Gauge("dietserve_pool_releases", "times the VM's pooled buffers were released",
-                                   registry=r)
 
     def calls_by_code(self, method: str) -> dict[str, int]:
         """How many calls of ``method`` ended with each status code so far."""

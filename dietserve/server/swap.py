@@ -231,30 +231,43 @@ class Swapper:
             candidate = await loop.run_in_executor(None, self.swap.load_engine, store.path(version))
         except Exception as err:  # noqa: BLE001 - any load failure rejects the candidate
             return self._refuse(version, f"cannot be loaded: {err}")
+        problem = await self._answers_differ(current, candidate)
+        if problem is None and not decided and self.swap.min_gain > 0:
+            problem = await self._too_slow(version, current, candidate)
+        if problem:
+            return self._refuse(version, problem)
+        self._adopt(version, current, candidate, started)
+        return True
+
+    async def _answers_differ(self, current: Engine, candidate: Engine) -> str | None:
         problem = _incompatibility(current, candidate)
         for ids in [] if problem else sample_inputs(current, self.traffic):
             problem = await self.batcher.run_between_batches(compare, current, candidate, ids)
             if problem:
                 break
-        if problem:
-            return self._refuse(version, problem)
-        if not decided and self.swap.min_gain > 0:
-            inputs = timed_inputs(current, self.traffic)
-            try:
-                speed, lines, readings = await best_reading(
-                    lambda: time_side_by_side(self.batcher.run_between_batches, current, candidate, inputs),
-                    self.swap.min_gain)
-            except Exception as err:  # noqa: BLE001 - a run that fails at a traffic shape refuses the candidate
-                return self._refuse(version, f"failed while timed on the traffic's shapes: {err}")
-            self.metrics.checked_gain.set(speed)
-            again = f"; the best of {len(readings)} readings: {', '.join(map(_speed_text, readings))}" \
-                if len(readings) > 1 else ""
-            self.say(f"version {version}: {_speed_text(speed)} the served version's speed, timed side by side "
-                     f"({'; '.join(lines)}){again}")
-            if speed < self.swap.min_gain:
-                return self._refuse(version, f"measured {_speed_text(speed)} the served version's speed on the "
-                                             f"traffic's shapes ({'; '.join(lines)}{again}), below the "
-                                             f"minimum {self.swap.min_gain}")
+        return problem
+
+    async def _too_slow(self, version: int, current: Engine, candidate: Engine) -> str | None:
+        """Times the candidate against the served version; why it is refused, if it is."""
+        inputs = timed_inputs(current, self.traffic)
+        try:
+            speed, lines, readings = await best_reading(
+                lambda: time_side_by_side(self.batcher.run_between_batches, current, candidate, inputs),
+                self.swap.min_gain)
+        except Exception as err:  # noqa: BLE001 - a run that fails at a traffic shape refuses the candidate
+            return f"failed while timed on the traffic's shapes: {err}"
+        self.metrics.checked_gain.set(speed)
+        again = f"; the best of {len(readings)} readings: {', '.join(map(_speed_text, readings))}" \
+            if len(readings) > 1 else ""
+        self.say(f"version {version}: {_speed_text(speed)} the served version's speed, timed side by side "
+                 f"({'; '.join(lines)}){again}")
+        if speed < self.swap.min_gain:
+            return (f"measured {_speed_text(speed)} the served version's speed on the traffic's shapes "
+                    f"({'; '.join(lines)}{again}), below the minimum {self.swap.min_gain}")
+        return None
+
+    def _adopt(self, version: int, current: Engine, candidate: Engine, started: float) -> None:
+        store = self.swap.store
         candidate.pool_bound = current.pool_bound  # one bound on the process, whichever engine runs
         self.batcher.engine = candidate  # the next batch runs on it
         self.gain.swapped()
@@ -271,7 +284,6 @@ class Swapper:
             self.metrics.predicted_gain.set(predicted)
         self.say(f"version {version}: checked against the served version and swapped in "
                  f"({time.monotonic() - started:.1f} s)")
-        return True
 
     def _refuse(self, version: int, reason: str) -> bool:
         self.swap.store.reject(version, reason)

@@ -15,15 +15,25 @@ from pathlib import Path
 from dietserve.model.tokenizer import TextTokenizer
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.server import app
+from dietserve.server.app import Server
 from dietserve.server.config import ServerConfig
 
 
-def failing_batch_recorder(metrics, traffic, gain):
-    def record(run):
-        raise RuntimeError("injected fault: recording the batch failed")
+class FaultyServer(Server):
+    def batch_recorder(self):
+        def record(run):
+            raise RuntimeError("injected fault: recording the batch failed")
 
-    return record
+        return record
+
+
+def say(message: str) -> None:
+    print(f"[dietserve] {message}", file=sys.stderr, flush=True)
+
+
+async def serve(server: Server) -> int:
+    server.stop_on_signals()
+    return await server.run()
 
 
 def main(artifact: Path, fault_token: int) -> int:
@@ -41,9 +51,7 @@ def main(artifact: Path, fault_token: int) -> int:
         engine.execute = faulty
         return engine, TextTokenizer.from_folder(artifact, engine.max_seq_len)
 
-    app._record_batch = failing_batch_recorder
-    return asyncio.run(app.serve(config, "minilm", load_model,
-                                 lambda m: print(f"[dietserve] {m}", file=sys.stderr, flush=True)))
+    return asyncio.run(serve(FaultyServer(config, "minilm", load_model, say)))
 
 
 if __name__ == "__main__":
