@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .kernels.tasks import TuningError
+    from .kernels.plan.task_file import TuningError
     from .runtime.manifest import ArtifactError
 
     # ValueError covers the checkpoint, config, plan and target errors. Their modules are not

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels.cpu_packed import computed_extent
-from .kernels.microkernel import MicroKernel
-from .kernels.plan import DEFAULT_VARIANT, KernelPlan, read_plans
-from .kernels.tree import TreeError, choose, evaluate_text
+from .kernels.cpu_packed.kernel import computed_extent
+from .kernels.plan.decision_tree import TreeError, choose, evaluate_text
+from .kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, read_plans
+from .kernels.plan.microkernel import MicroKernel
 from .runtime.manifest import PLANS_DIR, Manifest
 
 DEFAULT_KERNEL_TEXT = "default rule"

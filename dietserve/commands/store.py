@@ -41,7 +41,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
 def _predicted_gain(store, new_plans: Path, artifact: Path, traffic_file: Path) -> float | None:
     """The plans' own latencies, weighted by the traffic: served version's / the new ones'."""
     from ..compile.tuning import predicted_gain
-    from ..kernels.plan import PLAN_SUFFIX, read_plans
+    from ..kernels.plan.kernel_plan import PLAN_SUFFIX, read_plans
     from ..runtime.manifest import ArtifactError, Manifest
     from ..runtime.traffic import Traffic, TrafficError
     from ..runtime.versions import PLANS_DIR

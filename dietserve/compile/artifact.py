@@ -16,8 +16,8 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from ..kernels.host import target_cpu_flags
-from ..kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
+from ..host.cpu import target_cpu_flags
+from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
@@ -159,7 +159,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     executable.export_library(str(staging / LIBRARY_FILE))
     cuda_source_sha256 = None
     if request.target.kind == "cuda":
-        from ..kernels.cuda_source import find_cuda_source
+        from ..kernels.cuda.source import find_cuda_source
         from .cuda import CudaToolchainError, compile_fatbin, source_digest
 
         source = find_cuda_source(executable.mod)

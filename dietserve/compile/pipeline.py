@@ -15,14 +15,14 @@ from tvm import relax
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from ..kernels.build import TIR_PIPELINE
+from ..kernels.tir.build import TIR_PIPELINE
 from .cpu.serial_when_small import cpu_default_schedule
 from .passes import FastSoftmax, VectorGelu
 
 
 def fast_math_passes() -> list[tvm.transform.Pass]:
-    """Softmax with TVM's vectorisable exp approximation (libm's expf is scalar): 3.5x faster
-    at seq 512 within the 1e-4 budget. GELU keeps the exact erf, evaluated so it vectorises
+    """Softmax with TVM's vectorisable exp approximation (libm's expf is scalar, and dominates
+    softmax at long sequences), within the 1e-4 budget. GELU keeps the exact erf, evaluated so it vectorises
     (float32, through a rational of the normal tail: closer to the exact GELU than a correctly
     rounded erff in the textbook formula, ``kernels/gelu.py``); TOPI's fast erf's error,
     amplified through the layers, broke that budget (1.3e-4 at seq 300)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.target import Target
 
-from ..kernels.host import host_cpu
+from ..host.cpu import host_cpu
 
 
 class TargetError(ValueError):

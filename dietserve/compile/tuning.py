@@ -2,7 +2,7 @@
 as its own process, its plans linked into a new artifact.
 
 The serving side never imports the tuner: the task file goes out, plans come back
-(``dietserve/kernels/tasks.py``, ``plan.py``), and ``python -m tuner tune-tasks`` runs in a
+(``dietserve/kernels/plan/task_file.py``, ``plan.py``), and ``python -m tuner tune-tasks`` runs in a
 child process, so the server installs and runs without the tuner's extras.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import tvm
 
-from ..kernels.matching import is_dynamic_matmul, matmul_axes, workload_key
-from ..kernels.plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
-from ..kernels.tasks import TaskDescription, TaskFile, TuningError
-from ..kernels.tree import names_in
+from ..kernels.plan.decision_tree import names_in
+from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
+from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
+from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import SHAPE_VARS, BertModel, export_relax
 from ..model.checkpoint import Checkpoint
 from ..model.presets import resolve_model

@@ -1,17 +1,18 @@
-"""The kernel layer: TVM-only code that both the model compiler and the tuner import.
+"""The kernel layer: TVM code that both the model compiler and the tuner import, one sub-package
+per kernel family plus the data and TIR helpers they share.
 
-- ``microkernel``, ``hardware``: a micro-kernel as data and the hardware limits it must fit;
-- ``matching``: which PrimFuncs are matmul-like operators, their shapes as text, workload keys;
-- ``loops``, ``cpu``, ``cpu_packed``, ``cuda``, ``default_cpu``, ``apply``: schedules
-  (micro-kernels with local padding, the packed-weight CPU GEMM kernels, and the default CPU
-  matmul rule an untuned build uses); ``packed_tile``, ``packed_loops``, ``packed_prefetch``:
-  the packed kernels' register tile, loop nests and weight prefetch;
-- ``packing``: a dense layer's weight laid out in panels (PrimFunc side and data side);
-- ``gelu``: the exact-erf GELU in float32 vector arithmetic (through erfc);
-- ``fast_exp``: TOPI's vectorisable exp as an expression for any kernel;
-- ``tree``, ``plan``: the dispatch tree and the kernel plan format (pure Python, read by the server);
-- ``dispatch``: a plan compiled into one branching PrimFunc;
-- ``host``: this machine's CPU (flags, LLVM name).
+- ``apply``: one variant of an operator (a micro-kernel of any family, or the default rule's
+  kernel); ``decision_tree_func``: a plan's variants in one PrimFunc that branches on its shape;
+- ``plan/``: pure-Python data that crosses files: micro-kernels, kernel plans, decision trees,
+  tuning task files (the server reads these, so no TVM there);
+- ``tir/``: helpers every family shares: matching matmul-like PrimFuncs, loop helpers, rebuilding
+  expressions, the TIR build pipeline, and the math emitted into kernels (GELU, exp, softmax);
+- ``cpu_default/``: the rule an untuned CPU build schedules matmuls with;
+- ``cpu_padded/``: DietCode's CPU micro-kernel with local padding;
+- ``cpu_packed/``: the packed-weight CPU GEMM (dense layers);
+- ``cpu_clamped/``: clamped register tiles for operators symbolic in both output axes (attention);
+- ``cuda/``: the CUDA micro-kernel and checks of its generated source.
 
-Nothing here imports the tuner, the runtime engine or the server.
+Nothing here imports the tuner, the runtime engine or the server; host facts (CPU flags, thread
+pool, huge pages) live in ``dietserve.host``.
 """

@@ -6,14 +6,14 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
-from .cpu import apply_cpu
-from .cpu_clamped import apply_cpu_clamped, is_clamped, softmax_after
-from .cpu_packed import apply_cpu_packed
-from .host import target_cores
-from .loops import float_lanes
-from .matching import ScheduleMismatch
-from .microkernel import MicroKernel
-from .packing import packed_form
+from ..host.cpu import target_cores
+from .cpu_clamped.kernel import apply_cpu_clamped, is_clamped, softmax_after
+from .cpu_packed.kernel import apply_cpu_packed
+from .cpu_packed.packing import packed_form
+from .cpu_padded.kernel import apply_cpu
+from .plan.microkernel import MicroKernel
+from .tir.loops import float_lanes
+from .tir.matching import ScheduleMismatch
 
 
 def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
@@ -25,7 +25,7 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
     target = Target(target) if isinstance(target, str) else target
     target_kind = target.kind.name
     if target_kind == "cuda":
-        from .cuda import apply_cuda
+        from .cuda.kernel import apply_cuda
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
@@ -46,7 +46,7 @@ def default_rules(target: Target) -> list:
 
         return [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(),
                 dlight.gpu.Fallback()]
-    from .default_cpu import CPUMatmul
+    from .cpu_default.rule import CPUMatmul
 
     return [CPUMatmul()]
 

@@ -10,8 +10,8 @@ import tvm
 from safetensors.numpy import load_file
 from tvm.runtime.vm import VirtualMachine
 
-from ..kernels.host import cpu_flags, missing_cpu_flags
-from ..kernels.huge_pages import on_huge_pages
+from ..host.cpu import cpu_flags, missing_cpu_flags
+from ..host.huge_pages import on_huge_pages
 from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
 from .memory import release_freed_heap

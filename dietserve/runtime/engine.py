@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
-from ..kernels.host import configure_cpu_threads, target_cores
+from ..host.cpu import configure_cpu_threads, target_cores
 from .artifact import LoadedArtifact
-from .dispatch import KernelDispatch
 from .errors import InputError
 from .memory import PoolBound
+from .variant_by_shape import KernelDispatch
 
 LOG = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ TVM_ALIGNMENT = 64  # bytes: TVM takes host memory it did not allocate only at t
 
 def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
     """``array`` as a TVM tensor on the host: a copy into 64-byte-aligned numpy memory, shared
-    with TVM through DLPack. (``tvm.runtime.tensor`` makes the same copy through TVM's allocator
-    at 14 us a call: with four inputs a tenth of the fixed cost of a run, 0.5 ms on 2 cores.)"""
+    with TVM through DLPack. (``tvm.runtime.tensor`` makes the same copy through TVM's allocator,
+    several times slower: with four inputs a call, a visible share of a short run's fixed cost.)"""
     storage = np.empty(array.nbytes + TVM_ALIGNMENT, np.uint8)
     start = -storage.ctypes.data % TVM_ALIGNMENT
     aligned = storage[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
@@ -42,8 +42,8 @@ def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
 
 
 def _host_numpy(tensor: tvm.runtime.Tensor) -> np.ndarray:
-    """A numpy copy of host ``tensor`` (the VM's buffer goes back to its pool), through DLPack:
-    1-2 us for a short sequence's output where ``Tensor.numpy`` takes 6-7."""
+    """A numpy copy of host ``tensor`` (the VM's buffer goes back to its pool), through DLPack,
+    which for a short sequence's output is several times cheaper than ``Tensor.numpy``."""
     return np.from_dlpack(tensor).copy()
 
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kernels.atomic_io import write_text_atomic
+from ..host.atomic_io import write_text_atomic
 
 __all__ = ["ArtifactError", "Manifest", "sha256_file", "write_text_atomic"]
 
@@ -40,7 +40,7 @@ class Manifest:
     inputs: list = field(default_factory=lambda: ["input_ids", "attention_mask", "token_type_ids", "position_ids"])
     outputs: list = field(default_factory=lambda: ["last_hidden_state", "sentence_embedding"])
     # dynamic operator -> {"symbolic": [vars], "variants": [names], "tree": decision tree}; see
-    # dietserve/runtime/dispatch.py. Untuned artifacts have one variant per operator, "default".
+    # dietserve/runtime/variant_by_shape.py. Untuned artifacts have one variant per operator, "default".
     dispatch: dict = field(default_factory=dict)
     # The library function that lays the parameters out for ``forward`` (packed weights), run
     # once at load: forward(*inputs, *transform_params(parameters)). None: parameters as stored.

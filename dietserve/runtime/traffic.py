@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from ..kernels.atomic_io import write_text_atomic
+from ..host.atomic_io import write_text_atomic
 
 FORMAT = "dietserve.traffic"
 VERSION = 1

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..kernels.atomic_io import write_text_atomic
+from ..host.atomic_io import write_text_atomic
 from .manifest import MANIFEST_FILE, ArtifactError
 
 VERSIONS_DIR = "versions"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..kernels.atomic_io import write_text_atomic
+from ..host.atomic_io import write_text_atomic
 from ..runtime.batcher import BatchRun
 from ..runtime.traffic import Traffic, TrafficError
 from .metrics import LENGTH_BUCKETS, ServerMetrics

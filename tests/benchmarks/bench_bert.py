@@ -24,9 +24,9 @@ the tuning time, a per-operator profile at one length, and a last line
 ``--tuned``, else the untuned one; "best" is the faster of ONNX Runtime and OpenVINO at each
 point. Then ``PAIRED geomean_vs_best=.. min_vs_best=..``: each point's ratio taken within each
 round (the faster of the two in that round over ours in it, seconds apart) and its median over
-rounds, the table's ``paired`` column: on a host whose speed swings within minutes (ORT read 86
-to 126 ms at seq 48 in one process, seconds apart, on 2026-11-26) the per-backend medians can
-come from different rounds. Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..``
+rounds, the table's ``paired`` column: on a host whose speed swings from one minute to the
+next, the per-backend medians can come from different rounds.
+Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..``
 (1.0: at the floor) and what a backend at the floor at every point would be against the best:
 more than any fp32 backend can reach on this machine.
 """
@@ -53,7 +53,7 @@ from operator_profile import profile_operators  # noqa: E402
 from timing import busy_rounds, call_seconds, paired_ratio, rotated  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
-from dietserve.kernels.plan import read_plans  # noqa: E402
+from dietserve.kernels.plan.kernel_plan import read_plans  # noqa: E402
 from dietserve.model.presets import resolve_model  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
@@ -100,11 +100,10 @@ class WeightFloor:
     products alone (the dense layers and attention's two batched products): their FLOPs at the
     FMA peak (``kernel_baselines.fma_peak_rate``: multiply-adds in registers on every core), or
     the dense layers' weights read once from DRAM (a parallel read-only pass over as many bytes,
-    on huge pages as the model's), whichever is longer. (Until the tenth session the FLOPs were
-    priced at numpy's sgemm rate, which our dense kernels beat by 10-15% from seq 48 up.)
-    Both are measured in every round beside the backends: on this shared machine the DRAM rate
-    moved between 29 and 65 GB/s within one run, so a floor measured once, at another time,
-    says little about a short sequence's run. Printed beside the backends so a ratio between
+    on huge pages as the model's), whichever is longer. (Not numpy's sgemm rate: our dense
+    kernels beat it, so it is no floor.) Both are measured in every round beside the backends:
+    on a shared host the DRAM rate can move by half within one run, so a floor measured once, at
+    another time, says little about a short sequence's run. Printed beside the backends so a ratio between
     them can be read against what is left to gain."""
 
     def __init__(self, checkpoint: Path, threads: int):
@@ -174,7 +173,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
         for seq in args.lengths:
             ids = rng.integers(1000, untuned.vocab_size, (batch, seq)).astype(np.int64)
             points[batch, seq] = (ids, np.ones_like(ids), np.zeros_like(ids))
-    # Rounds over the whole table: this shared VM has slow spells lasting seconds, which would
+    # Rounds over the whole table: a shared host has slow spells lasting seconds, which would
     # otherwise decide a point for whichever backend ran in one.
     floor = WeightFloor(resolve_model(model, args.cache_dir), args.threads)
     samples = {point: {name: [] for name in backends} for point in points}
@@ -183,7 +182,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
     def measure(point) -> None:
         # The floor's read pass before and after the point's backends, the faster taken: the DRAM
         # rate can change within the seconds a point takes, and a floor timed after it changed
-        # read 9.19 ms at seq 1 where ours ran 6.32 (floor/ours 1.45: no longer a floor).
+        # can read slower than ours: no longer a floor.
         before = floor.seconds(*point, args.repeats)
         for name, fn in rotated(backends.items(), len(floors[point])):
             samples[point][name].append(median_latency(fn, points[point], args.repeats))

@@ -38,9 +38,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
 
-from dietserve.kernels.build import build  # noqa: E402
-from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
-from dietserve.kernels.plan import KernelPlan  # noqa: E402
+from dietserve.kernels.decision_tree_func import dispatched_prim_func  # noqa: E402
+from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
+from dietserve.kernels.tir.build import build  # noqa: E402
 from tuner.database.records import RecordDatabase  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
@@ -60,7 +60,7 @@ OPERATORS = {  # BERT-base's dynamic operators, with the epilogues the model fus
     "attention_context": lambda: attention_context(12, 64),
 }
 # Before the model computed query, key and value in one layer, each was a 768 -> 768 layer of
-# its own: kept for ``cold_weights.py`` and the earlier measurements in HISTORY.md (``--ops``).
+# its own: kept for ``cold_weights.py`` and to compare with earlier measurements (``--ops``).
 OPERATORS["dense_768x768"] = lambda: dense(768, 768, "bias")
 MODEL_OPERATORS = [op for op in OPERATORS if op != "dense_768x768"]
 
@@ -178,7 +178,7 @@ def main() -> int:
     if on_cpu:
         # TVM kernels timed here get every core, as the served model's do (TVM's default pool has
         # half the cores on x86: earlier runs timed every TVM kernel on one core of two).
-        from dietserve.kernels.host import configure_cpu_threads
+        from dietserve.host.cpu import configure_cpu_threads
 
         configure_cpu_threads(cores)
     device = "cuda" if args.target == "cuda" else "cpu"
@@ -215,8 +215,8 @@ def main() -> int:
             timers, reference = {}, None
             for length in lengths:
                 shape = {"T": length}
-                # PyTorch at its better thread count: with 2 threads on a shared 2-core VM a call
-                # can wait a whole scheduler slice (~8 ms), which is not PyTorch's cost.
+                # PyTorch at its better thread count: with as many threads as a shared host has
+                # cores, a call can wait a whole scheduler slice, which is not PyTorch's cost.
                 timers[length] = {"ours": partial(time_ours, spec, tuned.plan, lib, target, length),
                                   "torch": partial(_best_torch, spec, shape, device)}
                 if on_cpu:
@@ -243,7 +243,7 @@ def main() -> int:
                 if spec.kind == "dense" and length == 1:
                     weight_bytes = 4 * math.prod(random_shape(spec))
                     # A read-only pass over as many bytes pays the same call and thread wake-up
-                    # cost, which a 2.4 MB weight's 30 us do not hide.
+                    # cost, which a small weight's read time does not hide.
                     same_size = baselines.read_rate(target, max(1, weight_bytes // baselines.PANEL_BYTES))
                     streaming.append((spec.name, weight_bytes / ours / 1e9, same_size))
                 rows.append((length, ours, gflops, torch_s, numpy_s, default_s, ms_s))

@@ -10,7 +10,7 @@ kernel's features (``cold_weights.FEATURES``), side by side. ``--passes N`` prin
 slowest TVM passes of one build (``PassTimingInstrument``); the rest of the compile time is
 LLVM's code generation. The kernels are applied for this machine's target as the tuner applies
 them (its cores take the tasks at run time, its CPU picks the prefetches) and lowered with our
-TIR pipeline (``dietserve/kernels/build.py``; TVM's default one cannot bound their vector
+TIR pipeline (``dietserve/kernels/tir/build.py``; TVM's default one cannot bound their vector
 indices). Not a test: run it on an idle machine.
 """
 
@@ -33,7 +33,7 @@ from forced_kernels import llvm_target, packed_kernel  # noqa: E402
 from tvm.ir.instrument import PassTimingInstrument  # noqa: E402
 
 from dietserve.kernels.apply import apply_kernel  # noqa: E402
-from dietserve.kernels.build import build  # noqa: E402
+from dietserve.kernels.tir.build import build  # noqa: E402
 
 
 def build_once(op: str, kernel, target, profile: bool = False) -> tuple[float, float, str]:

@@ -40,8 +40,8 @@ import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
 from forced_kernels import build, llvm_target, packed_kernel  # noqa: E402
 
-import dietserve.kernels.cpu_packed as cpu_packed  # noqa: E402
-from dietserve.kernels.huge_pages import on_huge_pages  # noqa: E402
+import dietserve.kernels.cpu_packed.kernel as cpu_packed  # noqa: E402
+from dietserve.host.huge_pages import on_huge_pages  # noqa: E402
 from tuner.ops import weight_input  # noqa: E402
 
 

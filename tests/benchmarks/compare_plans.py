@@ -6,7 +6,7 @@
 Each plan (``bench_kernels.py --save-plans``, or ``python -m tuner tune --out``) is built once;
 then, length by length, the plans race as the tuner's finalists do (``racing.raced_rounds``: in
 turn, round after round, the order reversed every other round), each turn one repeat of at least
-10 ms, so a slow spell of a shared host falls on each plan alike. Prints each plan's median ms
+``MIN_TURN_S``, so a slow spell of a shared host falls on each plan alike. Prints each plan's median ms
 per length, its time over the first plan's (per length and geomean), and how far apart the plans
 are at each length (slowest over fastest). The last line is ``RESULT geomean_vs_first=...`` (one
 per plan after the first, >1: slower than the first) ``spread_geomean=...``. Not a test: run it on an idle machine.
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
-
-from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
-from dietserve.kernels.plan import KernelPlan  # noqa: E402
 from tuner.measure.racing import raced_rounds  # noqa: E402
+
+from dietserve.host.cpu import configure_cpu_threads  # noqa: E402
+from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
 from tuner.measure.streaming import SharedCycle  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Fits the GELU's normal tail (``dietserve/kernels/gelu.py``): ``sqrt(Phi(-u)) ~ P(u) / Q(u)``
+"""Fits the GELU's normal tail (``dietserve/kernels/tir/gelu.py``): ``sqrt(Phi(-u)) ~ P(u) / Q(u)``
 on [0, TAIL_END], and prints the coefficients as float32 values, lowest degree first, with the
 fit's error in float64. Not a test; rerun it to check or change ``TAIL_P`` / ``TAIL_Q``.
 
@@ -22,7 +22,7 @@ from scipy.special import ndtr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dietserve.kernels.gelu import TAIL_END, numpy_normal_tail  # noqa: E402
+from dietserve.kernels.tir.gelu import TAIL_END, numpy_normal_tail  # noqa: E402
 
 POWER = 2  # the rational fits the tail's square root, as gelu.py squares it (``numpy_normal_tail``)
 

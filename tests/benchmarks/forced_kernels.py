@@ -30,12 +30,12 @@ from bench_kernels import OPERATORS, hand_reference  # noqa: E402
 from tvm import tirx  # noqa: E402
 
 import tuner.ops  # noqa: E402
-from dietserve.kernels.build import build as build_kernels  # noqa: E402
-from dietserve.kernels.cpu_clamped import CLAMPED  # noqa: E402
-from dietserve.kernels.dispatch import dispatched_prim_func  # noqa: E402
-from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
-from dietserve.kernels.microkernel import MicroKernel  # noqa: E402
-from dietserve.kernels.plan import KernelPlan  # noqa: E402
+from dietserve.host.cpu import configure_cpu_threads  # noqa: E402
+from dietserve.kernels.cpu_clamped.kernel import CLAMPED  # noqa: E402
+from dietserve.kernels.decision_tree_func import dispatched_prim_func  # noqa: E402
+from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
+from dietserve.kernels.plan.microkernel import MicroKernel  # noqa: E402
+from dietserve.kernels.tir.build import build as build_kernels  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The compiled GELU (``dietserve/kernels/gelu.py``) against the exact one (scipy, float64):
+"""The compiled GELU (``dietserve/kernels/tir/gelu.py``) against the exact one (scipy, float64):
 its error beside the textbook float32 formula with a correctly rounded erf and PyTorch's CPU
 GELU, and the time of one vector of it on its own. Not a test (``tests/unit/test_gelu.py``
 holds the bounds); prints a table.

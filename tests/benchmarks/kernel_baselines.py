@@ -52,8 +52,8 @@ def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2, 
                    sync: Callable[[], object] | None = None) -> float:
     """Median wall time of one ``fn()`` call over ``repeats`` samples of ``number`` calls each.
 
-    ``number=None`` calibrates it so one sample lasts at least ``min_sample_s``: a 20 us call
-    timed alone is mostly timer noise. ``time_cap_s`` stops sampling early (at least one sample is
+    ``number=None`` calibrates it so one sample lasts at least ``min_sample_s``: a call of tens of
+    microseconds timed alone is mostly timer noise. ``time_cap_s`` stops sampling early (at least one sample is
     always taken) for calls that take seconds. ``sync`` runs before each clock read (a device
     synchronize for asynchronous backends).
     """
@@ -282,7 +282,7 @@ def fma_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) ->
     from tvm.script import tirx as T
 
     from dietserve.kernels.apply import target_cores
-    from dietserve.kernels.loops import float_lanes
+    from dietserve.kernels.tir.loops import float_lanes
 
     target = _as_target(target)
     lanes = float_lanes(target)
@@ -335,10 +335,10 @@ def read_rate(target: TargetLike, panels: int, repeats: int = 20) -> float:
 
 def read_pass(target: TargetLike, nbytes: int) -> Callable[[], object]:
     """One parallel read-only pass over ``nbytes`` (rounded up to a panel) on huge pages, where a
-    served model keeps its weights (``dietserve.kernels.huge_pages``): a call takes as long as
+    served model keeps its weights (``dietserve.host.huge_pages``): a call takes as long as
     reading that model's weights once from DRAM takes at that moment. Timed beside the model in
     each round, since on a shared machine the DRAM rate moves by half over minutes."""
-    from dietserve.kernels.huge_pages import on_huge_pages
+    from dietserve.host.huge_pages import on_huge_pages
 
     panels = -(-nbytes // PANEL_BYTES)
     stream = _stream_function(_as_target(target), panels)
@@ -421,9 +421,9 @@ def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequ
     bound = rel_tol * max(1.0, float(np.max(np.abs(expected))))
     if not error <= bound:
         raise AssertionError(f"{spec.name}: max abs error {error:.3g} exceeds {bound:.3g}")
-    # The reference ran on numpy's BLAS, whose worker threads spin on the cores for ~0.1 s after
-    # a call: a TVM kernel timed at once shares two cores with a spinning thread, and each of its
-    # parallel calls then waits a scheduler tick (3-8 ms where it takes 0.03). Let them sleep.
+    # The reference ran on numpy's BLAS, whose worker threads spin on the cores for a while after
+    # a call: a TVM kernel timed at once shares the cores with a spinning thread, and each of its
+    # parallel calls then waits a scheduler tick, far longer than the call. Let them sleep.
     time.sleep(SETTLE_S)
     return error
 

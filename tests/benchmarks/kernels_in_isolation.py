@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_baselines  # noqa: E402
 
 from dietserve.compile.target import TargetSpec, build_target  # noqa: E402
-from dietserve.kernels.host import configure_cpu_threads  # noqa: E402
+from dietserve.host.cpu import configure_cpu_threads  # noqa: E402
 from dietserve.runtime.manifest import LIBRARY_FILE, Manifest  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, FFN = 768, 12, 64, 3072

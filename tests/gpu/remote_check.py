@@ -20,7 +20,7 @@ Two entry points:
 * ``artifacts/default``: ``dietserve compile --target cuda --arch sm_90 --max-batch 8`` (dlight
   schedules); ``artifacts/tuned``: the same with hand-made CUDA kernel plans linked in (two
   micro-kernels and the default rule, split by row count, for every dense and attention matmul).
-* ``kernels/``: CUDA micro-kernels applied with local padding (``dietserve.kernels.cuda``), each
+* ``kernels/``: CUDA micro-kernels applied with local padding (``dietserve.kernels.cuda.kernel``), each
   exported with its fatbin: the cases of ``test_tuner_cuda_gpu.py`` (checked at ragged lengths)
   and candidates for MiniLM's 384->1536 dense+GELU timed against the default rule and torch.
 * ``local_reference.npz``: transformers on this machine for a few shapes, to check the GPU
@@ -151,10 +151,10 @@ def _cuda_plans(folder: Path, checkpoint: Path, cache: Path) -> Path:
     from dietserve.compile.artifact import CompileRequest
     from dietserve.compile.target import TargetSpec
     from dietserve.compile.tuning import tuning_tasks
-    from dietserve.kernels.matching import matmul_axes
-    from dietserve.kernels.microkernel import MicroKernel
-    from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path
-    from dietserve.kernels.tree import interval_tree
+    from dietserve.kernels.plan.decision_tree import interval_tree
+    from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path
+    from dietserve.kernels.plan.microkernel import MicroKernel
+    from dietserve.kernels.tir.matching import matmul_axes
 
     def cuda(tm, ty, tn, tx, bk, vector=4, unroll=64):
         return MicroKernel(tile=(("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,))), unroll=unroll, vector=vector,
@@ -231,8 +231,8 @@ def _build_kernels(folder: Path, quick: bool) -> None:
 
     from dietserve.compile.cuda import compile_fatbin, source_digest
     from dietserve.kernels.apply import apply_default
-    from dietserve.kernels.cuda import apply_cuda
-    from dietserve.kernels.cuda_source import find_cuda_source
+    from dietserve.kernels.cuda.kernel import apply_cuda
+    from dietserve.kernels.cuda.source import find_cuda_source
 
     folder.mkdir(parents=True)
     target = Target({"kind": "cuda", "arch": ARCH}, host={"kind": "llvm", "mcpu": "x86-64"})

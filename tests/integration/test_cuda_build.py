@@ -50,10 +50,10 @@ def test_cuda_artifact_with_split_plans_builds(cache_dir: Path, tmp_path: Path) 
     import tvm
 
     from dietserve.compile.tuning import tuning_tasks
-    from dietserve.kernels.matching import matmul_axes
-    from dietserve.kernels.microkernel import MicroKernel
-    from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, plan_path
-    from dietserve.kernels.tree import interval_tree
+    from dietserve.kernels.plan.decision_tree import interval_tree
+    from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path
+    from dietserve.kernels.plan.microkernel import MicroKernel
+    from dietserve.kernels.tir.matching import matmul_axes
 
     def cuda(tm, ty, tn, tx, bk):
         return MicroKernel(tile=(("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,))), unroll=64, vector=4,

@@ -19,16 +19,16 @@ from tvm import tirx
 from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.compile.passes.fuse_softmax import FUSED_SUFFIX
 from dietserve.compile.tuning import tuning_tasks
-from dietserve.kernels.dispatch import lower_tree
-from dietserve.kernels.hardware import detect_cpu
-from dietserve.kernels.host import cpu_flags
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path
-from dietserve.kernels.tree import choose, interval_tree, thresholds
+from dietserve.host.cpu import cpu_flags
+from dietserve.host.hardware import detect_cpu
+from dietserve.kernels.decision_tree_func import lower_tree
+from dietserve.kernels.plan.decision_tree import choose, interval_tree, thresholds
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path
+from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.runtime.artifact import load_artifact
-from dietserve.runtime.dispatch import KernelDispatch
 from dietserve.runtime.engine import Engine
 from dietserve.runtime.manifest import Manifest
+from dietserve.runtime.variant_by_shape import KernelDispatch
 
 from .conftest import MAX_BATCH, resident_growth_of_load
 from .reference import padded_batch, reference_hidden
@@ -61,9 +61,9 @@ SPLITS = [(3, "v0"), (40, "v1"), (200, DEFAULT_VARIANT), (4096, "v2")]
 
 def handmade_plan(task, target: dict) -> KernelPlan:
     """A plan as the tuner writes one, with several variants, for one of the model's operators."""
-    from dietserve.kernels.cpu_clamped import clamped_fits
-    from dietserve.kernels.matching import matmul_axes
-    from dietserve.kernels.packing import weight_param
+    from dietserve.kernels.cpu_clamped.kernel import clamped_fits
+    from dietserve.kernels.cpu_packed.packing import weight_param
+    from dietserve.kernels.tir.matching import matmul_axes
 
     func = tvm.ir.load_json(task.func)
     axes = matmul_axes(func)
@@ -149,8 +149,8 @@ PACKED_SPLITS = [(2, "stream"), (60, "tile2"), (4096, "tile4")]
 @pytest.fixture(scope="module")
 def packed_artifact(minilm_tasks, tmp_path_factory, cache_dir: Path) -> Path:
     """MiniLM with packed-weight kernels in its four dense layers, split at row counts 2 | 60."""
-    from dietserve.kernels.matching import matmul_axes
-    from dietserve.kernels.packing import weight_param
+    from dietserve.kernels.cpu_packed.packing import weight_param
+    from dietserve.kernels.tir.matching import matmul_axes
 
     folder = tmp_path_factory.mktemp("packed-plans")
     dense = [task for task in minilm_tasks.tasks if weight_param(tvm.ir.load_json(task.func)) is not None]

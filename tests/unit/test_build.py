@@ -1,4 +1,4 @@
-"""The kernels' TIR pipeline (``dietserve/kernels/build.py``): TVM's default lowering, with buffer
+"""The kernels' TIR pipeline (``dietserve/kernels/tir/build.py``): TVM's default lowering, with buffer
 compaction skipped only for functions that allocate exactly sized buffers (our emitted packed
 and clamped kernels). Checked against TVM's own pipeline and against numpy."""
 
@@ -9,11 +9,11 @@ import pytest
 import tvm
 
 from dietserve.kernels.apply import apply_default, apply_kernel
-from dietserve.kernels.build import EXACT_BUFFERS, build, has_exact_buffers, has_own_storage
-from dietserve.kernels.dispatch import dispatched_prim_func
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packing import pack_array
-from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
+from dietserve.kernels.cpu_packed.packing import pack_array
+from dietserve.kernels.decision_tree_func import dispatched_prim_func
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.tir.build import EXACT_BUFFERS, build, has_exact_buffers, has_own_storage
 from tuner.ops import dense, random_inputs
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})

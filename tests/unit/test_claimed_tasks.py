@@ -1,4 +1,4 @@
-"""Tasks taken at run time (``dietserve/kernels/claimed_tasks.py``): every task runs, none more
+"""Tasks taken at run time (``dietserve/kernels/cpu_packed/claimed_tasks.py``): every task runs, none more
 than twice, a slow worker's tasks are taken by the others, and the packed GEMM kernels built so
 match numpy at every length."""
 
@@ -10,12 +10,12 @@ import tvm
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from dietserve.host.cpu import configure_cpu_threads, target_cores
 from dietserve.kernels.apply import apply_kernel, apply_variant
-from dietserve.kernels.build import build
-from dietserve.kernels.claimed_tasks import claimed_tasks
-from dietserve.kernels.host import configure_cpu_threads, target_cores
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packing import pack_array
+from dietserve.kernels.cpu_packed.claimed_tasks import claimed_tasks
+from dietserve.kernels.cpu_packed.packing import pack_array
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.tir.build import build
 from tuner.ops import dense, random_inputs
 
 from .test_packed_kernels import SHAPES, fitting_space

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.kernels import cpu_clamped
+from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.build import build
-from dietserve.kernels.cpu_clamped import clamped_fits, is_clamped
-from dietserve.kernels.hardware import CPU_PRESETS
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.cpu_clamped import kernel as cpu_clamped
+from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.tir.build import build
 from tuner.extract import spec_from_prim_func
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
 from tuner.space import task_space
@@ -165,7 +165,7 @@ def test_fused_softmax_matches_numpy_at_every_length(variant: str) -> None:
 
 
 def test_the_models_softmax_is_recognised_by_structure(legalized_minilm, model_scores) -> None:
-    from dietserve.kernels.row_softmax import is_last_axis_softmax
+    from dietserve.kernels.tir.row_softmax import is_last_axis_softmax
 
     found = {g.name_hint for g, f in legalized_minilm.functions_items()
              if isinstance(f, tvm.tirx.PrimFunc) and is_last_axis_softmax(f)}
@@ -176,8 +176,8 @@ def test_the_models_softmax_is_recognised_by_structure(legalized_minilm, model_s
 def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_product(legalized_minilm) -> None:
     """The model's own 4-D context product (batch and heads as batch axes, head size 32 static):
     mr = 1 kernels once failed to build here (TVM folded a division by zero in a dead branch)."""
-    from dietserve.kernels.matching import is_dynamic_matmul
-    from dietserve.kernels.packing import weight_param
+    from dietserve.kernels.cpu_packed.packing import weight_param
+    from dietserve.kernels.tir.matching import is_dynamic_matmul
 
     found = [(g.name_hint, f) for g, f in legalized_minilm.functions_items() if is_dynamic_matmul(f)
              and weight_param(f) is None and len(f.params) == 3 and len(f.params[0].ty.shape) == 4]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from dietserve.explain import explain_rows, format_explain, write_explain_plot
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import KernelPlan
-from dietserve.kernels.tree import choose, interval_tree
+from dietserve.kernels.plan.decision_tree import choose, interval_tree
+from dietserve.kernels.plan.kernel_plan import KernelPlan
+from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.runtime.manifest import Manifest
 
 QUANTITY = "batch * seq_len"

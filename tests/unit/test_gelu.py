@@ -10,7 +10,7 @@ import tvm
 from scipy.special import erf, ndtr
 from tvm import te
 
-from dietserve.kernels.gelu import TAIL_END, gelu_expr, numpy_normal_tail
+from dietserve.kernels.tir.gelu import TAIL_END, gelu_expr, numpy_normal_tail
 from tuner.ops import EPILOGUES, dense
 
 

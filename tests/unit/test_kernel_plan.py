@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
 from tuner.dispatch import segment
+
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 KERNEL = MicroKernel(tile=(("i", (4, 2)), ("j", (16, 1)), ("k", (1,))), vector=8).to_dict()
 TREE = {"var": "batch * seq_len", "le": 64, "then": {"variant": "v0"}, "else": {"variant": DEFAULT_VARIANT}}
@@ -133,7 +133,7 @@ def _timed(latencies: dict[int, float], **changes) -> KernelPlan:
 
 
 def test_predicted_latency_takes_the_nearest_tuned_shape_scaled_by_rows() -> None:
-    from dietserve.kernels.plan import predicted_latency
+    from dietserve.kernels.plan.kernel_plan import predicted_latency
 
     timed = _timed({16: 1e-4, 256: 1e-3})
     assert predicted_latency(timed, {"batch": 1, "seq_len": 16}) == pytest.approx(1e-4)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.host import cpu_flags, first_cpu, missing_cpu_flags, runnable_cpu, target_cpu_flags
+from dietserve.host.cpu import cpu_flags, first_cpu, missing_cpu_flags, runnable_cpu, target_cpu_flags
 from dietserve.runtime.manifest import MANIFEST_FILE, ArtifactError, Manifest, write_text_atomic
 
 

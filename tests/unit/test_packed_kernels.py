@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.kernels import cpu_packed
+from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.build import build
-from dietserve.kernels.cpu_packed import crowding_rows, packed_tile, remainder_heights
-from dietserve.kernels.hardware import CPU_PRESETS
-from dietserve.kernels.matching import ScheduleMismatch
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.packed_tile import PackedOperator, Tile
-from dietserve.kernels.packing import pack_array, pack_prim_func, weight_param
+from dietserve.kernels.cpu_packed import kernel as cpu_packed
+from dietserve.kernels.cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
+from dietserve.kernels.cpu_packed.packing import pack_array, pack_prim_func, weight_param
+from dietserve.kernels.cpu_packed.tile import PackedOperator, Tile
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.tir.build import build
+from dietserve.kernels.tir.matching import ScheduleMismatch
 from tuner.ops import attention_scores, dense, random_inputs
 from tuner.space import task_space
 from tuner.space.cpu import WHOLE_TASK_L2_SHARE, cpu_space, packed_cpu_space
@@ -426,7 +426,7 @@ def test_the_next_block_is_spread_over_the_later_passes(later_passes: int, sprea
 
     from tvm.sym import Analyzer
 
-    from dietserve.kernels.packed_prefetch import NextBlock
+    from dietserve.kernels.cpu_packed.prefetch import NextBlock
 
     tile = SimpleNamespace(panel=48, pk=1, dtype=tvm.DataType("float32"))
     groups, span, lines_per_panel = 2, 64, 3 * 64

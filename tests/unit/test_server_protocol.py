@@ -18,11 +18,11 @@ from google.protobuf import descriptor_pb2
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from dietserve.runtime.batcher import DynamicBatcher, Job, bucket_edges, pad_rows
-from dietserve.runtime.dispatch import KernelDispatch
 from dietserve.runtime.engine import EncoderOutput
 from dietserve.runtime.errors import Expired, InputError, NotReady, Overloaded
 from dietserve.runtime.manifest import ArtifactError
 from dietserve.runtime.request import EncoderRequest
+from dietserve.runtime.variant_by_shape import KernelDispatch
 from dietserve.server.codec import decode_input, decode_inputs
 from dietserve.server.config import ConfigError, ServerConfig
 from dietserve.server.protogen import VIRTUAL_ROOT, generate

@@ -10,9 +10,9 @@ import tvm
 
 from dietserve.compile.passes.fuse_softmax import softmaxed_operators
 from dietserve.kernels.apply import apply_variant
-from dietserve.kernels.matching import is_dynamic_matmul, matmul_axes
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.tasks import TaskDescription, TaskFileError
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.plan.task_file import TaskDescription, TaskFileError
+from dietserve.kernels.tir.matching import is_dynamic_matmul, matmul_axes
 from tuner.extract import spec_from_prim_func
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import from_recipe, random_inputs

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import tvm
 
+from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.build import build
-from dietserve.kernels.dispatch import dispatched_prim_func
-from dietserve.kernels.hardware import CPU_PRESETS
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import DEFAULT_VARIANT, KernelPlan
-from dietserve.kernels.tree import choose, interval_tree
+from dietserve.kernels.decision_tree_func import dispatched_prim_func
+from dietserve.kernels.plan.decision_tree import choose, interval_tree
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
+from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.tir.build import build
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
 from tuner.space.cpu import cpu_space
 

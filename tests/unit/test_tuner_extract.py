@@ -8,7 +8,7 @@ import numpy as np
 import tvm
 
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.extract import spec_from_prim_func
 from tuner.measure.runner import LocalRunner, MeasureOptions
 from tuner.ops import from_recipe, numpy_gelu

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from dietserve.kernels.hardware import CPU_PRESETS
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.tree import interval_tree
-from tuner.cost_model.model import CostModel, adapt
 from tuner.dispatch import choose_variants
+
+from dietserve.host.hardware import CPU_PRESETS
+from dietserve.kernels.plan.decision_tree import interval_tree
+from dietserve.kernels.plan.microkernel import MicroKernel
+from tuner.cost_model.model import CostModel, adapt
 from tuner.ops import dense
 from tuner.search.evolution import EvolutionarySearch
 from tuner.space.cpu import cpu_space

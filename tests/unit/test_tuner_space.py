@@ -65,7 +65,7 @@ def test_a_named_cpu_gets_the_space_of_its_own_instruction_sets(monkeypatch, hos
     passes alike on AVX2 and AVX-512 machines.)"""
     from tuner.targets import resolve_target
 
-    monkeypatch.setattr("dietserve.kernels.host.cpu_flags", lambda: set(host))
+    monkeypatch.setattr("dietserve.host.cpu.cpu_flags", lambda: set(host))
     where = resolve_target("llvm", mcpu=mcpu)
     assert where.target["mcpu"] == mcpu and where.hardware.lanes() == lanes
     assert {kernel.vector for kernel in where.space} == {lanes}

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dietserve.kernels.hardware import last_level_cache_bytes
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.host.hardware import last_level_cache_bytes
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase, TuningRecord
 from tuner.measure import worker
 from tuner.measure.runner import LocalRunner, MeasureOptions

@@ -7,7 +7,7 @@ tried in order, the fallback last.
 
 from tvm.s_tir import dlight
 
-from ...kernels.default_cpu import CPUMatmul
+from ...kernels.cpu_default.rule import CPUMatmul
 from .fallback import ParallelFallback
 from .injective import ParallelInjective
 from .reduction import RowReduction

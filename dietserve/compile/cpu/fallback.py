@@ -6,7 +6,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from ...kernels.loops import normalized_schedule
+from ...kernels.tir.loops import normalized_schedule
 
 
 class ParallelFallback(dlight.ScheduleRule):

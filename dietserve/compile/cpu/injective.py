@@ -3,11 +3,10 @@ vectorised inside.
 
 A transposing copy (attention's keys, ``[b, s, h, d] -> [b, h, d, s]``) is blocked: vectorised
 along the output's contiguous axis, each vector gathers one element from ``lanes`` input rows
-that are far apart in memory. Looping over a whole output row per input column reads every
-input line once per element: at seq 512 that is 512 lines a pass whose 9216-byte stride maps
-them to 4 of L1's 64 sets, so every gather missed L1 (342 us at seq 512). Looping over the
-input's contiguous axis inside each block of ``lanes`` rows reuses the block's lines from L1
-(83 us).
+that are far apart in memory. Looping over a whole output row per input column would read
+every input line once per element, and at long sequences the rows' stride maps those lines to a
+few of L1's sets, so every gather would miss L1. Looping over the input's contiguous axis inside
+each block of ``lanes`` rows reuses the block's lines from L1 instead.
 """
 
 from __future__ import annotations
@@ -18,7 +17,13 @@ from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
 from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target import Target
 
-from ...kernels.loops import MIN_VECTOR_EXTENT, float_lanes, loop_extent, normalized_schedule, parallelize_and_vectorize
+from ...kernels.tir.loops import (
+    MIN_VECTOR_EXTENT,
+    float_lanes,
+    loop_extent,
+    normalized_schedule,
+    parallelize_and_vectorize,
+)
 
 
 class ParallelInjective(dlight.ScheduleRule):

@@ -13,7 +13,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from ...kernels.loops import float_lanes, loop_extent, normalized_schedule, vectorize_innermost
+from ...kernels.tir.loops import float_lanes, loop_extent, normalized_schedule, vectorize_innermost
 
 
 def _inline_single_use_spatial(sch: s_tir.Schedule, infos: list) -> list:

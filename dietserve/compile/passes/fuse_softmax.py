@@ -17,8 +17,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ...kernels.matching import ScheduleMismatch
-from ...kernels.row_softmax import is_last_axis_softmax
+from ...kernels.tir.matching import ScheduleMismatch
+from ...kernels.tir.row_softmax import is_last_axis_softmax
 
 FUSED_SUFFIX = "_softmax"
 

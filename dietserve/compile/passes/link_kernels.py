@@ -3,7 +3,7 @@
 Every PrimFunc that is a dynamic matmul-like operator is tagged with its workload key (so the
 artifact can list the operators that have kernels, tuned or not). Those whose key has a plan are
 replaced by one PrimFunc holding every variant of the plan, branching on the operator's own
-shape expressions (``dietserve.kernels.dispatch``), marked scheduled so the default rules leave
+shape expressions (``dietserve.kernels.decision_tree_func``), marked scheduled so the default rules leave
 them alone. Matching is by structure (the workload key), never by the function's name.
 A plan whose kernels read packed weights also gets its weight argument packed, once, at load
 (``pack_weights.py``). On CPU, an operator with a plan whose result only feeds a softmax over
@@ -18,10 +18,10 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from ...kernels.dispatch import dispatched_prim_func
-from ...kernels.matching import is_dynamic_matmul, workload_key
-from ...kernels.packing import packed_panel, weight_param
-from ...kernels.plan import KernelPlan, PlanError
+from ...kernels.cpu_packed.packing import packed_panel, weight_param
+from ...kernels.decision_tree_func import dispatched_prim_func
+from ...kernels.plan.kernel_plan import KernelPlan, PlanError
+from ...kernels.tir.matching import is_dynamic_matmul, workload_key
 from .fuse_softmax import fuse_scores_softmax
 from .pack_weights import pack_weight_arguments
 

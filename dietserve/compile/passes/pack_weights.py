@@ -17,7 +17,7 @@ from tvm import relax
 from tvm.relax.expr import _update_type
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ...kernels.packing import index_map
+from ...kernels.cpu_packed.packing import index_map
 
 TRANSFORM_PARAMS_SUFFIX = "_transform_params"  # LiftTransformParams' naming
 

@@ -1,12 +1,12 @@
 """Replace exact-erf ``nn.gelu`` with the same GELU in float32 vector arithmetic
-(``dietserve/kernels/gelu.py``): libm's ``erff`` is a scalar call per element."""
+(``dietserve/kernels/tir/gelu.py``): libm's ``erff`` is a scalar call per element."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import te
 
-from ...kernels.gelu import gelu_expr
+from ...kernels.tir.gelu import gelu_expr
 from .replace_op import replace_op_pass
 
 

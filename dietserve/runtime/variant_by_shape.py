@@ -1,7 +1,7 @@
 """Which kernel variant each dynamic operator runs for a concrete shape.
 
 An artifact's manifest carries, per dynamic matmul-like operator, the decision tree that the
-link pass compiled into that operator (``dietserve.kernels.tree``: inner nodes compare a shape
+link pass compiled into that operator (``dietserve.kernels.plan.decision_tree``: inner nodes compare a shape
 expression such as ``batch * seq_len`` with a threshold, leaves name a variant) and how many
 call sites (layers) the model has. The compiled code makes the choice itself; this mirror of
 the tree lets the server count which variant served each execution.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from ..kernels.tree import TreeError, check_tree, choose
+from ..kernels.plan.decision_tree import TreeError, check_tree, choose
 from .manifest import ArtifactError
 
 

@@ -7,7 +7,7 @@ import functools
 
 from tvm import te, tirx, topi
 
-from .tir_rebuild import rebuild
+from .rebuild import rebuild
 
 
 @functools.cache

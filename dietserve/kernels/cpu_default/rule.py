@@ -13,8 +13,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.target import Target
 
-from .loops import float_lanes, is_llvm, loop_extent, parallelize_and_vectorize, vectorize_tile
-from .matching import ScheduleMismatch, find_matmul, is_multiply_accumulate, pad_to_tiles
+from ..tir.loops import float_lanes, is_llvm, loop_extent, parallelize_and_vectorize, vectorize_tile
+from ..tir.matching import ScheduleMismatch, find_matmul, is_multiply_accumulate, pad_to_tiles
 
 # Accumulator registers a tile may use; both AVX2 (16) and AVX-512 (32) keep a few spare.
 ACCUMULATOR_VECTORS = 12

@@ -13,7 +13,7 @@ A plan file (JSON, one per tuned workload):
     variants             name -> micro-kernel (MicroKernel fields) or null for the default rule;
                          packed-weight kernels (``pack`` > 0) all share one panel width, and
                          then the plan has no default variant (it reads the unpacked weight)
-    tree                 decision tree over shape text (dietserve.kernels.tree)
+    tree                 decision tree over shape text (dietserve.kernels.plan.decision_tree)
     tuned_range          {"var": text, "min": int, "max": int}: shapes above max take the tree's
                          last interval, a variant that is correct for every shape
     shapes               per tuned shape: value, chosen variant, latency, measured or predicted,
@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .atomic_io import write_text_atomic
+from ...host.atomic_io import write_text_atomic
+from .decision_tree import TreeError, check_tree, leaves
 from .microkernel import MicroKernel
-from .tree import TreeError, check_tree, leaves
 
 PLAN_FORMAT = "dietserve.kernel-plan"
 PLAN_VERSION = 1
@@ -177,7 +177,7 @@ def predicted_latency(plan: KernelPlan, shape: Mapping[str, int]) -> float | Non
     """Seconds the plan's kernel takes at ``shape``, from the tuned shape nearest along the tuned
     range's variable (measured where possible), scaled by the ratio of the values (rows), since a
     dense kernel's time grows with its rows. None if the plan records no latencies."""
-    from .tree import evaluate_text
+    from .decision_tree import evaluate_text
 
     entries = [entry for entry in plan.shapes if entry.get("latency_s") and entry.get("value")]
     if not entries:

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tvm import s_tir, tirx
 
-from .matching import ScheduleMismatch, find_matmul
+from ..tir.matching import ScheduleMismatch, find_matmul
 
 
 def index_map(panel: int):

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from .held import held
-from .packed_prefetch import NextBlock, stream_ahead
-from .packed_tile import Tile
+from ..tir.computed_once import computed_once
+from .prefetch import NextBlock, stream_ahead
+from .tile import Tile
 
 PACK_CHUNK = 256  # reduction steps per job of the copy
 
@@ -72,7 +72,7 @@ def whole_reduction(tile: Tile, tasks, blocks: int, nb: int, depth, prefetch: bo
     row_tiles = tile.row_tiles()
     groups = nb // tile.pk
     with tasks(blocks * row_tiles) as claim:
-        block, it = held(claim.task // row_tiles, claim.task % row_tiles)
+        block, it = computed_once(claim.task // row_tiles, claim.task % row_tiles)
         # A worker going backward passes over a block's row tiles from the last: its passes
         # after the block's first count from there, and its next block is the one before.
         later_pass = tirx.Select(claim.forward, it - 1, row_tiles - 2 - it)

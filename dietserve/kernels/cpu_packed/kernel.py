@@ -51,14 +51,14 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .build import with_exact_buffers
+from ..plan.microkernel import MicroKernel
+from ..tir.build import with_exact_buffers
+from ..tir.matching import ScheduleMismatch
+from ..tir.rebuild import expression_size
 from .claimed_tasks import claimed_tasks, static_tasks
-from .matching import ScheduleMismatch
-from .microkernel import MicroKernel
-from .packed_loops import blocked_reduction, packed_rows, whole_reduction
-from .packed_prefetch import CACHE_LINE_BYTES
-from .packed_tile import PackedOperator, Tile, remainder_heights
-from .tir_rebuild import expression_size
+from .loop_nests import blocked_reduction, packed_rows, whole_reduction
+from .prefetch import CACHE_LINE_BYTES
+from .tile import PackedOperator, Tile, remainder_heights
 
 # The first row tile of a task reads the task's weight block from DRAM (in the served model no
 # cache holds the weights) while it computes a fraction of the task's FMAs; the later row tiles

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
+from ..plan.decision_tree import evaluate_text
 from .loops import static_extent
-from .tree import evaluate_text
 
 
 class ScheduleMismatch(ValueError):

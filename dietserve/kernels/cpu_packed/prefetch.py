@@ -8,7 +8,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from .packed_tile import Tile
+from .tile import Tile
 
 CACHE_LINE_BYTES = 64
 MAX_SPREAD_LOG2 = 3  # a spread next block takes at most 8 times as many passes (``NextBlock``)

@@ -10,11 +10,11 @@ from tvm import tirx
 from tvm.target import Target
 
 from .apply import apply_variant
-from .build import has_exact_buffers, has_own_storage, with_exact_buffers
-from .matching import symbolic_vars
-from .packing import packed_form
-from .plan import KernelPlan
-from .tree import evaluate_text, fold
+from .cpu_packed.packing import packed_form
+from .plan.decision_tree import evaluate_text, fold
+from .plan.kernel_plan import KernelPlan
+from .tir.build import has_exact_buffers, has_own_storage, with_exact_buffers
+from .tir.matching import symbolic_vars
 
 
 def lower_tree(func: tirx.PrimFunc, tree: dict, leaf: Callable[[str], tirx.Stmt],

@@ -34,12 +34,12 @@ from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .build import with_exact_buffers
-from .held import held
-from .matching import ScheduleMismatch
-from .microkernel import MicroKernel
-from .row_softmax import softmax_rows
-from .tir_rebuild import MatmulExpressions, rebuild, uses
+from ..plan.microkernel import MicroKernel
+from ..tir.build import with_exact_buffers
+from ..tir.computed_once import computed_once
+from ..tir.matching import ScheduleMismatch
+from ..tir.rebuild import MatmulExpressions, rebuild, uses
+from ..tir.row_softmax import softmax_rows
 
 CLAMPED = "clamped"  # MicroKernel.cache_scopes marker of this family
 PANEL = "B.local"  # ... and of its variant that copies each B panel once per task
@@ -243,7 +243,7 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes) -> N
         block = tirx.floormod(task, blocks)
         first = block * rows_per_block
         rows = tirx.Select(block == blocks - 1, m - first, tirx.const(rows_per_block, "int64"))
-        *z, first, rows = held(*z, first, rows)  # (divisions by the symbolic row blocks: ``held``)
+        *z, first, rows = computed_once(*z, first, rows)  # (divisions by the symbolic row blocks: ``computed_once``)
 
         def column_tile(j0, width: int) -> None:
             _column_tile(op, z, first, rows, j0, (mr, width), lanes, panel, depth)

@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .atomic_io import write_text_atomic
+from ...host.atomic_io import write_text_atomic
 
 TASKS_FORMAT = "dietserve.tuning-tasks"
 TASKS_VERSION = 1

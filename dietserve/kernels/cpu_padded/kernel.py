@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-from .loops import loops_below, vectorize_tile
-from .matching import find_matmul, pad_to_tiles, stage_result
-from .microkernel import MicroKernel
+from ..plan.microkernel import MicroKernel
+from ..tir.loops import loops_below, vectorize_tile
+from ..tir.matching import find_matmul, pad_to_tiles, stage_result
 
 
 def _pack(sch: s_tir.Schedule, block, at, lanes: int, loop_partition: bool) -> None:

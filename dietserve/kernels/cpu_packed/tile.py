@@ -10,8 +10,8 @@ import math
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from .matching import ScheduleMismatch
-from .tir_rebuild import MatmulExpressions, rebuild
+from ..tir.matching import ScheduleMismatch
+from ..tir.rebuild import MatmulExpressions, rebuild
 
 # The remainder tiles' heights. 12: a 14-row tile (the tallest of 32-wide AVX-512 panels, which
 # plans run at T = 11-14 in one pass) computed 14 rows for T = 11 and 12 without it; with it,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-from .loops import loops_below, static_extent
-from .matching import ScheduleMismatch, find_matmul, pad_to_tiles, stage_result
-from .microkernel import MicroKernel
+from ..plan.microkernel import MicroKernel
+from ..tir.loops import loops_below, static_extent
+from ..tir.matching import ScheduleMismatch, find_matmul, pad_to_tiles, stage_result
 
 __all__ = ["ScheduleMismatch", "apply_cuda"]
 
