@@ -24,7 +24,7 @@ def fast_math_passes() -> list[tvm.transform.Pass]:
     """Softmax with TVM's vectorisable exp approximation (libm's expf is scalar, and dominates
     softmax at long sequences), within the 1e-4 budget. GELU keeps the exact erf, evaluated so it vectorises
     (float32, through a rational of the normal tail: closer to the exact GELU than a correctly
-    rounded erff in the textbook formula, ``kernels/gelu.py``); TOPI's fast erf's error,
+    rounded erff in the textbook formula, ``kernels/tir/gelu.py``); TOPI's fast erf's error,
     amplified through the layers, broke that budget (1.3e-4 at seq 300)."""
     return [FastSoftmax(), VectorGelu()]
 

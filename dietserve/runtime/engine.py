@@ -68,7 +68,7 @@ class Engine:
         self.threads = configure_cpu_threads(threads) if on_cpu else None
         cores = target_cores(artifact.manifest.target) or 0
         if cores and self.threads > cores:
-            # (its packed kernels' tasks are taken by that many workers: kernels/claimed_tasks.py)
+            # (its packed kernels' tasks are taken by that many workers: kernels/cpu_packed/claimed_tasks.py)
             LOG.warning("the artifact was compiled for %d cores (--num-cores) and runs on %d threads: its dense "
                         "kernels use %d of them; compile it with --num-cores %d", cores, self.threads, cores,
                         self.threads)

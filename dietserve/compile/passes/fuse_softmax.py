@@ -5,7 +5,7 @@ The model computes ``probs = softmax(Q @ Kt * scale + mask)`` as two kernels: th
 ``[b, h, T, T]`` scores then make a round trip through memory between them (12.6 MB a layer
 for bert-base at T = 512). Here each ``softmax(scores(...))`` pair of ``call_tir``s becomes one
 call of a kernel that softmaxes each task's rows in place as soon as it has written them
-(``kernels/cpu_clamped.py``), and the unfused pair is dropped. The softmax is recognised by
+(``kernels/cpu_clamped/kernel.py``), and the unfused pair is dropped. The softmax is recognised by
 structure (``kernels/row_softmax.is_last_axis_softmax``), never by name.
 """
 

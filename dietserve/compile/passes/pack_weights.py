@@ -1,7 +1,7 @@
 """Feed packed weights to the kernels that read them, packing each weight once at load time.
 
 The link pass replaces an operator with kernels that read its weight in panels
-(``kernels/packing.py``). Here every call site of such a kernel gets
+(``kernels/cpu_packed/packing.py``). Here every call site of such a kernel gets
 ``R.layout_transform(weight, panel map)`` on that argument, and ``LiftTransformParams`` moves
 those transforms out of ``forward`` into ``forward_transform_params``: the runtime runs it once
 when it loads the artifact (a few ms a weight), and every request streams packed panels. Layers
