@@ -29,7 +29,7 @@ def release_freed_heap() -> None:
     beside its 86 MiB of weights."""
     try:
         # the symbols this process has loaded: the C library's among them (no search for its
-        # file, which ``ctypes.util.find_library`` makes by running ldconfig: 13 ms here)
+        # file, which ``ctypes.util.find_library`` makes by running ldconfig in a subprocess)
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # a C library without malloc_trim (not glibc)
         pass

@@ -32,7 +32,7 @@ ID_DATATYPES = ("INT64", "INT32")
 # Text beyond this many bytes per token of the model's maximum length is cut before tokenizing:
 # it could only add tokens past the truncation point. English averages 4-6 bytes a token, so
 # this changes an answer only for text whose first tokens are spread over unusually long words
-# or whitespace runs; in exchange tokenizing a request costs at most ~40 ms at 512 tokens.
+# or whitespace runs; in exchange a request's tokenizing time is bounded by the maximum length.
 TEXT_BYTES_PER_TOKEN = 64
 # Messages up to this size are parsed and decoded on the event loop, where a thread hop would
 # cost more than the work (tens of microseconds); text over INLINE_TEXT_BYTES is tokenized on a

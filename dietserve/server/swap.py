@@ -5,13 +5,12 @@ The candidate is loaded on a background thread, warmed up and checked on the exe
 one model run at a time between batches. The check runs sample inputs through both versions: the
 artifact's smallest shapes and the heaviest shape of the recorded traffic. It compares their
 answers. A newer version is then timed against the served one, side by side on the traffic's
-heaviest shapes (``time_side_by_side``): a re-tuning job that timed its kernels on cores the
-server kept busy once published kernels that made seq 384 1.8x slower (serial kernels look as
-fast as parallel ones when the other core is taken). Only then does the batcher take the new
-engine for its next batch. A candidate that fails to load, is incompatible, answers differently
-or is measured slower than ``HotSwap.min_gain`` of the served version's speed (in each of
-``SPEED_READINGS`` readings) is marked
-rejected in the store, counted and logged, and the current version stays. A rollback (the store's
+heaviest shapes (``time_side_by_side``): a re-tuning job times its kernels on cores the server
+keeps busy, where serial kernels look as fast as parallel ones, so it can publish a version
+slower than the served one. Only then does the batcher take the new engine for its next batch.
+A candidate that fails to load, is incompatible, answers differently or is measured slower than
+``HotSwap.min_gain`` of the served version's speed (in each of ``SPEED_READINGS`` readings) is
+marked rejected in the store, counted and logged, and the current version stays. A rollback (the store's
 current version set back by an operator, or another server's verified choice) is checked for its
 answers, not timed: it is a decision already made.
 """
@@ -40,12 +39,12 @@ VERIFY_ATOL = 1e-3  # kernels may sum in another order; a wrong kernel is off by
 SAMPLE_SHAPES = ((1, 16), (4, 64))
 TIMED_SHAPES = 3  # the traffic's heaviest shapes a candidate is timed on
 # Runs per engine and shape: at least MIN_RUNS and MIN_SECONDS of them, at most MAX_RUNS. Medians
-# of alternating runs: two copies of one artifact timed so read 0.99-1.02x in four runs of
-# tests/integration/test_hot_swap.py (a client sending requests meanwhile; a shared 2-core VM).
+# of alternating runs, so that requests served meanwhile and a busy host slow both engines alike
+# (tests/integration/test_hot_swap.py times two copies of one artifact so).
 MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.25, 40
 # A reading below the minimum is timed again, up to this many readings in all, and the best one
-# decides: a refusal stays in the store for good, and on a contended host two copies of one
-# artifact once read 0.856x (one reading). A version truly slower reads slow every time.
+# decides: a refusal stays in the store for good, and on a contended host one reading of two
+# copies of one artifact can fall below the minimum. A version truly slower reads slow every time.
 SPEED_READINGS = 2
 
 
@@ -62,7 +61,7 @@ class HotSwap:
 
 def _speed_text(speed: float) -> str:
     """``speed`` rounded down to three decimals: a speed just below the minimum must not print as
-    the minimum itself (0.8996 read "0.90x ..., below the minimum 0.9")."""
+    the minimum itself (0.8996 to two decimals reads as 0.90, "below the minimum 0.9")."""
     return f"{math.floor(speed * 1000) / 1000:.3f}x"
 
 

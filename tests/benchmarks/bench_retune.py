@@ -20,7 +20,7 @@ Prints a table of p50/p99 per phase, draws latency over time with the phases sha
     RESULT drift_gain=X p99_during_retune_vs_idle=Y p99_during_check_vs_idle=C swap_errors=Z
 
 (drift_gain: the probe's latency before / after; goals: swap_errors = 0, p99 during the re-tune
-<= 1.5x idle, a measurable gain).
+at most half again the idle p99, a measurable gain).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Where a model run's time goes: each PrimFunc call timed through the Relax VM's instrument hook
-(the compiled code is untouched). The hook adds a Python call per kernel, and a kernel of tens
-of microseconds that runs on both cores reads several times its own time: the model's
-layer_norm read 35 / 79 / 222 us a call at 48 / 128 / 512 rows here, and 9.0 / 23.3 / 97 us
-timed directly after the kernel that feeds it (kernels_in_isolation.py). Kernels of a millisecond and more read true.
-A kernel's gain under the hook need not be the model's: the 3072 -> 768 layer's 48-wide tile read 1.19x
-here at seq 16 (442 -> 373 us a call) and 0.995x end to end; judge plans with compare_artifacts.py.
+(the compiled code is untouched). The hook adds a Python call per kernel, and a parallel kernel
+of tens of microseconds reads several times its own time (the model's layer_norm, against the
+same kernel timed directly after the one that feeds it by kernels_in_isolation.py). Kernels of a
+millisecond and more read true. A kernel's gain under the hook need not be the model's: judge
+plans with compare_artifacts.py.
 
     python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--top 12]
 

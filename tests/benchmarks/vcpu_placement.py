@@ -1,8 +1,8 @@
 """Where the machine's two vCPUs sit, and what it does to the model: each sample times a cache
 line handed between CPU 0 and CPU 1 (one-way, 200,000 round trips) and a 2-thread read of 256 MB
-(a small C probe, built here with gcc), then an artifact at a few sequence lengths. On the 2-core
-VMs this project runs on, the samples fall in two groups minutes apart: the two vCPUs on one L3
-(a hand-off of about 30 ns) or on two (about 170 ns, with a faster read: two paths to memory).
+(a small C probe, built here with gcc), then an artifact at a few sequence lengths. On a small
+cloud machine the samples can fall in two groups, as the host moves the vCPUs: both on one L3
+(a fast hand-off) or on two (a slow hand-off, with a faster read: two paths to memory).
 
     python tests/benchmarks/vcpu_placement.py ARTIFACT_DIR [--minutes 15] [--lengths 1,16,31,128]
         [--operators 128]

@@ -184,10 +184,9 @@ def test_packed_weight_kernels_match_transformers_and_pack_once_at_load(packed_a
 
 def test_packing_at_load_leaves_the_weights_resident_once(packed_artifact: Path) -> None:
     """The packed weights are copied onto huge pages; the buffers the packing wrote them to must go
-    back to the system, not stay in the VM's pool (which keeps every freed buffer for reuse):
-    bert-base's server held 416 MB of them."""
+    back to the system, not stay in the VM's pool (which keeps every freed buffer for reuse)."""
     measured = resident_growth_of_load(packed_artifact)
-    assert measured["grown"] < 1.2 * measured["weights"], measured  # (it was 2.5x)
+    assert measured["grown"] < 1.2 * measured["weights"], measured
 
 
 def test_manifest_lists_the_linked_plans_variants_and_call_sites(linked_artifact: Path, minilm_tasks) -> None:

@@ -21,9 +21,9 @@ from tuner.ops import dense, random_inputs
 from .test_packed_kernels import SHAPES, fitting_space
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-# A slowed worker's extra work per task (volatile adds: ~2 ms): its own share then lasts ~64 ms,
-# ample for the other worker's thread to start even on a busy machine (at 0.2 ms a task it once
-# had not started when the slow one had run every task).
+# A slowed worker's extra work per task (volatile adds): enough that its own share lasts long
+# past the other worker's thread start, even on a busy machine; with much less, the slow worker
+# can run every task before the other has started.
 SPIN_STEPS = 2_000_000
 
 

@@ -62,8 +62,8 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
     assert cpu_flags(tmp_path / "absent") is None
 
 
-# /proc/cpuinfo's flags of a cloud Emerald Rapids VM (2026-11-27): LLVM names it
-# ``emeraldrapids`` by its model number, but the VM hides AMX.
+# /proc/cpuinfo's flags of a virtual machine whose CPU LLVM names ``emeraldrapids`` by its
+# model number, while the hypervisor hides AMX.
 EMERALD_RAPIDS_VM = set("fpu sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl avx512ifma "
                         "avx512vbmi avx512_vbmi2 avx512_vnni avx512_bitalg avx512_vpopcntdq avx512_bf16 "
                         "avx512_fp16".split())

@@ -65,16 +65,16 @@ def test_the_speed_is_the_weighted_sum_of_median_times_served_over_candidate() -
     assert set(between) == {"run_once"} and len(between) == served.runs * 2
     assert len(lines) == 2 and lines[0].startswith("[1, 16] ") and "runs each" in lines[0]
     # Short runs repeat until each engine has spent MIN_SECONDS on the shape, at most MAX_RUNS times:
-    # the 2 ms candidate would need 125 runs.
+    # the faster candidate would need more than MAX_RUNS.
     assert served.shapes.count((2, 8)) == candidate.shapes.count((2, 8)) == swap.MAX_RUNS
     slow = SleepingEngine(0.06)
     asyncio.run(swap.time_side_by_side(run_between_batches, slow, SleepingEngine(0.06), inputs[:1]))
-    assert slow.runs == swap.MIN_RUNS  # 5 x 60 ms: both minimums met
+    assert slow.runs == swap.MIN_RUNS  # MIN_RUNS runs last over MIN_SECONDS: both minimums met
 
 
 @pytest.mark.parametrize("speed, text", [(0.8996, "0.899x"), (0.9, "0.900x"), (1.2345, "1.234x"), (2.0, "2.000x")])
 def test_a_speed_below_the_minimum_never_prints_as_the_minimum(speed, text):
-    # A refusal at 0.8996 once read "measured 0.90x ..., below the minimum 0.9": rounded down, it cannot.
+    # To two decimals 0.8996 would print as the minimum 0.9 it is refused below; rounded down, it cannot.
     assert swap._speed_text(speed) == text
 
 

@@ -1,6 +1,6 @@
 """A measurement worker starts without importing PyTorch: tvm_ffi imports it wherever it is
-installed (as here, for the tests), and it was 4.5 s of a worker's 6 s start on a 2-core host,
-paid by every tune and every worker restarted after a crash. The tuner's own process (and
+installed (as here, for the tests), and that import is most of a worker's start, paid by every
+tune and every worker restarted after a crash. The tuner's own process (and
 this one) keep torch importable."""
 
 from __future__ import annotations

@@ -3,14 +3,11 @@ serial copy of it too, taken where its output is at most ``SERIAL_UP_TO_ELEMENTS
 (a branch on its symbolic shape, as the tuned kernels' decision trees are compiled in:
 ``kernels/dispatch.py``).
 
-A parallel loop wakes the thread pool and waits for its slowest thread (about 0.8 us a launch
-on a 2-core znver4, more when a neighbour holds the other core), which at seq 1 is more than
-the work: bert-base has about 100 such launches a run besides the dense layers. All of them
-serial, against all parallel (``compare_artifacts.py``, version 31's plans, 7 runs x 5 rounds,
-control 0.995-1.010x): seq 1 1.032x, 7 1.002x, 11-20 0.986-0.995x, 31-256 0.970-0.972x.
-Hence serial only up to about 5 rows of bert-base's hidden size. With the branch (7 runs x 6
-rounds): seq 1 1.035x, 4 1.028x, 7 1.011x, 13-128 0.996-1.005x (control 0.973-1.025x); the
-12-layer hidden-96 graph 1.19-1.22x at seq 1-16.
+A parallel loop wakes the thread pool and waits for its slowest thread (longer when a
+neighbour holds a core), which at seq 1 costs more than the work: bert-base has about 100 such
+launches a run besides the dense layers. Making every one serial pays at the shortest sequences
+but costs a few percent from a few dozen rows on, hence the branch: serial only up to about 5
+rows of bert-base's hidden size. ``compare_artifacts.py`` measures both sides of it.
 """
 
 from __future__ import annotations
