@@ -38,20 +38,19 @@ def _measure_options(args: argparse.Namespace):
     from .measure.runner import MeasureOptions
     from .measure.timing import TimingPolicy
 
-    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
-                          stream_weights=args.stream_weights)
+    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
     return MeasureOptions(timing=timing, timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
 
 
 def _dram_rates(args: argparse.Namespace, where):
     """The machine's DRAM read rates, measured here (a few seconds), for plans that rank dense
     kernels as served (``weight_stream``); None where the kernels are timed elsewhere (RPC), on
-    weights already from DRAM (``--stream-weights``), on a GPU, or ``--plan-weights cache``."""
-    if args.plan_weights == "cache" or args.stream_weights or args.rpc_tracker or where.target.get("kind") != "llvm":
+    on a GPU, or ``--plan-weights cache``."""
+    if args.plan_weights == "cache" or args.rpc_tracker or where.target.get("kind") != "llvm":
         return None
     from dietserve.host.hardware import last_level_cache_bytes
 
-    from .measure.streaming import dram_read_rate
+    from .measure.dram import dram_read_rate
     from .planning.weight_stream import DramRates
 
     cache = last_level_cache_bytes()
@@ -232,9 +231,6 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
     parser.add_argument("--min-repeat-ms", type=int, default=10,
                         help="a timed repeat runs the kernel until it lasts this long (default 10)")
-    parser.add_argument("--stream-weights", action="store_true",
-                        help="time dense layers with each call reading its weight from DRAM, as the served model "
-                             "does (default: one weight, cached after the first call; local runs only)")
     parser.add_argument("--plan-weights", choices=["dram", "cache"], default="dram",
                         help="rank dense kernels in the plan with their weight read from DRAM, as served (default; "
                              "the DRAM rate is measured first), or as timed, the weight cached")

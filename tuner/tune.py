@@ -64,8 +64,6 @@ class Tuner:
         self.store = Measurements(task, cores)
         self.trials = self.failures = self.reused = 0
         self.check_shape = task.check_shape()
-        # Records say whether weights streamed: a CUDA job never streams them.
-        self.streams_weights = runner.features.streams_weights and task.target.get("kind") == "llvm"
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._reuse_records()
@@ -180,18 +178,17 @@ class Tuner:
             workload=self.task.workload, target=self.task.target_key,
             kernel=DEFAULT_VARIANT if probe.kernel is None else probe.kernel.to_json(), shape=dict(probe.shape),
             latency_s=result.latency if result.ok else None, error=result.error,
-            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(), "streamed": self.streams_weights,
+            meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(),
                   "time": time.time(), "flops": self.task.flops(probe.shape), "build_s": result.build_seconds,
                   "build_reused": result.build_reused, "check_shape": self.check_shape}))
 
     def _reuse_records(self) -> None:
         """Measurements already in the database for this workload and target, on our shapes, made
-        by this version of the tuner with the weights where ours are (cached, or streamed)."""
+        by this version of the tuner."""
         ours = {shape_key(shape) for shape in self.shapes}
         for record in self.database.records():
             if record.workload != self.task.workload or record.target != self.task.target_key \
-                    or record.meta.get("tuner") != TUNER_VERSION \
-                    or record.meta.get("streamed", False) != self.streams_weights:
+                    or record.meta.get("tuner") != TUNER_VERSION:
                 continue
             kernel = None if record.kernel == DEFAULT_VARIANT else MicroKernel.from_json(record.kernel)
             shape = dict(record.shape_key())

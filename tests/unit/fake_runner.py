@@ -16,9 +16,9 @@ class FakeRunner:
     """Times each job's kernel (None: the default rule's) at ``latency(kernel, shape)``;
     keeps every job it ran (``jobs``) and was asked to build ahead (``prepared``)."""
 
-    def __init__(self, latency: Latency, features: RunnerFeatures = RunnerFeatures()) -> None:
+    def __init__(self, latency: Latency, features: RunnerFeatures | None = None) -> None:
         self.latency = latency
-        self.features = features
+        self.features = features or RunnerFeatures()
         self.jobs: list[MeasureJob] = []
         self.prepared: list[MeasureJob] = []
 

@@ -4,6 +4,8 @@ candidate with the softmax in it, against TVM's unscheduled scores softmaxed by 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tvm
@@ -14,7 +16,9 @@ from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.plan.task_file import TaskDescription, TaskFileError
 from dietserve.kernels.tir.matching import is_dynamic_matmul, matmul_axes
 from tuner.extract import spec_from_prim_func
+from tuner.measure.job import MeasureJob
 from tuner.measure.runner import LocalRunner, MeasureOptions
+from tuner.measure.timing import TimingPolicy
 from tuner.ops import from_recipe, random_inputs
 
 TARGET = {"kind": "llvm", "num-cores": 2}
@@ -59,16 +63,16 @@ def test_a_softmaxed_spec_is_checked_against_the_softmaxed_reference(scores) -> 
 def test_the_worker_times_the_scores_with_their_softmax(scores) -> None:
     name, func = scores
     spec = spec_from_prim_func(name, func, row_softmax=True)
-    job = {"recipe": spec.recipe, "target": TARGET, "shapes": [SHAPE], "check_shape": {"batch": 1, "seq_len": 13},
-           "apply": "dietserve.kernels.apply:apply_kernel"}
-    with LocalRunner(MeasureOptions(number=1, repeat=1, min_repeat_ms=1, workers=1)) as runner:
-        tuned = runner.run({**job, "kernel": CLAMPED.to_json()})
-        default = runner.run({**job, "kernel": None})
-        custom = runner.run({**job, "kernel": CLAMPED.to_json(), "apply": "tests.unit.test_tuner_race:wrong_schedule"})
+    job = MeasureJob(recipe=spec.recipe, target=TARGET, shapes=(SHAPE,), check_shape={"batch": 1, "seq_len": 13},
+                     kernel=CLAMPED.to_json())
+    with LocalRunner(MeasureOptions(timing=TimingPolicy(number=1, repeat=1, min_repeat_ms=1), workers=1)) as runner:
+        tuned = runner.run(job)
+        default = runner.run(replace(job, kernel=None))
+        custom = runner.run(replace(job, apply="tests.unit.test_tuner_measure:wrong_schedule"))
     for result in (tuned, default):  # (checked against the softmaxed reference first)
-        assert result["error"] is None, result.get("traceback")
-        assert result["latencies"]["batch=1,seq_len=29"] > 0
-    assert "cannot fuse the softmax" in custom["error"]
+        assert result.ok, result.traceback
+        assert result.latency > 0
+    assert "cannot fuse the softmax" in custom.error
 
 
 def test_a_task_file_says_whether_an_operator_is_softmaxed() -> None:

@@ -1,7 +1,7 @@
-"""The default rule's kernel in a tune (``Tuner.measure_default``): where it is far behind the
-best kernel measured (or, before any, predicted) on a shape, the worker times it once and no
-more (``abandon_above_s``), as it does a hopeless candidate. Against a synthetic machine that
-records the jobs it gets; ``worker._measure`` reads the bar."""
+"""The default rule's kernel in a tune: where it is far behind the best kernel measured (or,
+before any, predicted) on a shape, the worker times it once and no more (``abandon_above_s``),
+as it does a hopeless candidate. Against the synthetic machine, which records the jobs it gets;
+``TimingPolicy.time`` reads the bar."""
 
 from __future__ import annotations
 
@@ -9,31 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import shape_key
+from tuner.measure.timing import ABANDON_FACTOR
+from tuner.measurements import shape_key
 from tuner.ops import dense
 from tuner.options import TuneOptions
+from tuner.phases import Probe
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import ABANDON_FACTOR, Tuner
+from tuner.tune import Tuner
+
+from .fake_runner import FakeRunner
 
 KERNEL = MicroKernel(tile=(("i", (6,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
 LATENCY_S = 1e-3
 
 
-class RecordingMachine:
+def RecordingMachine() -> FakeRunner:  # noqa: N802
     """Every kernel takes ``LATENCY_S``, the default one ten times as long."""
-
-    def __init__(self) -> None:
-        self.jobs: list[dict] = []
-
-    def describe(self) -> str:
-        return "synthetic"
-
-    def run(self, job: dict) -> dict:
-        self.jobs.append(job)
-        latency = LATENCY_S * (10 if job["kernel"] is None else 1)
-        return {"latencies": {"T": latency}, "error": None, "build_seconds": 0.0}
+    return FakeRunner(lambda kernel, _shape: LATENCY_S * (10 if kernel is None else 1))
 
 
 def _tuner(tmp_path: Path) -> tuple[Tuner, RecordingMachine]:
@@ -44,25 +38,25 @@ def _tuner(tmp_path: Path) -> tuple[Tuner, RecordingMachine]:
 
 def test_the_default_kernel_is_timed_once_where_it_is_far_behind_the_best_measured(tmp_path: Path) -> None:
     tuner, machine = _tuner(tmp_path)
-    tuner.measure(KERNEL, {"T": 64})
-    tuner.measure_default({"T": 64})
-    assert machine.jobs[-1]["kernel"] is None
-    assert machine.jobs[-1]["abandon_above_s"] == pytest.approx(ABANDON_FACTOR * LATENCY_S)
-    assert tuner.default_measured[shape_key({"T": 64})] == pytest.approx(10 * LATENCY_S)
+    tuner.measure(Probe(KERNEL, {"T": 64}))
+    tuner.measure(Probe(None, {"T": 64}))
+    assert machine.jobs[-1].kernel is None
+    assert machine.jobs[-1].abandon_above_s == pytest.approx(ABANDON_FACTOR * LATENCY_S)
+    assert tuner.store.default[shape_key({"T": 64})] == pytest.approx(10 * LATENCY_S)
 
 
 def test_before_any_measurement_there_the_bar_is_the_predicted_best(tmp_path: Path) -> None:
     tuner, machine = _tuner(tmp_path)
-    tuner.measure(KERNEL, {"T": 64})
-    tuner.measure_default({"T": 1})
-    predicted = tuner._predicted_best({"T": 1})
-    assert machine.jobs[-1]["abandon_above_s"] == pytest.approx(ABANDON_FACTOR * predicted)
+    tuner.measure(Probe(KERNEL, {"T": 64}))
+    tuner.measure(Probe(None, {"T": 1}))
+    predicted = tuner.best_latency({"T": 1})  # (nothing measured there: predicted)
+    assert machine.jobs[-1].abandon_above_s == pytest.approx(ABANDON_FACTOR * predicted)
 
 
 def test_with_nothing_measured_or_predicted_the_default_kernel_gets_every_repeat(tmp_path: Path) -> None:
     tuner, machine = _tuner(tmp_path)
-    tuner.measure_default({"T": 64})
-    assert "abandon_above_s" not in machine.jobs[-1]
+    tuner.measure(Probe(None, {"T": 64}))
+    assert machine.jobs[-1].abandon_above_s is None
 
 
 def test_a_search_times_the_candidates_on_a_shape_before_the_default_kernel(tmp_path: Path) -> None:
@@ -72,11 +66,11 @@ def test_a_search_times_the_candidates_on_a_shape_before_the_default_kernel(tmp_
     space = [MicroKernel(tile=(("i", (mr,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16) for mr in (2, 4, 6, 8)]
     tuner = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / "records.jsonl"), TuneOptions(trials=8))
     tuner.run()
-    defaults = [i for i, job in enumerate(machine.jobs) if job["kernel"] is None]
+    defaults = [i for i, job in enumerate(machine.jobs) if job.kernel is None]
     first = defaults[0]
-    shape = machine.jobs[first]["shapes"][0]
-    assert machine.jobs[0]["kernel"] is not None
-    assert any(job["kernel"] is not None and job["shapes"][0] == shape for job in machine.jobs[:first])
-    assert machine.jobs[first]["abandon_above_s"] == pytest.approx(ABANDON_FACTOR * LATENCY_S)
-    assert all("abandon_above_s" in machine.jobs[i] for i in defaults)
-    assert set(tuner.default_measured) == {shape_key({"T": 1}), shape_key({"T": 64})}
+    shape = machine.jobs[first].shape
+    assert machine.jobs[0].kernel is not None
+    assert any(job.kernel is not None and job.shape == shape for job in machine.jobs[:first])
+    assert machine.jobs[first].abandon_above_s == pytest.approx(ABANDON_FACTOR * LATENCY_S)
+    assert all(machine.jobs[i].abandon_above_s is not None for i in defaults)
+    assert set(tuner.store.default) == {shape_key({"T": 1}), shape_key({"T": 64})}

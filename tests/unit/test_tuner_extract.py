@@ -10,7 +10,9 @@ import tvm
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.extract import spec_from_prim_func
+from tuner.measure.job import MeasureJob
 from tuner.measure.runner import LocalRunner, MeasureOptions
+from tuner.measure.timing import TimingPolicy
 from tuner.ops import from_recipe, numpy_gelu
 from tuner.task import ShapeVar, TuningTask
 
@@ -29,12 +31,11 @@ def test_dense_gelu_prim_func_becomes_a_task(legalized_minilm: tvm.IRModule) -> 
 
     task = TuningTask.create(spec, {"kind": "llvm"}, ShapeVar("seq_len", [1, 13, 128]), fixed={"batch": 2})
     assert task.axis_extents({"batch": 2, "seq_len": 13}) == {"b": 1, "i": 26, "j": 1536, "k": 384}
-    with LocalRunner(MeasureOptions(number=1, repeat=1)) as runner:  # measured in a worker process
-        result = runner.run({"recipe": spec.recipe, "target": {"kind": "llvm"}, "kernel": KERNEL.to_json(),
-                             "shapes": [{"batch": 2, "seq_len": 13}], "check_shape": {"batch": 1, "seq_len": 7},
-                             "apply": "dietserve.kernels.apply:apply_kernel"})
-    assert result["error"] is None, result.get("traceback")
-    assert result["latencies"]["batch=2,seq_len=13"] > 0
+    with LocalRunner(MeasureOptions(timing=TimingPolicy(number=1, repeat=1))) as runner:  # in a worker process
+        result = runner.run(MeasureJob(recipe=spec.recipe, target={"kind": "llvm"}, kernel=KERNEL.to_json(),
+                                       shapes=({"batch": 2, "seq_len": 13},), check_shape={"batch": 1, "seq_len": 7}))
+    assert result.ok, result.traceback
+    assert result.latency > 0
 
     lib = tvm.compile(apply_kernel(spec.func, KERNEL, "llvm"), tvm.target.Target({"kind": "llvm"}))
     rng = np.random.default_rng(0)

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.microkernel import MicroKernel
-from dietserve.kernels.plan import KernelPlan
+from dietserve.kernels.plan.kernel_plan import KernelPlan
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.database.records import RecordDatabase
-from tuner.measure.runner import LocalRunner, MeasureOptions, RPCRunner
-from tuner.measure.worker import build_key
+from tuner.measure.job import MeasureJob, build_key
+from tuner.measure.runner import BUILDS_KEPT, LocalRunner, MeasureOptions, RPCRunner
+from tuner.measure.timing import TimingPolicy
 from tuner.ops import dense
 from tuner.options import TuneOptions
 from tuner.task import ShapeVar, TuningTask
@@ -33,30 +34,34 @@ def kernel(mr: int, nr: int = 8) -> MicroKernel:
     return MicroKernel(tile=(("i", (mr, 2)), ("j", (nr, 2)), ("k", (1,))), vector=8)
 
 
-def job(k: MicroKernel, apply: str = "dietserve.kernels.apply:apply_kernel") -> dict:
-    return {"recipe": ("dense", 64, 48, "bias_gelu"), "target": TARGET, "kernel": k.to_json(),
-            "shapes": [{"T": 5}, {"T": 64}], "check_shape": {"T": 13}, "apply": apply}
+def job(k: MicroKernel, apply: str = "dietserve.kernels.apply:apply_kernel",
+        shapes=({"T": 5}, {"T": 64})) -> MeasureJob:
+    return MeasureJob(recipe=("dense", 64, 48, "bias_gelu"), target=TARGET, kernel=k.to_json(), shapes=shapes,
+                      check_shape={"T": 13}, apply=apply)
+
+
+def options(repeat: int = 1, **changes) -> MeasureOptions:
+    return MeasureOptions(timing=TimingPolicy(number=1, repeat=repeat), **changes)
 
 
 def test_crashing_and_hanging_candidates_cost_only_themselves() -> None:
-    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=8)) as runner:
+    with LocalRunner(options(timeout_s=8)) as runner:
         good = runner.run(job(kernel(4)))
-        assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
-        assert 0.0 <= good["others_share"] <= 1.0  # (what other work took meanwhile: whatever it was)
+        assert good.ok and len(good.latencies) == 2
         crashed = runner.run(job(kernel(2), FAULTY))
-        assert "died" in crashed["error"] and "SIGSEGV" in crashed["error"]
+        assert "died" in crashed.error and "SIGSEGV" in crashed.error
         started = time.monotonic()
         hung = runner.run(job(kernel(3), FAULTY))
-        assert "timeout" in hung["error"] and time.monotonic() - started < 60
+        assert "timeout" in hung.error and time.monotonic() - started < 60
         again = runner.run(job(kernel(4), FAULTY))  # a fresh worker takes over
-        assert again["error"] is None and again["latencies"]["T=64"] > 0
+        assert again.ok and again.latencies[1] > 0
 
 
 def test_a_wrong_kernel_is_rejected_before_its_time_counts() -> None:
-    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60)) as runner:
+    with LocalRunner(options(timeout_s=60)) as runner:
         result = runner.run(job(kernel(4), "tests.unit.test_tuner_measure:wrong_schedule"))
-    assert result["error"].startswith("wrong result on {'T': 13}")
-    assert "latencies" not in result
+    assert result.error.startswith("wrong result on {'T': 13}")
+    assert result.latencies == ()
 
 
 def test_a_kernel_is_built_once_for_every_shape_it_is_timed_on() -> None:
@@ -64,15 +69,15 @@ def test_a_kernel_is_built_once_for_every_shape_it_is_timed_on() -> None:
     next shape it is asked for without building it again; another kernel is built, and a wrong
     one is rejected each time it comes (never kept)."""
     wrong = "tests.unit.test_tuner_measure:wrong_schedule"
-    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60)) as runner:
+    with LocalRunner(options(timeout_s=60)) as runner:
         first = runner.run(job(kernel(4)))
-        again = runner.run({**job(kernel(4)), "shapes": [{"T": 7}]})
+        again = runner.run(job(kernel(4), shapes=({"T": 7},)))
         other = runner.run(job(kernel(2)))
         rejected = [runner.run(job(kernel(4), wrong)) for _ in range(2)]
-    assert first["error"] is None and not first["build_reused"]
-    assert again["error"] is None and again["build_reused"] and set(again["latencies"]) == {"T=7"}
-    assert other["error"] is None and not other["build_reused"]
-    assert all(result["error"].startswith("wrong result on") for result in rejected)
+    assert first.ok and not first.build_reused
+    assert again.ok and again.build_reused and len(again.latencies) == 1
+    assert other.ok and not other.build_reused
+    assert all(result.error.startswith("wrong result on") for result in rejected)
 
 
 def test_candidates_built_ahead_are_all_timed_in_one_worker() -> None:
@@ -83,11 +88,11 @@ def test_candidates_built_ahead_are_all_timed_in_one_worker() -> None:
     back as that candidate's result alone."""
     wrong = "tests.unit.test_tuner_measure:wrong_schedule"
     jobs = [job(kernel(4)), job(kernel(1)), job(kernel(3), wrong), job(kernel(2))]
-    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=60, workers=2)) as runner:
+    with LocalRunner(options(timeout_s=60, workers=2)) as runner:
         runner.prepare(jobs)
-        compiled = [build_key(runner._job(each)) in runner._compiled for each in jobs]
+        compiled = [build_key(runner._work(each)) in runner._compiled for each in jobs]
         results = [runner.run(each) for each in jobs]
-        again = runner.run({**job(kernel(4)), "shapes": [{"T": 7}]})
+        again = runner.run(job(kernel(4), shapes=({"T": 7},)))
         # each worker's threads: the timing worker's TVM pool adds its own, a builder starts none
         threads = [len(os.listdir(f"/proc/{each.process.pid}/task")) for each in runner._workers]
         crashing = [job(kernel(2), FAULTY), job(kernel(4), FAULTY), job(kernel(1), FAULTY)]
@@ -95,14 +100,13 @@ def test_candidates_built_ahead_are_all_timed_in_one_worker() -> None:
         crash_results = [runner.run(each) for each in crashing]
     assert any(compiled) and not all(compiled)  # each worker took a share
     for good in results[:2] + results[3:]:
-        assert good["error"] is None and set(good["latencies"]) == {"T=5", "T=64"}
-        assert 0.0 <= good["others_share"] <= 1.0  # (what other work took meanwhile: whatever it was)
-        assert good["built_ahead"] and good["build_seconds"] > 0 and not good["build_reused"]
-    assert results[2]["error"].startswith("wrong result on") and "latencies" not in results[2]
-    assert again["error"] is None and again["build_reused"] and not again.get("built_ahead")
-    crashed = [result for result in crash_results if result["error"] is not None]
-    assert len(crashed) == 1 and "died" in crashed[0]["error"] and "SIGSEGV" in crashed[0]["error"]
-    assert all(result["latencies"]["T=64"] > 0 for result in crash_results if result["error"] is None)
+        assert good.ok and len(good.latencies) == 2
+        assert good.built_ahead and good.build_seconds > 0 and not good.build_reused
+    assert results[2].error.startswith("wrong result on") and results[2].latencies == ()
+    assert again.ok and again.build_reused and not again.built_ahead
+    crashed = [result for result in crash_results if not result.ok]
+    assert len(crashed) == 1 and "died" in crashed[0].error and "SIGSEGV" in crashed[0].error
+    assert all(result.latencies[1] > 0 for result in crash_results if result.ok)
     assert threads[1] < threads[0]
 
 
@@ -118,7 +122,7 @@ def test_tuning_goes_on_past_crashes_and_hangs(tmp_path: Path) -> None:
     task = TuningTask.create(dense(64, 48, "bias"), TARGET, ShapeVar("T", [1, 5, 13, 64]))
     space = [kernel(mr, nr) for mr in (1, 2, 3, 4) for nr in (8, 16)]
     database = RecordDatabase(tmp_path / "records.jsonl")
-    with LocalRunner(MeasureOptions(number=1, repeat=1, timeout_s=6)) as runner:
+    with LocalRunner(options(timeout_s=6)) as runner:
         result = Tuner(task, space, 2, runner, database, TuneOptions(trials=8, apply=FAULTY, seed=1)).run()
     records = list(database.records())
     assert result.trials == len(records) == 8
@@ -166,12 +170,12 @@ def rpc_tracker():
 
 
 def test_rpc_runner_measures_on_a_registered_device(rpc_tracker: str) -> None:
-    with RPCRunner(rpc_tracker, "cpu", MeasureOptions(number=1, repeat=2, timeout_s=90)) as runner:
+    with RPCRunner(rpc_tracker, "cpu", options(repeat=2, timeout_s=90)) as runner:
         result = runner.run(job(kernel(4)))
         second = runner.run(job(kernel(1, 16)))  # same session, a different library
-    assert result["error"] is None, result
-    assert second["error"] is None, second
-    assert 0 < result["latencies"]["T=5"] < result["latencies"]["T=64"] * 10
+    assert result.ok, result
+    assert second.ok, second
+    assert 0 < result.latencies[0] < result.latencies[1] * 10
 
 
 def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
@@ -206,10 +210,8 @@ def test_cli_tunes_then_reports_with_a_plot(tmp_path: Path) -> None:
 def test_the_runner_forgets_builds_the_timing_worker_has_evicted() -> None:
     """The runner's view of the timing worker's cache keeps what the worker keeps (its most
     recently used ``builds_kept``), so an evicted kernel is built ahead again, not assumed held."""
-    from tuner.measure.worker import BUILDS_KEPT
-
     with LocalRunner(MeasureOptions(workers=1)) as runner:
-        assert runner._job({})["builds_kept"] == BUILDS_KEPT  # what the worker is told to keep
+        assert runner._work(job(kernel(4))).builds_kept == BUILDS_KEPT  # what the worker is told to keep
         for index in range(BUILDS_KEPT + 3):
             runner._held(f"k{index}")
         runner._held("k3")  # used again: most recent
@@ -220,10 +222,9 @@ def test_the_runner_forgets_builds_the_timing_worker_has_evicted() -> None:
 
 def test_a_longer_tune_keeps_every_build_it_makes() -> None:
     """``python -m tuner tune`` measures 256 trials by default: its workers keep that many builds
-    (and the default kernel's), so the races at the end rebuild nothing; a short tune keeps the
+    (and the default kernel's), so the verification rebuilds nothing; a short tune keeps the
     worker's floor."""
     from tuner.cli import _measure_options, build_parser
-    from tuner.measure.worker import BUILDS_KEPT
 
     long = _measure_options(build_parser().parse_args(["tune", "--op", "dense", "--k", "8", "--n", "8", "--t", "1:8"]))
     short = _measure_options(build_parser().parse_args(["tune", "--op", "dense", "--k", "8", "--n", "8", "--t", "1:8",
@@ -232,6 +233,6 @@ def test_a_longer_tune_keeps_every_build_it_makes() -> None:
     with LocalRunner(replace(long, workers=1)) as runner:
         for index in range(300):
             runner._held(f"k{index}")
-        assert len(runner._timed) == 257 and runner._job({})["builds_kept"] == 257
+        assert len(runner._timed) == 257 and runner._work(job(kernel(4))).builds_kept == 257
     with pytest.raises(ValueError, match="builds_kept"):
         MeasureOptions(builds_kept=0)

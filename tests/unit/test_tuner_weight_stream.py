@@ -8,20 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.kernels.cpu_packed import reduces_in_blocks, with_whole_reduction
-from dietserve.kernels.microkernel import MicroKernel
+from dietserve.kernels.cpu_packed.kernel import reduces_in_blocks, with_whole_reduction
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.cli import _dram_rates
 from tuner.database.records import RecordDatabase
-from tuner.dispatch import plan_layouts, shape_key
-from tuner.measure.streaming import dram_read_rate
+from tuner.measure.dram import dram_read_rate
+from tuner.measurements import shape_key
 from tuner.ops import attention_scores, dense
 from tuner.options import TuneOptions
-from tuner.space import CPU_PRESETS
-from tuner.space.cpu import packed_cpu_space
-from tuner.targets import resolve_target
-from tuner.task import ShapeVar, TuningTask
-from tuner.tune import Tuner
-from tuner.weight_stream import (
+from tuner.phases.verify import whole_reduction_probes
+from tuner.planning.layouts import plan_layouts
+from tuner.planning.weight_stream import (
     BLOCKED_STREAM_COST,
     OVERLAP_LOSS,
     RATE_SPREAD,
@@ -33,6 +30,13 @@ from tuner.weight_stream import (
     served_over_rates,
     weight_bytes,
 )
+from tuner.space import CPU_PRESETS
+from tuner.space.cpu import packed_cpu_space
+from tuner.targets import resolve_target
+from tuner.task import ShapeVar, TuningTask
+from tuner.tune import Tuner
+
+from .fake_runner import FakeRunner
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 GELU_LAYER = dense(768, 3072, "bias_gelu")  # bert-base's 768 -> 3072 layer: a 9.4 MB weight
@@ -208,13 +212,8 @@ def test_as_served_short_shapes_take_the_whole_reduction_twin(monkeypatch) -> No
     assert all(served[t] is whole for t in range(1, 10))  # one pass, the stream its bound
     # the stream a small part of the whole (even at the slower rate): the 3% ahead hot wins
     assert all(served[t] is blocked for t in range(224, 257))
-    monkeypatch.setattr("tuner.weight_stream.BLOCKED_STREAM_COST", 1.0)
+    monkeypatch.setattr("tuner.planning.weight_stream.BLOCKED_STREAM_COST", 1.0)
     assert set(plan().values()) == {blocked}
-
-
-class _Unused:
-    def describe(self) -> str:
-        return "unused"
 
 
 def test_a_blocked_tile_on_short_shapes_gets_its_twin_probed(tmp_path: Path) -> None:
@@ -231,38 +230,28 @@ def test_a_blocked_tile_on_short_shapes_gets_its_twin_probed(tmp_path: Path) -> 
     assert twin in space and twin != blocked
 
     def tuner(rates, measured_twin_at=None):
-        made = Tuner(task, space, 2, _Unused(), RecordDatabase(tmp_path / "r.jsonl"), TuneOptions(trials=8, dram=rates))
+        made = Tuner(task, space, 2, FakeRunner(lambda _k, _s: 1.0), RecordDatabase(tmp_path / "r.jsonl"),
+                     TuneOptions(trials=8, dram=rates))
         for t in range(1, 65):  # only the blocked tile measured: the plan runs it everywhere
-            made.measured[shape_key({"T": t})][blocked] = 1e-5 * t
+            made.store.add(blocked, {"T": t}, 1e-5 * t)
         if measured_twin_at is not None:
-            made.measured[shape_key({"T": measured_twin_at})][twin] = 1.0
-        made._calibrated_cache = None
+            made.store.add(twin, {"T": measured_twin_at}, 1.0)
         return made
 
     served = tuner(RATES)
     # T = 1..18: at most two passes of 9 rows; the probe at the middle one
-    assert served.commitment.whole_reduction_probes(served.plan()) == [(twin, {"T": 10})]
-    assert tuner(None).commitment.whole_reduction_probes(tuner(None).plan()) == []
+    assert [tuple(p) for p in whole_reduction_probes(served, served.plan())] == [(twin, {"T": 10})]
+    assert whole_reduction_probes(tuner(None), tuner(None).plan()) == []
     done = tuner(RATES, measured_twin_at=10)
-    assert done.commitment.whole_reduction_probes(done.plan()) == []
-
-
-class _Machine:
-    """Latencies from a formula, no build (the tuner's bookkeeping under test)."""
-
-    def describe(self) -> str:
-        return "synthetic"
-
-    def run(self, job: dict) -> dict:
-        (shape,) = job["shapes"]
-        return {"latencies": {"T": 1e-5 * shape["T"]}, "error": None, "build_seconds": 0.0}
+    assert whole_reduction_probes(done, done.plan()) == []
 
 
 def test_the_plan_records_the_rates_it_ranked_with(tmp_path: Path) -> None:
     task = TuningTask.create(dense(64, 96, "bias"), TARGET, ShapeVar("T", range(1, 17)))
     space = packed_cpu_space(resolve_target("llvm", cores=2).hardware)
     for dram, recorded in ((RATES, {"dram_gb_per_s": 33.0, "dram_gb_per_s_one_core": 21.0}), (None, {})):
-        result = Tuner(task, space, 2, _Machine(), RecordDatabase(tmp_path / f"{dram is None}.jsonl"),
+        machine = FakeRunner(lambda _k, shape: 1e-5 * shape["T"])
+        result = Tuner(task, space, 2, machine, RecordDatabase(tmp_path / f"{dram is None}.jsonl"),
                        TuneOptions(trials=8, dram=dram)).run()
         assert {k: v for k, v in result.plan.provenance.items() if k.startswith("dram")} == recorded
 
@@ -276,9 +265,9 @@ def test_the_dram_rate_is_measured_on_the_cores_asked_for() -> None:
 
 def test_the_cli_measures_rates_only_where_plans_need_them() -> None:
     where = resolve_target("llvm", cores=2)
-    args = argparse.Namespace(plan_weights="dram", stream_weights=False, rpc_tracker=None)
+    args = argparse.Namespace(plan_weights="dram", rpc_tracker=None)
     rates = _dram_rates(args, where)
     assert rates is not None and rates.every_core > 0 and rates.one_core > 0
-    for change in ({"plan_weights": "cache"}, {"stream_weights": True}, {"rpc_tracker": "host:9190"}):
+    for change in ({"plan_weights": "cache"}, {"rpc_tracker": "host:9190"}):
         assert _dram_rates(argparse.Namespace(**{**vars(args), **change}), where) is None, change
     assert _dram_rates(args, resolve_target("cuda")) is None

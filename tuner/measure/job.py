@@ -48,6 +48,7 @@ class MeasureResult:
     traceback: str | None = None
     build_seconds: float | None = None
     build_reused: bool = False
+    built_ahead: bool = False  # built by ``Runner.prepare`` before this job timed it
     seconds: float = 0.0
     library: str | None = None  # a builder worker's output (``WorkerJob.compile_to``)
 
@@ -69,11 +70,10 @@ class MeasureResult:
 
 @dataclass(frozen=True)
 class RunnerFeatures:
-    """What a runner can do beyond ``run``: build candidates ahead in parallel (``prepare``
-    does work), time dense layers on weights fresh from DRAM, and run on this machine's CPU."""
+    """What a runner can do beyond ``run``: build candidates ahead in parallel (``prepare`` does
+    work), and whether it runs on this machine."""
 
     builds_ahead: bool = False
-    streams_weights: bool = False
     local: bool = False
 
 

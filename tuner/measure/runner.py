@@ -204,8 +204,7 @@ class LocalRunner:
         self.options = options
         self.device: dict = {"kind": "local"}
         count = options.workers or min(os.cpu_count() or 1, MAX_WORKERS)
-        self.features = RunnerFeatures(builds_ahead=count > 1, streams_weights=options.timing.stream_weights,
-                                       local=True)
+        self.features = RunnerFeatures(builds_ahead=count > 1, local=True)
         self._workers = [_Worker() for _ in range(count)]  # [0] times; the others only compile
         self._libraries = candidates_folder() if count > 1 else None
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
@@ -216,7 +215,7 @@ class LocalRunner:
         self._names = itertools.count()
 
     def describe(self) -> str:
-        return "local, weights from DRAM" if self.features.streams_weights else "local"
+        return "local"
 
     def _work(self, job: MeasureJob) -> WorkerJob:
         return WorkerJob(job, device=self.device, timing=self.options.timing, builds_kept=self.options.builds_kept)
@@ -262,7 +261,7 @@ class LocalRunner:
         result = self._workers[0].run(work.with_(library=self._compiled.get(key)), self.options.timeout_s)
         if ahead is not None and result.ok:
             # (the record shows what building it cost, ahead: loading a library is not a build)
-            result = replace(result, build_seconds=ahead.build_seconds, build_reused=False)
+            result = replace(result, build_seconds=ahead.build_seconds, build_reused=False, built_ahead=True)
         self._after_timing_worker(key, result)
         return result
 
@@ -272,10 +271,13 @@ class LocalRunner:
         if self._workers[0].process is None:
             self._timed.clear()
         elif result.ok:
-            self._timed[key] = None
-            self._timed.move_to_end(key)
-            while len(self._timed) > self.options.builds_kept:
-                self._timed.popitem(last=False)
+            self._held(key)
+
+    def _held(self, key: str) -> None:
+        self._timed[key] = None
+        self._timed.move_to_end(key)
+        while len(self._timed) > self.options.builds_kept:
+            self._timed.popitem(last=False)
 
     def close(self) -> None:
         for each in self._workers:  # (all told to finish first: each takes a while to exit)

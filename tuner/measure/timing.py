@@ -6,8 +6,8 @@ the median of ``repeat`` repeats is the candidate's time. One warm call first: a
 than the job's abandon bar (a multiple of the best known on its shape) cannot win and is kept at
 that one call's time, as tinygrad's search stops early on a hopeless program.
 
-TVM's evaluator times the repeats (on the device's clock for a GPU or over RPC). With
-``stream_weights`` a dense layer's calls cycle over copies of its weight that no cache holds (``streaming.py``).
+TVM's evaluator times the repeats (on the device's clock for a GPU or over RPC). Weights stay in
+cache: the plan ranks dense kernels as served, from DRAM, by a model (``planning/weight_stream.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class TimingPolicy:
     number: int = 2  # calls per timed repeat, at least
     repeat: int = 3  # timed repeats; the median is kept
     min_repeat_ms: int = 10  # a repeat lasts at least this long
-    stream_weights: bool = False  # dense layers: every call reads its weight from DRAM (local only)
 
     def __post_init__(self) -> None:
         if self.number < 1 or self.repeat < 1 or self.min_repeat_ms < 0:

@@ -24,11 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from dietserve.host.hardware import last_level_cache_bytes
-from dietserve.host.huge_pages import on_huge_pages
-
 from .job import MeasureResult, WorkerJob, build_key
-from .streaming import copies, time_streaming
 
 CHECK_RTOL = 1e-3
 CHECK_ATOL = 1e-3
@@ -73,7 +69,6 @@ class _Session:
         self.config = device_config
         self.remote = None
         self.uploads = 0
-        self.kept: dict[tuple, list] = {}  # (recipe, packing) -> weight copies (``_weight_copies``)
         if device_config["kind"] == "rpc":
             from tvm import rpc
 
@@ -212,26 +207,6 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, 
     return module, False
 
 
-def _call_arguments(work: WorkerJob, session: _Session, spec, recipe: tuple, shape: dict, pack: int) -> list:
-    """The arguments of a call on ``shape`` (inputs laid out for ``pack``-wide panels): one set,
-    or where the weight streams from DRAM, one set per copy of the weight."""
-    from ..ops import weight_input
-
-    arrays = _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)
-    output = session.tensor(np.empty(spec.output_shape(shape), "float32"))
-    inputs = [session.tensor(x) for x in arrays]
-    index = weight_input(spec) if work.timing.stream_weights and _local_cpu(work, session) else None
-    if index is None:
-        return [spec.call_arguments(shape, inputs, output)]
-    weights = _weight_copies(session, recipe, pack, arrays[index])
-    return [spec.call_arguments(shape, [w if i == index else x for i, x in enumerate(inputs)], output)
-            for w in weights]
-
-
-def _local_cpu(work: WorkerJob, session: _Session) -> bool:
-    return session.remote is None and work.job.target["kind"] == "llvm"
-
-
 def _measure(work: WorkerJob, started: float) -> MeasureResult:
     from dietserve.host.cpu import target_cores
     from dietserve.kernels.plan.microkernel import MicroKernel
@@ -250,26 +225,13 @@ def _measure(work: WorkerJob, started: float) -> MeasureResult:
         return MeasureResult(build_seconds=built - started, build_reused=reused, seconds=built - started)
     latencies = []
     for shape in job.shapes:
-        sets = _call_arguments(work, session, spec, recipe, dict(shape), pack)
-        if len(sets) > 1:  # the weight streams: cycle through its copies
-            latencies.append(time_streaming(module["main"], sets, timing.repeat, timing.min_repeat_ms / 1e3))
-        else:
-            latencies.append(timing.time(module, session.device, sets[0], job.abandon_above_s,
-                                         local=session.remote is None))
+        arrays = _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)
+        output = session.tensor(np.empty(spec.output_shape(dict(shape)), "float32"))
+        arguments = spec.call_arguments(dict(shape), [session.tensor(x) for x in arrays], output)
+        latencies.append(timing.time(module, session.device, arguments, job.abandon_above_s,
+                                     local=session.remote is None))
     return MeasureResult(latencies=tuple(latencies), build_seconds=built - started, build_reused=reused,
                          seconds=time.perf_counter() - started)
-
-
-def _weight_copies(session: _Session, recipe: tuple, pack: int, weight: np.ndarray) -> list:
-    """Device copies of ``weight`` spanning twice the last-level cache, kept for the worker's
-    life per (operator, packing): the weight does not depend on the shape."""
-    key = (recipe, pack)
-    if key not in session.kept:
-        session.kept.clear()  # one operator's copies at a time
-        count = copies(weight.nbytes, last_level_cache_bytes())
-        # on huge pages, where the served model keeps its weights
-        session.kept[key] = on_huge_pages([weight] * count)
-    return session.kept[key]
 
 
 def resolve(path: str):
