@@ -1,14 +1,9 @@
 """The tuning loop: DietCode's joint search over all shapes of one dynamic operator.
 
-``Tuner.run`` runs the phases (``phases/``) in turn, each up to its share of the trial budget:
-explore every packing, commit one, explore in it, verify the plan's choices, explore again,
-verify the final plan, explore the trials left. Each phase proposes probes; the tuner measures
-them (built ahead in parallel where the runner can), records every measurement (append-only),
-and the phases read the results from its ``Measurements``. Then the measurements become a
-dispatch plan (``planning/``): a few micro-kernels and a decision tree over the row count.
-
-Records already in the database for the same workload and target, made by this version of the
-tuner, are reused, not re-measured.
+``Tuner.run`` runs the phases (``phases/``) in turn, each up to its share of the trial budget.
+A phase proposes probes; the tuner measures them (built ahead where the runner can), appends
+each to the records and keeps it in its ``Measurements``, which the phases and the planner
+read. Records of this tuner version for the same workload and target are reused, not re-measured.
 """
 
 from __future__ import annotations
@@ -52,18 +47,14 @@ class Tuner:
         self.model = CostModel(cores, options.seed)
         self.space = task_space(space, task.spec.func, hardware)  # (``hardware``: the L2 a task block must fit)
         # Each packing's tallest register tile: how many rows a plan in it covers in one pass.
-        self.tallest_tiles: dict[int, int] = {}
-        for kernel in self.space:
-            if kernel.pack > 0:
-                self.tallest_tiles[kernel.pack] = max(self.tallest_tiles.get(kernel.pack, 0), kernel.tile_sizes("i")[0])
+        self.tallest_tiles = {pack: max(k.tile_sizes("i")[0] for k in self.space if k.pack == pack)
+                              for pack in {k.pack for k in self.space if k.pack > 0}}
         self.search = EvolutionarySearch(self.space, seed=options.seed)
         self.packing: int | None = None  # the committed panel width (``commit``); None: any
         self.rng = random.Random(options.seed)
-        self.shapes = task.shapes()
-        self.weights = list(task.weights)
+        self.shapes, self.weights = task.shapes(), list(task.weights)
         self.store = Measurements(task, cores)
         self.trials = self.failures = self.reused = 0
-        self.check_shape = task.check_shape()
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._reuse_records()
@@ -121,7 +112,8 @@ class Tuner:
         plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
         return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
 
-    def run_phase(self, phase: Phase, until: int, started: float | None = None, bar: ProgressBar | None = None) -> None:
+    def run_phase(self, phase: Phase, until: int, started: float | None = None,
+                  bar: ProgressBar | None = None) -> None:
         """Measure what ``phase`` proposes until it is done or ``until`` trials (or the time
         budget, counted from ``started``) are spent."""
         budget_s = self.options.time_budget_s
@@ -146,10 +138,10 @@ class Tuner:
             phase.observe(self, results)
 
     def _job(self, probe: Probe, abandon_above_s: float | None = None) -> MeasureJob:
-        options = self.options
         return MeasureJob(recipe=self.task.spec.recipe, target=self.task.target, shapes=(dict(probe.shape),),
-                          check_shape=self.check_shape, kernel=None if probe.kernel is None else probe.kernel.to_json(),
-                          apply=options.apply, loop_partition=options.loop_partition, abandon_above_s=abandon_above_s)
+                          check_shape=self.task.check_shape(), abandon_above_s=abandon_above_s,
+                          kernel=None if probe.kernel is None else probe.kernel.to_json(),
+                          apply=self.options.apply, loop_partition=self.options.loop_partition)
 
     def measure(self, probe: Probe) -> float | None:
         """Measure one probe, record it (append-only) and keep it; its seconds, or None where it
@@ -180,7 +172,7 @@ class Tuner:
             latency_s=result.latency if result.ok else None, error=result.error,
             meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(),
                   "time": time.time(), "flops": self.task.flops(probe.shape), "build_s": result.build_seconds,
-                  "build_reused": result.build_reused, "check_shape": self.check_shape}))
+                  "build_reused": result.build_reused, "check_shape": self.task.check_shape()}))
 
     def _reuse_records(self) -> None:
         """Measurements already in the database for this workload and target, on our shapes, made

@@ -43,6 +43,7 @@ from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
 from dietserve.kernels.tir.build import build  # noqa: E402
 from tuner.database.records import RecordDatabase  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
+from tuner.measure.timing import TimingPolicy  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
 from tuner.options import TuneOptions, TuneResult  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
@@ -69,15 +70,13 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: Path, hardware=None,
-              reference_timing: bool = True):
+def tune_ours(spec, target: dict, space: list, cores: int, trials: int, folder: Path, hardware=None):
     """``hardware``: the CPU's description, as the command line gives it (the L2 a task block
-    must fit at the weight's own depth: ``task_space``); ``reference_timing``: ``TuneOptions``'."""
+    must fit at the weight's own depth: ``task_space``)."""
     task = TuningTask.create(spec, target, ShapeVar("T", range(1, 513)))
     database = RecordDatabase(folder / f"{spec.name}.jsonl")
-    with LocalRunner(MeasureOptions(number=2, repeat=3, timeout_s=60)) as runner:
-        options = TuneOptions(trials=trials, reference_timing=reference_timing)
-        result = Tuner(task, space, cores, runner, database, options, hardware=hardware).run()
+    with LocalRunner(MeasureOptions(timing=TimingPolicy(number=2, repeat=3), timeout_s=60)) as runner:
+        result = Tuner(task, space, cores, runner, database, TuneOptions(trials=trials), hardware=hardware).run()
     return result
 
 
@@ -157,8 +156,6 @@ def main() -> int:
                                        "AVX2 code on an AVX-512 machine; every TVM baseline is built for it too")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--skip-metaschedule", action="store_true")
-    parser.add_argument("--no-reference-timing", action="store_true",
-                        help="our tuner times each candidate alone (``TuneOptions.reference_timing``)")
     parser.add_argument("--skip-default", action="store_true", help="skip the model's default rule")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds over the whole table of T (median per point reported; default 5)")
@@ -199,8 +196,7 @@ def main() -> int:
                 _log(f"{spec.name}: tuning ours, {args.trials} trials for every T in 1..512")
                 # (with the CPU's description, as ``python -m tuner`` tunes: without it, 1.5 MB
                 # whole-reduction tasks of the 3072-deep layer stayed in the space)
-                tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch), where.hardware,
-                                  not args.no_reference_timing)
+                tuned = tune_ours(spec, target, space, cores, args.trials, Path(scratch), where.hardware)
             ours_tuning += tuned.wall_s
             if args.save_plans:
                 tuned.plan.write(args.save_plans / f"{op}.plan.json")

@@ -4,18 +4,21 @@
         [--lengths 1,7,31,64,128,257,512] [--rounds 7] [--labels a,b,...]
 
 Each plan (``bench_kernels.py --save-plans``, or ``python -m tuner tune --out``) is built once;
-then, length by length, the plans race as the tuner's finalists do (``racing.raced_rounds``: in
-turn, round after round, the order reversed every other round), each turn one repeat of at least
-``MIN_TURN_S``, so a slow spell of a shared host falls on each plan alike. Prints each plan's median ms
+then, length by length, the plans are timed in turn, round after round, the order reversed every
+other round (``interleaved_medians``), each turn as many calls as fill ``MIN_TURN_S``, so a slow
+spell of a shared host falls on each plan alike. Prints each plan's median ms
 per length, its time over the first plan's (per length and geomean), and how far apart the plans
 are at each length (slowest over fastest). The last line is ``RESULT geomean_vs_first=...`` (one
-per plan after the first, >1: slower than the first) ``spread_geomean=...``. Not a test: run it on an idle machine.
+per plan after the first, >1: slower than the first) ``spread_geomean=...``. Not a test: run it
+on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -24,14 +27,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
-from tuner.measure.racing import raced_rounds  # noqa: E402
 
 from dietserve.host.cpu import configure_cpu_threads  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
-from tuner.measure.streaming import SharedCycle  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 
 MIN_TURN_S = 0.01
+
+
+def turn(function, arguments) -> float:
+    """Seconds per call over as many calls as fill ``MIN_TURN_S``."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        function(*arguments)
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= MIN_TURN_S:
+            return elapsed / calls
+
+
+def interleaved_medians(timers: list, rounds: int) -> list[float]:
+    """Each of ``timers`` (a turn's seconds per call) called in turn, ``rounds`` rounds, the order
+    reversed every other round; the median of each one's turns."""
+    samples: list[list[float]] = [[] for _ in timers]
+    for round_ in range(rounds):
+        order = range(len(timers)) if round_ % 2 == 0 else reversed(range(len(timers)))
+        for index in order:
+            samples[index].append(timers[index]())
+    return [statistics.median(own) for own in samples]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,17 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     plans = [KernelPlan.read(path) for path in args.plans]
     libraries = [bench_kernels.compile_ours(spec, plan, where.target) for plan in plans]
     turns = {}  # (plan index, length) -> a turn's seconds per call
-    cycle = SharedCycle(MIN_TURN_S)
     for index, (plan, library) in enumerate(zip(plans, libraries, strict=True)):
         for length in lengths:
             arguments, inputs = baselines.tvm_arguments_packed(spec, {"T": length}, device, plan.pack)
             library["main"](*arguments)
             baselines.check_against_reference(spec, arguments[-1].numpy(), inputs)
-            turns[index, length] = lambda f=library["main"], a=arguments: cycle.turn(f, [a])
+            turns[index, length] = lambda f=library["main"], a=arguments: turn(f, a)
     order = list(range(len(plans)))
     medians = {}
     for length in lengths:
-        latencies, _rounds = raced_rounds([turns[index, length] for index in order], args.rounds)
+        latencies = interleaved_medians([turns[index, length] for index in order], args.rounds)
         medians.update({(index, length): latency for index, latency in zip(order, latencies, strict=True)})
         print(f"[compare] T = {length}: {args.rounds} rounds", file=sys.stderr, flush=True)
 

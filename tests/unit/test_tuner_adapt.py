@@ -81,9 +81,9 @@ def test_bad_inputs_are_rejected() -> None:
         MicroKernel(tile=(("T", (0,)),))
 
 
-# Forced runs of the attention scores' 13-row, one-vector clamped kernel (12 heads, d = 64,
-# 2-core znver4, tests/benchmarks/HISTORY.md, "Narrow attention tiles"): GFLOP/s at T = 7, 13 (narrower than its
-# 16 columns: 4- and 8-lane tiles) and 16 (its own tile). Data, not a formula: the test is
+# Forced runs of the attention scores' 13-row, one-vector clamped kernel (12 heads, d = 64; the
+# measurement log, docs/measurements/, "Narrow attention tiles"): GFLOP/s at T = 7, 13 (narrower
+# than its 16 columns: 4- and 8-lane tiles) and 16 (its own tile). Data, not a formula: the test is
 # that f_adapt carries one shape's rate to another within 2x of what was measured there.
 SCORES_KERNEL = MicroKernel(tile=(("i", (13, 1)), ("j", (16,)), ("k", (1,))), vector=16, cache_scopes=("clamped",))
 SCORES_GFLOPS = {7: 12 * 7 * 7 * 64 * 2 / 2.3e-6 / 1e9, 13: 12 * 13 * 13 * 64 * 2 / 2.6e-6 / 1e9,

@@ -40,7 +40,7 @@ STREAM_S = 3e-5  # the synthetic machine's pass over the weight
 
 def synthetic_latency(kernel: MicroKernel | None, shape) -> float:
     """A kernel takes the longer of one pass over the weight and its compute: packs of 16 run
-    1.5x the FLOP rate of packs of 24, and tiles of fewer than 4 rows run at ``mr / 4`` of it
+    at 3/2 the FLOP rate of packs of 24, and tiles of fewer than 4 rows run at ``mr / 4`` of it
     (one row: 0.4; their loads bound them). Rows are computed as the packed kernels compute
     them: whole tiles, then a remainder tile (``computed_extent``), whose padding counts."""
     rows = shape["T"]
@@ -324,8 +324,8 @@ def test_a_packed_layout_stays_feasible_where_its_variants_timed_slower_than_the
     """The guard sends a shape away from a variant measured slower there than the untuned kernel,
     to another variant of the layout. Where the layout has no other, the guard yields: the
     untuned kernel reads the weight unpacked and cannot join a packed plan, so forbidding the
-    shape made the whole packed layout infeasible, and a bert-base tune fell back to the untuned
-    kernel at every length (its one packed variant timed 1.04x slower at T = 5 only)."""
+    shape would make the whole packed layout infeasible, and the plan fall back to the untuned
+    kernel at every length for one shape where a packed variant timed a little slower."""
     packed, other = _packed(4), _packed(6)
     shapes = [{"T": t} for t in range(1, 17)]
     untuned = {shape_key(s): 3.0 * s["T"] for s in shapes}
@@ -396,11 +396,10 @@ def test_a_packed_space_probes_every_register_tile_width_on_the_costliest_shape(
 
 
 def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layout_probed(tmp_path: Path) -> None:
-    """The costliest shape has each width measured, the 64-wide one only in a blocked
-    reduction and in 4-tile tasks (as a version-42 tune of bert-base's 3072 -> 768 layer had it,
-    where the plain 6 x 64 tile ran fastest): its plainest layout (one tile a task, the whole
-    reduction) is probed there, its tallest tile, and no other width's; nothing once it is
-    measured."""
+    """The costliest shape has each width measured, the 64-wide one only in a blocked reduction
+    and in 4-tile tasks (where the plain tile may be the fastest): its plainest layout (one tile
+    a task, the whole reduction) is probed there, its tallest tile, and no other width's;
+    nothing once it is measured."""
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
     space = [k for k in packed_cpu_space(CPU_PRESETS["avx512"]) if k.pack == 32]
     tuner = Tuner(task, space, 2, SyntheticMachine(), RecordDatabase(tmp_path / "r.jsonl"),
@@ -426,7 +425,7 @@ def test_a_width_measured_only_in_blocked_or_many_tile_tasks_gets_its_plain_layo
 @pytest.mark.usefixtures("no_carry_penalty")
 def test_no_carried_estimate_beats_the_fastest_rate_measured() -> None:
     """A 13-row tile measured only at T = 8 (run on its 10-row remainder tile, 2 rows padding),
-    carried to T = 10 by f_adapt, would run 1.25x its measured rate; nothing measured ran faster
+    carried to T = 10 by f_adapt, would run at 10/8 of its measured rate; nothing measured ran faster
     than that rate, so the estimate keeps it: 10/8 of the T = 8 latency, not the T = 8 latency."""
     task = TuningTask.create(dense(768, 768, "bias"), TARGET, ShapeVar("T", range(1, 129)))
     tall = MicroKernel(tile=(("i", (13,)), ("j", (16, 1, 1)), ("k", (1,))), vector=8, pack=16)
@@ -506,8 +505,8 @@ def test_the_kernel_measured_on_the_smallest_shape_keeps_it_over_one_carried_dow
 
 
 def column_width_latency(kernel: MicroKernel | None, shape) -> float:
-    """Attention's context product on a synthetic machine where 16-wide tiles run 1.4x the rate
-    of the others."""
+    """Attention's context product on a synthetic machine where 16-wide tiles run at 7/5 the
+    rate of the others."""
     rows = shape["T"]
     if kernel is None:
         return 2e-8 * rows * rows

@@ -74,8 +74,8 @@ def test_the_model_against_its_own_terms() -> None:
 
 
 def test_the_model_reproduces_the_cold_timings_it_was_fitted_on() -> None:
-    """The docstring's measurements (cold_weights.py, 768 -> 3072 layer, znver4): hot, first
-    pass's share, served; the weight streamed at 33 GB/s (0.286 ms)."""
+    """Forced kernels of the 768 -> 3072 layer timed from DRAM (``cold_weights.py``; the
+    measurement log has them): hot, first pass's share, served, at the rate they streamed at."""
     stream = 768 * 3072 * 4 / 33e9
     pairs = [((0.382e-3, 5 / 16, 0.537e-3), (0.351e-3, 9 / 16, 0.392e-3)),  # T = 16: 5 rows, 9 rows
              ((0.448e-3, 5 / 20, 0.647e-3), (0.447e-3, 9 / 20, 0.521e-3)),  # T = 20
@@ -110,10 +110,9 @@ def test_served_estimates_stream_on_the_cores_the_kernel_uses() -> None:
 
 
 def test_the_untuned_kernel_does_not_outrank_blocked_tiles_on_the_stream() -> None:
-    """A tune whose fastest packed tiles at T = 1 were kc-blocked (the stream 1.2x as long) had
-    them ranked below the untuned kernel, taken as one pass at the packed stream's rate, and
-    planned the layer's unpacked layout everywhere; from DRAM the untuned kernel ran 2.4x a
-    packed tile's time. Ranked as served now, the blocked tile (hot 14 us) comes first."""
+    """Fastest packed tiles at T = 1 that are kc-blocked (a longer stream) must still rank above
+    the untuned kernel, whose unpacked weight streams slower yet: taken as one pass at the packed
+    stream's rate, it would take the layer's unpacked layout everywhere."""
     task = TuningTask.create(dense(768, 768, "bias_residual"), TARGET, ShapeVar("T", range(1, 65)))
     blocked = MicroKernel(tile=(("i", (4,)), ("j", (48, 2, 1)), ("k", (256,))), vector=16, pack=48)
     hot = {blocked: 14e-6, None: 34.8e-6}
@@ -123,10 +122,9 @@ def test_the_untuned_kernel_does_not_outrank_blocked_tiles_on_the_stream() -> No
 
 
 def test_kernels_are_ranked_over_the_rates_a_plan_may_meet() -> None:
-    """Two passes of 8 rows against one of 14 and one of 2 at T = 16 (the GELU layer, 0.34 ms
-    hot both): at a fast stream they tie, at half its rate the taller first pass wins by the
-    stream it hides; averaged over both, the taller tile ranks first, as it ran from DRAM at
-    28-33 GB/s (0.38 against 0.43 ms) and within 1% of the other at 48."""
+    """Two passes of 8 rows against one of 14 and one of 2 at T = 16 (the GELU layer, tied hot):
+    at a fast stream they tie, at half its rate the taller first pass wins by the stream it
+    hides; averaged over both, the taller tile ranks first, as it ran from DRAM."""
     hot, fast = 0.34e-3, 768 * 3072 * 4 / 57.7e9
     halves, tall = 8 / 16, 14 / 16
     assert served_latency(hot, fast, halves) == pytest.approx(served_latency(hot, fast, tall), rel=0.01)
@@ -149,7 +147,7 @@ def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
     shapes = task.shapes()
 
     def hot(kernel, shape):
-        return (0.95 if kernel is short else 1.0) * 2.2e-5 * shape["T"]  # 0.35 ms at T = 16
+        return (0.95 if kernel is short else 1.0) * 2.2e-5 * shape["T"]
 
     measured = {shape_key({"T": 16}): {short: hot(short, {"T": 16}), tall: hot(tall, {"T": 16})}}
     rows = [shape["T"] for shape in shapes]
@@ -164,7 +162,7 @@ def test_a_plan_as_served_passes_over_the_weight_fewer_times() -> None:
     as_served = plan(served_estimates(hot, task, RATES))
     assert all(as_served[t] is tall for t in range(14, 28))
     assert all(as_served[t] is short for t in range(128, 257))
-    # What the model says each costs at T = 16, as served: the 9-row tile 1.1x faster.
+    # What the model says each costs at T = 16, as served: the 9-row tile faster by a tenth.
     served = served_estimates(hot, task, RATES)
     assert served(short, {"T": 16}) > 1.1 * served(tall, {"T": 16})
 
@@ -200,7 +198,7 @@ def test_as_served_short_shapes_take_the_whole_reduction_twin(monkeypatch) -> No
     shapes = task.shapes()
     rows = [shape["T"] for shape in shapes]
 
-    def hot(kernel, shape):  # 0.35 ms at T = 16, the 9.4 MB weight's stream 0.29 ms
+    def hot(kernel, shape):  # at T = 16 a little longer than the weight's stream
         return (0.97 if kernel is blocked else 1.0) * 2.2e-5 * shape["T"]
 
     def plan():

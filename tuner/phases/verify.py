@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from dietserve.kernels.cpu_packed.kernel import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.plan.microkernel import MicroKernel
 
-from ..planning.plan_file import unverified_probes
 from . import BatchPhase, Probe, by_prediction
 from .commit import single_pass_probes
 
@@ -42,9 +41,7 @@ class Verify(BatchPhase):
             except RuntimeError:  # nothing measured successfully: nothing to verify
                 return
             probes = small_regime_probes(tuner, plan.pack) + single_pass_probes(tuner, plan.pack) \
-                + whole_reduction_probes(tuner, plan) \
-                + [Probe(k, s) for k, s in unverified_probes(plan, tuner.store.kernels, tuner.store.failed,
-                                                             tuner.store.default)]
+                + whole_reduction_probes(tuner, plan) + unverified_probes(tuner, plan)
             if not probes:
                 return
             # Each beside the default kernel on its shape, measured first.
@@ -52,6 +49,22 @@ class Verify(BatchPhase):
 
     def observe(self, tuner: Tuner, results: list[tuple[Probe, float | None]]) -> None:
         """(No refit: the next exploration fits on everything measured.)"""
+
+
+def unverified_probes(tuner: Tuner, plan) -> list[Probe]:
+    """At the first, middle and last shape of each micro-kernel's interval of ``plan``, that
+    kernel where it or the default kernel was not measured yet."""
+    rows, probes, start = plan.shapes, [], 0
+    for end in range(1, len(rows) + 1):
+        if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
+            continue
+        kernel = plan.kernel(rows[start]["variant"])
+        for index in sorted({start, (start + end - 1) // 2, end - 1}) if kernel is not None else ():
+            shape = rows[index]["shape"]
+            if not (tuner.store.has(kernel, shape) and tuner.store.has(None, shape)):
+                probes.append(Probe(kernel, shape))
+        start = end
+    return probes
 
 
 def small_regime_probes(tuner: Tuner, pack: int) -> list[Probe]:

@@ -73,71 +73,78 @@ def plan_layouts(candidates: Sequence[Variant], shapes: Sequence[dict], weights:
                  estimate: Estimate, measured: dict, default_measured: dict, max_variants: int,
                  max_intervals: int, rows: Sequence[int] | None = None,
                  tallest: dict[int, int] | None = None) -> tuple[list[Variant], list[int]]:
-    """(variants, per-shape variant index) of the best plan. Variants of one plan read the
-    weight in one layout, so each packing (and the unpacked layout, with the default kernel) is
-    planned on its own and the layout with the least weighted slowdown wins.
+    """(variants, per-shape variant index) of the best plan. A plan's variants read the weight in
+    one layout, so each packing (and the unpacked layout, with the default kernel) is planned on
+    its own and the layout with the least weighted slowdown wins: slowdown against the best
+    candidate at each shape, not latency, so every request length counts by its weight.
 
-    Plans minimise the weighted slowdown against the best candidate at each shape, not the
-    weighted latency: every request length counts in proportion to its weight, so a variant
-    that makes short sequences 1.7x faster is kept though they add little time. ``shapes`` come
-    in dispatch order: the first is the smallest, whose regime may add a variant
-    (``SMALL_REGIME_GAIN``). ``rows``: each shape's row count, for the single-pass rule in the
-    layout chosen (``SINGLE_PASS_ROWS``: at most that many rows, a packed kernel that passes
-    over the weight more than once is not dispatched where a covering one is in the plan; the
-    covering kernels are added as variants, each with an interval of its own to spare), and for
-    the tie between layouts (``LAYOUT_TIE``), broken by ``tallest``: each packing's tallest tile
-    in the space. ``measured``/``default_measured`` as for ``estimates.nearest_measured_estimates``."""
+    ``shapes`` come in dispatch order (the first, the smallest, may add a variant:
+    ``SMALL_REGIME_GAIN``). ``rows``: each shape's row count, for the single-pass rule in the
+    layout chosen, and for the tie between layouts (``LAYOUT_TIE``), broken by ``tallest``: each
+    packing's tallest tile in the space. ``measured``/``default_measured``: shape key ->
+    {kernel: seconds} / seconds."""
     best = {shape_key(shape): min(estimate(k, shape) for k in candidates) for shape in shapes}
 
     def slowdown(variant: Variant, shape: dict) -> float:
         return estimate(variant, shape) / best[shape_key(shape)]
 
-    def guarded_cost(variants: list[Variant]) -> np.ndarray:
-        cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
-        for column, shape in enumerate(shapes):
-            untuned = default_measured.get(shape_key(shape))
-            slower = [untuned is not None and variant is not None
-                      and measured.get(shape_key(shape), {}).get(variant, -math.inf) > untuned
-                      for variant in variants]
-            # Measured slower than the untuned kernel here: sent elsewhere, where the layout has
-            # another variant. Where it has none the guard yields and the layouts' comparison
-            # prices that shape (forbidding it would make a whole packed layout infeasible).
-            if not all(slower):
-                cost[[row for row, is_slower in enumerate(slower) if is_slower], column] = np.inf
-        return cost
+    def guarded(variants: list[Variant]) -> np.ndarray:
+        return _guarded_cost(variants, shapes, weights, slowdown, measured, default_measured)
 
-    options = []
-    for layout in sorted({_layout(k) for k in candidates}):
-        group = [k for k in candidates if _layout(k) == layout]
-        variants, _, _ = choose_variants(group, shapes, weights, slowdown, max_variants)
-        regime = _small_regime_variant(group, variants, shapes[0], estimate, measured)
-        if regime is not None:
-            variants.append(regime)
-        if None in group and None not in variants:
-            variants.append(None)  # always a candidate: the guard below may need it
-        cost = guarded_cost(variants)
-        try:
-            labels = segment(cost, max_intervals)
-        except ValueError:  # some shape has no variant of this layout allowed
-            continue
-        options.append((float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels,
-                        group, layout))
+    options = [option for layout in sorted({_layout(k) for k in candidates})
+               if (option := _layout_option([k for k in candidates if _layout(k) == layout], shapes, weights,
+                                            slowdown, estimate, measured, max_variants, max_intervals, guarded))]
     if not options:
         raise RuntimeError("no weight layout has a variant allowed on every shape")
     choice = min(options, key=lambda option: option[0])
     if rows is not None and tallest:  # (the unpacked layout, 0, has no tallest tile: reach 0)
         tied = [option for option in options if option[0] <= choice[0] * (1 + LAYOUT_TIE)]
-        choice = max(tied, key=lambda option: (min(SINGLE_PASS_ROWS, tallest.get(option[4], 0)), -option[0]))
-    _total, variants, labels, group, _ = choice
+        choice = max(tied, key=lambda option: (min(SINGLE_PASS_ROWS, tallest.get(_layout(option[3][0]), 0)),
+                                               -option[0]))
+    _total, variants, labels, group = choice
     if rows is None:
         return variants, labels
     # The single-pass rule only in the layout chosen: it makes a layout whose covering kernels
     # were measured look slower (as timed, weight in cache) than one where none were.
     passes = _single_pass_variants(group, variants, shapes, rows, estimate)
     variants = variants + passes
-    cost = guarded_cost(variants)
+    cost = guarded(variants)
     _forbid_extra_passes(cost, variants, rows)
     return variants, segment(cost, max_intervals + len(passes))
+
+
+def _layout_option(group: list[Variant], shapes, weights, slowdown: Estimate, estimate: Estimate, measured: dict,
+                   max_variants: int, max_intervals: int, guarded) -> tuple | None:
+    """(weighted slowdown, variants, labels, group) of the best plan of one layout's ``group``;
+    None where some shape has no variant of it allowed."""
+    variants, _, _ = choose_variants(group, shapes, weights, slowdown, max_variants)
+    regime = _small_regime_variant(group, variants, shapes[0], estimate, measured)
+    if regime is not None:
+        variants.append(regime)
+    if None in group and None not in variants:
+        variants.append(None)  # always a candidate: the guard may need it
+    cost = guarded(variants)
+    try:
+        labels = segment(cost, max_intervals)
+    except ValueError:
+        return None
+    return float(sum(cost[label, column] for column, label in enumerate(labels))), variants, labels, group
+
+
+def _guarded_cost(variants: list[Variant], shapes, weights, slowdown: Estimate, measured: dict,
+                  default_measured: dict) -> np.ndarray:
+    """Weighted slowdown per (variant, shape); ``inf`` where a variant was measured slower than
+    the untuned kernel and the layout has another variant for the shape. Where it has none the
+    guard yields and the layouts' comparison prices the shape (forbidding it would make a whole
+    packed layout, which cannot hold the untuned kernel, infeasible)."""
+    cost = np.asarray([[w * slowdown(v, s) for s, w in zip(shapes, weights, strict=True)] for v in variants])
+    for column, shape in enumerate(shapes):
+        untuned = default_measured.get(shape_key(shape))
+        slower = [untuned is not None and variant is not None
+                  and measured.get(shape_key(shape), {}).get(variant, -math.inf) > untuned for variant in variants]
+        if not all(slower):
+            cost[[row for row, is_slower in enumerate(slower) if is_slower], column] = np.inf
+    return cost
 
 
 def _small_regime_variant(group: Sequence[Variant], chosen: Sequence[Variant], smallest: dict,

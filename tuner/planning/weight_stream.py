@@ -1,36 +1,18 @@
-"""A dense layer's latency as the served model sees it: the weight read from DRAM, not from cache.
+"""A dense layer's latency as the served model sees it: the weight read from DRAM, not cache.
 
-The tuner times kernels over and over on one weight, which then sits in L2/L3. The served model's
-weights (340 MB for bert-base) fit no cache, so each call of a dense layer streams its weight
-from DRAM. A packed kernel passes over each weight block once per row tile: the first pass
-reads the block from DRAM, the later ones from cache. So the first pass takes the longer of the
-block's stream and its own share of the FMAs, and the later passes their share:
+The tuner times kernels hot (one weight, cached after the first call); the served model's
+weights fit no cache, so each call streams its layer's weight from DRAM. A packed kernel passes
+over each weight block once per row tile: the first pass reads the block from DRAM, the later
+ones from cache. So the first pass takes the longer of the stream and its share of the FMAs:
 
     served = max(S, hot * first) + hot * (1 - first) + OVERLAP_LOSS * min(S, hot * first)
 
-where ``hot`` is the latency as timed (weight in cache), ``S`` the weight's bytes at the
-machine's DRAM read rate, and ``first`` the share of the rows the first pass computes (1 where
-the tile covers every row). The later passes' prefetch of the next block is left out. The
-overlap of the first pass is not whole (the first block's wait, the last one's FMAs after the
-stream): ``OVERLAP_LOSS`` of the shorter part, which also orders kernels the stream would tie.
-
-Timed with the weight in cache, tiles of different heights run alike where, served, the one
-that passes over the weight fewer times is faster; the model orders such pairs as they ran from
-DRAM (``tests/benchmarks/cold_weights.py``; the fits are in docs/measurements/).
-
-At long sequences the first pass's FMAs outlast the stream (``hot * first > S``) and the model
-is the hot latency: it orders kernels only where the stream matters.
-
-A kernel whose reduction runs in ``kc``-deep blocks (``kc`` < K) reads each panel of its weight
-in runs ``kc`` deep, not K: more, shorter streams, each restarting the hardware prefetchers. It
-streams ``BLOCKED_STREAM_COST`` times longer; timed hot, such twins tie.
-
-The DRAM rate a plan meets when served is not the one the tune sampled (on a shared host it
-moves 2x), and which tile is fastest at short lengths turns on it, so a kernel is ranked by its
-mean served latency at the sampled rate and at ``1 / RATE_SPREAD`` of it (``served_over_rates``).
-
-The untuned kernel reads the weight unpacked, in column strips (a short run of each of its K
-rows): its stream is taken ``UNPACKED_STREAM_COST`` times as long as a packed panel's.
+``hot``: as timed; ``S``: the weight's bytes at the DRAM rate; ``first``: the rows the first
+pass computes (1 where the tile covers every row). Where the FMAs outlast the stream the model
+is the hot latency: it orders kernels only where the stream matters (short sequences). A
+``kc``-blocked reduction, and the untuned kernel (column strips of an unpacked weight), stream
+slower than a packed panel read whole (``stream_cost``). The rate met when served moves, so a
+kernel is ranked at the sampled rate and at ``1 / RATE_SPREAD`` of it (``served_over_rates``).
 """
 
 from __future__ import annotations
@@ -75,39 +57,33 @@ def weight_bytes(task) -> int | None:
 
 
 def first_pass_share(kernel: Variant, rows: int) -> float:
-    """The share of ``rows`` the first pass over each weight block computes: a packed kernel's
-    register tile height over the rows (1: one pass); the untuned kernel's passes are unknown,
-    and it is taken as one pass (its slower stream is ``stream_cost``'s)."""
+    """The share of ``rows`` the first pass over each weight block computes (the untuned kernel's
+    passes are unknown: taken as one, its slower stream is ``stream_cost``'s)."""
     if kernel is None or kernel.pack <= 0:
         return 1.0
     return min(1.0, kernel.tile_sizes("i")[0] / max(rows, 1))
 
 
 def served_latency(hot: float, stream_s: float, first: float) -> float:
-    """The latency with the weight from DRAM (the module's model): ``hot`` as timed in cache,
-    ``stream_s`` the weight's read time, ``first`` the first pass's share of the rows."""
+    """The latency with the weight from DRAM (the module's model)."""
     overlapped = hot * first
     return max(stream_s, overlapped) + hot * (1.0 - first) + OVERLAP_LOSS * min(stream_s, overlapped)
 
 
 def stream_cost(kernel: Variant, depth: int) -> float:
-    """How much longer than a packed panel's ``kernel``'s weight stream takes, by how it reads
-    the weight: ``UNPACKED_STREAM_COST`` for the untuned kernel (column strips),
-    ``BLOCKED_STREAM_COST`` for a ``kc``-blocked reduction of ``depth``, else 1."""
+    """How much longer than a packed panel's ``kernel``'s weight stream takes."""
     if kernel is None:
         return UNPACKED_STREAM_COST
     return BLOCKED_STREAM_COST if reduces_in_blocks(kernel, depth) else 1.0
 
 
 def served_over_rates(hot: float, stream_s: float, first: float) -> float:
-    """``served_latency`` averaged over the rates a plan may meet: ``stream_s`` at the sampled
-    rate, and ``RATE_SPREAD`` times as long."""
+    """``served_latency`` averaged over the sampled rate and ``RATE_SPREAD`` times slower."""
     return (served_latency(hot, stream_s, first) + served_latency(hot, stream_s * RATE_SPREAD, first)) / 2
 
 
 def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estimate:
-    """``estimate`` (weight in cache) as served, the weight from DRAM at ``rates`` as sampled
-    and as slow as ``RATE_SPREAD`` makes it (``served_over_rates``); the estimate itself where
+    """``estimate`` (weight in cache) as served (``served_over_rates``); ``estimate`` itself where
     the operator has no constant weight or the rates are unknown."""
     nbytes = weight_bytes(task)
     if nbytes is None or rates is None:
@@ -125,7 +101,3 @@ def served_estimates(estimate: Estimate, task, rates: DramRates | None) -> Estim
 
     return served
 
-
-__all__ = ["BLOCKED_STREAM_COST", "OVERLAP_LOSS", "RATE_SPREAD", "UNPACKED_STREAM_COST", "DramRates",
-           "first_pass_share", "served_estimates", "served_latency", "served_over_rates", "stream_cost",
-           "weight_bytes"]
