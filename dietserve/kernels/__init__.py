@@ -3,6 +3,7 @@ per kernel family plus the data and TIR helpers they share.
 
 - ``apply``: one variant of an operator (a micro-kernel of any family, or the default rule's
   kernel); ``decision_tree_func``: a plan's variants in one PrimFunc that branches on its shape;
+  ``settings``: what the families are built with, chosen per target (``kernel_settings``);
 - ``plan/``: pure-Python data that crosses files: micro-kernels, kernel plans, decision trees,
   tuning task files (the server reads these, so no TVM there);
 - ``tir/``: helpers every family shares: matching matmul-like PrimFuncs, loop helpers, rebuilding

@@ -12,17 +12,20 @@ from .cpu_packed.kernel import apply_cpu_packed
 from .cpu_packed.packing import packed_form
 from .cpu_padded.kernel import apply_cpu
 from .plan.microkernel import MicroKernel
+from .settings import KernelSettings, kernel_settings
 from .tir.loops import float_lanes
 from .tir.matching import ScheduleMismatch
 
 
 def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
-                 loop_partition: bool = False) -> tirx.PrimFunc:
+                 loop_partition: bool = False, settings: KernelSettings | None = None) -> tirx.PrimFunc:
     """``func`` as ``kernel`` for ``target`` (a str: a target kind). The signature of every
     schedule the tuner applies (``TuneOptions.apply``). A CPU target's ``num-cores``: the threads
     that take a packed kernel's tasks at run time; none named: TVM's even split of them
-    (``cpu_packed.apply_cpu_packed``)."""
+    (``cpu_packed.kernel.apply_cpu_packed``). ``settings``: None, the target's own
+    (``kernel_settings``)."""
     target = Target(target) if isinstance(target, str) else target
+    settings = settings or kernel_settings(target)
     target_kind = target.kind.name
     if target_kind == "cuda":
         from .cuda.kernel import apply_cuda
@@ -30,11 +33,10 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
         if kernel.pack:
-            mcpu = target.attrs.get("mcpu")
             return apply_cpu_packed(packed_form(func, kernel.pack), kernel, target_cores(target),
-                                    None if mcpu is None else str(mcpu))
+                                    settings=settings.packed)
         if is_clamped(kernel):
-            return apply_cpu_clamped(func, kernel)
+            return apply_cpu_clamped(func, kernel, settings=settings.clamped)
         return apply_cpu(func, kernel, loop_partition=loop_partition)
     raise ValueError(f"no micro-kernel schedules for target kind {target_kind!r} (llvm or cuda)")
 
@@ -62,16 +64,19 @@ def apply_default(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc:
     raise ScheduleMismatch(f"no default rule schedules this PrimFunc for {target.kind.name}")
 
 
-def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target,
-                  loop_partition: bool = False, row_softmax: bool = False) -> tirx.PrimFunc:
+def apply_variant(func: tirx.PrimFunc, kernel: MicroKernel | None, target: Target, loop_partition: bool = False,
+                  row_softmax: bool = False, settings: KernelSettings | None = None) -> tirx.PrimFunc:
     """``kernel`` None means the default rule's kernel. ``row_softmax`` (CPU): the result is
     then softmaxed over its last axis, in place (attention's scores and softmax as one kernel):
-    inside a clamped-tile kernel's tasks, else by a pass after the kernel."""
+    inside a clamped-tile kernel's tasks, else by a pass after the kernel. ``settings``: None,
+    the target's own (``kernel_settings``)."""
     if row_softmax and target.kind.name != "llvm":
         raise ValueError(f"a fused row softmax is built for CPU kernels, not {target.kind.name}")
+    settings = settings or kernel_settings(target)
     if row_softmax and kernel is not None and is_clamped(kernel):
-        return apply_cpu_clamped(func, kernel, row_softmax=True)
-    scheduled = apply_default(func, target) if kernel is None else apply_kernel(func, kernel, target, loop_partition)
+        return apply_cpu_clamped(func, kernel, row_softmax=True, settings=settings.clamped)
+    scheduled = apply_default(func, target) if kernel is None else \
+        apply_kernel(func, kernel, target, loop_partition, settings)
     if row_softmax:
         return softmax_after(scheduled, func, float_lanes(target))
     return scheduled

@@ -13,6 +13,7 @@ from .apply import apply_variant
 from .cpu_packed.packing import packed_form
 from .plan.decision_tree import evaluate_text, fold
 from .plan.kernel_plan import KernelPlan
+from .settings import KernelSettings, kernel_settings
 from .tir.build import has_exact_buffers, has_own_storage, with_exact_buffers
 from .tir.matching import symbolic_vars
 
@@ -36,10 +37,12 @@ def lower_tree(func: tirx.PrimFunc, tree: dict, leaf: Callable[[str], tirx.Stmt]
     return fold(tree, leaf, branch)
 
 
-def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
-                         loop_partition: bool = False, row_softmax: bool = False) -> tirx.PrimFunc:
+def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target, loop_partition: bool = False,
+                         row_softmax: bool = False, settings: KernelSettings | None = None) -> tirx.PrimFunc:
     """``func`` with every variant of ``plan``, chosen per shape by the plan's tree;
-    ``row_softmax``: each variant followed by a softmax over the result's rows (``apply_variant``)."""
+    ``row_softmax``: each variant followed by a softmax over the result's rows (``apply_variant``);
+    ``settings``: what every variant is built with (None: the target's own, ``kernel_settings``)."""
+    settings = settings or kernel_settings(target)
 
     # Each leaf gets its own freshly scheduled copy: a variant reached by two leaves must not
     # share loop vars between them (the simplifier binds each var's range once per function).
@@ -51,7 +54,7 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target,
     exact, own = [], []
 
     def leaf(name: str) -> tirx.Stmt:
-        scheduled = apply_variant(func, plan.kernel(name), target, loop_partition, row_softmax)
+        scheduled = apply_variant(func, plan.kernel(name), target, loop_partition, row_softmax, settings)
         exact.append(has_exact_buffers(scheduled))
         own.append(has_own_storage(scheduled))
         return scheduled.body

@@ -14,13 +14,13 @@ the L3), so each call reads its weight from DRAM. Prints ms per call, median of 
 ``--interleaved`` times the cold case only, every kernel (and its builds ``--without`` a
 feature) once per round in turn (the order reversed every other round), so a change of the DRAM
 rate falls on all of them alike; it prints each one's speed against the first kernel's.
-``--without prefetch`` builds each kernel also without the prefetch of the next weight block
-(``cpu_packed.PREFETCH_NEXT_BLOCK``), ``--without row-copy`` without the k-major copy of the
-activations' rows (``cpu_packed.PACK_ROWS``), ``--without remainder-in-place`` with the short
-remainder tiles of such copied rows reading the copy too (``cpu_packed.REMAINDER_ROWS_IN_PLACE``),
-``--without stream-ahead`` without the fetches ahead of a pass's own weight lines
-(``cpu_packed.STREAM_AHEAD``), and times them side by side: "gain" is the full
-kernel's speed over each. Not a test.
+``--without FEATURE`` builds each kernel also with one ``PackedSettings`` switch off
+(``FEATURES``): ``prefetch`` the prefetch of the next weight block, ``spread`` its spreading
+over more passes, ``row-copy`` the k-major copy of the activations' rows, ``remainder-in-place``
+(the short remainder tiles of such copied rows then read the copy too), ``remainder`` the
+remainder tiles, ``epilogue-loop`` the epilogue loop, ``stream-ahead`` the fetches ahead of a
+pass's own weight lines; and times them side by side: "gain" is the full kernel's speed over
+each. The full kernel is built with this target's own settings (``kernel_settings``). Not a test.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import argparse
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -38,10 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_baselines as baselines  # noqa: E402
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
-from forced_kernels import build, llvm_target, packed_kernel  # noqa: E402
+from forced_kernels import llvm_target, packed_kernel  # noqa: E402
 
-import dietserve.kernels.cpu_packed.kernel as cpu_packed  # noqa: E402
 from dietserve.host.huge_pages import on_huge_pages  # noqa: E402
+from dietserve.kernels.decision_tree_func import dispatched_prim_func  # noqa: E402
+from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
+from dietserve.kernels.plan.microkernel import MicroKernel  # noqa: E402
+from dietserve.kernels.settings import KernelSettings, kernel_settings  # noqa: E402
+from dietserve.kernels.tir.build import build as build_kernels  # noqa: E402
 from tuner.ops import weight_input  # noqa: E402
 
 
@@ -59,32 +63,37 @@ def per_call(function, argument_sets: list, rounds: int) -> float:
     return statistics.median(samples)
 
 
-# Features of the packed kernel that ``--without`` can switch off, by their module flags.
-FEATURES = {"prefetch": "PREFETCH_NEXT_BLOCK", "row-copy": "PACK_ROWS", "remainder": "REMAINDER_TILES",
-            "epilogue-loop": "EPILOGUE_LOOP", "remainder-in-place": "REMAINDER_ROWS_IN_PLACE",
-            "stream-ahead": "STREAM_AHEAD", "spread": "SPREAD_NEXT_BLOCK"}
+# Features of the packed kernel that ``--without`` can switch off: the ``PackedSettings`` fields
+# that switch each off.
+FEATURES = {"prefetch": {"prefetch_next_block": False}, "row-copy": {"pack_rows": False},
+            "remainder": {"remainder_tiles": False}, "epilogue-loop": {"epilogue_loop": False},
+            "remainder-in-place": {"remainder_rows_in_place": False}, "stream-ahead": {"stream_ahead_bytes": 0},
+            "spread": {"spread_next_block": False}}
 
 
-@contextmanager
-def without_feature(name: str | None):
-    """Kernels built inside are built without the feature ``name`` (``FEATURES``; None: all)."""
-    flag = FEATURES.get(name)
-    if flag is None:
-        yield
-        return
-    value = getattr(cpu_packed, flag)
-    setattr(cpu_packed, flag, False)
-    try:
-        yield
-    finally:
-        setattr(cpu_packed, flag, value)
+def settings_without(target, name: str | None) -> KernelSettings:
+    """The settings ``target``'s kernels are built with, less the feature ``name`` (``FEATURES``;
+    None: all of them on)."""
+    settings = kernel_settings(target)
+    if name is None:
+        return settings
+    return replace(settings, packed=replace(settings.packed, **FEATURES[name]))
+
+
+def build(op: str, kernel: MicroKernel | None, where, target, settings: KernelSettings):
+    """The operator with only ``kernel`` (None: the default rule), built with ``settings``."""
+    spec = OPERATORS[op]()
+    name = "default" if kernel is None else "v0"
+    plan = KernelPlan(workload="forced", operator=spec.name, shape_vars=["T"], axes={}, target=dict(where.target),
+                      tvm_version=tvm.__version__, variants={name: None if kernel is None else kernel.to_dict()},
+                      tree={"variant": name}, tuned_range={})
+    return spec, build_kernels(dispatched_prim_func(spec.func, plan, target, settings=settings), target).jit()
 
 
 def built(op: str, text: str, where, target, lanes: int, without: str | None):
     """(operator, the weight's panel width: 0 unpacked, the kernel's function)."""
     kernel = None if text == "default" else packed_kernel(text, lanes)
-    with without_feature(without):
-        spec, lib = build(op, kernel, where, target, gelu=True)
+    spec, lib = build(op, kernel, where, target, settings_without(target, without))
     return spec, 0 if kernel is None else kernel.pack, lib["main"]
 
 

@@ -13,9 +13,10 @@ import tvm
 
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.cpu_clamped import kernel as cpu_clamped
 from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
+from dietserve.kernels.cpu_clamped.settings import ClampedSettings
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.settings import KernelSettings
 from dietserve.kernels.tir.build import build
 from tuner.extract import spec_from_prim_func
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
@@ -112,7 +113,7 @@ def test_clamped_inner_loop_is_register_resident_fma_code() -> None:
     assert any(fmas % 12 == 0 and fmas == 3 * broadcasts for fmas, _loads, broadcasts, _stack, _p in loops), loops
 
 
-def test_columns_left_take_the_narrowest_tile_that_holds_them(monkeypatch) -> None:
+def test_columns_left_take_the_narrowest_tile_that_holds_them() -> None:
     """A 4 x 24 AVX2 tile (3 vectors): the columns left after the whole tiles run on a tile of
     1, 2 or 3 vectors ending at the last column (not always a whole tile started before them),
     each FMA-dense, and every remainder matches numpy."""
@@ -123,8 +124,8 @@ def test_columns_left_take_the_narrowest_tile_that_holds_them(monkeypatch) -> No
     def loops_by_vectors(remainder_columns: bool) -> Counter:
         """How many FMA loops step each number of vectors (the tiles of shapes narrower than
         the tile included)."""
-        monkeypatch.setattr(cpu_clamped, "REMAINDER_COLUMNS", remainder_columns)
-        asm = build(apply_kernel(spec.func, kernel, "llvm"), target).mod.inspect_source("asm")
+        settings = KernelSettings(clamped=ClampedSettings(remainder_columns=remainder_columns))
+        asm = build(apply_kernel(spec.func, kernel, "llvm", settings=settings), target).mod.inspect_source("asm")
         loops = fma_loops(asm)
         assert all(fmas == 4 * loads and stack == 0 for fmas, loads, broadcasts, stack, _ in loops if broadcasts)
         return Counter(fmas // broadcasts for fmas, _loads, broadcasts, _stack, _p in loops if broadcasts)

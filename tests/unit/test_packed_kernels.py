@@ -13,11 +13,12 @@ import tvm
 
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
-from dietserve.kernels.cpu_packed import kernel as cpu_packed
 from dietserve.kernels.cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
 from dietserve.kernels.cpu_packed.packing import pack_array, pack_prim_func, weight_param
+from dietserve.kernels.cpu_packed.settings import STREAM_AHEAD_BYTES, PackedSettings, packed_settings
 from dietserve.kernels.cpu_packed.tile import PackedOperator, Tile
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.settings import KernelSettings
 from dietserve.kernels.tir.build import build
 from dietserve.kernels.tir.matching import ScheduleMismatch
 from tuner.ops import attention_scores, dense, random_inputs
@@ -293,7 +294,7 @@ def test_short_remainder_tiles_of_copied_rows_read_them_in_place() -> None:
     heights = remainder_heights(13)[:-1]
     assert heights == [1, 2, 4, 7, 10, 12]
     assert [tile.remainder_tile(h).packed is None for h in heights] == [True, True, True, True, False, False]
-    # built without the rule (``cpu_packed.REMAINDER_ROWS_IN_PLACE``: no bound), all read the copy
+    # built without the rule (``PackedSettings.remainder_rows_in_place``: no bound), all read the copy
     assert all(tile.with_rows_copied("the copy").remainder_tile(h).packed == "the copy" for h in heights)
 
 
@@ -395,19 +396,20 @@ def test_no_accumulator_is_stored_in_a_reduction_loop(tile: tuple, one_row_vecto
 
 
 @pytest.mark.parametrize("tile", [(4, 24, 1, 2, 1), (3, 16, 2, 1, 1), (4, 24, 1, 2, 128), (1, 16, 2, 1, 128)])
-def test_kernels_fetching_their_weight_ahead_match_numpy(tile: tuple, monkeypatch) -> None:
-    """The passes that fetch no next block fetch their own panels' lines ahead, on the CPUs
-    that need it (``cpu_packed.STREAM_AHEAD_CPUS``; here haswell stands in for them, since its
-    code runs on every x86 machine): exactly one prefetch per line a step reads, the results
-    numpy's, nothing written past the output; on other CPUs none."""
+def test_kernels_fetching_their_weight_ahead_match_numpy(tile: tuple) -> None:
+    """The passes that fetch no next block fetch their own panels' lines ahead, with the settings
+    of the CPUs that need it (``packed_settings``; here on haswell, whose code runs on every x86
+    machine): exactly one prefetch per line a step reads, the results numpy's, nothing written
+    past the output; with other CPUs' settings none."""
     mr, panel, pk, groups, kc = tile
     spec = dense(512, 96, "bias_gelu")
     kernel = MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))), vector=8, pack=panel)
-    monkeypatch.setattr(cpu_packed, "STREAM_AHEAD_CPUS", ())
+    assert packed_settings(HASWELL) == PackedSettings(stream_ahead_bytes=0)  # what haswell is built with
     plain = fma_loops(build(apply_kernel(spec.func, kernel, HASWELL), HASWELL).mod.inspect_source("asm"))
     assert any(prefetches == 0 for *_, prefetches in plain), plain  # (the first passes fetch nothing)
-    monkeypatch.setattr(cpu_packed, "STREAM_AHEAD_CPUS", ("haswell",))
-    built = build(apply_kernel(spec.func, kernel, HASWELL), HASWELL)
+    ahead_settings = KernelSettings(packed=packed_settings(AVX512))  # (an Intel server core's)
+    assert ahead_settings.packed.stream_ahead_bytes == STREAM_AHEAD_BYTES
+    built = build(apply_kernel(spec.func, kernel, HASWELL, settings=ahead_settings), HASWELL)
     ahead = fma_loops(built.mod.inspect_source("asm"))
     # Every FMA loop now fetches: a next block's line a step, or a line ahead per line it reads
     # (a ymm load reads half a line: at most one prefetch per load).

@@ -40,13 +40,10 @@ from ..tir.computed_once import computed_once
 from ..tir.matching import ScheduleMismatch
 from ..tir.rebuild import MatmulExpressions, rebuild, uses
 from ..tir.row_softmax import softmax_rows
+from .settings import ClampedSettings
 
 CLAMPED = "clamped"  # MicroKernel.cache_scopes marker of this family
 PANEL = "B.local"  # ... and of its variant that copies each B panel once per task
-# The columns left after the whole column tiles go to the narrowest tile of whole vectors that
-# holds them, not to a whole tile started before them (``_column_tiles``): at T = 200 a 64-wide
-# tile recomputed 56 columns, 28% of the scores' work.
-REMAINDER_COLUMNS = True
 
 
 def is_clamped(kernel: MicroKernel) -> bool:
@@ -126,7 +123,8 @@ def _panel_copyable(op: _Operator, depth) -> bool:
     return isinstance(depth, tirx.IntImm) and op.operands() is not None
 
 
-def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: bool = False) -> tirx.PrimFunc:
+def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: bool = False, *,
+                      settings: ClampedSettings) -> tirx.PrimFunc:
     """``func`` computed in clamped ``mr x nr`` register tiles, blocks of ``ti`` row tiles per
     task (``kernel.tile``: i=(mr, ti), j=(nr,)); with ``B.local`` in its scopes each
     ``depth x nr`` B panel is copied once per task into a contiguous buffer that all the task's
@@ -154,17 +152,17 @@ def apply_cpu_clamped(func: tirx.PrimFunc, kernel: MicroKernel, row_softmax: boo
     fits += [] if isinstance(n, tirx.IntImm) and int(n) >= nr else [n >= nr]
     with IRBuilder() as builder:
         if not fits:
-            _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
+            _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes, settings)
         else:
             with T.If(tirx.all(*fits)):
                 with T.Then():
-                    _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes)
+                    _tiled(op, batch, (m, n, depth), (mr, nr, ti), lanes, panel, parallel, softmax_lanes, settings)
                 with T.Else():  # smaller than one tile
-                    _narrow(op, batch, (m, n, depth), mr, nr, lanes, parallel, softmax_lanes)
+                    _narrow(op, batch, (m, n, depth), mr, nr, lanes, parallel, softmax_lanes, settings)
     return with_exact_buffers(func.with_body(builder.get()).with_attr("tirx.is_scheduled", True))
 
 
-def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
+def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, settings: ClampedSettings) -> None:
     """Shapes smaller than the kernel's tile: the widest column tile of whole vectors the
     columns hold (``nr``, then halved vectors down to 4 lanes), scalar below 4 columns; in each,
     the kernel's ``mr`` rows at a time where the rows hold them, else 4, else one. Attention's
@@ -176,10 +174,11 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes) -> None:
 
     def columns(width) -> None:
         if width is None:  # fewer than 4 columns: scalar
-            _tiled(op, batch, extents, (1, 1, 1), 1, False, parallel, softmax_lanes)
+            _tiled(op, batch, extents, (1, 1, 1), 1, False, parallel, softmax_lanes, settings)
             return
         _first_that_fits(heights, lambda height: m >= height, lambda height: _tiled(
-            op, batch, extents, (height, width, 1), tile_lanes(width, lanes), False, parallel, softmax_lanes))
+            op, batch, extents, (height, width, 1), tile_lanes(width, lanes), False, parallel, softmax_lanes,
+            settings))
 
     _first_that_fits([*widths, None], lambda width: n >= width, columns)
 
@@ -232,7 +231,7 @@ def softmax_after(scheduled: tirx.PrimFunc, func: tirx.PrimFunc, lanes: int) -> 
     return scheduled.with_body(tirx.SeqStmt([scheduled.body, builder.get()]))
 
 
-def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes) -> None:
+def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes, settings: ClampedSettings) -> None:
     """The loop nest; ``softmax_lanes`` > 0: then softmax each task's rows, that many lanes wide."""
     (m, n, depth), (mr, nr, ti) = extents, tile
     rows_per_block = mr * ti
@@ -252,14 +251,14 @@ def _tiled(op, batch, extents, tile, lanes, panel, parallel, softmax_lanes) -> N
             with T.serial(0, n) as jo:
                 column_tile(jo, 1)
         else:
-            _column_tiles(n, nr, lanes, column_tile)
+            _column_tiles(n, nr, lanes, column_tile, settings.remainder_columns)
         if softmax_lanes:
             softmax_rows(op.out, lambda r: (*z, first + r), rows, n, softmax_lanes)
 
 
-def _column_tiles(n, nr: int, lanes: int, column_tile) -> None:
+def _column_tiles(n, nr: int, lanes: int, column_tile, remainder_columns: bool) -> None:
     """``column_tile(j0, width)`` over ``n`` columns: whole ``nr``-wide tiles, then the columns
-    left (if any) in the narrowest tile of whole vectors that holds them (``REMAINDER_COLUMNS``),
+    left (if any) in the narrowest tile of whole vectors that holds them (``remainder_columns``),
     which ends at the last column: it starts before them and recomputes a few of the previous
     tile's columns, writing the same values."""
     whole = n // nr
@@ -270,25 +269,27 @@ def _column_tiles(n, nr: int, lanes: int, column_tile) -> None:
     left = n - whole * nr
     with T.If(left > 0):
         with T.Then():
-            _first_that_fits(_last_tile_widths(nr, lanes), lambda width: left <= width,
+            _first_that_fits(_last_tile_widths(nr, lanes, remainder_columns), lambda width: left <= width,
                              lambda width: column_tile(n - width, width))
 
 
-def computed_columns(columns: int, width: int, lanes: int) -> int:
+def computed_columns(columns: int, width: int, lanes: int, settings: ClampedSettings | None = None) -> int:
     """How many columns ``width``-wide tiles of ``lanes``-lane vectors compute for ``columns``
-    (at least ``width``; ``_column_tiles``), the recomputed ones included."""
+    (at least ``width``; ``_column_tiles``), the recomputed ones included; ``settings``: what the
+    kernel is built with (None: the defaults, the same on every target)."""
+    remainder_columns = (settings or ClampedSettings()).remainder_columns
     whole, left = divmod(columns, width)
     if not left or width == 1:
         return columns
-    return whole * width + next(w for w in _last_tile_widths(width, lanes) if w >= left)
+    return whole * width + next(w for w in _last_tile_widths(width, lanes, remainder_columns) if w >= left)
 
 
-def _last_tile_widths(nr: int, lanes: int) -> list[int]:
+def _last_tile_widths(nr: int, lanes: int, remainder_columns: bool) -> list[int]:
     """The widths the columns left after whole ``nr``-wide tiles may take, narrowest first: the
-    narrower tiles of whole vectors (``REMAINDER_COLUMNS``), then ``nr``. The first that holds
+    narrower tiles of whole vectors (``remainder_columns``), then ``nr``. The first that holds
     them is taken, by the kernel (``_column_tiles``) and by the cost model's count of the columns
     it computes (``computed_columns``) alike."""
-    return [*range(lanes, nr, lanes), nr] if REMAINDER_COLUMNS else [nr]
+    return [*range(lanes, nr, lanes), nr] if remainder_columns else [nr]
 
 
 def _column_tile(op, z, first, rows, j0, tile, lanes, panel, depth) -> None:

@@ -34,7 +34,7 @@ class NextBlock:
     Where there are at least twice as many later passes (``spread``), each unit's share is
     fetched by 2, 4 or 8 units in turn, a line every 2, 4 or 8 steps: at a line a step, a
     3-line tile fetched its next 590 KB block in 3 of 9 later passes, faster than one core's
-    share of the DRAM, and the rest fetched nothing (``cpu_packed.SPREAD_NEXT_BLOCK``)."""
+    share of the DRAM, and the rest fetched nothing (``PackedSettings.spread_next_block``)."""
 
     def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int,
                  spread: bool = False):
