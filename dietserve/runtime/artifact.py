@@ -11,8 +11,8 @@ from safetensors.numpy import load_file
 from tvm.runtime.vm import VirtualMachine
 
 from ..host.cpu import cpu_flags, missing_cpu_flags
-from ..host.huge_pages import on_huge_pages
 from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
+from .huge_pages import on_huge_pages
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
 from .memory import release_freed_heap
 

@@ -40,12 +40,12 @@ import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
 from forced_kernels import llvm_target, packed_kernel  # noqa: E402
 
-from dietserve.host.huge_pages import on_huge_pages  # noqa: E402
 from dietserve.kernels.decision_tree_func import dispatched_prim_func  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
 from dietserve.kernels.plan.microkernel import MicroKernel  # noqa: E402
 from dietserve.kernels.settings import KernelSettings, kernel_settings  # noqa: E402
 from dietserve.kernels.tir.build import build as build_kernels  # noqa: E402
+from dietserve.runtime.huge_pages import on_huge_pages  # noqa: E402
 from tuner.ops import weight_input  # noqa: E402
 
 

@@ -335,10 +335,10 @@ def read_rate(target: TargetLike, panels: int, repeats: int = 20) -> float:
 
 def read_pass(target: TargetLike, nbytes: int) -> Callable[[], object]:
     """One parallel read-only pass over ``nbytes`` (rounded up to a panel) on huge pages, where a
-    served model keeps its weights (``dietserve.host.huge_pages``): a call takes as long as
+    served model keeps its weights (``dietserve.runtime.huge_pages``): a call takes as long as
     reading that model's weights once from DRAM takes at that moment. Timed beside the model in
     each round, since on a shared machine the DRAM rate moves by half over minutes."""
-    from dietserve.host.huge_pages import on_huge_pages
+    from dietserve.runtime.huge_pages import on_huge_pages
 
     panels = -(-nbytes // PANEL_BYTES)
     stream = _stream_function(_as_target(target), panels)

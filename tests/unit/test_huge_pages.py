@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.host.huge_pages import ALIGNMENT, HUGE_PAGE_BYTES, on_huge_pages
+from dietserve.runtime.huge_pages import ALIGNMENT, HUGE_PAGE_BYTES, on_huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -1,12 +1,10 @@
 """The model's weights on transparent huge pages (CPU artifacts, Linux): where the runtime
-puts a loaded artifact's weights, and the tuner the weight copies it streams
-(``--stream-weights``), so both read weights the same way.
+puts a loaded artifact's weights (and the kernel benchmarks theirs, to read them as served).
 
 A served model reads every weight once per request (bert-base: 340 MB, far more than any
 cache), so at short sequences it runs at the rate memory streams them. On 4 KB pages that
 stream crosses a page every 4 KB: a TLB miss, and the hardware prefetchers stop at each page
-boundary. On 2 MB pages it crosses one every 2 MB. bert-base, tuned, same process, interleaved
-(2-core znver4): seq 1 8.19 ms against 10.45 (1.28x), seq 13 1.03x, seq 64 and 256 level.
+boundary. On 2 MB pages it crosses one every 2 MB.
 
 Linux gives huge pages to memory advised ``MADV_HUGEPAGE`` where transparent huge pages are
 ``madvise`` or ``always`` (``/sys/kernel/mm/transparent_hugepage/enabled``). Elsewhere, or
