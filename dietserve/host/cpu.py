@@ -74,10 +74,10 @@ def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[s
     return sorted(flag for flag in required if flag not in available)
 
 
-# Where a virtual machine hides some features of the CPU LLVM names from its model number (AMX on
-# a cloud Emerald Rapids: LLVM says ``emeraldrapids``, /proc/cpuinfo lists no ``amx_tile``),
-# code built for that name may not run there, and an artifact built for it refuses to load. The
-# host is then built for the newest of these (its vendor's, then generic) whose features it has.
+# Where a virtual machine hides some features of the CPU LLVM names from its model number (LLVM
+# says ``emeraldrapids`` while /proc/cpuinfo lists no ``amx_tile``), code built for that name may
+# not run there, and an artifact built for it refuses to load. The host is then built for the
+# newest of these (its vendor's, then generic) whose features it has.
 OLDER_CPUS = {
     "GenuineIntel": ("graniterapids", "emeraldrapids", "sapphirerapids", "icelake-server", "cascadelake",
                      "skylake-avx512", "broadwell", "haswell"),
@@ -117,9 +117,9 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     """Size TVM's CPU thread pool; returns the thread count used.
 
     TVM's default halves the hardware thread count on x86 (it assumes hyper-threading), which
-    leaves one of two cores idle on a 2-vCPU machine. The workers share the allowed CPUs rather
-    than being pinned one per core: pinning would also pin the calling thread, and every
-    thread it starts afterwards, to a single core.
+    leaves half the cores idle where each has one hardware thread (a VM's vCPUs). The workers
+    share the allowed CPUs rather than being pinned one per core: pinning would also pin the
+    calling thread, and every thread it starts afterwards, to a single core.
     """
     import tvm_ffi
 

@@ -14,6 +14,6 @@ per kernel family plus the data and TIR helpers they share.
 - ``cpu_clamped/``: clamped register tiles for operators symbolic in both output axes (attention);
 - ``cuda/``: the CUDA micro-kernel and checks of its generated source.
 
-Nothing here imports the tuner, the runtime engine or the server; host facts (CPU flags, thread
-pool, huge pages) live in ``dietserve.host``.
+Nothing here imports the tuner, the runtime or the server; facts about the machine (CPU flags,
+thread pool, hardware limits) live in ``dietserve.host``.
 """

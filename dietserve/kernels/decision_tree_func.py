@@ -23,7 +23,7 @@ def lower_tree(func: tirx.PrimFunc, tree: dict, leaf: Callable[[str], tirx.Stmt]
     """The tree as TIR over ``func``'s symbolic vars; ``leaf(variant)`` gives each leaf's body.
     ``thread_invariant`` (CUDA): mark each condition as the same in every thread, which a shape
     test is; else TVM's ThreadSync refuses the ``__syncthreads`` of shared-memory variants inside
-    it ("Cannot insert syncs inside condition", found on an H100)."""
+    it ("Cannot insert syncs inside condition")."""
     variables = symbolic_vars(func)
 
     def branch(var: str, le: int, then: tirx.Stmt, otherwise: tirx.Stmt) -> tirx.Stmt:
@@ -61,5 +61,5 @@ def dispatched_prim_func(func: tirx.PrimFunc, plan: KernelPlan, target: Target, 
 
     body = lower_tree(func, plan.tree, leaf, thread_invariant=target.kind.name == "cuda")
     dispatched = func.with_body(body).with_attr("tirx.is_scheduled", True)
-    # Buffer compaction (and StorageRewrite) is skipped only where no variant needs it (``build.py``).
+    # Buffer compaction (and StorageRewrite) is skipped only where no variant needs it (``tir/build.py``).
     return with_exact_buffers(dispatched, own_storage=all(own)) if all(exact) else dispatched

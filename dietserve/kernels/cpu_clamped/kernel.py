@@ -2,7 +2,7 @@
 register tiles, so no tile is padded, copied or bound-checked, even at the edges.
 
 Padding a ``[T, T]`` result to whole tiles leaves a copy-out whose every element carries a bound
-check (scalar stores: the attention products ran at 0.6-0.85x ``torch.bmm``). Here the last tile
+check (scalar stores, far slower than the FMAs they follow). Here the last tile
 of an axis instead starts ``tile`` elements before the axis ends (``min(t * tile, extent - tile)``):
 it overlaps its neighbour and recomputes a few elements, writing the same values, and every tile,
 edge or not, is the same straight-line code of full-vector loads, FMAs and stores. Row tiles are
@@ -166,9 +166,8 @@ def _narrow(op, batch, extents, mr, nr, lanes, parallel, softmax_lanes, settings
     """Shapes smaller than the kernel's tile: the widest column tile of whole vectors the
     columns hold (``nr``, then halved vectors down to 4 lanes), scalar below 4 columns; in each,
     the kernel's ``mr`` rows at a time where the rows hold them, else 4, else one. Attention's
-    scores at T = 7 or 13 have fewer columns than one AVX-512 vector: as scalar code they took
-    13.5 and 40 us, 3x and 10x the 16-column case; one row at a time, T = 13 (13 x 13 per head)
-    ran as 156 one-row tasks, 10.4 us against 3.9 at T = 16; 13 rows at a time, 2.6 us."""
+    scores at short lengths have fewer columns than one AVX-512 vector: as scalar code, or as
+    one-row tasks, they would take several times as long as a vector tile over many rows."""
     m, n, _depth = extents
     widths, heights = _narrow_options(mr, nr, lanes)
 

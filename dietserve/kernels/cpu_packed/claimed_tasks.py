@@ -2,9 +2,8 @@
 
 TVM's ``parallel`` loop hands each thread an equal, contiguous share of the tasks, so a call
 lasts as long as its slowest thread. On a shared machine one core is often slower for a while
-(a neighbour on its other hardware thread, or the host lending it out): on the 2-core VM these
-kernels are tuned on, the same dense kernel, same arguments, read its quiet speed in most calls
-and 0.7x or 0.5x in the rest, the other core idle at the end (README, "Where the goals stand").
+(a neighbour on its other hardware thread, or the host lending it out), and with an even split
+the other cores then wait idle at the end of the call.
 
 Here each of ``workers`` workers owns an equal segment of the tasks and takes them from its
 front; when it is through, it takes the tasks left in the next worker's segment from its back
@@ -13,7 +12,7 @@ cache line each: the tasks taken from its front, written by its owner only, and 
 written by its one helper only. A worker takes a task only where the two counters leave it
 free, and publishes the new count before running it. (A helper that went on to further segments
 would be a second writer of their back counters, and a stale store of one could undo the
-other's: tasks then ran three times in a test with 5 workers on 2 threads.)
+other's, so a task could run any number of times.)
 
 TIR's CPU backend has no atomic read-modify-write, so the counters are plain volatile loads and
 stores (volatile: the compiler may not keep a counter in a register across tasks). Owner and

@@ -2,7 +2,8 @@
 
 The operator reads its weight as ``Wp[N / P, K, P]`` (``packing.py``), so one register tile
 streams a contiguous panel. The kernel is emitted with the IR builder from the operator's own
-product and epilogue expressions (as ``cpu_clamped.py`` does), not scheduled from its blocks:
+product and epilogue expressions (as ``cpu_clamped/kernel.py`` does), not scheduled from its
+blocks:
 
     parallel over (task: nb panels x mr rows):
         for each group of pk panels:                 the register tile: mr x (pk * P)
@@ -21,8 +22,8 @@ and the epilogue runs on the real rows only, in a loop after it. A remainder til
 many of the task's groups of ``pk`` panels as keep it within the whole tile's registers
 (``Tile.widening``): a 1 x 16 AVX2 tile has 2 FMA chains where the core needs 8 to hide the
 FMA's latency, so it runs 1 x 64. So a short shape passes over the weight once, on a tile at
-most a third padding, at the FMA rate. Built without them (``PackedSettings.remainder_tiles``), the last pass
-computes the whole tile, its padded rows never stored.
+most a third padding, at the FMA rate. Built without them (``PackedSettings.remainder_tiles``),
+the last pass computes the whole tile, its padded rows never stored.
 
 With ``kc`` < K (the reduction in blocks, BLIS order) a task is ``nb`` panels over all rows: a
 ``kc``-deep block of its panels stays in L2 while every row tile passes over it, and partial
@@ -36,9 +37,9 @@ a k-major copy made first, in parallel (``packed_rows``; the padded rows again r
 real one): each step's broadcasts then come from one line. Its remainder tiles too short to
 crowd a set read their rows in place (``PackedSettings.remainder_rows_in_place``).
 
-The parts: ``packed_tile`` (the operator's expressions, the register tile and its remainder
-tiles), ``packed_loops`` (the two reduction loop nests, the row copy), ``packed_prefetch``
-(``NextBlock``).
+The parts: ``tile`` (the operator's expressions, the register tile and its remainder tiles),
+``loop_nests`` (the two reduction loop nests, the row copy), ``prefetch`` (``NextBlock``,
+``stream_ahead``), ``claimed_tasks`` (the task loop), ``settings`` (what is switched on).
 """
 
 from __future__ import annotations
@@ -109,9 +110,8 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
             reduction(tile)
         else:
             # With fewer rows the tile's padded rows read the last real one again: they crowd
-            # no set, and the copy would only cost (T = 7 on a 9-row tile: 2-7% slower with it).
-            # Those fewer rows are one remainder pass: the whole tile is emitted once, not twice
-            # (the 3072-deep layers' kernels built in 1.2 s, 3x the 768-deep ones').
+            # no set, and the copy would only cost. Those fewer rows are one remainder pass: the
+            # whole tile is emitted once, not twice (its build time grows with each copy).
             with T.If(rows >= crowding):
                 with T.Then():
                     reduction(tile.with_rows_copied(packed_rows(tile, loop, int(depth)),

@@ -1,4 +1,4 @@
-"""The packed GEMM kernel's loop nests (``cpu_packed.py``): the tasks and row passes of the
+"""The packed GEMM kernel's loop nests (``kernel.py``): the tasks and row passes of the
 whole and the blocked reduction, and the k-major copy of crowding rows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefetching a packed GEMM's weight (``cpu_packed.py``): the block a task reads next, spread
+"""Prefetching a packed GEMM's weight (``kernel.py``): the block a task reads next, spread
 over the task's later row passes, one cache line per reduction step (``NextBlock``); and, in
 the passes that fetch no next block, the lines a fixed distance ahead of those each step reads
 (``stream_ahead``)."""
@@ -27,14 +27,13 @@ class NextBlock:
 
     Only where those units are enough for the block (``enough``): a row tile reads
     ``per_step`` lines a step, so that takes ``per_step`` passes after the first. Fetching
-    faster, to cover the block in fewer passes, ran slower than not fetching at all (bert-base
-    seq 13 and 20 at 0.89x and 0.92x end to end): the stream then competes with the current
-    block's loads.
+    faster, to cover the block in fewer passes, costs more than it saves: the stream then
+    competes with the current block's loads.
 
     Where there are at least twice as many later passes (``spread``), each unit's share is
-    fetched by 2, 4 or 8 units in turn, a line every 2, 4 or 8 steps: at a line a step, a
-    3-line tile fetched its next 590 KB block in 3 of 9 later passes, faster than one core's
-    share of the DRAM, and the rest fetched nothing (``PackedSettings.spread_next_block``)."""
+    fetched by 2, 4 or 8 units in turn, a line every 2, 4 or 8 steps: at a line a step the
+    first few passes would fetch the whole block faster than one core's share of the DRAM
+    delivers it, and the rest would fetch nothing (``PackedSettings.spread_next_block``)."""
 
     def __init__(self, tile: Tile, row_tiles, first_panel, panels: int, k0, span: int, depth: int,
                  spread: bool = False):

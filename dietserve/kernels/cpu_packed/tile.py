@@ -1,4 +1,4 @@
-"""The packed GEMM kernel's register tile (``cpu_packed.py``): the operator's expressions and
+"""The packed GEMM kernel's register tile (``kernel.py``): the operator's expressions and
 the code of one ``mr x (pk * panel)`` tile: accumulators, multiply-adds, epilogue, and the
 remainder tiles a last row pass with fewer rows runs instead (``Tile.passes``)."""
 
@@ -13,12 +13,10 @@ from tvm.script.ir_builder import tirx as T
 from ..tir.matching import ScheduleMismatch
 from ..tir.rebuild import MatmulExpressions, rebuild
 
-# The remainder tiles' heights. 12: a 14-row tile (the tallest of 32-wide AVX-512 panels, which
-# plans run at T = 11-14 in one pass) computed 14 rows for T = 11 and 12 without it; with it,
-# forced 768 -> 3072 at T = 11 / 12 ran 1.17x / 1.15x faster hot and 1.11x / 1.09x from DRAM, and
-# bert-base with version-27 plans (14-row tiles at T = 11-13 on three layers), built both ways
-# side by side (``compare_artifacts.py --control``): seq 11 1.084x, 12 1.079x, 25 1.057x, 26
-# 1.042x, 1.028x geomean (control 1.002x), for 10% more build time (the model: 30.6 s, 27.8).
+# The remainder tiles' heights: each holds at most a third padding below the next. 12 is for
+# 14-row tiles (the tallest of 32-wide AVX-512 panels, which plans pick for 11-14 rows in one
+# pass): without it they would compute 14 rows for 11 or 12. Each height is one more copy of
+# the tile's code to build.
 REMAINDER_LADDER = (1, 2, 4, 7, 10, 12)
 
 
@@ -108,9 +106,9 @@ class Tile:
         groups (``remainder_tile``), inside ``remainder(left)``: a context manager that yields
         the row pass of a remainder tile (its sums left in memory, which it may allocate here,
         on this branch only) and then applies the epilogue to the ``left`` real rows of every
-        panel in one loop. The remainder tiles share that one epilogue: with the epilogue in
-        each, BERT's GELU layer built 2.5x slower (TVM's buffer passes grow with the code:
-        FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer than a
+        panel in one loop. The remainder tiles share that one epilogue: a copy in each would
+        multiply the build time of a large one, BERT's GELU (TVM's buffer passes grow with the
+        code: FlattenBuffer, CompactBufferAllocation). Where the rows are known to be fewer than a
         whole tile (``with_fewer_rows_than``) only the remainder tiles that can hold them are
         emitted."""
         if not self.remainder_tiles:
@@ -151,7 +149,7 @@ class Tile:
         many of the task's ``groups`` of ``pk`` panels (``widening``) as keep it within this
         tile's registers: a short tile of one group has too few accumulators to hide the
         multiply-add's latency (AVX2, T = 2 on a 6 x 16 tile: 2 x 16 is 4 chains, where the
-        core needs 8; 1.5x slower than 2 x 32)."""
+        core needs 8)."""
         tile = copy.copy(self)
         tile.mr, tile.exact, tile.remainder = height, height == 1, True
         tile.pk = self.pk * self.widening(height, groups)
@@ -205,10 +203,9 @@ class Tile:
     def accumulators(self) -> list:
         """Per row, one buffer per panel (``acc[r][p]``, ``panel`` values): TVM makes a buffer
         of at most 1 KB a stack alloca (``kMaxStackAlloca``), which LLVM keeps in vector
-        registers, and a larger one a workspace it keeps in memory: a widened one-row remainder
-        tile's single buffer of 8 panels of 48 (1.5 KB) stored all 24 accumulators every step."""
-        # Scope "global": "local" buffers LLVM kept in memory with the prefetches in the loop
-        # (the 3072 -> 768 layer at T = 31 ran 2.7x slower).
+        registers, and a larger one a workspace it keeps in memory (a widened remainder tile's
+        one buffer would then store every accumulator every step)."""
+        # Scope "global": LLVM kept "local" buffers in memory once the loop held prefetches.
         return [[T.alloc_buffer((self.panel,), self.dtype, scope="global") for _ in range(self.pk)]
                 for _ in range(self.mr)]
 
@@ -224,8 +221,7 @@ class Tile:
         them (for the epilogue, whose scalar expressions TVM's vectoriser makes vector: BERT's
         GELU calls functions the IR builder would have to retype). TVM's FlattenBuffer simplifies
         every index against every loop variable the function has met before it, so a loop per
-        vector made the tile's build quadratic in its size (the 768 -> 3072 layer's 9-row tile:
-        FlattenBuffer 0.20 s of a 0.55 s build, 0.08 of 0.48 with vector indices)."""
+        vector would make the tile's build quadratic in its size."""
         for v in range(self.panel // self.lanes):
             if looped:
                 with T.vectorized(0, self.lanes) as lane:

@@ -110,7 +110,7 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
         # checks. TVM 0.27's LoopPartition fails on a hint at the fill loops themselves and, with
         # an int32/int64 mismatch, on a static int64 reduction; so only symbolic ones are split.
         # The write-back loop is not hinted: its bound depends on threadIdx.y, and TVM 0.27
-        # partitions it wrongly (on an H100: wrong rows, reads before the register tile, illegal
+        # partitions it wrongly (wrong rows, reads before the register tile, illegal
         # addresses for dense layers at every ragged T).
         if static_extent(sch.get(k_step).extent) is None:
             sch.annotate(k_step, "pragma_loop_partition_hint", 1)

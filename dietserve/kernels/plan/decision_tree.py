@@ -51,7 +51,7 @@ def evaluate_text(text: str, env: Mapping[str, object]):
 @functools.lru_cache(maxsize=4096)
 def _parsed(text: str) -> ast.Expression:
     """The text's syntax tree, parsed once: a tuner's plans evaluate the same few extents
-    hundreds of thousands of times (parsing them each time was a fifth of a 64-trial tune)."""
+    hundreds of thousands of times."""
     try:
         return ast.parse(text, mode="eval")
     except SyntaxError as err:

@@ -20,7 +20,7 @@ class MicroKernel:
     vector: int = 1  # innermost vector width in elements
     cache_scopes: tuple[str, ...] = ("local",)  # where operands/accumulators are staged
     threads: int = 0  # CPU: 0 = one task per tile over every core, 1 = serial (tiny shapes skip the wake-up)
-    # CPU: panel width of the packed weight the kernel reads (``packing.py``); 0 = unpacked.
+    # CPU: panel width of the packed weight the kernel reads (``cpu_packed/packing.py``); 0 = unpacked.
     # A packed kernel's j tile is (panel, panels per register tile, register tiles per task).
     pack: int = 0
 

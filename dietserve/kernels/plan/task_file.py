@@ -11,7 +11,7 @@ One JSON file lists the model's dynamic matmul-like operators, one entry per dis
                         softmax: whether the model softmaxes the result's rows right after it
                         (CPU: served as one kernel, so tuned as one; absent = false)}]
 
-The tuner reads it, tunes, and answers with one kernel plan per task (``plan.py``).
+The tuner reads it, tunes, and answers with one kernel plan per task (``kernel_plan.py``).
 """
 
 from __future__ import annotations

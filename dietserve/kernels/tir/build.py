@@ -1,28 +1,23 @@
 """Building kernels: TVM's TIR lowering, less the buffer compaction our emitted kernels do not need.
 
-The packed and clamped CPU kernels (``cpu_packed.py``, ``cpu_clamped.py``) are written out with
+The packed and clamped CPU kernels (``cpu_packed/``, ``cpu_clamped/``) are written out with
 the IR builder, every buffer they allocate already at its exact size. TVM's default lowering
 still runs ``CompactBufferAllocation`` on them, which bounds every access to every allocated
 buffer under every enclosing condition: the register tile's accumulators are read and written
-hundreds of times a reduction step, under the remainder tiles' branches. On bert-base's dense
-layers (znver4, ``tests/benchmarks/build_time.py``, when it could still build them both ways)
-builds without it ran 1.14-1.36x faster, and 4.15x for a 13-row tile reading its rows from a
-k-major copy (0.61 s, not 2.53), with the same assembly (the one difference in the IR, the row
-copy's workspace, had got a 13-deep min/max expression for the size it already had). The packed
-kernels now index their register tiles with vectors (``Tile.panel_vectors``), which that
-compaction cannot bound at all: TVM's own pipeline fails on them.
+hundreds of times a reduction step, under the remainder tiles' branches, so it costs much of a
+build and changes nothing in the code. The packed kernels also index their register tiles with
+vectors (``Tile.panel_vectors``), which that compaction cannot bound at all: TVM's own
+pipeline fails on them.
 
 Such functions carry ``EXACT_BUFFERS``; ``TIR_PIPELINE`` is TVM's default (S-TIR) pipeline in
 which compaction skips them and runs on every other function as before (the default rule's
 kernels allocate block buffers compaction must shrink).
 
 StorageRewrite, which lets buffers whose lives do not overlap share memory, also skips the
-packed kernels (``OWN_STORAGE``): it merged the last row of a 6 x 64 AVX-512 tile's
-accumulators with a remainder tile's sums, which a loop indexes, and LLVM then stored that
-row's four vectors every reduction step (bert-base's 3072 -> 768 layer; without it the tile ran
-1.03-1.08x as fast at T = 64-512, interleaved, ad hoc). Their buffers are stack allocas, which
-LLVM's own stack colouring overlaps. The clamped kernels keep it: without it two scores tiles
-ran 0.72-0.88x as fast at T = 129-512. ``build`` compiles with it; the
+packed kernels (``OWN_STORAGE``): it can merge a row of a tile's accumulators with a remainder
+tile's sums, which a loop indexes, and LLVM then stores that row's vectors every reduction
+step. Their buffers are stack allocas, which LLVM's own stack colouring overlaps. The clamped
+kernels keep it: their tiles run slower without it. ``build`` compiles with this pipeline; the
 model's build passes the same name (``compile/pipeline.py``).
 """
 

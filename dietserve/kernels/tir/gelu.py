@@ -1,7 +1,7 @@
 """Exact-erf GELU in float32 vector arithmetic: no libm call, no exp, nothing that cancels.
 
-LLVM lowers ``erf`` to a scalar libm call per element, which made the hidden->intermediate
-dense layer cost up to 2x the same-FLOP intermediate->hidden one. Here, with ``u = |v|`` and
+LLVM lowers ``erf`` to a scalar libm call per element, which would make a dense layer with a
+GELU epilogue far slower than the same FLOPs without it. Here, with ``u = |v|`` and
 ``Phi`` the standard normal CDF, ``GELU(v) = v * Phi(v)`` is
 
     GELU(v) = v - v * Phi(-u)    (v >= 0)        GELU(v) = v * Phi(-u)    (v < 0)
@@ -15,20 +15,9 @@ it follows it without cancelling, and amplifies the rational's rounding only twi
 any ``v < -6`` is -5.9e-9 (the exact one is closer to 0 than that). Our own fit
 (``tests/benchmarks/fit_gelu_tail.py``): iteratively reweighted linear least squares
 (Sanathanan-Koerner, then Lawson's weights) of ``sqrt(Phi(-u))``, weighted so that the float32
-GELU stays within its rounding of the exact one. In float64 the approximation is within 1.7e-7
-of ``Phi(-u)`` relatively up to u = 3, 9.1e-7 up to 4 and 1.4e-3 at 6, and ``u * |error|``
-(the GELU's share) is at most 4.1e-9.
-
-Evaluated in float32 the GELU is within 2.4e-7 of the exact one on [-12, 12] (the rounding of
-results near 4-8, whose ulp is 4.8e-7), within 2.3 ulps relatively for ``v > 0`` and 9e-5 for
-``v < 0`` where the GELU is above 1e-6 in size: closer than a correctly rounded ``erff`` put
-into the textbook formula (4.5e-7, and 7% relatively for ``v < 0``) and than PyTorch's CPU
-GELU (1.1e-6) (``tests/benchmarks/gelu_accuracy.py``).
-
-It costs 23 vector operations and one division, where the previous form (``erfc`` as
-``t * exp(P(t) - a^2)``, ``t = 1 / (1 + a/2)``, with TOPI's ``fast_exp``) took about 45. In the
-768 -> 3072 + GELU layer (a forced 8 x 32 tile) the GELU now takes
-0.18 ms of 10.88 at T = 512, where it took 0.49 of 11.25 (``forced_kernels.py :no-gelu``).
+GELU stays within its rounding of the exact one (``tests/unit/test_gelu.py`` holds the bounds;
+``tests/benchmarks/gelu_accuracy.py`` compares it with other forms). It costs 23 vector
+operations and one division.
 """
 
 from __future__ import annotations
@@ -56,7 +45,7 @@ def _horner(coefficients, x):
 
 def _let(name: str, value, body):
     """``body(x)`` with ``x`` bound to ``value`` once: an expression used several times stays one
-    node, where a tree would copy it into every use (the GELU's tree grew 12x the compile time)."""
+    node, where a tree would copy it into every use (and multiply the compile time)."""
     var = tirx.Var(name, "float32")
     return tirx.Let(var, value, body(var))
 

@@ -11,7 +11,7 @@ from tvm.target.codegen import llvm_cpu_has_features
 def float_lanes(target: Target) -> int:
     """fp32 lanes of the widest vector register the target has (8 on AVX2, 16 on AVX-512).
 
-    Asked of the CPU's features: LLVM's reported vector width is 512 for every x86 CPU here.
+    Asked of the CPU's features: LLVM reports a vector width of 512 for every x86 CPU.
     """
     if llvm_cpu_has_features("avx512f", target):
         return 16
