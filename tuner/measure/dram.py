@@ -12,15 +12,14 @@ UNKNOWN_CACHE_BYTES = 64 * 1024 * 1024  # assumed when the machine does not desc
 
 
 def dram_read_rate(threads: int, cache_bytes: int | None, repeat: int = 5) -> float:
-    """Bytes per second of a read-only pass over a buffer of ``CACHE_MULTIPLE`` x the last-level
-    cache, split over ``threads`` threads (numpy's reductions release the GIL): the rate at which
-    the served model's layers can stream their weights. Median of ``repeat`` passes."""
+    """Bytes per second, the median of ``repeat`` read-only passes over ``CACHE_MULTIPLE`` x the
+    last-level cache, split over ``threads`` threads (numpy's reductions release the GIL)."""
     import numpy as np
 
     if threads < 1 or repeat < 1:
         raise ValueError(f"need at least one thread and one repeat, got {threads} and {repeat}")
     span = CACHE_MULTIPLE * (cache_bytes or UNKNOWN_CACHE_BYTES)
-    data = np.ones(span // 8, dtype=np.int64)  # (integer sums: no float rounding work per element)
+    data = np.ones(span // 8, dtype=np.int64)  # integer sums: no float rounding work per element
     parts = np.array_split(data, threads)
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(np.sum, parts))  # first touch of the pages

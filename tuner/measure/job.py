@@ -1,13 +1,9 @@
 """What crosses between the tuner and a runner: a ``MeasureJob`` in, a ``MeasureResult`` out, and
-the ``Runner`` protocol that carries them (a worker process on this machine, or an RPC device).
-
-Both are frozen values (they are pickled across the worker's pipe); the runner adds how to time
-(``timing.TimingPolicy``) and where (its device) as a ``WorkerJob``.
-"""
+the ``Runner`` protocol that carries them. Both are frozen values, pickled across the worker's pipe;
+the runner adds how to time and where as a ``WorkerJob``."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,11 +13,9 @@ DEFAULT_APPLY = "dietserve.kernels.apply:apply_kernel"
 
 @dataclass(frozen=True)
 class MeasureJob:
-    """Build ``kernel`` (JSON; None: the default rule's own kernel) for the operator ``recipe``,
-    check it on ``check_shape`` against numpy, then time it on each of ``shapes``.
-
-    ``abandon_above_s``: a candidate whose first warm call takes longer is timed once, not
-    repeated (it cannot win; the bar is a multiple of the best known on its shape)."""
+    """Build ``kernel`` (JSON; None: the default rule's) for the operator ``recipe``, check it on
+    ``check_shape`` against numpy, then time it on each of ``shapes``. A candidate whose first warm
+    call takes over ``abandon_above_s`` is timed once: it cannot win."""
 
     recipe: tuple
     target: Mapping[str, object]
@@ -49,8 +43,6 @@ class MeasureResult:
     build_seconds: float | None = None
     build_reused: bool = False
     built_ahead: bool = False  # built by ``Runner.prepare`` before this job timed it
-    seconds: float = 0.0
-    library: str | None = None  # a builder worker's output (``WorkerJob.compile_to``)
 
     @property
     def ok(self) -> bool:
@@ -64,47 +56,44 @@ class MeasureResult:
         return self.latencies[0]
 
     @classmethod
-    def failed(cls, error: str, seconds: float = 0.0, traceback: str | None = None) -> MeasureResult:
-        return cls(error=error[:2000], seconds=seconds, traceback=traceback)
+    def failed(cls, error: str, traceback: str | None = None) -> MeasureResult:
+        return cls(error=error[:2000], traceback=traceback)
 
 
 @dataclass(frozen=True)
 class RunnerFeatures:
-    """What a runner can do beyond ``run``: build candidates ahead in parallel (``prepare`` does
-    work), and whether it runs on this machine."""
+    """Whether ``prepare`` builds ahead in parallel, and whether the runner is on this machine."""
 
     builds_ahead: bool = False
     local: bool = False
 
 
 class Runner(Protocol):
+    """Carries jobs to a device: ``run`` builds, checks and times one, never raising for a bad
+    candidate; ``prepare`` builds candidates ahead where it can (a no-op otherwise); ``describe``
+    says where and how it measures, for records and logs."""
+
     features: RunnerFeatures
 
-    def describe(self) -> str:
-        """Where and how it measures, for records and logs."""
-
-    def run(self, job: MeasureJob) -> MeasureResult:
-        """Build, check and time one job; never raises for a bad candidate."""
-
-    def prepare(self, jobs: Sequence[MeasureJob]) -> None:
-        """Build the candidates of ``jobs`` ahead where it can; a no-op otherwise."""
+    def describe(self) -> str: ...
+    def run(self, job: MeasureJob) -> MeasureResult: ...
+    def prepare(self, jobs: Sequence[MeasureJob]) -> None: ...
 
 
 @dataclass(frozen=True)
 class WorkerJob:
-    """A ``MeasureJob`` as a worker process runs it: where (``device``), how it is timed, and
-    what to do with the build (keep it, or only compile it into ``compile_to``)."""
+    """A ``MeasureJob`` as a worker runs it: on ``device``, timed by ``timing`` (a
+    ``timing.TimingPolicy``, typed loosely to keep timing code out of this module), keeping
+    ``builds_kept`` builds; ``build_only`` stops after the check, ``compile_to`` after compiling
+    to that path, and ``library`` is such a compiled candidate to load."""
 
     job: MeasureJob
     device: Mapping[str, object] = field(default_factory=lambda: {"kind": "local"})
-    timing: object = None  # a ``timing.TimingPolicy`` (typed loosely: this module imports no timing code)
+    timing: object = None
     builds_kept: int = 64
     build_only: bool = False
     compile_to: str | None = None
-    library: str | None = None  # a library a builder worker compiled this candidate into
-
-    def with_(self, **changes) -> WorkerJob:
-        return dataclasses.replace(self, **changes)
+    library: str | None = None
 
 
 def build_key(work: WorkerJob) -> str:
@@ -112,7 +101,3 @@ def build_key(work: WorkerJob) -> str:
     job = work.job
     return repr([job.recipe, sorted(job.target.items()), job.kernel, job.apply, job.loop_partition,
                  sorted(work.device.items()), sorted(job.check_shape.items())])
-
-
-def shape_text(shape: Mapping[str, int]) -> str:
-    return ",".join(f"{name}={value}" for name, value in sorted(shape.items()))

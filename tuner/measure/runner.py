@@ -1,19 +1,12 @@
-"""Run measurement jobs in a separate worker process with a timeout per job.
-
-A candidate that crashes the worker (a segfault in generated code, an abort in the compiler)
-or hangs past the timeout costs only that candidate: the worker is killed if needed and a
-fresh one starts for the next job. Two device kinds: this machine (``LocalRunner``) or a
-remote device reached through a TVM RPC tracker (``RPCRunner``); both build in the worker.
-
-Building is most of a CPU trial, so a local runner keeps one worker per core and ``prepare``
-builds the candidates the tuner is about to measure on all of them at once, as MetaSchedule's
-builder does. Every timing runs in the first worker, one at a time; the others only compile
-into shared libraries the first loads and checks (a worker that has run a parallel kernel keeps
-its TVM thread pool spinning on the cores for a while, which slows another's timings).
-"""
+"""Measurement jobs in worker processes, a timeout each, on this machine (``LocalRunner``) or a
+device behind a TVM RPC tracker (``RPCRunner``): a candidate that crashes or hangs costs only itself.
+``prepare`` builds ahead on one worker per core (building is most of a CPU trial). Only the first
+worker times: the others compile libraries it loads, never running a kernel whose thread pool would
+spin on the cores while it times."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -46,9 +39,7 @@ MAX_WORKERS = 4
 class MeasureOptions:
     timing: TimingPolicy = field(default_factory=TimingPolicy)
     timeout_s: float = 60.0  # per job: build + check + timing of every shape
-    # Worker processes (builds in parallel, ``LocalRunner.prepare``); None: one per core, at most
-    # ``MAX_WORKERS``. Each imports TVM (about 0.3 GB).
-    workers: int | None = None
+    workers: int | None = None  # None: one per core, at most MAX_WORKERS (each imports TVM, ~0.3 GB)
     builds_kept: int = BUILDS_KEPT  # as many as a tune builds: its later phases find them built
 
     def __post_init__(self) -> None:
@@ -58,16 +49,13 @@ class MeasureOptions:
             raise ValueError(f"builds_kept must be at least 1, got {self.builds_kept}")
 
     def for_trials(self, trials: int) -> MeasureOptions:
-        """These options, keeping every build of a ``trials``-trial tune of one operator (and its
-        default kernel's)."""
+        """Keeping every build of a ``trials``-trial tune of one operator (and its default kernel's)."""
         return replace(self, builds_kept=max(self.builds_kept, trials + 1))
 
 
 class _Worker:
-    """One ``python -m tuner.measure.worker`` process, spoken to in pickled frames over pipes.
-
-    A plain subprocess (not multiprocessing) so the caller's main module is never re-imported.
-    """
+    """One ``python -m tuner.measure.worker`` process, spoken to in pickled frames over pipes: a plain
+    subprocess, not multiprocessing, so the caller's main module is never re-imported."""
 
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
@@ -76,8 +64,7 @@ class _Worker:
     def ensure_started(self) -> None:
         if self.process is not None and self.process.poll() is None:
             return
-        # numpy's references run on one BLAS thread: OpenBLAS's workers spin on the cores for
-        # ~0.1 s after a call, and a kernel timed meanwhile waits a scheduler tick per parallel call.
+        # One BLAS thread for numpy's references: OpenBLAS's idle threads spin, slowing the timings.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tuner.measure.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             cwd=_PACKAGE_ROOT, start_new_session=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
@@ -89,95 +76,64 @@ class _Worker:
         budget = timeout_s + (STARTUP_GRACE_S if self.jobs_done == 0 else 0.0)
         try:
             worker.write_frame(self.process.stdin, work)
-            result = self._read(budget)
-        except (BrokenPipeError, ConnectionResetError, OSError, EOFError, pickle.UnpicklingError):
-            result = "died"
-        if result == "timeout":
-            self.kill()
+            header = self._read_exactly(8, time.monotonic() + budget)
+            result = pickle.loads(self._read_exactly(int.from_bytes(header, "little"), None))
+        except TimeoutError:
+            self.stop()
             return MeasureResult.failed(f"timeout: no result within {timeout_s:.0f} s (worker killed)")
-        if result == "died":
-            code = self._reap()
-            return MeasureResult.failed(f"worker process died ({_describe_exit(code)}) while measuring this candidate")
+        except (OSError, EOFError, pickle.UnpicklingError):
+            exit_text = _describe_exit(self.stop(grace_s=5))
+            return MeasureResult.failed(f"worker process died ({exit_text}) while measuring this candidate")
         self.jobs_done += 1
         return result
 
-    def _read(self, budget: float):
-        stream = self.process.stdout
-        deadline = time.monotonic() + budget
-        header = b""
-        while len(header) < 8:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return "timeout"
-            ready, _, _ = select.select([stream], [], [], remaining)
-            if not ready:
-                return "timeout"
-            chunk = os.read(stream.fileno(), 8 - len(header))
+    def _read_exactly(self, size: int, deadline: float | None) -> bytes:
+        """``size`` bytes from the worker; TimeoutError once past ``deadline`` (None: wait), EOFError if it died."""
+        stream, data = self.process.stdout.fileno(), bytearray()
+        while len(data) < size:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([stream], [], [], remaining)[0]:
+                    raise TimeoutError
+            chunk = os.read(stream, size - len(data))
             if not chunk:
-                return "died"
-            header += chunk
-        size = int.from_bytes(header, "little")
-        payload = bytearray()
-        while len(payload) < size:
-            chunk = os.read(stream.fileno(), size - len(payload))
-            if not chunk:
-                return "died"
-            payload += chunk
-        return pickle.loads(bytes(payload))
+                raise EOFError
+            data += chunk
+        return bytes(data)
 
-    def _reap(self) -> int | None:
-        if self.process is None:
+    def stop(self, grace_s: float = 0.0) -> int | None:
+        """Its exit status if it exits within ``grace_s``; else it and all it started are killed (None)."""
+        process, self.process = self.process, None
+        if process is None:
             return None
-        try:
-            code = self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            code = None
-        self.process = None
-        return code
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)  # the worker and anything it started
-            except ProcessLookupError:
-                pass
-            self.process.wait(timeout=5)
-        self.process = None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=5)
+        return None
 
     def close_input(self) -> None:
         """EOF to the worker: it exits after its current job."""
         if self.process is not None and self.process.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.process.stdin.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                self.close_input()
-                self.process.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
 
 
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def candidates_folder(temp_root: str | None = None) -> tempfile.TemporaryDirectory:
-    """A temporary folder for the builders' libraries, named after this process, after removing
-    those of processes that no longer run: a tuner killed outright (the server's re-tuning job
-    past its budget, or killed by hand) cannot remove its own, and each held a few MB."""
+    """A temporary folder for the builders' libraries, named after this process, after removing those
+    of processes no longer running: a tuner killed outright cannot remove its own."""
     root = temp_root or tempfile.gettempdir()
     pattern = re.compile(re.escape(CANDIDATES_PREFIX) + r"(\d+)-")
     for entry in os.scandir(root):
@@ -193,11 +149,11 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's: running
-        return True
+        pass
     return True
 
 
-class LocalRunner:
+class LocalRunner(contextlib.AbstractContextManager):
     """Measure on this machine's CPU (llvm) or first GPU (cuda)."""
 
     def __init__(self, options: MeasureOptions = MeasureOptions()):
@@ -209,9 +165,7 @@ class LocalRunner:
         self._libraries = candidates_folder() if count > 1 else None
         self._compiled: dict[str, str] = {}  # build key -> a library a builder compiled it into
         self._ahead: dict[str, MeasureResult] = {}  # build key -> its prepare result, until it is timed
-        # The build keys the timing worker holds, least recently used first: what its cache keeps,
-        # so an evicted build is built ahead again.
-        self._timed: OrderedDict[str, None] = OrderedDict()
+        self._timed: OrderedDict[str, None] = OrderedDict()  # the timing worker's builds, least recent first
         self._names = itertools.count()
 
     def describe(self) -> str:
@@ -221,9 +175,8 @@ class LocalRunner:
         return WorkerJob(job, device=self.device, timing=self.options.timing, builds_kept=self.options.builds_kept)
 
     def prepare(self, jobs: Sequence[MeasureJob]) -> None:
-        """Build the candidates of ``jobs`` ahead, on every worker at once: the timing worker
-        builds (and checks) its share in memory, the others compile theirs into libraries it
-        loads when ``run`` times them; a build that fails comes back as that job's result."""
+        """Build ``jobs`` ahead on every worker at once: the timing worker in memory, the others into
+        libraries; a failed build comes back as that job's result."""
         pending: deque = deque()
         for work in map(self._work, jobs):
             key = build_key(work)
@@ -238,16 +191,15 @@ class LocalRunner:
     def _drain(self, index: int, pending: deque) -> None:
         while True:
             try:
-                key, work = pending.popleft()  # (atomic: the threads share the queue)
+                key, work = pending.popleft()  # atomic: the threads share the queue
             except IndexError:
                 return
             if index == 0:
-                result = self._workers[0].run(work.with_(build_only=True), self.options.timeout_s)
+                result = self._workers[0].run(replace(work, build_only=True), self.options.timeout_s)
                 self._after_timing_worker(key, result)
-            else:
-                # (a fresh name each: loading a path already loaded would return the old library)
+            else:  # a fresh name each: loading a path already loaded would return the old library
                 library = os.path.join(self._libraries.name, f"candidate-{next(self._names)}.so")
-                result = self._workers[index].run(work.with_(compile_to=library), self.options.timeout_s)
+                result = self._workers[index].run(replace(work, compile_to=library), self.options.timeout_s)
                 if result.ok:
                     self._compiled[key] = library
             self._ahead[key] = result
@@ -258,16 +210,14 @@ class LocalRunner:
         ahead = self._ahead.pop(key, None)
         if ahead is not None and not ahead.ok:
             return ahead  # the build failed: as its timing job would have
-        result = self._workers[0].run(work.with_(library=self._compiled.get(key)), self.options.timeout_s)
-        if ahead is not None and result.ok:
-            # (the record shows what building it cost, ahead: loading a library is not a build)
+        result = self._workers[0].run(replace(work, library=self._compiled.get(key)), self.options.timeout_s)
+        if ahead is not None and result.ok:  # the cost of building ahead: loading a library is not a build
             result = replace(result, build_seconds=ahead.build_seconds, build_reused=False, built_ahead=True)
         self._after_timing_worker(key, result)
         return result
 
     def _after_timing_worker(self, key: str, result: MeasureResult) -> None:
-        """Keep count of the builds the timing worker holds, as its cache does (most recent last);
-        a worker that died or was killed took its builds with it (not the libraries)."""
+        """Track the timing worker's cache: a worker that died took its builds (not the libraries)."""
         if self._workers[0].process is None:
             self._timed.clear()
         elif result.ok:
@@ -280,15 +230,12 @@ class LocalRunner:
             self._timed.popitem(last=False)
 
     def close(self) -> None:
-        for each in self._workers:  # (all told to finish first: each takes a while to exit)
+        for each in self._workers:  # all told first: each takes a while to exit
             each.close_input()
         for each in self._workers:
-            each.close()
+            each.stop(grace_s=5)
         if self._libraries is not None:
             self._libraries.cleanup()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *_exc) -> None:
         self.close()
@@ -300,8 +247,7 @@ class RPCRunner(LocalRunner):
 
     def __init__(self, tracker: str, key: str, options: MeasureOptions = MeasureOptions(),
                  priority: int = 1, session_timeout_s: int = 120):
-        # One worker: each holds its own session, and a second would wait on the tracker for a
-        # device the first holds.
+        # One worker: each holds its own session, and a second would wait for the device the first holds.
         super().__init__(replace(options, workers=1))
         host, _, port = tracker.rpartition(":")
         if not host or not port.isdigit():

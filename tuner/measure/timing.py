@@ -1,14 +1,7 @@
-"""How a candidate is timed: one policy, one number per candidate.
-
-Each timed repeat runs the kernel ``number`` times, or more until it lasts ``min_repeat_ms`` (a
-short kernel timed over a couple of calls reads its thread pool's wake-up, not its own speed);
-the median of ``repeat`` repeats is the candidate's time. One warm call first: a candidate slower
-than the job's abandon bar (a multiple of the best known on its shape) cannot win and is kept at
-that one call's time, as tinygrad's search stops early on a hopeless program.
-
-TVM's evaluator times the repeats (on the device's clock for a GPU or over RPC). Weights stay in
-cache: the plan ranks dense kernels as served, from DRAM, by a model (``planning/weight_stream.py``).
-"""
+"""How a candidate is timed: the median of ``repeat`` repeats, each at least ``min_repeat_ms`` long
+(over a few calls a short kernel times its thread pool's wake-up). A first warm call over the job's
+abandon bar cannot win and is kept as the time, as tinygrad's search stops early. Weights stay in
+cache; plans rank kernels as served, from DRAM, by a model (``planning/weight_stream.py``)."""
 
 from __future__ import annotations
 
@@ -36,9 +29,8 @@ class TimingPolicy:
             raise ValueError(f"number and repeat must be positive and min_repeat_ms >= 0, got {self}")
 
     def time(self, module, device, arguments: Sequence, abandon_above_s: float | None, local: bool) -> float:
-        """Median seconds per call of ``module["main"](*arguments)``, timed by TVM's evaluator on
-        ``device``; on this machine (``local``) after a warm call, which alone decides a
-        candidate slower than ``abandon_above_s``."""
+        """Median seconds per call of ``module["main"](*arguments)`` by TVM's evaluator (the
+        device's clock for a GPU or over RPC); on this machine (``local``) after a warm call."""
         if local:
             function = module["main"]
             function(*arguments)  # warm-up: caches, page faults, the thread pool

@@ -1,19 +1,15 @@
-"""What runs inside a measurement worker process: build one candidate, check it against numpy on
-a sample shape, then time it on each requested shape (``timing.TimingPolicy``).
-
-Jobs and results are frozen values (``job.py``) pickled over the process pipe. Everything that
-can crash or hang (TVM's compiler, generated code) runs here, never in the tuner's own process.
-"""
+"""Inside a measurement worker process: build one candidate, check it against numpy on a sample
+shape, time it on each requested shape. Everything that can crash or hang (TVM's compiler,
+generated code) runs here, never in the tuner's own process."""
 
 from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":  # a worker process, started by ``runner.py``: before TVM is imported
-    # tvm_ffi imports torch wherever it is installed; no job uses it, and the import is most of
-    # a worker's start.
-    sys.modules.setdefault("torch", None)
+if __name__ == "__main__":  # a worker process: before TVM is imported
+    sys.modules.setdefault("torch", None)  # tvm_ffi imports torch if installed: most of a start, unused
 
+import importlib
 import os
 import pickle
 import tempfile
@@ -24,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .job import MeasureResult, WorkerJob, build_key
+from .job import DEFAULT_APPLY, MeasureResult, WorkerJob, build_key
 
 CHECK_RTOL = 1e-3
 CHECK_ATOL = 1e-3
@@ -57,54 +53,38 @@ def _expected(recipe: tuple, shape_key: tuple) -> np.ndarray:
 
 
 def _freeze(value):
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
+    return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
 
 
 class _Session:
     """Where the compiled candidate runs: this process's device, or a remote one over TVM RPC."""
 
-    def __init__(self, device_config: dict, target_kind: str, threads: int | None):
-        self.config = device_config
-        self.remote = None
-        self.uploads = 0
-        if device_config["kind"] == "rpc":
-            from tvm import rpc
-
-            tracker = rpc.connect_tracker(device_config["host"], int(device_config["port"]))
-            self.remote = tracker.request(device_config["key"], priority=int(device_config.get("priority", 1)),
-                                          session_timeout=int(device_config.get("session_timeout", 60)))
-            self.device = self.remote.cuda(0) if target_kind == "cuda" else self.remote.cpu(0)
-        else:
-            import tvm
-
-            self.device = tvm.cuda(0) if target_kind == "cuda" else tvm.cpu(0)
-            if target_kind == "llvm":
-                # Time kernels on as many threads as the served model runs them on (the engine
-                # sizes the pool the same way); TVM's default pool has half the cores on x86,
-                # which made serial kernels look as fast as parallel ones.
-                from dietserve.host.cpu import configure_cpu_threads
-
-                configure_cpu_threads(threads)
-
-    def load_library(self, path: str):
-        """A candidate another worker compiled (``compile_only``); local only."""
+    def __init__(self, config: dict, target_kind: str, threads: int | None):
         import tvm
 
-        return tvm.runtime.load_module(path)
+        self.remote, self.uploads = None, 0
+        if config["kind"] == "rpc":
+            tracker = tvm.rpc.connect_tracker(config["host"], int(config["port"]))
+            self.remote = tracker.request(config["key"], priority=int(config.get("priority", 1)),
+                                          session_timeout=int(config.get("session_timeout", 60)))
+        where = tvm if self.remote is None else self.remote
+        self.device = where.cuda(0) if target_kind == "cuda" else where.cpu(0)
+        if self.remote is None and target_kind == "llvm":
+            # As many threads as the served model runs kernels on: TVM's default pool has half the
+            # cores on x86, which made serial kernels look as fast as parallel ones.
+            from dietserve.host.cpu import configure_cpu_threads
+
+            configure_cpu_threads(threads)
 
     def load(self, executable):
         if self.remote is None:
             return executable.jit()
-        # A fresh name per candidate: the session outlives jobs, and dlopen of a path it has
-        # already loaded returns the old library.
+        # A fresh name each: the session outlives jobs, and dlopen of a path loaded before returns the old library.
         self.uploads += 1
         name = f"candidate-{os.getpid()}-{self.uploads}.so"
         with tempfile.TemporaryDirectory(prefix="dietserve-tuner-") as folder:
-            path = os.path.join(folder, name)
-            executable.export_library(path)
-            self.remote.upload(path)
+            executable.export_library(os.path.join(folder, name))
+            self.remote.upload(os.path.join(folder, name))
         return self.remote.load_module(name)
 
     def tensor(self, array: np.ndarray):
@@ -113,35 +93,37 @@ class _Session:
         return tvm.runtime.tensor(array, device=self.device)
 
 
+# One session per device for the worker's life, so an RPC session is requested once, not per job.
 _SESSIONS: dict[tuple, _Session] = {}
+# Candidates built and checked, the most recently used ``WorkerJob.builds_kept``: a kernel is
+# symbolic in the shape, so one build serves every shape it is timed on.
+_BUILDS: OrderedDict[str, object] = OrderedDict()
 
 
-def _session(device_config: dict, target_kind: str, threads: int | None = None) -> _Session:
-    """One session per device for the worker's life: an RPC session is requested from the
-    tracker once, not per candidate (a failed job drops it, see ``measure``)."""
-    key = (tuple(sorted(device_config.items())), target_kind, threads)
-    if key not in _SESSIONS:
-        _SESSIONS[key] = _Session(device_config, target_kind, threads)
-    return _SESSIONS[key]
+def _failure(err: Exception) -> MeasureResult:
+    return MeasureResult.failed(f"{type(err).__name__}: {err}", traceback.format_exc(limit=8)[-2000:])
 
 
 def measure(work: WorkerJob) -> MeasureResult:
-    """Build, check and time one candidate; never raises (errors are in the result). A job that
-    raised forgets the sessions and builds: the remote end may be what failed."""
-    started = time.perf_counter()
+    """Build, check and time one candidate; never raises. A job that raised forgets the sessions and
+    builds: the remote end may be what failed."""
     try:
-        return _measure(work, started)
+        return _measure(work, time.perf_counter())
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
         _SESSIONS.clear()
         _BUILDS.clear()
-        return MeasureResult.failed(f"{type(err).__name__}: {err}", time.perf_counter() - started,
-                                    traceback.format_exc(limit=8)[-2000:])
+        return _failure(err)
 
 
-# Candidates built and checked, kept for the worker's life (the most recently used): a kernel is
-# symbolic in the shape, so one build serves every shape it is timed on. A job says how many
-# (``WorkerJob.builds_kept``: as many as its tune builds).
-_BUILDS: OrderedDict[str, object] = OrderedDict()
+def compile_only(work: WorkerJob) -> MeasureResult:
+    """Compile the job's candidate into a library at ``work.compile_to`` and stop: a builder never
+    runs a kernel, so its thread pool never spins while the timing worker times. Never raises."""
+    started = time.perf_counter()
+    try:
+        _compiled(work, _spec(_freeze(work.job.recipe))).export_library(work.compile_to)
+    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
+        return _failure(err)
+    return MeasureResult(build_seconds=time.perf_counter() - started)
 
 
 def _compiled(work: WorkerJob, spec):
@@ -152,12 +134,9 @@ def _compiled(work: WorkerJob, spec):
     from dietserve.kernels.plan.microkernel import MicroKernel
     from dietserve.kernels.tir.build import build
 
-    from .job import DEFAULT_APPLY
-
     job = work.job
-    host = job.target.get("host")
     device_target = {name: value for name, value in job.target.items() if name != "host"}
-    target = tvm.target.Target(device_target, host=host) if host else tvm.target.Target(device_target)
+    target = tvm.target.Target(device_target, host=job.target.get("host") or None)
     kernel = None if job.kernel is None else MicroKernel.from_json(job.kernel)
     if spec.row_softmax:  # served with the softmax fused in: built as the link pass builds it
         if job.apply != DEFAULT_APPLY:
@@ -170,33 +149,22 @@ def _compiled(work: WorkerJob, spec):
     return build(scheduled, target)
 
 
-def compile_only(work: WorkerJob) -> MeasureResult:
-    """Compile the job's candidate into a shared library at ``work.compile_to`` and stop: a
-    builder worker never runs a kernel, so its TVM thread pool never spins on the cores while
-    the timing worker times. Never raises."""
-    started = time.perf_counter()
-    try:
-        _compiled(work, _spec(_freeze(work.job.recipe))).export_library(work.compile_to)
-        return MeasureResult(library=work.compile_to, build_seconds=time.perf_counter() - started)
-    except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        return MeasureResult.failed(f"{type(err).__name__}: {err}", time.perf_counter() - started,
-                                    traceback.format_exc(limit=8)[-2000:])
-
-
 def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, pack: int):
-    """(the job's candidate compiled, loaded and checked on the sample shape, whether it was kept
-    from before); or the error message of a wrong one (not kept)."""
+    """(the candidate compiled, loaded and checked on the sample shape, whether it was kept from
+    before); or the error message of a wrong one (not kept)."""
+    import tvm
+
     key = build_key(work)
     if key in _BUILDS:
         _BUILDS.move_to_end(key)
         return _BUILDS[key], True
-    module = session.load_library(work.library) if work.library else session.load(_compiled(work, spec))
-    # Correctness first: on the sample shape, against the independent reference.
+    # ``work.library``: compiled by a builder worker (``compile_only``; local only)
+    module = tvm.runtime.load_module(work.library) if work.library else session.load(_compiled(work, spec))
     check_key = tuple(sorted(work.job.check_shape.items()))
-    inputs = _kernel_inputs(recipe, check_key, pack)
     expected = _expected(recipe, check_key)
     output = session.tensor(np.full(expected.shape, np.nan, "float32"))
-    module["main"](*spec.call_arguments(dict(check_key), [session.tensor(x) for x in inputs], output))
+    inputs = [session.tensor(x) for x in _kernel_inputs(recipe, check_key, pack)]
+    module["main"](*spec.call_arguments(dict(check_key), inputs, output))
     got = output.numpy()
     if not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
         worst = float(np.nanmax(np.abs(got - expected))) if np.isfinite(got).any() else float("nan")
@@ -211,45 +179,35 @@ def _measure(work: WorkerJob, started: float) -> MeasureResult:
     from dietserve.host.cpu import target_cores
     from dietserve.kernels.plan.microkernel import MicroKernel
 
-    job, timing = work.job, work.timing
-    recipe = _freeze(job.recipe)
+    job, recipe = work.job, _freeze(work.job.recipe)
     spec = _spec(recipe)
-    session = _session(dict(work.device), job.target["kind"], target_cores(job.target))
+    key = (tuple(sorted(work.device.items())), job.target["kind"], target_cores(job.target))
+    if key not in _SESSIONS:
+        _SESSIONS[key] = _Session(dict(work.device), job.target["kind"], key[2])
+    session = _SESSIONS[key]
     pack = 0 if job.kernel is None else MicroKernel.from_json(job.kernel).pack
     outcome = _built_and_checked(work, spec, recipe, session, pack)
     if isinstance(outcome, str):  # a wrong result
-        return MeasureResult.failed(outcome, time.perf_counter() - started)
-    module, reused = outcome
-    built = time.perf_counter()
+        return MeasureResult.failed(outcome)
+    (module, reused), build_seconds = outcome, time.perf_counter() - started
     if work.build_only:  # built ahead (``LocalRunner.prepare``): timed by a later job
-        return MeasureResult(build_seconds=built - started, build_reused=reused, seconds=built - started)
+        return MeasureResult(build_seconds=build_seconds, build_reused=reused)
     latencies = []
     for shape in job.shapes:
-        arrays = _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)
+        arrays = [session.tensor(x) for x in _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)]
         output = session.tensor(np.empty(spec.output_shape(dict(shape)), "float32"))
-        arguments = spec.call_arguments(dict(shape), [session.tensor(x) for x in arrays], output)
-        latencies.append(timing.time(module, session.device, arguments, job.abandon_above_s,
-                                     local=session.remote is None))
-    return MeasureResult(latencies=tuple(latencies), build_seconds=built - started, build_reused=reused,
-                         seconds=time.perf_counter() - started)
+        arguments = spec.call_arguments(dict(shape), arrays, output)
+        latencies.append(work.timing.time(module, session.device, arguments, job.abandon_above_s,
+                                          local=session.remote is None))
+    return MeasureResult(latencies=tuple(latencies), build_seconds=build_seconds, build_reused=reused)
 
 
 def resolve(path: str):
     """``"package.module:function"`` -> the function that applies a micro-kernel (custom schedules)."""
-    import importlib
-
     module, _, name = path.partition(":")
     if not name:
         raise ValueError(f"schedule function must look like 'package.module:function', got {path!r}")
     return getattr(importlib.import_module(module), name)
-
-
-def _read_frame(stream) -> object | None:
-    header = stream.read(8)
-    if len(header) < 8:
-        return None
-    payload = stream.read(int.from_bytes(header, "little"))
-    return pickle.loads(payload)
 
 
 def write_frame(stream, message) -> None:
@@ -259,20 +217,15 @@ def write_frame(stream, message) -> None:
 
 
 def main() -> None:
-    """The worker loop over stdin/stdout frames: one ``WorkerJob`` in, one ``MeasureResult`` out,
-    until EOF. The protocol owns the original stdout; anything else printing (TVM, nvcc) goes
-    to stderr."""
-    # Run as ``-m``, this file is ``__main__``: the jobs go through the imported module, whose
-    # builds and sessions every job shares.
-    from . import worker
+    """One ``WorkerJob`` frame in on stdin, one ``MeasureResult`` frame out, until EOF. The protocol
+    owns the original stdout; anything else printing (TVM, nvcc) goes to stderr."""
+    from . import worker  # run as ``-m`` this file is ``__main__``: jobs share the imported module's caches
 
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     protocol_in = os.fdopen(0, "rb")
-    while True:
-        work = _read_frame(protocol_in)
-        if work is None:
-            return
+    while len(header := protocol_in.read(8)) == 8:
+        work = pickle.loads(protocol_in.read(int.from_bytes(header, "little")))
         write_frame(protocol_out, worker.compile_only(work) if work.compile_to else worker.measure(work))
 
 
