@@ -1,10 +1,6 @@
-"""What one tune has measured: each shape's latencies per kernel, the default rule's kernel's, and
-the kernels that failed. The phases, the planner and the cost model's seeds read it through
-queries; only the tuner writes it (``Tuner.measure``).
-
-A variant is a micro-kernel, or None for the default rule's own kernel (what an untuned build
-runs), which is measured as the bar every variant must clear on a shape.
-"""
+"""What one tune has measured: each shape's latencies per kernel, the default rule's kernel's
+(a variant of None: what an untuned build runs), and the kernels that failed. The phases and the
+planner read it through queries; only the tuner writes it (``Tuner.measure``)."""
 
 from __future__ import annotations
 

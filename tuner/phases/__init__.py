@@ -1,10 +1,6 @@
-"""The phases of a tune: each proposes what to measure next and reads the results from the
-tuner's measurements, until it has nothing left to propose or its share of the budget is spent.
-
-``Tuner.run`` runs them in turn: explore (the joint search over every shape), commit a packing
-(a plan reads one weight layout), explore again in it, verify the plan's choices, explore the
-trials left.
-"""
+"""The phases of a tune (explore, commit a packing, verify): each proposes what to measure next
+and reads the results from the tuner's measurements, until it has nothing left to propose or its
+share of the budget is spent (``Tuner.run``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Commit a packing: a plan reads one weight layout, so after the first rounds the search commits
-to the panel width the plan would take, measured against every other width on the same shapes,
-and searches only kernels that read it. Then, at once (the verification's interval probes could
-use up the budget first): the committed packing's single-pass tiles on short shapes, and each
-register-tile width on the costliest shape (an unpacked space, attention's clamped tiles, has
-no packing to commit: there every column-tile width is measured).
-"""
+to the panel width the plan would take, measured against every other width on the same shapes.
+Then, at once (verification could use up the budget first): the packing's single-pass tiles on
+short shapes, and each register-tile width on the costliest shape (an unpacked space, attention's
+clamped tiles, commits nothing and probes its column-tile widths)."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ from . import BatchPhase, Probe, by_prediction
 if TYPE_CHECKING:
     from ..tune import Tuner
 
-# Row counts where a kernel whose tile is exactly that tall is measured (or the packing's
-# tallest, where it holds fewer rows): with these every shape of 2 to SINGLE_PASS_ROWS rows has
-# a covering tile measured that pads at most a third of its rows.
+# Tile heights probed (or the packing's tallest): every shape of 2 to SINGLE_PASS_ROWS rows then
+# has a covering tile measured that pads at most a third of its rows.
 SINGLE_PASS_PROBE_ROWS = (2, 4, 7, 10, SINGLE_PASS_ROWS)
 SINGLE_PASS_SHARE = 1 / 8  # of the trial budget the commit spends on them, at most
 WIDTH_SHARE = 1 / 8  # of the trial budget the commit spends on the register-tile widths, at most
@@ -57,8 +54,8 @@ def _planned_packing(tuner: Tuner, widths: set[int]) -> int | None:
 
 
 def every_packing_probes(tuner: Tuner, widths: set[int]) -> list[Probe]:
-    """On every shape measured so far, the kernel the cost model likes best of each packing not
-    measured there: packings compared on the same shapes, not one against another's extrapolation."""
+    """On every shape measured so far, the cost model's best kernel of each packing not measured
+    there: packings compared on the same shapes, not one against another's extrapolation."""
     probes = []
     for shape in tuner.store.measured_shapes():
         here = tuner.store.on(shape)
@@ -72,11 +69,10 @@ def every_packing_probes(tuner: Tuner, widths: set[int]) -> list[Probe]:
 
 
 def single_pass_probes(tuner: Tuner, pack: int) -> list[Probe]:
-    """At each of ``SINGLE_PASS_PROBE_ROWS`` rows (or the packing's tallest tile), on the shape
-    with that many rows, the cost model's best kernel of ``pack`` whose tile has exactly as many
-    rows (on every core, where the space has one: a single pass is to keep the memory bus busy),
-    unless one is measured there: the plan's single-pass rule needs them, and a search drawn to
-    where the FLOPs are seldom reaches short shapes."""
+    """At each of ``SINGLE_PASS_PROBE_ROWS`` rows, on the shape with that many rows, the cost
+    model's best kernel of ``pack`` exactly that tall (on every core where the space has one: a
+    single pass is to keep the memory bus busy), unless one is measured there. The plan's
+    single-pass rule needs them; a search drawn to where the FLOPs are seldom reaches them."""
     if not pack:
         return []
     tiles = [k for k in tuner.space if k.pack == pack and k not in tuner.store.failed]
@@ -95,12 +91,10 @@ def single_pass_probes(tuner: Tuner, pack: int) -> list[Probe]:
 
 
 def width_probes(tuner: Tuner) -> list[Probe]:
-    """On the costliest shape (weight x FLOPs), for each register-tile width (a clamped tile's
-    columns, a packed one's panels) on every core: its tallest tile in its plainest layout (the
-    most reuse of each B vector), then the cost model's best of the width, unless measured there.
-    The evolution follows the cost model, which may steer away from a width early; calibrated on
-    the costliest shape, each width's estimate reaches the plan everywhere, and the verification
-    measures it where the plan takes it."""
+    """On the costliest shape (weight x FLOPs), for each register-tile width on every core: its
+    tallest tile in its plainest layout (the most reuse of each B vector), then the cost model's
+    best of the width, unless measured there. The evolution may steer away from a width early;
+    measured on the costliest shape, each width's estimate reaches the plan everywhere."""
     kernels = [k for k in tuner.space if (is_clamped(k) or k.pack) and k not in tuner.store.failed]
     by_cost = tuner.by_cost()
     if not kernels or not by_cost:
@@ -130,9 +124,7 @@ def _width(kernel: MicroKernel) -> int:
 
 
 def _plain(kernel: MicroKernel, depth: int) -> bool:
-    """A kernel in its plainest layout for a reduction ``depth`` deep: a packed one with one
-    register tile a task and the whole reduction in registers; any clamped one (each reduces
-    whole, and its task layouts ran alike)."""
+    """Packed: one register tile a task, the whole reduction in registers; clamped: any."""
     if not kernel.pack:
         return True
     _mr, _panel, per_tile, per_task = packed_tile(kernel)

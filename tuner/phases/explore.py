@@ -1,11 +1,7 @@
-"""Explore: DietCode's joint search over all shapes of one dynamic operator.
-
-Each round picks the shapes to work on by weighted cost (``choose_shapes``), and on each evolves
-micro-kernels under the cost model ``f_microkernel x f_adapt(shape)`` and proposes the most
-promising not yet measured there, then the default rule's kernel there (timed after them,
-against the best of them: the bar every variant must clear). The cost model is refit after each
-round.
-"""
+"""Explore: DietCode's joint search over all shapes of one dynamic operator. Each round picks
+shapes by weighted cost (``choose_shapes``); on each it evolves micro-kernels under the cost model
+``f_microkernel x f_adapt(shape)`` and proposes the most promising not yet measured there, then
+the default rule's kernel (timed after them, against their best). The model is refit each round."""
 
 from __future__ import annotations
 

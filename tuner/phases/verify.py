@@ -1,14 +1,8 @@
-"""Verify: plan, measure each tuned interval's variant (beside the default kernel) at the
-interval's ends and middle where it was only predicted, plan again, until every choice rests on
-measurements or ``VERIFY_ROUNDS`` rounds are done.
-
-Between measured shapes a plan relies on predictions (f_microkernel x f_adapt), which a small
-budget can get badly wrong; a shape measured slower than the default kernel forbids that variant
-there. First the small-T regime (the smallest shape in the plan's packing, every threading), the
-single-pass tiles, and where the plan, ranked as served, sends short shapes to a tile with a
-blocked reduction, its whole-reduction twin (timed hot the two tie; only measured can the plan
-weigh the blocked one's slower stream).
-"""
+"""Verify: plan, measure each interval's variant (beside the default kernel) at the interval's
+ends and middle where it was only predicted, plan again, at most ``VERIFY_ROUNDS`` times. Between
+measured shapes a plan relies on predictions, which a small budget can get badly wrong. First the
+small-T regime, the single-pass tiles, and the whole-reduction twins of blocked tiles the plan
+runs where the weight's stream bounds them (timed hot the twins tie)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ if TYPE_CHECKING:
     from ..tune import Tuner
 
 VERIFY_ROUNDS = 3  # plan -> measure its unverified choices -> plan again, at most this often
-# One-row kernels of the committed packing measured on the smallest shape, every threading
-# among them: a plan that saw only serial ones there missed a parallel one-row kernel.
+# One-row kernels measured on the smallest shape, every threading among them.
 SMALL_REGIME_KERNELS = 3
 # Shapes a kernel passes over in at most this many row passes: its first pass, which streams the
 # weight from DRAM, is at least half its FMAs, and how it streams shows.
@@ -52,8 +45,8 @@ class Verify(BatchPhase):
 
 
 def unverified_probes(tuner: Tuner, plan) -> list[Probe]:
-    """At the first, middle and last shape of each micro-kernel's interval of ``plan``, that
-    kernel where it or the default kernel was not measured yet."""
+    """Each micro-kernel interval's variant at its first, middle and last shape, where it or the
+    default kernel was not measured yet."""
     rows, probes, start = plan.shapes, [], 0
     for end in range(1, len(rows) + 1):
         if end < len(rows) and rows[end]["variant"] == rows[start]["variant"]:
@@ -68,11 +61,10 @@ def unverified_probes(tuner: Tuner, plan) -> list[Probe]:
 
 
 def small_regime_probes(tuner: Tuner, pack: int) -> list[Probe]:
-    """One-row kernels of the plan's packing for the smallest shape, until
-    ``SMALL_REGIME_KERNELS`` are measured there and each threading (every core, serial) is among
-    them: the threadings missing first, then the cost model's next best. An unpacked space gets
-    each threading missing on the smallest shape, any tile (kernels on every core are floored by
-    their own best there: ``estimates.nearest_measured_estimates``)."""
+    """One-row kernels of the plan's packing on the smallest shape, until ``SMALL_REGIME_KERNELS``
+    are measured there with each threading among them (the missing threadings first). An
+    unpacked space gets each missing threading, any tile (kernels on every core are floored by
+    their own best there: ``estimates``)."""
     smallest = tuner.shapes[tuner.smallest]
     measured = tuner.store.on(smallest)
     if pack:
@@ -93,9 +85,8 @@ def small_regime_probes(tuner: Tuner, pack: int) -> list[Probe]:
 
 
 def whole_reduction_probes(tuner: Tuner, plan) -> list[Probe]:
-    """Where ``plan`` (ranked as served: the tune has DRAM rates) runs a blocked-reduction tile on
-    shapes it passes over in at most ``STREAM_BOUND_PASSES`` row passes, the same tile with the
-    whole reduction at the middle such shape, unless measured there."""
+    """Where ``plan`` (ranked as served) runs a blocked-reduction tile on shapes of at most
+    ``STREAM_BOUND_PASSES`` row passes, its whole-reduction twin at the middle such shape."""
     if tuner.options.dram is None:
         return []
     runs: dict[MicroKernel, list[dict]] = {}

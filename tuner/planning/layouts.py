@@ -1,12 +1,7 @@
 """From estimates to a plan's variants: a few micro-kernels per weight layout (a greedy set
 cover of the weighted slowdown), the layout with the least, and the intervals of the decision
-tree over the ordered shapes (dynamic programming): DietCode's dispatcher.
-
-A variant is a micro-kernel, or None for the default rule's own kernel, always a candidate: no
-measured shape goes to a variant measured slower there than the untuned kernel, where the plan's
-weight layout has another variant for it (a packed plan cannot hold the untuned kernel, which
-reads its weight unpacked).
-"""
+tree over the ordered shapes (dynamic programming): DietCode's dispatcher. The default rule's
+kernel (None) is always a candidate, and the bar a variant must clear where it was measured."""
 
 from __future__ import annotations
 
