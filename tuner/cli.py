@@ -11,14 +11,32 @@ in, one kernel plan per task out (``dietserve/kernels/plan/task_file.py`` and ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
+import tvm
+
+from dietserve.host.cpu import target_cores
+from dietserve.host.hardware import GPU_PRESETS, last_level_cache_bytes
+from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError, plan_path
+from dietserve.kernels.plan.task_file import TaskFile
+
 from .database.records import RecordDatabase
+from .extract import spec_from_prim_func
+from .measure.dram import dram_read_rate
+from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
+from .measure.timing import TimingPolicy
 from .ops import EPILOGUES, attention_context, attention_scores, dense
+from .options import TuneOptions
+from .planning.weight_stream import DramRates
+from .report import format_table, workloads, write_plot
+from .space import task_space
 from .targets import resolve_target
 from .task import ShapeVar, TuningTask
+from .tune import TUNER_VERSION, Tuner
 
 
 def _say(message: str) -> None:
@@ -35,29 +53,34 @@ def _spec(args: argparse.Namespace):
 
 
 def _measure_options(args: argparse.Namespace):
-    from .measure.runner import MeasureOptions
-    from .measure.timing import TimingPolicy
-
     timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
     return MeasureOptions(timing=timing, timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
 
 
+def _runner(args: argparse.Namespace):
+    measure = _measure_options(args)
+    return RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
+
+
 def _dram_rates(args: argparse.Namespace, where):
-    """The machine's DRAM read rates, measured here (a few seconds), for plans that rank dense
-    kernels as served (``weight_stream``); None where the kernels are timed elsewhere (RPC), on
-    on a GPU, or ``--plan-weights cache``."""
+    """The machine's DRAM read rates, measured here, for plans that rank dense kernels as served
+    (``weight_stream``); None where the kernels are timed elsewhere (RPC), on a GPU, or
+    ``--plan-weights cache``."""
     if args.plan_weights == "cache" or args.rpc_tracker or where.target.get("kind") != "llvm":
         return None
-    from dietserve.host.hardware import last_level_cache_bytes
-
-    from .measure.dram import dram_read_rate
-    from .planning.weight_stream import DramRates
-
     cache = last_level_cache_bytes()
     rates = DramRates(every_core=dram_read_rate(where.cores, cache), one_core=dram_read_rate(1, cache))
     _say(f"DRAM read rate {rates.every_core / 1e9:.1f} GB/s on {where.cores} cores, {rates.one_core / 1e9:.1f} on one:"
          " plans rank dense kernels with their weight read from DRAM")
     return rates
+
+
+def _tuner(args: argparse.Namespace, task: TuningTask, where, runner, time_budget_s: float | None,
+           dram: DramRates | None) -> Tuner:
+    options = TuneOptions(trials=args.trials, time_budget_s=time_budget_s, max_variants=args.max_variants,
+                          loop_partition=args.loop_partition, seed=args.seed, dram=dram)
+    return Tuner(task, where.space, where.cores, runner, RecordDatabase(Path(args.db)), options,
+                 log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
 
 
 def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
@@ -69,58 +92,36 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .measure.runner import LocalRunner, RPCRunner
-    from .options import TuneOptions
-    from .space import task_space
-    from .tune import Tuner
-
     spec = _spec(args)
     variable = ShapeVar.parse("T", args.t)
     where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
-    options = TuneOptions(trials=args.trials, time_budget_s=args.time_budget, max_variants=args.max_variants,
-                          loop_partition=args.loop_partition, seed=args.seed, dram=_dram_rates(args, where))
-    measure = _measure_options(args)
-    runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
-    database = RecordDatabase(Path(args.db))
+    dram = _dram_rates(args, where)
+    runner = _runner(args)
     _say(f"{task.workload}: {len(task.instances)} shapes ({variable.values[0]}..{variable.values[-1]}), "
          f"{len(task_space(where.space, spec.func, where.hardware))} micro-kernels for {where.hardware.name}, "
-         f"{args.trials} trials, "
-         f"measuring on {runner.describe()}")
+         f"{args.trials} trials, measuring on {runner.describe()}")
     with runner:
-        log = _say if args.verbose else lambda _message: None
-        result = Tuner(task, where.space, where.cores, runner, database, options, log=log,
-                       hardware=where.hardware).run()
-    plan_path = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
+        result = _tuner(args, task, where, runner, args.time_budget, dram).run()
+    written = result.plan.write(Path(args.plan) if args.plan else Path(args.db).with_suffix(".plan.json"))
     _say(f"{result.trials} trials ({result.failures} failed) in {result.wall_s:.1f} s; "
-         f"{len(result.plan.variants)} variants; plan written to {plan_path}")
-    for name, _kernel in result.plan.variants.items():
+         f"{len(result.plan.variants)} variants; plan written to {written}")
+    for name in result.plan.variants:
         _say(f"  {name}: {result.plan.kernel(name)}")
     return 0
 
 
 def _target_for(description: dict):
-    """The tuning target for a manifest-style target description."""
-    from dietserve.host.cpu import target_cores
-
-    kind = description.get("kind")
-    cores = target_cores(description)
-    if kind == "cuda":
-        from dietserve.host.hardware import GPU_PRESETS
-
+    if description.get("kind") == "cuda":
         presets = {hw.arch: name for name, hw in GPU_PRESETS.items()}
         arch = description.get("arch")
         if arch not in presets:
             raise ValueError(f"no GPU preset for {arch!r}; known: {sorted(presets)}")
         return resolve_target("cuda", presets[arch])
-    return resolve_target("llvm", cores=cores, mcpu=description.get("mcpu"))
+    return resolve_target("llvm", cores=target_cores(description), mcpu=description.get("mcpu"))
 
 
 def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softmax: bool = False) -> bool:
-    import tvm
-
-    from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError
-
     if not path.exists():
         return False
     try:
@@ -131,8 +132,6 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softm
     except PlanError as err:
         _say(f"re-tuning: {err}")
         return False
-    from .tune import TUNER_VERSION
-
     if plan.provenance.get("tuner") != TUNER_VERSION:
         # A plan from another version of the search may rest on what it got wrong.
         _say(f"re-tuning: {path} was made by tuner version {plan.provenance.get('tuner')}, this is {TUNER_VERSION}")
@@ -144,27 +143,18 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softm
     return plan.provenance.get("trials_requested", 0) >= trials
 
 
+def _model_task(description, where) -> TuningTask:
+    spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func), row_softmax=description.softmax)
+    variable = ShapeVar(description.vary["var"], description.vary["values"])
+    return TuningTask.create(spec, where.target, variable, description.weights or None, description.fixed)
+
+
 def cmd_tune_tasks(args: argparse.Namespace) -> int:
-    import dataclasses
-    import time
-
-    import tvm
-
-    from dietserve.kernels.plan.kernel_plan import plan_path
-    from dietserve.kernels.plan.task_file import TaskFile
-
-    from .extract import spec_from_prim_func
-    from .measure.runner import LocalRunner, RPCRunner
-    from .options import TuneOptions
-    from .tune import Tuner
-
     tasks = TaskFile.read(Path(args.tasks))
     where = _target_for(tasks.target)
-    database = RecordDatabase(Path(args.db))
-    measure = _measure_options(args)
     budget_each = args.time_budget / len(tasks.tasks) if args.time_budget else None
     started = time.monotonic()
-    runner = RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
+    runner = _runner(args)
     _say(f"measuring on {runner.describe()}")
     dram = _dram_rates(args, where)
     with runner:
@@ -174,22 +164,16 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax):
                 _say(f"{header}: plan {out} is up to date")
                 continue
-            spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func), row_softmax=description.softmax)
-            values = description.vary["values"]
-            task = TuningTask.create(spec, where.target, ShapeVar(description.vary["var"], values),
-                                     description.weights or None, description.fixed)
-            _say(f"{header}: {len(values)} shapes of {task.dispatch_var}, {args.trials} trials"
+            task = _model_task(description, where)
+            _say(f"{header}: {len(task.instances)} shapes of {task.dispatch_var}, {args.trials} trials"
                  + (", timed with its fused softmax" if description.softmax else ""))
-            options = TuneOptions(trials=args.trials, time_budget_s=budget_each, max_variants=args.max_variants,
-                                  seed=args.seed, dram=dram)
-            tuner = Tuner(task, where.space, where.cores, runner, database, options,
-                          log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
+            tuner = _tuner(args, task, where, runner, budget_each, dram)
             result = tuner.run()
             # The model's key (computed on its own PrimFunc) names the workload, not ours of the copy.
             plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
-                                       provenance={
-                **result.plan.provenance, "trials_requested": args.trials, "records": str(Path(args.db).resolve()),
-                "model": tasks.model, "softmax": description.softmax})
+                                       provenance={**result.plan.provenance, "trials_requested": args.trials,
+                                                   "records": str(Path(args.db).resolve()), "model": tasks.model,
+                                                   "softmax": description.softmax})
             plan.write(out)
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
             _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in "
@@ -199,8 +183,6 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import format_table, workloads, write_plot
-
     database = RecordDatabase(Path(args.db))
     if not database.path.exists():
         raise SystemExit(f"no records database at {database.path}")
@@ -225,7 +207,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
+def _add_tune_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags ``tune`` and ``tune-tasks`` share: the plan's size, where and how candidates are timed."""
+    parser.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
+    parser.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
+    parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate before it is killed")
     parser.add_argument("--number", type=int, default=2, help="runs per timed repeat")
     parser.add_argument("--repeat", type=int, default=3, help="timed repeats (median kept)")
@@ -241,10 +227,7 @@ def _add_measure_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tuner", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_tune_parser(commands) -> None:
     tune = commands.add_parser("tune", help="tune one dynamic-shape operator for all its shapes")
     tune.add_argument("--op", choices=("dense", "attention_scores", "attention_context"), required=True)
     tune.add_argument("--k", type=int, help="dense: reduction size K")
@@ -262,14 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--sm-count", type=int, help="cuda: override the preset's SM count")
     tune.add_argument("--trials", type=int, default=256, help="micro-kernels to measure (default 256)")
     tune.add_argument("--time-budget", type=float, help="stop after this many seconds")
-    tune.add_argument("--max-variants", type=int, default=4, help="micro-kernels in the dispatch plan")
     tune.add_argument("--loop-partition", action="store_true", help="also partition boundary loops")
     tune.add_argument("--db", default="records.jsonl", help="records database (JSON lines, appended)")
     tune.add_argument("--plan", help="where to write the dispatch plan (default: DB with .plan.json)")
-    tune.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
-    tune.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
-    _add_measure_flags(tune)
+    _add_tune_flags(tune)
     tune.set_defaults(run=cmd_tune)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tuner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_tune_parser(commands)
     model_tasks = commands.add_parser("tune-tasks", help="tune a model's operators from a task file "
                                                          "(written by python -m dietserve tune)")
     model_tasks.add_argument("--tasks", required=True, help="task description file (dietserve.tuning-tasks)")
@@ -277,11 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_tasks.add_argument("--plans", required=True, help="directory for one <workload>.plan.json per task")
     model_tasks.add_argument("--trials", type=int, default=64, help="measurements per operator (default 64)")
     model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
-    model_tasks.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
-    model_tasks.add_argument("--rpc-tracker", help="host:port of a TVM RPC tracker to measure on remote devices")
-    model_tasks.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
-    _add_measure_flags(model_tasks)
-    model_tasks.set_defaults(run=cmd_tune_tasks)
+    _add_tune_flags(model_tasks)
+    model_tasks.set_defaults(run=cmd_tune_tasks, loop_partition=False)
     report = commands.add_parser("report", help="per-shape table and latency plot from a records database")
     report.add_argument("--db", required=True)
     report.add_argument("--workload", help="only this workload (default: every one in the database)")
@@ -298,5 +282,3 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"error: {err}")
         return 2
 
-
-__all__ = ["build_parser", "main"]

@@ -1,10 +1,9 @@
 """Tasks from the PrimFuncs of a compiled Relax model: any matmul-like PrimFunc (one
 multiply-accumulate reduction, element-wise producers and epilogue) with symbolic dims.
 
-The reference for correctness checks is the same PrimFunc compiled unscheduled for the host CPU:
-TVM's plain lowering, independent of any micro-kernel. An operator served fused with the softmax
-of its rows (``row_softmax``: attention's scores) is timed that way, its kernels built as the
-model's link pass builds them, and checked against that reference softmaxed by numpy.
+The correctness reference is the same PrimFunc compiled unscheduled for the host CPU, independent
+of any micro-kernel; for an operator served fused with its rows' softmax (``row_softmax``), that
+reference softmaxed by numpy.
 """
 
 from __future__ import annotations
@@ -39,39 +38,32 @@ def spec_from_prim_func(name: str, func: tirx.PrimFunc, row_softmax: bool = Fals
         they are read off input dims that are a var alone (not ``batch * seq_len``)."""
         if "lib" not in reference_lib:
             reference_lib["lib"] = tvm.compile(func, tvm.target.Target({"kind": "llvm"}))
-        shape = dict(shape) if shape is not None else _vars_from(inputs)
+        shape = dict(shape) if shape is not None else _vars_from(name, params, variables, inputs)
         out = tvm.runtime.tensor(np.zeros(shapes_of(shape)[-1], str(params[-1].dtype)))
         reference_lib["lib"](*spec.call_arguments(shape, [tvm.runtime.tensor(x) for x in inputs], out))
         return numpy_softmax(out.numpy()) if row_softmax else out.numpy()
 
-    def _vars_from(inputs) -> dict[str, int]:
-        shape = {}
-        for buffer, array in zip(params, inputs, strict=False):
-            for extent, size in zip(buffer.shape, array.shape, strict=True):
-                if isinstance(extent, tirx.Var):
-                    shape[extent.name] = size
-        missing = set(variables) - set(shape)
-        if missing:
-            raise ValueError(f"{name}: pass shape= to the reference; {sorted(missing)} are not input dims")
-        return shape
-
-    text = tvm.ir.save_json(func)
     spec = OperatorSpec(
         # Timed with the softmax, its records are another workload's.
-        name=f"{name}[{workload_key(func)}]" + ("+softmax" if row_softmax else ""),
-        kind="prim_func",
-        func=func,
-        shape_vars=tuple(sorted(variables)),
-        input_shapes=lambda shape: shapes_of(shape)[:-1],
-        output_shape=lambda shape: shapes_of(shape)[-1],
-        reference=reference,
-        flops=lambda shape: 2 * math.prod(evaluate(extent, shape) for extent in extents),
-        static=None,
-        recipe=("prim_func", name, text, row_softmax),
-        scalar_params=scalars,
-        row_softmax=row_softmax,
-    )
+        name=f"{name}[{workload_key(func)}]" + ("+softmax" if row_softmax else ""), kind="prim_func", func=func,
+        shape_vars=tuple(sorted(variables)), input_shapes=lambda shape: shapes_of(shape)[:-1],
+        output_shape=lambda shape: shapes_of(shape)[-1], reference=reference,
+        flops=lambda shape: 2 * math.prod(evaluate(extent, shape) for extent in extents), static=None,
+        recipe=("prim_func", name, tvm.ir.save_json(func), row_softmax), scalar_params=scalars,
+        row_softmax=row_softmax)
     return spec
+
+
+def _vars_from(name: str, params: list, variables, inputs) -> dict[str, int]:
+    shape = {}
+    for buffer, array in zip(params, inputs, strict=False):
+        for extent, size in zip(buffer.shape, array.shape, strict=True):
+            if isinstance(extent, tirx.Var):
+                shape[extent.name] = size
+    missing = set(variables) - set(shape)
+    if missing:
+        raise ValueError(f"{name}: pass shape= to the reference; {sorted(missing)} are not input dims")
+    return shape
 
 
 def numpy_softmax(x: np.ndarray) -> np.ndarray:

@@ -1,11 +1,7 @@
-"""The operators BERT spends ~90% of its time in, as symbolic TE definitions with numpy
-references: dense layers with a fused bias (and GELU) epilogue, and the two attention
-batch matmuls, where the sequence length T is symbolic in two places.
-
-Each builder returns an ``OperatorSpec``: a PrimFunc whose row count (dense) or sequence length
-(attention) is a symbolic ``int64`` var, plus what is needed to test and time it for a concrete
-shape (input shapes, a numpy reference, the FLOP count).
-"""
+"""BERT's hot operators as symbolic TE definitions: dense layers with fused epilogues and the two
+attention batch matmuls (T symbolic in two places). Each builder returns an ``OperatorSpec``: the
+PrimFunc plus what testing and timing it on a concrete shape needs (input shapes, a numpy
+reference, the FLOP count)."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from dietserve.kernels.cpu_packed.packing import pack_array, weight_param
 from dietserve.kernels.tir.gelu import gelu_expr
 
 Shape = Mapping[str, int]
@@ -35,14 +32,12 @@ class OperatorSpec:
     static: Callable[[Shape], tirx.PrimFunc] | None  # the same operator with every var bound, no Let
     recipe: tuple = ()  # how to rebuild this spec in another process: see ``from_recipe``
     epilogue: str = "none"
-    # Scalar params (position, var name): Relax passes symbolic dims that no buffer shape
-    # gives alone (rows = batch * seq_len) as int64 arguments.
+    # (position, var name): symbolic dims no buffer shape gives alone (rows = batch * seq_len),
+    # which Relax passes as int64 arguments.
     scalar_params: tuple[tuple[int, str], ...] = ()
-    # Served (and so timed) with its result softmaxed over the last axis by the same kernel.
-    row_softmax: bool = False
+    row_softmax: bool = False  # served (so timed) with its rows softmaxed by the same kernel
 
     def expected(self, shape: Shape, inputs: list[np.ndarray]) -> np.ndarray:
-        """The reference output for ``inputs`` of ``shape``."""
         if self.scalar_params:
             return self.reference(*inputs, shape=shape)
         return self.reference(*inputs)
@@ -59,18 +54,33 @@ def _prim_func(tensors) -> tirx.PrimFunc:
     return te.create_prim_func(tensors, index_dtype_override="int64").with_attr("global_symbol", "main")
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    from scipy.special import erf
-
-    return erf(x)
-
-
 def numpy_gelu(x: np.ndarray) -> np.ndarray:
     """Exact (erf) GELU, as BERT and Relax's legalization use."""
-    return (0.5 * x * (1.0 + _erf(x.astype(np.float64) / math.sqrt(2.0)))).astype(x.dtype)
+    from scipy.special import erf
+
+    return (0.5 * x * (1.0 + erf(x.astype(np.float64) / math.sqrt(2.0)))).astype(x.dtype)
 
 
 EPILOGUES = ("none", "bias", "bias_gelu", "bias_residual")
+
+
+def _dense_func(k: int, n: int, epilogue: str, rows, bind: bool = True) -> tirx.PrimFunc:
+    x = te.placeholder((rows, k), "float32", name="X")
+    w = te.placeholder((k, n), "float32", name="W")
+    r = te.reduce_axis((0, k), name="k")
+    y = te.compute((rows, n), lambda i, j: te.sum(x[i, r] * w[r, j], axis=r), name="matmul")
+    tensors = [x, w]
+    if epilogue != "none":
+        bias = te.placeholder((n,), "float32", name="bias")
+        y = te.compute((rows, n), lambda i, j: y[i, j] + bias[j], name="add_bias")
+        tensors.append(bias)
+        if epilogue == "bias_gelu":  # the model's GELU (exact erf, vectorised)
+            y = te.compute((rows, n), lambda i, j: gelu_expr(y[i, j], bind), name="gelu")
+        if epilogue == "bias_residual":
+            residual = te.placeholder((rows, n), "float32", name="residual")
+            y = te.compute((rows, n), lambda i, j: y[i, j] + residual[i, j], name="add_residual")
+            tensors.append(residual)
+    return _prim_func([*tensors, y])
 
 
 def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
@@ -81,24 +91,6 @@ def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
     if k < 1 or n < 1:
         raise ValueError(f"dense needs positive K and N, got K={k} N={n}")
 
-    def build(rows, bind: bool = True):
-        x = te.placeholder((rows, k), "float32", name="X")
-        w = te.placeholder((k, n), "float32", name="W")
-        r = te.reduce_axis((0, k), name="k")
-        y = te.compute((rows, n), lambda i, j: te.sum(x[i, r] * w[r, j], axis=r), name="matmul")
-        tensors = [x, w]
-        if epilogue != "none":
-            bias = te.placeholder((n,), "float32", name="bias")
-            y = te.compute((rows, n), lambda i, j: y[i, j] + bias[j], name="add_bias")
-            tensors.append(bias)
-            if epilogue == "bias_gelu":  # the model's GELU (exact erf, vectorised)
-                y = te.compute((rows, n), lambda i, j: gelu_expr(y[i, j], bind), name="gelu")
-            if epilogue == "bias_residual":
-                residual = te.placeholder((rows, n), "float32", name="residual")
-                y = te.compute((rows, n), lambda i, j: y[i, j] + residual[i, j], name="add_residual")
-                tensors.append(residual)
-        return _prim_func([*tensors, y])
-
     def reference(x, w, bias=None, residual=None):
         y = x @ w
         if bias is not None:
@@ -108,26 +100,17 @@ def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
         return numpy_gelu(y) if epilogue == "bias_gelu" else y
 
     def input_shapes(shape: Shape):
-        shapes = [(shape["T"], k), (k, n)]
-        shapes += [(n,)] if epilogue != "none" else []
+        shapes = [(shape["T"], k), (k, n)] + ([(n,)] if epilogue != "none" else [])
         return shapes + ([(shape["T"], n)] if epilogue == "bias_residual" else [])
 
-    suffix = "" if epilogue == "none" else f"_{epilogue}"
     return OperatorSpec(
-        name=f"dense{suffix}[K={k},N={n}]",
-        kind="dense",
-        func=build(te.var("T", "int64")),
-        shape_vars=("T",),
-        input_shapes=input_shapes,
-        output_shape=lambda shape: (shape["T"], n),
-        reference=reference,
-        flops=lambda shape: 2 * shape["T"] * k * n,
-        # Without Let bindings: MetaSchedule's FLOP estimate fails on a Let ("Do not have a
-        # default for prim.Let"), and that baseline lost the GELU layer to it.
-        static=lambda shape: build(shape["T"], bind=False),
-        recipe=("dense", k, n, epilogue),
-        epilogue=epilogue,
-    )
+        name=f"dense{'' if epilogue == 'none' else '_' + epilogue}[K={k},N={n}]", kind="dense",
+        func=_dense_func(k, n, epilogue, te.var("T", "int64")), shape_vars=("T",),
+        input_shapes=input_shapes, output_shape=lambda shape: (shape["T"], n),
+        reference=reference, flops=lambda shape: 2 * shape["T"] * k * n,
+        # Without Let bindings: MetaSchedule's FLOP estimate fails on a Let.
+        static=lambda shape: _dense_func(k, n, epilogue, shape["T"], bind=False),
+        recipe=("dense", k, n, epilogue), epilogue=epilogue)
 
 
 def _batch_matmul(kind: str, names: tuple[str, str], heads: int, head_dim: int, batch: int,
@@ -145,17 +128,11 @@ def _batch_matmul(kind: str, names: tuple[str, str], heads: int, head_dim: int, 
         return _prim_func([a, b, c])
 
     return OperatorSpec(
-        name=f"{kind}[BH={bh},d={head_dim}]",
-        kind=kind,
-        func=build(te.var("T", "int64")),
-        shape_vars=("T",),
+        name=f"{kind}[BH={bh},d={head_dim}]", kind=kind, func=build(te.var("T", "int64")), shape_vars=("T",),
         input_shapes=lambda shape: [(bh, *dims(shape["T"])[0]), (bh, *dims(shape["T"])[1])],
-        output_shape=lambda shape: (bh, *dims(shape["T"])[2]),
-        reference=lambda a, b: a @ b,
-        flops=lambda shape: 2 * bh * shape["T"] ** 2 * head_dim,
-        static=lambda shape: build(shape["T"]),
-        recipe=(kind, heads, head_dim, batch),
-    )
+        output_shape=lambda shape: (bh, *dims(shape["T"])[2]), reference=lambda a, b: a @ b,
+        flops=lambda shape: 2 * bh * shape["T"] ** 2 * head_dim, static=lambda shape: build(shape["T"]),
+        recipe=(kind, heads, head_dim, batch))
 
 
 def attention_scores(heads: int = 12, head_dim: int = 64, batch: int = 1) -> OperatorSpec:
@@ -190,12 +167,9 @@ def random_inputs(spec: OperatorSpec, shape: Shape, seed: int = 0) -> list[np.nd
 
 
 def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> list[np.ndarray]:
-    """``inputs`` as a kernel reads them: the weight in panels of ``pack`` (0: as they are).
-    Inputs leave out the PrimFunc's scalar params, so the weight's position shifts past them."""
+    """``inputs`` as a kernel reads them: the weight in panels of ``pack`` (0: as they are)."""
     if not pack:
         return inputs
-    from dietserve.kernels.cpu_packed.packing import pack_array
-
     index = weight_input(spec)
     return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
 
@@ -203,20 +177,9 @@ def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> li
 def weight_input(spec: OperatorSpec) -> int | None:
     """The position of the constant weight among ``spec``'s inputs (``random_inputs``' order,
     which leaves out the PrimFunc's scalar params); None if the operator has none."""
-    from dietserve.kernels.cpu_packed.packing import weight_param
-
     found = weight_param(spec.func)
     if found is None:
         return None
     param = found[0]
     return param - sum(1 for position, _ in spec.scalar_params if position < param)
 
-
-def structural_key(func: tirx.PrimFunc) -> str:
-    import tvm_ffi
-
-    return f"{tvm_ffi.structural_hash(func) & 0xFFFFFFFFFFFF:012x}"
-
-
-__all__ = ["EPILOGUES", "OperatorSpec", "attention_context", "attention_scores", "dense", "from_recipe",
-           "kernel_inputs", "random_inputs", "structural_key"]

@@ -19,12 +19,10 @@ class TuneOptions:
     max_variants: int = 4
     max_intervals: int = 8  # leaves of the decision tree (each is a scheduled copy in the code)
     loop_partition: bool = False
-    # "module:function" applying a kernel (a custom schedule), called as ``apply_kernel`` is:
-    # (func, kernel, target: tvm Target, loop_partition)
+    # "module:function" applying a kernel, called as ``apply_kernel`` is
     apply: str = DEFAULT_APPLY
     seed: int = 0
-    # The machine's DRAM read rates: plans then rank dense kernels as served, their weight from
-    # DRAM (``weight_stream.served_estimates``); None: as timed, the weight in cache.
+    # Given, plans rank dense kernels as served, their weight from DRAM; None: as timed, cached.
     dram: DramRates | None = None
 
     def __post_init__(self) -> None:

@@ -1,5 +1,4 @@
-"""A progress bar for long tuning runs: redrawn in place on a terminal, a line every few
-seconds otherwise (logs, CI)."""
+"""A progress bar for tuning: redrawn in place on a terminal, a line every few seconds otherwise."""
 
 from __future__ import annotations
 
@@ -11,11 +10,8 @@ from typing import TextIO
 class ProgressBar:
     def __init__(self, total: int, label: str, stream: TextIO | None = None, width: int = 24,
                  every_s: float = 10.0):
-        self.total = max(1, total)
-        self.label = label
+        self.total, self.label, self.width, self.every_s = max(1, total), label, width, every_s
         self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self.every_s = every_s
         self.started = time.monotonic()
         self._last_line = 0.0
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -27,8 +23,7 @@ class ProgressBar:
         self._last_line = now
         filled = min(self.width, self.width * done // self.total)
         bar = "#" * filled + "-" * (self.width - filled)
-        elapsed = now - self.started
-        line = f"{self.label} [{bar}] {done}/{self.total} trials {elapsed:6.1f}s {detail}"
+        line = f"{self.label} [{bar}] {done}/{self.total} trials {now - self.started:6.1f}s {detail}"
         if self._tty:
             self.stream.write("\r" + line[:160].ljust(160))
         else:

@@ -1,14 +1,14 @@
-"""Summaries of tuning records (read once from the database): a per-shape table and a plot
-of latency vs the shape var."""
+"""Summaries of tuning records: a per-shape table and a plot of latency vs the shape var."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT
 from dietserve.kernels.plan.microkernel import MicroKernel
 
-from .database.records import TuningRecord
+from .database.records import TuningRecord, fastest_per_shape
 
 
 def workloads(records: list[TuningRecord]) -> list[tuple[str, str]]:
@@ -17,15 +17,8 @@ def workloads(records: list[TuningRecord]) -> list[tuple[str, str]]:
 
 def best_rows(records: list[TuningRecord], workload: str, target: str) -> list[tuple[dict, TuningRecord, int]]:
     """(shape, fastest record, kernels measured there) per measured shape, by shape."""
-    best: dict[tuple, TuningRecord] = {}
-    counts: dict[tuple, int] = {}
-    for record in records:
-        if record.workload != workload or record.target != target or not record.ok:
-            continue
-        key = record.shape_key()
-        counts[key] = counts.get(key, 0) + 1
-        if key not in best or record.latency_s < best[key].latency_s:
-            best[key] = record
+    ok = [r for r in records if r.workload == workload and r.target == target and r.ok]
+    best, counts = fastest_per_shape(ok), Counter(r.shape_key() for r in ok)
     return [(dict(key), best[key], counts[key]) for key in sorted(best)]
 
 
@@ -54,10 +47,9 @@ def write_plot(records: list[TuningRecord], workload: str, target: str, path: Pa
     if not rows:
         raise ValueError(f"no successful measurements of {workload} on {target} to plot")
     var = _varying(rows)
-    xs = [shape[var] for shape, _, _ in rows]
-    ys = [record.latency_s * 1e3 for _, record, _ in rows]
     figure, axis = plt.subplots(figsize=(7, 4))
-    axis.plot(xs, ys, marker="o", markersize=3, linewidth=1)
+    axis.plot([shape[var] for shape, _, _ in rows], [record.latency_s * 1e3 for _, record, _ in rows],
+              marker="o", markersize=3, linewidth=1)
     axis.set_xlabel(var)
     axis.set_ylabel("best latency (ms)")
     axis.set_xscale("log", base=2)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm
+
 from dietserve.host.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
+from .space.gpu import gpu_space
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,6 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
     """``llvm``: this machine's CPU (detected; ``cores``/``mcpu`` override); ``cuda``: a GPU
     preset (``sm_count`` overrides), measured wherever the runner runs."""
     if kind == "cuda":
-        from .space.gpu import gpu_space
-
         if gpu not in GPU_PRESETS:
             raise ValueError(f"unknown GPU preset {gpu!r}; known: {sorted(GPU_PRESETS)}")
         hardware = GPU_PRESETS[gpu].with_overrides(sm_count=sm_count) if sm_count else GPU_PRESETS[gpu]
@@ -33,16 +34,12 @@ def resolve_target(kind: str = "llvm", gpu: str = "h100", cores: int | None = No
         return TuningTarget(target, gpu_space(hardware), hardware.sm_count, hardware)
     if kind != "llvm":
         raise ValueError(f"target must be llvm or cuda, got {kind!r}")
-    from dietserve.host.cpu import cpu_flags, host_cpu, target_cpu_flags
+    from dietserve.host.cpu import cpu_flags, host_cpu, target_cpu_flags  # looked up at call time (tests patch it)
 
     flags = cpu_flags() or set()
     if mcpu:
-        # The named CPU's instruction sets, as far as this machine has them (the kernels are
-        # measured here): tuning for an AVX2 CPU (``--mcpu znver3``) on an AVX-512 host must
-        # size the register tiles to 16 registers of 8 lanes, not to this CPU's 32 of 16. (The
-        # caches are still this machine's.)
-        import tvm
-
+        # The named CPU's instruction sets, as far as this machine (which times the kernels) has
+        # them: an AVX2 target on an AVX-512 host gets register tiles for 16 registers of 8 lanes.
         named = target_cpu_flags(tvm.target.Target({"kind": "llvm", "mcpu": mcpu}))
         flags = named & flags if flags else named
     hardware = detect_cpu(flags)

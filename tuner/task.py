@@ -44,7 +44,7 @@ class ShapeVar:
 @dataclass(frozen=True, eq=False)  # identity hash: caches key on the task object
 class TuningTask:
     spec: OperatorSpec
-    target: dict  # a TVM target as a dict, e.g. {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+    target: dict  # a TVM target as a dict
     instances: tuple[tuple[tuple[str, int], ...], ...]  # each a sorted (var, value) tuple
     weights: tuple[float, ...]
     fixed: Mapping[str, int] = field(default_factory=dict)
@@ -72,10 +72,6 @@ class TuningTask:
     @property
     def target_key(self) -> str:
         return " ".join(f"{k}={v}" for k, v in sorted(self.target.items()) if k != "host")
-
-    @property
-    def target_kind(self) -> str:
-        return self.target["kind"]
 
     def shapes(self) -> list[dict[str, int]]:
         return [dict(instance) for instance in self.instances]
@@ -119,20 +115,15 @@ class TuningTask:
 
     def axis_extents(self, shape: Mapping[str, int]) -> dict[str, int]:
         """Concrete extents of the matmul's axes: ``b`` (all batch axes), ``i``, ``j``, ``k``."""
-        key = tuple(sorted(shape.items()))
-        return dict(_axis_extents_cached(self, key))
+        return dict(_axis_extents_cached(self, tuple(sorted(shape.items()))))
 
 
 @functools.lru_cache(maxsize=65536)
 def _flops_cached(task: TuningTask, key: tuple) -> int:
-    return task.spec.flops(dict(key))  # (a plan prices every candidate on every shape: 0.9 M calls a tune)
+    return task.spec.flops(dict(key))  # cached: a plan prices every candidate on every shape
 
 
 @functools.lru_cache(maxsize=65536)
 def _axis_extents_cached(task: TuningTask, key: tuple) -> tuple:
-    values = [evaluate(extent, dict(key)) for extent in task._extents]
-    *batch, i, j, k = values
-    b = 1
-    for value in batch:
-        b *= value
-    return (("b", b), ("i", i), ("j", j), ("k", k))
+    *batch, i, j, k = [evaluate(extent, dict(key)) for extent in task._extents]
+    return (("b", math.prod(batch)), ("i", i), ("j", j), ("k", k))

@@ -1,13 +1,6 @@
-"""f_adapt: how well one micro-kernel fits one concrete shape (DietCode, MLSys 2022).
-
-A micro-kernel's throughput on a shape is its shape-independent throughput (f_microkernel,
-learned) times two analytic penalties:
-- padding efficiency: shapes are padded up to whole tiles, and the padded work is wasted:
-  prod over axes of S / (ceil(S / t) * t) (a packed kernel's last row pass runs a shorter
-  remainder tile: ``cpu_packed.computed_extent``);
-- core occupancy: instances run in waves over the cores (SMs on a GPU); a last, partial wave
-  leaves cores idle: P / (ceil(P / cores) * cores) for P instances.
-"""
+"""f_adapt: how well one micro-kernel fits one concrete shape (DietCode, MLSys 2022), as two
+analytic penalties on its shape-independent throughput: the padding to whole tiles
+(``computed_extent``) and the idle cores (or SMs) of a last, partial wave of instances."""
 
 from __future__ import annotations
 
@@ -39,14 +32,8 @@ def core_occupancy(instances: int, cores: int) -> float:
     return instances / (math.ceil(instances / cores) * cores)
 
 
-def adapt_factor(
-    shape: Mapping[str, int],
-    kernel: MicroKernel,
-    parallel_axes: Iterable[str],
-    padded_axes: Iterable[str],
-    cores: int,
-) -> float:
+def adapt_factor(shape: Mapping[str, int], kernel: MicroKernel, parallel_axes: Iterable[str],
+                 padded_axes: Iterable[str], cores: int) -> float:
     """f_adapt in (0, 1]: multiply f_microkernel's throughput by it to predict this shape's."""
-    parallel_axes = tuple(parallel_axes)
     instances = kernel_instances(shape, kernel, parallel_axes)
     return padding_efficiency(shape, kernel, padded_axes) * core_occupancy(instances, cores)

@@ -1,10 +1,5 @@
-"""Shape-independent features of a micro-kernel, for f_microkernel.
-
-Generic over targets: log2 of every tile size per axis and level, the register/thread tile
-and whole-tile areas, the register tile's arithmetic intensity, the staging scopes, unroll
-and vector width. What differs between CPU and CUDA kernels is in the tile levels' meaning,
-which the learned model sorts out from measurements.
-"""
+"""Shape-independent features of a micro-kernel, for f_microkernel: generic over targets (the
+learned model sorts out what the tile levels mean on CPU and CUDA from measurements)."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def register_tile(kernel: MicroKernel) -> tuple[int, int]:
 def register_intensity(kernel: MicroKernel) -> float:
     """FMAs per load instruction in one reduction step of the register tile: ``mr`` rows of
     ``v = nr / lanes`` vectors take ``mr * v`` FMAs, ``mr`` broadcasts and ``v`` vector loads,
-    so ``mr * v / (mr + v)``. What bounds an inner loop's FLOP rate by its loads: counted in
-    elements instead, a 14 x 8 tile (14 broadcasts for 14 FMAs) would look better than 4 x 24."""
+    so ``mr * v / (mr + v)``: what bounds an inner loop's FLOP rate by its loads."""
     rows, columns = register_tile(kernel)
     vectors = max(columns / max(kernel.vector, 1), 1.0)
     return rows * vectors / (rows + vectors)

@@ -1,10 +1,6 @@
 """The cost model: f_microkernel (XGBoost, trained online) x f_adapt (analytic, per shape).
-
-Each measurement of kernel c on shape s gives an *adapted-away* throughput
-``flops(s) / latency / f_adapt(c, s)``; f_microkernel learns its log from the kernel's
-features. The predicted latency of any (kernel, shape) pair is then
-``flops(s) / (f_microkernel(c) * f_adapt(c, s))``.
-"""
+f_microkernel learns the log of each measurement's throughput with f_adapt divided out; a
+(kernel, shape) pair is then predicted to take ``flops(s) / (f_microkernel(c) * f_adapt(c, s))``."""
 
 from __future__ import annotations
 
@@ -20,14 +16,13 @@ from dietserve.kernels.plan.microkernel import MicroKernel
 from .adapt import core_occupancy, kernel_instances, padding_efficiency
 from .features import feature_matrix, register_intensity
 
-MIN_SAMPLES = 8  # below this the model predicts nothing and the search explores at random
+MIN_SAMPLES = 8  # below this the model stays untrained (``kernel_throughput``'s prior)
 
 
 def adapt(extents: Mapping[str, int], kernel: MicroKernel, cores: int) -> float:
     """f_adapt for the matmul axes (b, i, j, k): padding of i, j (and k where it is tiled)
     times the occupancy of ``b x ceil(i/mc) x ceil(j/nc)`` instances on ``cores``."""
-    # Memoised: a plan prices every candidate on every shape (60 x 512 pairs, four plans a tune),
-    # and this took 1.6 s of a 27 s tune of one operator.
+    # Memoised: a plan prices every candidate on every shape.
     return _adapt(tuple(extents.items()), kernel, cores)
 
 
@@ -36,15 +31,10 @@ def _adapt(extent_items: tuple, kernel: MicroKernel, cores: int) -> float:
     extents = dict(extent_items)
     cores = 1 if kernel.threads == 1 else cores  # a serial kernel occupies its one core fully
     if is_clamped(kernel):
-        # The overlap of a clamped edge tile wastes what padding to whole register tiles would;
-        # a task is ``ti`` row tiles (its column tiles run in turn). A shape smaller than the
-        # tile runs a smaller one (``tile_at``), one row tile per task, and vectors of as many
-        # lanes as its columns: forced (scores, 13-row tile), 8 of 16 lanes ran at the full
-        # tile's rate per useful FLOP (T = 13: 100 against 103 GFLOP/s at T = 16), 4 lanes at
-        # 0.42 of it (T = 7); scalar code (under 4 columns) far slower. A factor of 1 / 32
-        # here, from when every such shape was scalar, made a narrow shape's measurement
-        # carry to wider shapes 32x too fast (a plan sent T = 16-20 to a serial kernel
-        # estimated at 1 TFLOP/s).
+        # A clamped edge tile's overlap wastes what padding would; a task is ``ti`` row tiles.
+        # A shape smaller than the tile runs a smaller one (``tile_at``), one row tile per task,
+        # with vectors as wide as its columns: half-width vectors keep the full rate, narrower
+        # ones lose, scalar code most (so narrow shapes' measurements do not carry as too fast).
         height, width = tile_at(kernel, extents["i"], extents["j"])
         rows, columns = extents["i"], extents["j"]
         overlap = rows / (math.ceil(rows / height) * height) \
@@ -62,10 +52,9 @@ def _adapt(extent_items: tuple, kernel: MicroKernel, cores: int) -> float:
 
 class CostModel:
     def __init__(self, cores: int, seed: int = 0):
-        self.cores = cores
-        self.seed = seed
+        self.cores, self.seed = cores, seed
         self._kernels: list[MicroKernel] = []
-        self._targets: list[float] = []
+        self._targets: list[float] = []  # log of each measurement's throughput, f_adapt divided out
         self._booster = None
 
     @property
@@ -88,10 +77,8 @@ class CostModel:
         self._booster = xgboost.train(params, data, num_boost_round=120)
 
     def kernel_throughput(self, kernels: list[MicroKernel]) -> np.ndarray:
-        """f_microkernel: predicted shape-independent FLOP/s. Untrained, a prior from the
-        hardware's side of the kernel: proportional to its register tile's FMAs per loaded
-        element (so the first proposals are tiles that can reach the FMA rate, and f_adapt
-        still sends small shapes to small tiles)."""
+        """f_microkernel: predicted shape-independent FLOP/s. Untrained, a prior proportional to the
+        register tile's FMAs per load, so the first proposals are tiles that can reach the FMA rate."""
         if self._booster is None:
             return np.asarray([register_intensity(kernel) for kernel in kernels], dtype=np.float64)
         import xgboost

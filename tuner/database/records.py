@@ -1,12 +1,11 @@
 """Tuning records as JSON lines: appended, flushed and fsynced one record at a time, never
-rewritten. A crash can leave at most a truncated last line, which reading skips (and counts).
-"""
+rewritten. A crash can leave at most a truncated last line, which reading skips (and counts)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class TuningRecord:
     workload: str  # e.g. "dense_bias_gelu[K=768,N=3072]"
-    target: str  # e.g. "llvm -mcpu=znver3" or "cuda sm_90"
+    target: str  # ``TuningTask.target_key``
     kernel: str  # MicroKernel.to_json()
     shape: dict  # symbolic var -> value, e.g. {"T": 128}
     latency_s: float | None  # median seconds; None when the candidate failed
@@ -38,8 +37,7 @@ class RecordDatabase:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps(asdict(record), sort_keys=True) + "\n"
         with open(self.path, "a", encoding="utf-8") as stream:
-            # A previous crash may have left a partial line without its newline; start a
-            # fresh line so this record stays readable.
+            # A crash may have left a partial line: start a fresh one so this record stays readable.
             if stream.tell() > 0 and not self._ends_with_newline():
                 stream.write("\n")
             stream.write(line)
@@ -68,12 +66,7 @@ class RecordDatabase:
         return [r for r in self.records() if r.workload == workload and r.target == target and r.ok]
 
     def best_per_shape(self, workload: str, target: str) -> dict[tuple, TuningRecord]:
-        best: dict[tuple, TuningRecord] = {}
-        for record in self.query(workload, target):
-            key = record.shape_key()
-            if key not in best or record.latency_s < best[key].latency_s:
-                best[key] = record
-        return best
+        return fastest_per_shape(self.query(workload, target))
 
     def top_k(self, workload: str, target: str, shape: dict, k: int) -> list[TuningRecord]:
         """The ``k`` fastest distinct kernels measured on ``shape``."""
@@ -85,3 +78,13 @@ class RecordDatabase:
             ):
                 fastest[record.kernel] = record
         return sorted(fastest.values(), key=lambda r: r.latency_s)[:k]
+
+
+def fastest_per_shape(records: Iterable[TuningRecord]) -> dict[tuple, TuningRecord]:
+    """The fastest of ``records`` (successful ones) per shape key."""
+    best: dict[tuple, TuningRecord] = {}
+    for record in records:
+        key = record.shape_key()
+        if key not in best or record.latency_s < best[key].latency_s:
+            best[key] = record
+    return best

@@ -1,11 +1,7 @@
-"""Evolutionary search over the micro-kernel space, guided by the cost model.
-
-Kernels are points of a finite space (``space/``); a mutation moves one knob (one tile level
-of one axis, the staging scopes or the unroll) to another value for which the space has a
-kernel; a crossover takes each axis's tiles from one of two parents. Each generation keeps
-the best-scoring half and refills with children; a share of the proposals is drawn at random
-so the cost model keeps seeing new regions (epsilon-greedy).
-"""
+"""Evolutionary search over the (finite) micro-kernel space, guided by the cost model: a mutation
+moves one knob to another value the space has a kernel for, a crossover takes each knob from
+one of two parents; each generation keeps the best-scoring half, and a share of the proposals is
+drawn at random so the cost model keeps seeing new regions (epsilon-greedy)."""
 
 from __future__ import annotations
 
@@ -37,9 +33,7 @@ class EvolutionarySearch:
             raise ValueError("the micro-kernel space is empty for this hardware")
         self.members = set(self.space)
         self.rng = random.Random(seed)
-        self.population = population
-        self.generations = generations
-        self.epsilon = epsilon
+        self.population, self.generations, self.epsilon = population, generations, epsilon
         # Per knob position, the values the space uses there.
         self._values = [sorted({_knobs(k)[p] for k in self.space}, key=repr) for p in range(len(_knobs(self.space[0])))]
 
@@ -75,10 +69,9 @@ class EvolutionarySearch:
             parents = ranked[: max(2, len(ranked) // 2)]
             children = []
             while len(parents) + len(children) < self.population:
-                if self.rng.random() < 0.3:
-                    children.append(self.crossover(self.rng.choice(parents), self.rng.choice(parents)))
-                else:
-                    children.append(self.mutate(self.rng.choice(parents)))
+                crossover = self.rng.random() < 0.3
+                children.append(self.crossover(self.rng.choice(parents), self.rng.choice(parents)) if crossover
+                                else self.mutate(self.rng.choice(parents)))
             population = list(dict.fromkeys(parents + children))
         scores = score(population)
         ranked = [population[i] for i in np.argsort(-scores) if population[i] not in exclude]

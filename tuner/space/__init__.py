@@ -11,11 +11,9 @@ from .cpu import whole_task_fits_l2
 
 def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardware | None = None) -> list[MicroKernel]:
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
-    task width divides its weight's columns and whose reduction block divides its depth (and,
-    given the CPU ``hardware``, whose whole-reduction task block stays in its L2 at that depth:
-    ``whole_task_fits_l2``), when it has a weight and some fit (packing first); else the
-    clamped-tile kernels where the operator takes them (they need no padding, so they replace
-    the padded ones); else the padded kernels."""
+    task width divides its weight's columns, whose reduction block divides its depth and (given
+    CPU ``hardware``) whose task stays in L2 there, if any; else the clamped-tile kernels, which
+    need no padding, where the operator takes them; else the padded kernels."""
     weight = weight_param(func)
     packed = []
     if weight is not None:

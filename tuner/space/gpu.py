@@ -1,31 +1,15 @@
 """The CUDA micro-kernel space: every kernel a GPU's limits allow, independent of any shape.
 
-A CUDA micro-kernel (see ``tuner/schedule/cuda.py`` for how it is applied) is encoded as
-
-    tile = (("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,)))
-
-``tm x tn`` is one thread's register tile, ``ty x tx`` the thread grid of a block, so a block
-computes a ``bm x bn = (tm * ty) x (tn * tx)`` output tile, stepping through the reduction ``bk``
-at a time with both operand tiles staged in shared memory. ``vector`` is the width of the
-shared-memory fill's global loads, ``unroll`` the auto-unroll limit (0 leaves it to nvcc),
-``cache_scopes`` = (operand scope, accumulator scope).
-
-The rules, each from the hardware description alone (fp32 operands):
-
-* threads: ``ty * tx`` is a whole number of warps and at most ``max_threads_per_block``; ``tx`` is
-  8, 16 or 32 so a warp spans whole rows of the thread grid and its stores cover whole 32-byte
-  sectors.
-* register tile: ``tm, tn`` in 1..8 (powers of two) with ``tm * tn >= tm + tn``: at least one FMA per
-  shared-memory load, since shared-memory bandwidth is a fraction of FMA throughput.
-* registers: accumulators ``tm * tn`` + operand fragments ``tm + tn`` + 16 for addresses and
-  counters must fit ``registers_per_thread``, and two blocks' worth must fit
-  ``registers_per_block`` (two resident blocks hide one block's fill behind the other's FMAs).
-* shared memory: ``4 * bk * (bm + bn)`` bytes, two blocks' worth within
-  ``max_shared_memory_per_block``; above CUDA's 48 KiB static limit the tiles use dynamically
-  sized shared memory (scope "shared.dyn", which the runtime opts in to).
-* fill: ``vector`` (1, 2, 4) divides ``bk`` and ``bn`` (both operand tiles' rows) and every thread
-  loads the same number of whole vectors of each tile.
-* ``bk`` in 8, 16, 32; ``unroll`` in 0, 64.
+``tile = (("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,)))``: a ``tm x tn`` register tile per thread,
+a ``ty x tx`` thread grid per block, the reduction ``bk`` at a time with both operand tiles in
+shared memory; ``vector`` is the fill's load width, ``unroll`` the auto-unroll limit (0: nvcc's).
+Rules (fp32):
+* threads: whole warps, at most ``max_threads_per_block``; ``tx`` in 8, 16, 32 so a warp's stores
+  cover whole 32-byte sectors.
+* ``tm * tn >= tm + tn``: at least one FMA per shared-memory load.
+* registers and shared memory: two blocks' worth fit, so one block's fill hides behind the
+  other's FMAs; tiles over CUDA's 48 KiB static limit use "shared.dyn".
+* fill: ``vector`` divides both operand tiles' rows and every thread loads as many vectors.
 """
 
 from __future__ import annotations
@@ -34,8 +18,6 @@ from itertools import product
 
 from dietserve.host.hardware import GpuHardware
 from dietserve.kernels.plan.microkernel import MicroKernel
-
-__all__ = ["STATIC_SHARED_MEMORY_BYTES", "gpu_space", "registers_per_thread", "shared_memory_bytes", "threads"]
 
 STATIC_SHARED_MEMORY_BYTES = 48 * 1024  # CUDA's limit for statically sized __shared__ arrays
 REGISTER_OVERHEAD = 16  # addresses, loop counters, the thread's indices
@@ -79,18 +61,14 @@ def gpu_space(hw: GpuHardware) -> list[MicroKernel]:
     """Every micro-kernel ``hw`` can run under the rules above, in a stable order."""
     kernels = []
     for (ty, tx), tm, tn in product(_thread_grids(hw), REGISTER_TILES, REGISTER_TILES):
-        block_threads = ty * tx
+        block_threads, bm, bn = ty * tx, tm * ty, tn * tx
         registers = tm * tn + tm + tn + REGISTER_OVERHEAD
-        if tm * tn < tm + tn or registers > hw.registers_per_thread:
+        if tm * tn < tm + tn or registers > min(hw.registers_per_thread, hw.registers_per_block / (2 * block_threads)):
             continue
-        if 2 * registers * block_threads > hw.registers_per_block:
-            continue
-        bm, bn = tm * ty, tn * tx
         for bk, vector, unroll in product(REDUCTION_STEPS, VECTOR_WIDTHS, UNROLL_STEPS):
             shared = BYTES_PER_ELEMENT * bk * (bm + bn)
-            if 2 * shared > hw.max_shared_memory_per_block:
-                continue
-            if not (_balanced_fill(bm, bk, block_threads, vector) and _balanced_fill(bk, bn, block_threads, vector)):
+            fill = _balanced_fill(bm, bk, block_threads, vector) and _balanced_fill(bk, bn, block_threads, vector)
+            if 2 * shared > hw.max_shared_memory_per_block or not fill:
                 continue
             scope = "shared.dyn" if shared > STATIC_SHARED_MEMORY_BYTES else "shared"
             kernels.append(MicroKernel(tile=(("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,))), unroll=unroll,
