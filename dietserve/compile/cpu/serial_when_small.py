@@ -1,7 +1,7 @@
 """Small shapes run serial: each default-scheduled PrimFunc with a parallel loop nest gets a
 serial copy of it too, taken where its output is at most ``SERIAL_UP_TO_ELEMENTS`` elements
 (a branch on its symbolic shape, as the tuned kernels' decision trees are compiled in:
-``kernels/dispatch.py``).
+``kernels/decision_tree_func.py``).
 
 A parallel loop wakes the thread pool and waits for its slowest thread (longer when a
 neighbour holds a core), which at seq 1 costs more than the work: bert-base has about 100 such
