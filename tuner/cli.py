@@ -1,11 +1,8 @@
-"""Command line of the tuner, usable without the server.
+"""Command line of the tuner, usable without the server. ``tune-tasks`` is how ``python -m
+dietserve tune`` hands over a model's operators: a task file in, one kernel plan per task out.
 
     python -m tuner tune --op dense --k 768 --n 3072 --t 1:512 --target llvm --trials 256 --db records.jsonl
     python -m tuner tune-tasks --tasks tasks.json --db records.jsonl --plans DIR --trials 64
-    python -m tuner report --db records.jsonl [--plot latency.png]
-
-``tune-tasks`` is how ``python -m dietserve tune`` hands over a model's operators: a task file
-in, one kernel plan per task out (``dietserve/kernels/plan/task_file.py`` and ``plan.py``).
 """
 
 from __future__ import annotations
@@ -30,13 +27,11 @@ from .measure.dram import dram_read_rate
 from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
 from .measure.timing import TimingPolicy
 from .ops import EPILOGUES, attention_context, attention_scores, dense
-from .options import TuneOptions
 from .planning.weight_stream import DramRates
-from .report import format_table, workloads, write_plot
 from .space import task_space
 from .targets import resolve_target
 from .task import ShapeVar, TuningTask
-from .tune import TUNER_VERSION, Tuner
+from .tune import TUNER_VERSION, TuneOptions, Tuner
 
 
 def _say(message: str) -> None:
@@ -52,14 +47,14 @@ def _spec(args: argparse.Namespace):
     return builder(args.heads, args.head_dim, args.batch)
 
 
-def _measure_options(args: argparse.Namespace):
+def _measure_options(args: argparse.Namespace) -> MeasureOptions:
     timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
     return MeasureOptions(timing=timing, timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
 
 
-def _runner(args: argparse.Namespace):
-    measure = _measure_options(args)
-    return RPCRunner(args.rpc_tracker, args.rpc_key, measure) if args.rpc_tracker else LocalRunner(measure)
+def _runner(args: argparse.Namespace) -> LocalRunner:
+    options = _measure_options(args)
+    return RPCRunner(args.rpc_tracker, args.rpc_key, options) if args.rpc_tracker else LocalRunner(options)
 
 
 def _dram_rates(args: argparse.Namespace, where):
@@ -182,31 +177,6 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    database = RecordDatabase(Path(args.db))
-    if not database.path.exists():
-        raise SystemExit(f"no records database at {database.path}")
-    records = list(database.records())
-    found = workloads(records)
-    if args.workload:
-        found = [(w, t) for w, t in found if w == args.workload]
-    if not found:
-        raise SystemExit(f"{database.path} has no records{' for ' + args.workload if args.workload else ''}")
-    for index, (workload, target) in enumerate(found):
-        print(format_table(records, workload, target))
-        print()
-        plot = Path(args.plot) if args.plot else database.path.with_suffix(".png")
-        if len(found) > 1:
-            plot = plot.with_name(f"{plot.stem}-{index}{plot.suffix}")
-        try:
-            _say(f"plot of {workload}: {write_plot(records, workload, target, plot)}")
-        except ValueError as err:
-            _say(str(err))
-    if database.skipped_lines:
-        _say(f"skipped {database.skipped_lines} unreadable line(s) (a truncated write)")
-    return 0
-
-
 def _add_tune_flags(parser: argparse.ArgumentParser) -> None:
     """Flags ``tune`` and ``tune-tasks`` share: the plan's size, where and how candidates are timed."""
     parser.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
@@ -266,11 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
     _add_tune_flags(model_tasks)
     model_tasks.set_defaults(run=cmd_tune_tasks, loop_partition=False)
-    report = commands.add_parser("report", help="per-shape table and latency plot from a records database")
-    report.add_argument("--db", required=True)
-    report.add_argument("--workload", help="only this workload (default: every one in the database)")
-    report.add_argument("--plot", help="PNG path (default: DB with .png)")
-    report.set_defaults(run=cmd_report)
     return parser
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dietserve.host.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
@@ -18,28 +19,59 @@ from dietserve.kernels.plan.microkernel import MicroKernel
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
-from .measure.job import MeasureJob, MeasureResult, Runner
+from .measure.job import DEFAULT_APPLY, MeasureJob, MeasureResult, Runner
 from .measure.timing import abandon_bar
 from .measurements import Measurements, shape_key
-from .options import TuneOptions, TuneResult
 from .phases import Phase, Probe
 from .phases.commit import CommitPacking
 from .phases.explore import Explore
 from .phases.verify import Verify
 from .planning import make_plan
+from .planning.weight_stream import DramRates
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .space import task_space
 from .task import TuningTask
 
 TUNER_VERSION = 49  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
-DEFAULT_OPTIONS = TuneOptions()
 PACKING_SHARE = 3 / 8  # of the trial budget explored over every packing before one is committed
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    trials: int = 256  # micro-kernel measurements (each builds one candidate)
+    time_budget_s: float | None = None
+    candidates_per_round: int = 8
+    shapes_per_round: int = 2
+    max_variants: int = 4
+    max_intervals: int = 8  # leaves of the decision tree (each is a scheduled copy in the code)
+    loop_partition: bool = False
+    # "module:function" applying a kernel, called as ``apply_kernel`` is
+    apply: str = DEFAULT_APPLY
+    seed: int = 0
+    # Given, plans rank dense kernels as served, their weight from DRAM; None: as timed, cached.
+    dram: DramRates | None = None
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise ValueError(f"trials must be at least 1, got {self.trials}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
+        if self.max_variants < 1 or self.candidates_per_round < 1 or self.shapes_per_round < 1:
+            raise ValueError("max_variants, candidates_per_round and shapes_per_round must be positive")
+
+
+@dataclass
+class TuneResult:
+    plan: KernelPlan
+    trials: int
+    failures: int
+    wall_s: float
 
 
 class Tuner:
     def __init__(self, task: TuningTask, space: list[MicroKernel], cores: int, runner: Runner,
-                 database: RecordDatabase, options: TuneOptions = DEFAULT_OPTIONS,
+                 database: RecordDatabase, options: TuneOptions = TuneOptions(),
                  log: Callable[[str], None] = lambda _m: None, progress_stream=None,
                  hardware: CpuHardware | GpuHardware | None = None):
         self.task, self.runner, self.database, self.options = task, runner, database, options

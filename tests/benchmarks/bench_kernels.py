@@ -45,10 +45,13 @@ from tuner.database.records import RecordDatabase  # noqa: E402
 from tuner.measure.runner import LocalRunner, MeasureOptions  # noqa: E402
 from tuner.measure.timing import TimingPolicy  # noqa: E402
 from tuner.ops import attention_context, attention_scores, dense  # noqa: E402
-from tuner.options import TuneOptions, TuneResult  # noqa: E402
 from tuner.targets import resolve_target  # noqa: E402
 from tuner.task import ShapeVar, TuningTask  # noqa: E402
-from tuner.tune import Tuner  # noqa: E402
+from tuner.tune import (  # noqa: E402
+    TuneOptions,
+    Tuner,  # noqa: E402
+    TuneResult,
+)
 
 LENGTHS = [1, 2, 7, 13, 31, 64, 97, 127, 128, 129, 200, 257, 300, 384, 449, 512]  # 16, with primes
 METASCHEDULE_LENGTHS = [1, 13, 64, 128, 300, 512]

@@ -14,10 +14,9 @@ from tuner.database.records import RecordDatabase
 from tuner.measure.timing import ABANDON_FACTOR
 from tuner.measurements import shape_key
 from tuner.ops import dense
-from tuner.options import TuneOptions
 from tuner.phases import Probe
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import Tuner
+from tuner.tune import TuneOptions, Tuner
 
 from .fake_runner import FakeRunner
 

@@ -19,7 +19,6 @@ from tuner.cost_model.features import register_tile
 from tuner.database.records import RecordDatabase
 from tuner.measurements import shape_key
 from tuner.ops import attention_context, attention_scores, dense
-from tuner.options import TuneOptions
 from tuner.phases import Probe
 from tuner.phases.commit import SINGLE_PASS_PROBE_ROWS, CommitPacking, single_pass_probes, width_probes
 from tuner.phases.verify import SMALL_REGIME_KERNELS, small_regime_probes
@@ -28,7 +27,7 @@ from tuner.planning.estimates import CARRY_PENALTY, FLOOR_MARGIN, nearest_measur
 from tuner.planning.layouts import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts
 from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import Tuner
+from tuner.tune import TuneOptions, Tuner
 
 from .fake_runner import FakeRunner
 

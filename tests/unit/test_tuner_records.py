@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tuner.database import RecordDatabase, TuningRecord
+from tuner.database.records import fastest_per_shape
 from tuner.space import MicroKernel
 
 A = MicroKernel(tile=(("T", (4,)), ("N", (16,))), vector=8).to_json()
@@ -16,16 +17,14 @@ def _record(kernel: str, t: int, latency: float | None, error: str | None = None
     return TuningRecord("dense[K=768,N=768]", "llvm znver3", kernel, {"T": t}, latency, error)
 
 
-def test_best_per_shape_and_top_k(tmp_path: Path) -> None:
+def test_the_fastest_record_per_shape(tmp_path: Path) -> None:
     db = RecordDatabase(tmp_path / "records.jsonl")
     for kernel, t, latency in [(A, 128, 2.0e-3), (B, 128, 1.5e-3), (A, 7, 1e-4), (B, 7, 3e-4), (A, 128, 1.8e-3)]:
         db.append(_record(kernel, t, latency))
     db.append(_record(B, 7, None, error="timeout"))
-    best = db.best_per_shape("dense[K=768,N=768]", "llvm znver3")
+    best = fastest_per_shape(r for r in db.records() if r.ok)
     assert best[(("T", 128),)].kernel == B and best[(("T", 7),)].kernel == A
-    top = db.top_k("dense[K=768,N=768]", "llvm znver3", {"T": 128}, k=5)
-    assert [(r.kernel, r.latency_s) for r in top] == [(B, 1.5e-3), (A, 1.8e-3)]
-    assert db.query("dense[K=768,N=768]", "cuda sm_90") == []
+    assert best[(("T", 128),)].latency_s == 1.5e-3
 
 
 def test_truncated_last_line_is_skipped_and_appending_continues(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from tuner.database.records import RecordDatabase
 from tuner.measure.dram import dram_read_rate
 from tuner.measurements import shape_key
 from tuner.ops import attention_scores, dense
-from tuner.options import TuneOptions
 from tuner.phases.verify import whole_reduction_probes
 from tuner.planning.layouts import plan_layouts
 from tuner.planning.weight_stream import (
@@ -34,7 +33,7 @@ from tuner.space import CPU_PRESETS
 from tuner.space.cpu import packed_cpu_space
 from tuner.targets import resolve_target
 from tuner.task import ShapeVar, TuningTask
-from tuner.tune import Tuner
+from tuner.tune import TuneOptions, Tuner
 
 from .fake_runner import FakeRunner
 

@@ -62,23 +62,6 @@ class RecordDatabase:
                 except (json.JSONDecodeError, TypeError):
                     self.skipped_lines += 1
 
-    def query(self, workload: str, target: str) -> list[TuningRecord]:
-        return [r for r in self.records() if r.workload == workload and r.target == target and r.ok]
-
-    def best_per_shape(self, workload: str, target: str) -> dict[tuple, TuningRecord]:
-        return fastest_per_shape(self.query(workload, target))
-
-    def top_k(self, workload: str, target: str, shape: dict, k: int) -> list[TuningRecord]:
-        """The ``k`` fastest distinct kernels measured on ``shape``."""
-        key = tuple(sorted(shape.items()))
-        fastest: dict[str, TuningRecord] = {}
-        for record in self.query(workload, target):
-            if record.shape_key() == key and (
-                record.kernel not in fastest or record.latency_s < fastest[record.kernel].latency_s
-            ):
-                fastest[record.kernel] = record
-        return sorted(fastest.values(), key=lambda r: r.latency_s)[:k]
-
 
 def fastest_per_shape(records: Iterable[TuningRecord]) -> dict[tuple, TuningRecord]:
     """The fastest of ``records`` (successful ones) per shape key."""

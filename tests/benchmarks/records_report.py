@@ -1,14 +1,21 @@
-"""Summaries of tuning records: a per-shape table and a plot of latency vs the shape var."""
+"""A tuner records database summarised: per workload, a per-shape table of the best latency and a
+plot of latency against the shape var (``dietserve explain`` reads plans; this reads records).
+
+    python tests/benchmarks/records_report.py --db records.jsonl [--workload W] [--plot latency.png]
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections import Counter
 from pathlib import Path
 
-from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT
-from dietserve.kernels.plan.microkernel import MicroKernel
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from .database.records import TuningRecord, fastest_per_shape
+from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT  # noqa: E402
+from dietserve.kernels.plan.microkernel import MicroKernel  # noqa: E402
+from tuner.database.records import RecordDatabase, TuningRecord, fastest_per_shape  # noqa: E402
 
 
 def workloads(records: list[TuningRecord]) -> list[tuple[str, str]]:
@@ -76,3 +83,34 @@ def _varying(rows) -> str:
 
 def _kernel_text(kernel: str) -> str:
     return "default rule (untuned)" if kernel == DEFAULT_VARIANT else str(MicroKernel.from_json(kernel))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--workload", help="only this workload (default: every one in the database)")
+    parser.add_argument("--plot", help="PNG path (default: DB with .png)")
+    args = parser.parse_args(argv)
+    database = RecordDatabase(Path(args.db))
+    if not database.path.exists():
+        raise SystemExit(f"no records database at {database.path}")
+    records = list(database.records())
+    found = [(w, t) for w, t in workloads(records) if args.workload in (None, w)]
+    if not found:
+        raise SystemExit(f"{database.path} has no records{' for ' + args.workload if args.workload else ''}")
+    for index, (workload, target) in enumerate(found):
+        print(format_table(records, workload, target), end="\n\n")
+        plot = Path(args.plot) if args.plot else database.path.with_suffix(".png")
+        if len(found) > 1:
+            plot = plot.with_name(f"{plot.stem}-{index}{plot.suffix}")
+        try:
+            print(f"plot of {workload}: {write_plot(records, workload, target, plot)}", file=sys.stderr)
+        except ValueError as err:
+            print(err, file=sys.stderr)
+    if database.skipped_lines:
+        print(f"skipped {database.skipped_lines} unreadable line(s) (a truncated write)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
