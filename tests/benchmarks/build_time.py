@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tvm  # noqa: E402
 from bench_kernels import OPERATORS  # noqa: E402
-from cold_weights import FEATURES, without_feature  # noqa: E402
+from cold_weights import FEATURES, settings_without  # noqa: E402
 from forced_kernels import llvm_target, packed_kernel  # noqa: E402
 from tvm.ir.instrument import PassTimingInstrument  # noqa: E402
 
@@ -36,12 +36,12 @@ from dietserve.kernels.apply import apply_kernel  # noqa: E402
 from dietserve.kernels.tir.build import build  # noqa: E402
 
 
-def build_once(op: str, kernel, target, profile: bool = False) -> tuple[float, float, str]:
-    """(seconds applying the kernel, seconds compiling it, the TVM passes' timing report if
-    ``profile``) of one build."""
+def build_once(op: str, kernel, target, settings, profile: bool = False) -> tuple[float, float, str]:
+    """(seconds applying the kernel with ``settings``, seconds compiling it, the TVM passes'
+    timing report if ``profile``) of one build."""
     spec = OPERATORS[op]()
     start = time.perf_counter()
-    func = apply_kernel(spec.func, kernel, target)
+    func = apply_kernel(spec.func, kernel, target, settings=settings)
     applied = time.perf_counter()
     timing = PassTimingInstrument()
     with tvm.transform.PassContext(instruments=[timing] if profile else []):
@@ -78,9 +78,9 @@ def main() -> int:
         kernel = packed_kernel(text, lanes)
         full = None
         for without in [None, *args.without]:
-            with without_feature(without):
-                builds = [build_once(args.op, kernel, target) for _ in range(args.repeats)]
-                rendered = build_once(args.op, kernel, target, True)[2] if args.passes else ""
+            settings = settings_without(target, without)
+            builds = [build_once(args.op, kernel, target, settings) for _ in range(args.repeats)]
+            rendered = build_once(args.op, kernel, target, settings, True)[2] if args.passes else ""
             apply_s = statistics.median(b[0] for b in builds)
             compile_s = statistics.median(b[1] for b in builds)
             total = apply_s + compile_s
