@@ -189,8 +189,9 @@ def _kernel_cases(quick: bool) -> list[dict]:
     """(operator, kernel, loop partition, what to do) for the kernel bundle."""
     import random
 
+    from dietserve.host.hardware import GPU_PRESETS
+    from dietserve.kernels.plan.microkernel import MicroKernel
     from tuner.ops import attention_context, attention_scores, dense
-    from tuner.space import GPU_PRESETS, MicroKernel
     from tuner.space.gpu import gpu_space, shared_memory_bytes
 
     h100, t4 = gpu_space(GPU_PRESETS["h100"]), gpu_space(GPU_PRESETS["t4"])

@@ -10,9 +10,10 @@ import functools
 import numpy as np
 import pytest
 
+from dietserve.host.hardware import GPU_PRESETS
 from dietserve.kernels.cuda.kernel import apply_cuda
+from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.ops import OperatorSpec, attention_context, attention_scores, dense, random_inputs
-from tuner.space import GPU_PRESETS, MicroKernel
 from tuner.space.gpu import gpu_space, shared_memory_bytes
 
 pytestmark = pytest.mark.gpu

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.cost_model import adapt_factor, core_occupancy, kernel_instances, padding_efficiency
-from tuner.space import GPU_PRESETS, MicroKernel
+from dietserve.host.hardware import GPU_PRESETS
+from dietserve.kernels.plan.microkernel import MicroKernel
+from tuner.cost_model.adapt import adapt_factor, core_occupancy, kernel_instances, padding_efficiency
 
 # A dense [T, K] x [K, N] micro-kernel: 32 x 64 output tile (8x4 and 4x16 per level), K by 8.
 KERNEL = MicroKernel(tile=(("T", (8, 4)), ("N", (4, 16)), ("K", (8,))), vector=4)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tuner.database import RecordDatabase, TuningRecord
-from tuner.database.records import fastest_per_shape
-from tuner.space import MicroKernel
+from dietserve.kernels.plan.microkernel import MicroKernel
+from tuner.database.records import RecordDatabase, TuningRecord, fastest_per_shape
 
 A = MicroKernel(tile=(("T", (4,)), ("N", (16,))), vector=8).to_json()
 B = MicroKernel(tile=(("T", (6,)), ("N", (16,))), vector=8).to_json()

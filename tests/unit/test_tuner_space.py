@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.space import CPU_PRESETS, GPU_PRESETS, MicroKernel, detect_cpu
+from dietserve.host.hardware import CPU_PRESETS, GPU_PRESETS, detect_cpu
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 
 def _fake_sysfs(root: Path, caches: list[tuple[int, str, str]]) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.cpu_packed.kernel import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.plan.microkernel import MicroKernel
 from tuner.cli import _dram_rates
@@ -29,7 +30,6 @@ from tuner.planning.weight_stream import (
     served_over_rates,
     weight_bytes,
 )
-from tuner.space import CPU_PRESETS
 from tuner.space.cpu import packed_cpu_space
 from tuner.targets import resolve_target
 from tuner.task import ShapeVar, TuningTask

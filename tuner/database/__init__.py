@@ -1,5 +1,1 @@
-"""Append-only tuning records."""
-
-from .records import RecordDatabase, TuningRecord
-
-__all__ = ["RecordDatabase", "TuningRecord"]
+"""Append-only tuning records (``records.py``)."""

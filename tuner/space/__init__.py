@@ -1,6 +1,6 @@
 """Micro-kernel search space: built from hardware limits, not from any one shape."""
 
-from dietserve.host.hardware import CPU_PRESETS, GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
+from dietserve.host.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
 from dietserve.kernels.cpu_packed.kernel import packed_tile
 from dietserve.kernels.cpu_packed.packing import weight_param
@@ -31,5 +31,3 @@ def _blocks_fit(kc: int, depth: int) -> bool:
     """A reduction block that splits the weight's depth into whole blocks (1: not blocked)."""
     return kc == 1 or (kc < depth and depth % kc == 0)
 
-
-__all__ = ["CPU_PRESETS", "GPU_PRESETS", "CpuHardware", "GpuHardware", "MicroKernel", "detect_cpu", "task_space"]
