@@ -87,6 +87,7 @@ class Tuner:
         self.shapes, self.weights = task.shapes(), list(task.weights)
         self.store = Measurements(task, cores)
         self.trials = self.failures = self.reused = 0
+        self.check_shape = task.check_shape()  # (once: every job and record carries it)
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
         self._reuse_records()
@@ -171,7 +172,7 @@ class Tuner:
 
     def _job(self, probe: Probe, abandon_above_s: float | None = None) -> MeasureJob:
         return MeasureJob(recipe=self.task.spec.recipe, target=self.task.target, shapes=(dict(probe.shape),),
-                          check_shape=self.task.check_shape(), abandon_above_s=abandon_above_s,
+                          check_shape=self.check_shape, abandon_above_s=abandon_above_s,
                           kernel=None if probe.kernel is None else probe.kernel.to_json(),
                           apply=self.options.apply, loop_partition=self.options.loop_partition)
 
@@ -204,7 +205,7 @@ class Tuner:
             latency_s=result.latency if result.ok else None, error=result.error,
             meta={"tuner": TUNER_VERSION, "runner": self.runner.describe(),
                   "time": time.time(), "flops": self.task.flops(probe.shape), "build_s": result.build_seconds,
-                  "build_reused": result.build_reused, "check_shape": self.task.check_shape()}))
+                  "build_reused": result.build_reused, "check_shape": self.check_shape}))
 
     def _reuse_records(self) -> None:
         """Measurements already in the database for this workload and target, on our shapes, made
