@@ -3,6 +3,7 @@ dietserve tune`` hands over a model's operators: a task file in, one kernel plan
 
     python -m tuner tune --op dense --k 768 --n 3072 --t 1:512 --target llvm --trials 256 --db records.jsonl
     python -m tuner tune-tasks --tasks tasks.json --db records.jsonl --plans DIR --trials 64
+    python -m tuner bundle export|import ...   (a GPU host no network reaches: measure/bundle.py)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dietserve.kernels.plan.task_file import TaskFile
 
 from .database.records import RecordDatabase
 from .extract import spec_from_prim_func
+from .measure.bundle import BundleRunner, import_results, write_bundle
 from .measure.dram import dram_read_rate
 from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
 from .measure.timing import TimingPolicy
@@ -71,9 +73,9 @@ def _dram_rates(args: argparse.Namespace, where):
 
 
 def _tuner(args: argparse.Namespace, task: TuningTask, where, runner, time_budget_s: float | None,
-           dram: DramRates | None) -> Tuner:
+           dram: DramRates | None, **rounds) -> Tuner:
     options = TuneOptions(trials=args.trials, time_budget_s=time_budget_s, max_variants=args.max_variants,
-                          loop_partition=args.loop_partition, seed=args.seed, dram=dram)
+                          loop_partition=args.loop_partition, seed=args.seed, dram=dram, **rounds)
     return Tuner(task, where.space, where.cores, runner, RecordDatabase(Path(args.db)), options,
                  log=_say if args.verbose else lambda _message: None, hardware=where.hardware)
 
@@ -144,6 +146,16 @@ def _model_task(description, where) -> TuningTask:
     return TuningTask.create(spec, where.target, variable, description.weights or None, description.fixed)
 
 
+def _write_model_plan(result, description, tasks: TaskFile, args: argparse.Namespace) -> Path:
+    """The tune's plan under the model's workload key (computed on its own PrimFunc, not ours of
+    the copy), with what it was tuned from."""
+    plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
+                               provenance={**result.plan.provenance, "trials_requested": args.trials,
+                                           "records": str(Path(args.db).resolve()), "model": tasks.model,
+                                           "softmax": description.softmax})
+    return plan.write(plan_path(Path(args.plans), description.workload))
+
+
 def cmd_tune_tasks(args: argparse.Namespace) -> int:
     tasks = TaskFile.read(Path(args.tasks))
     where = _target_for(tasks.target)
@@ -164,16 +176,46 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
                  + (", timed with its fused softmax" if description.softmax else ""))
             tuner = _tuner(args, task, where, runner, budget_each, dram)
             result = tuner.run()
-            # The model's key (computed on its own PrimFunc) names the workload, not ours of the copy.
-            plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
-                                       provenance={**result.plan.provenance, "trials_requested": args.trials,
-                                                   "records": str(Path(args.db).resolve()), "model": tasks.model,
-                                                   "softmax": description.softmax})
-            plan.write(out)
+            plan = KernelPlan.read(_write_model_plan(result, description, tasks, args))
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
             _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in "
                  f"{result.wall_s:.1f} s -> {out.name}: {chosen}")
     _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def cmd_bundle_export(args: argparse.Namespace) -> int:
+    """One round of every unfinished task's tune, into a bundle for a GPU host (``measure/bundle.py``)."""
+    tasks = TaskFile.read(Path(args.tasks))
+    where = _target_for(tasks.target)
+    if where.target["kind"] != "cuda":
+        raise ValueError("bundles carry CUDA candidates; this task file is for a CPU (tune it with tune-tasks)")
+    database, runner, pending = RecordDatabase(Path(args.db)), BundleRunner(), []
+    round_trials = args.round_trials or max(1, args.trials // 2)
+    for description in tasks.tasks:
+        out = plan_path(Path(args.plans), description.workload)
+        if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax):
+            continue
+        task, first = _model_task(description, where), len(runner.jobs)
+        result = _tuner(args, task, where, runner, None, None, resume=True, round_trials=round_trials).run()
+        if len(runner.jobs) > first:
+            pending.append((task, runner.jobs[first:]))
+        else:
+            _say(f"{description.operator}: tuned, plan {_write_model_plan(result, description, tasks, args)}")
+    if not pending:
+        _say(f"every plan is written to {args.plans}: nothing to measure")
+        return 0
+    count = write_bundle(Path(args.out), pending, database, say=_say)
+    _say(f"bundle {args.out}: {count} candidates of {len(pending)} operators. On the GPU host: "
+         f"python3 {args.out}/run.py --out RESULTS; then python -m tuner bundle import --bundle {args.out} "
+         f"--results RESULTS --db {args.db}, and export again")
+    return 0
+
+
+def cmd_bundle_import(args: argparse.Namespace) -> int:
+    imported, missing = import_results(Path(args.bundle), Path(args.results), RecordDatabase(Path(args.db)))
+    _say(f"imported {imported} results into {args.db}"
+         + (f"; {missing} jobs of the bundle have none yet (run it again on the GPU host)" if missing else ""))
     return 0
 
 
@@ -236,7 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     model_tasks.add_argument("--time-budget", type=float, help="seconds for all operators, split evenly")
     _add_tune_flags(model_tasks)
     model_tasks.set_defaults(run=cmd_tune_tasks, loop_partition=False)
+    _add_bundle_parsers(commands)
     return parser
+
+
+def _add_bundle_parsers(commands) -> None:
+    bundle = commands.add_parser("bundle", help="tune a model's CUDA operators through files carried to a GPU host")
+    actions = bundle.add_subparsers(dest="action", required=True)
+    export = actions.add_parser("export", help="the next round's candidates, built, into a bundle")
+    export.add_argument("--tasks", required=True, help="task description file (a CUDA target)")
+    export.add_argument("--db", required=True, help="records database (JSON lines, appended, reused)")
+    export.add_argument("--plans", required=True, help="directory for the finished plans")
+    export.add_argument("--trials", type=int, default=64, help="measurements per operator in all (default 64)")
+    export.add_argument("--round-trials", type=int, help="measurements per operator a round (default: half)")
+    export.add_argument("--out", required=True, help="the bundle's folder (replaced)")
+    export.add_argument("--max-variants", type=int, default=4, help="micro-kernels per plan besides the default")
+    export.add_argument("--seed", type=int, default=0)
+    export.set_defaults(run=cmd_bundle_export, loop_partition=False, verbose=False)
+    imports = actions.add_parser("import", help="append a bundle's measured results to the records")
+    imports.add_argument("--bundle", required=True, help="the bundle exported")
+    imports.add_argument("--results", required=True, help="the folder (or results.jsonl) run.py wrote")
+    imports.add_argument("--db", required=True, help="records database")
+    imports.set_defaults(run=cmd_bundle_import)
 
 
 def main(argv: list[str] | None = None) -> int:

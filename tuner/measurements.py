@@ -27,6 +27,7 @@ class Measurements:
         self.kernels: dict[tuple, dict[MicroKernel, float]] = defaultdict(dict)  # shape key -> kernel -> s
         self.default: dict[tuple, float] = {}  # shape key -> the default kernel's seconds
         self.failed: set[MicroKernel] = set()
+        self.pending: set[tuple[Variant, tuple]] = set()  # (kernel, shape key) measured elsewhere, not back yet
         self._throughputs: dict[MicroKernel, float] | None = None
 
     # -- writes (the tuner's) --------------------------------------------------------------
@@ -42,14 +43,23 @@ class Measurements:
         if kernel is not None:
             self.failed.add(kernel)
 
+    def pend(self, kernel: Variant, shape: Mapping[str, int]) -> None:
+        self.pending.add((kernel, shape_key(shape)))
+
     # -- queries ---------------------------------------------------------------------------
     def latency(self, kernel: Variant, shape: Mapping[str, int]) -> float | None:
         key = shape_key(shape)
         return self.default.get(key) if kernel is None else self.kernels.get(key, {}).get(kernel)
 
     def has(self, kernel: Variant, shape: Mapping[str, int]) -> bool:
-        """Measured on ``shape``, or (a kernel) failed: nothing more to learn from timing it there."""
-        return kernel in self.failed or self.latency(kernel, shape) is not None
+        """Measured on ``shape``, pending there, or (a kernel) failed: nothing more to learn from
+        timing it there."""
+        return kernel in self.failed or (kernel, shape_key(shape)) in self.pending \
+            or self.latency(kernel, shape) is not None
+
+    def pending_on(self, shape: Mapping[str, int]) -> set[Variant]:
+        key = shape_key(shape)
+        return {kernel for kernel, pending_key in self.pending if pending_key == key}
 
     def on(self, shape: Mapping[str, int]) -> dict[MicroKernel, float]:
         """The kernels measured on ``shape`` (a copy)."""

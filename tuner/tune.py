@@ -51,6 +51,10 @@ class TuneOptions:
     seed: int = 0
     # Given, plans rank dense kernels as served, their weight from DRAM; None: as timed, cached.
     dram: DramRates | None = None
+    # A tune measured elsewhere in rounds (``measure/bundle.py``): its trials counted from this
+    # task's records, and this run, one round, ends after ``round_trials`` more.
+    resume: bool = False
+    round_trials: int | None = None
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -59,14 +63,17 @@ class TuneOptions:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
         if self.max_variants < 1 or self.candidates_per_round < 1 or self.shapes_per_round < 1:
             raise ValueError("max_variants, candidates_per_round and shapes_per_round must be positive")
+        if self.round_trials is not None and self.round_trials < 1:
+            raise ValueError(f"round_trials must be at least 1, got {self.round_trials}")
 
 
 @dataclass
 class TuneResult:
-    plan: KernelPlan
+    plan: KernelPlan | None  # None: nothing measured yet (a round whose probes are all pending)
     trials: int
     failures: int
     wall_s: float
+    pending: int = 0  # probes sent to be measured elsewhere: the plan is not final
 
 
 class Tuner:
@@ -86,11 +93,12 @@ class Tuner:
         self.rng = random.Random(options.seed)
         self.shapes, self.weights = task.shapes(), list(task.weights)
         self.store = Measurements(task, cores)
-        self.trials = self.failures = self.reused = 0
+        self.trials = self.failures = self.reused = self.pending = 0
         self.check_shape = task.check_shape()  # (once: every job and record carries it)
         # The smallest shape: a regime of its own (weight streaming, no row reuse).
         self.smallest = min(range(len(self.shapes)), key=lambda i: task.dispatch_value(self.shapes[i]))
-        self._reuse_records()
+        records = self._reuse_records()
+        self.trials = records if options.resume else 0  # (a round resumes where the records end)
 
     # -- what the phases read --------------------------------------------------------------
     def searchable(self, kernel: MicroKernel) -> bool:
@@ -139,11 +147,18 @@ class Tuner:
             (Explore(), int(budget * PACKING_SHARE)), (CommitPacking(), budget - budget // 4),
             (Explore(), budget - budget // 4), (Verify(), budget - final_check), (Explore(), budget - final_check),
             (Verify(), budget), (Explore(), budget)]
+        round_end = budget if self.options.round_trials is None else self.trials + self.options.round_trials
         for phase, until in schedule:
-            self.run_phase(phase, until, started, bar)
+            self.run_phase(phase, min(until, round_end), started, bar)
         bar.close(self.trials, self.status())
-        plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3), "runner": self.runner.describe()})
-        return TuneResult(plan, self.trials, self.failures, time.monotonic() - started)
+        try:
+            plan = self.plan({"tuning_seconds": round(time.monotonic() - started, 3),
+                              "runner": self.runner.describe()})
+        except RuntimeError:
+            if not self.pending:
+                raise
+            plan = None
+        return TuneResult(plan, self.trials, self.failures, time.monotonic() - started, self.pending)
 
     def run_phase(self, phase: Phase, until: int, started: float | None = None,
                   bar: ProgressBar | None = None) -> None:
@@ -186,6 +201,10 @@ class Tuner:
             best = min(self.store.on(probe.shape).values(), default=float("inf"))
         result = self.runner.run(self._job(probe, abandon_bar(best)))
         self.trials += 1
+        if result.pending:
+            self.pending += 1
+            self.store.pend(probe.kernel, probe.shape)
+            return None
         self._record(probe, result)
         if not result.ok:
             self.failures += 1
@@ -207,14 +226,16 @@ class Tuner:
                   "time": time.time(), "flops": self.task.flops(probe.shape), "build_s": result.build_seconds,
                   "build_reused": result.build_reused, "check_shape": self.check_shape}))
 
-    def _reuse_records(self) -> None:
+    def _reuse_records(self) -> int:
         """Measurements already in the database for this workload and target, on our shapes, made
-        by this version of the tuner."""
+        by this version of the tuner. Returns how many records of this task there were."""
         ours = {shape_key(shape) for shape in self.shapes}
+        count = 0
         for record in self.database.records():
             if record.workload != self.task.workload or record.target != self.task.target_key \
                     or record.meta.get("tuner") != TUNER_VERSION:
                 continue
+            count += 1
             kernel = None if record.kernel == DEFAULT_VARIANT else MicroKernel.from_json(record.kernel)
             shape = dict(record.shape_key())
             if not record.ok:
@@ -225,6 +246,7 @@ class Tuner:
                     self.model.add(kernel, self.task.axis_extents(shape), self.task.flops(shape), record.latency_s)
                     self.reused += 1
         self.model.fit()
+        return count
 
     def status(self) -> str:
         return f"| {len(self.store.measured_shapes())} shapes measured | {self.failures} failed"

@@ -15,12 +15,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 from .manifest import folder_bytes
 
 COMPILER_LIBRARY = "libtvm_compiler.so"
 COMPILER_FOLDERS = frozenset({"src", "include", "3rdparty"})
+# The FFI wheel for a GPU host's python3 (its image runs 3.12); pinned as pyproject.toml pins it.
+TVM_FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"
+HOST_PYTHON = "3.12"
 
 
 def installed_tvm_package() -> Path:
@@ -52,6 +58,26 @@ def strip_compiler(package: Path) -> int:
         else:
             path.unlink()
     return freed
+
+
+def write_runtime_package(folder: Path) -> None:
+    """``folder/tvm-runtime.tgz`` (this ``tvm`` package, runtime files only) and ``folder/whl/``
+    (the FFI wheel for the host's Python, downloaded): what a host without TVM needs to load and
+    run compiled libraries (``pip install --target`` the wheel, untar beside it, and import with
+    ``TVM_USE_RUNTIME_LIB=1``)."""
+    package = installed_tvm_package()
+
+    def keep(info: tarfile.TarInfo):
+        relative = Path(info.name).relative_to("tvm")
+        return info if is_runtime_file(relative) and "__pycache__" not in relative.parts else None
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(folder / "tvm-runtime.tgz", "w:gz") as archive:
+        archive.add(package, arcname="tvm", filter=keep)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", HOST_PYTHON, "--implementation", "cp",
+                    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                    "-d", str(folder / "whl"), TVM_FFI_WHEEL], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:

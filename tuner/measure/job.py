@@ -43,10 +43,11 @@ class MeasureResult:
     build_seconds: float | None = None
     build_reused: bool = False
     built_ahead: bool = False  # built by ``Runner.prepare`` before this job timed it
+    pending: bool = False  # sent to be measured elsewhere (``bundle.py``): no result yet
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and not self.pending
 
     @property
     def latency(self) -> float:

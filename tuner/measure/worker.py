@@ -120,13 +120,13 @@ def compile_only(work: WorkerJob) -> MeasureResult:
     runs a kernel, so its thread pool never spins while the timing worker times. Never raises."""
     started = time.perf_counter()
     try:
-        _compiled(work, _spec(_freeze(work.job.recipe))).export_library(work.compile_to)
+        compiled(work, _spec(_freeze(work.job.recipe))).export_library(work.compile_to)
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
         return _failure(err)
     return MeasureResult(build_seconds=time.perf_counter() - started)
 
 
-def _compiled(work: WorkerJob, spec):
+def compiled(work: WorkerJob, spec):
     """The job's candidate scheduled and compiled (not loaded, not run)."""
     import tvm
 
@@ -159,7 +159,7 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, 
         _BUILDS.move_to_end(key)
         return _BUILDS[key], True
     # ``work.library``: compiled by a builder worker (``compile_only``; local only)
-    module = tvm.runtime.load_module(work.library) if work.library else session.load(_compiled(work, spec))
+    module = tvm.runtime.load_module(work.library) if work.library else session.load(compiled(work, spec))
     check_key = tuple(sorted(work.job.check_shape.items()))
     expected = _expected(recipe, check_key)
     output = session.tensor(np.full(expected.shape, np.nan, "float32"))

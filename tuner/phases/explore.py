@@ -40,13 +40,13 @@ class Explore:
     def _probes(self, tuner: Tuner, shape: Mapping[str, int], until: int) -> list[Probe]:
         store = tuner.store
         # The default kernel's trial is kept for it from the start.
-        default = int(store.latency(None, shape) is None and tuner.trials < until)
+        default = int(not store.has(None, shape) and tuner.trials < until)
         extents, flops = tuner.task.axis_extents(shape), tuner.task.flops(shape)
 
         def score(kernels):
             return -tuner.model.predict_latency(kernels, extents, flops)
 
-        exclude = set(store.on(shape)) | store.failed
+        exclude = set(store.on(shape)) | store.failed | store.pending_on(shape)
         seeds = sorted(filter(tuner.searchable, store.throughputs()), key=lambda k: store.estimate(k, shape))[:SEEDS]
         proposed = tuner.search.propose(score, self._per_shape, exclude, seeds)
         proposed = proposed[:max(0, until - tuner.trials - default)]

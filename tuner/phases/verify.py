@@ -73,7 +73,7 @@ def small_regime_probes(tuner: Tuner, pack: int) -> list[Probe]:
         kernels = [k for k in tuner.space if not k.pack]
     kernels = [k for k in kernels if k not in tuner.store.failed]
     done = [k for k in kernels if k in measured]
-    candidates = [k for k in kernels if k not in measured]
+    candidates = [k for k in kernels if not tuner.store.has(k, smallest)]
     if not candidates:
         return []
     ranked = by_prediction(tuner, candidates, smallest)
