@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from ..runtime.errors import InputTooLong
+
+# A server reads at most this many bytes per token of the model's maximum length of each text
+# (the rest could only add tokens past the maximum): English averages 4-6 bytes a token, so
+# this bounds a request's tokenizing time without changing the answer for ordinary text.
+TEXT_BYTES_PER_TOKEN = 64
 
 
 class TokenizerError(ValueError):
@@ -22,14 +30,27 @@ class Encoded:
 
 
 class TextTokenizer:
-    """Pads a batch to its longest member and truncates to ``max_length`` tokens."""
+    """Pads a batch to its longest member. A text over ``max_length`` tokens is truncated to
+    ``max_length`` (as the checkpoint's tokenizer truncates: special tokens kept) when the caller
+    asks for it, and refused with :class:`InputTooLong` otherwise."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int):
         self.max_length = max_length
-        self._tokenizer = tokenizer
-        self._tokenizer.enable_truncation(max_length)
-        pad_id = self._tokenizer.token_to_id("[PAD]")
-        self._tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id)
+        # Two copies, each configured once: toggling one tokenizer's truncation per call would
+        # race between the server's decoding threads.
+        self._whole = Tokenizer.from_str(tokenizer.to_str())
+        self._whole.no_truncation()
+        self._whole.no_padding()
+        self._truncating = Tokenizer.from_str(tokenizer.to_str())
+        self._truncating.enable_truncation(max_length)
+        self._truncating.no_padding()
+        pad_id = tokenizer.token_to_id("[PAD]")
+        self._pad_id = 0 if pad_id is None else pad_id
+
+    @property
+    def byte_limit(self) -> int:
+        """The most bytes of one text a server tokenizes (see TEXT_BYTES_PER_TOKEN)."""
+        return self.max_length * TEXT_BYTES_PER_TOKEN
 
     @classmethod
     def from_folder(cls, folder: Path, max_length: int) -> TextTokenizer:
@@ -52,12 +73,40 @@ class TextTokenizer:
             return cls(wordpiece._tokenizer, max_length)
         raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
-    def encode(self, texts: list[str]) -> Encoded:
+    def encode(self, texts: list[str], truncate: bool = True, clipped: Collection[int] = (), first: int = 0) -> Encoded:
+        """``clipped``: indices of texts the caller cut to :attr:`byte_limit` bytes before
+        tokenizing. Without ``truncate`` they are refused even if the part read fits, since the
+        whole text was not counted. ``first``: the index of ``texts[0]`` in the caller's request,
+        for messages."""
         if not texts:
             raise TokenizerError("no texts to encode")
-        batch = self._tokenizer.encode_batch(list(texts))
-        return Encoded(
-            input_ids=np.array([e.ids for e in batch], dtype=np.int64),
-            attention_mask=np.array([e.attention_mask for e in batch], dtype=np.int64),
-            token_type_ids=np.array([e.type_ids for e in batch], dtype=np.int64),
-        )
+        batch = self._whole.encode_batch(list(texts))
+        too_long = [i for i, encoding in enumerate(batch) if len(encoding.ids) > self.max_length or i in clipped]
+        if too_long and not truncate:
+            index = too_long[0]
+            raise InputTooLong(self._too_long(first + index, len(batch[index].ids), index in clipped))
+        if too_long:
+            for index, encoding in zip(too_long, self._truncating.encode_batch([texts[i] for i in too_long]),
+                                       strict=True):
+                batch[index] = encoding
+        return self._padded(batch)
+
+    def _too_long(self, index: int, tokens: int, clipped: bool) -> str:
+        hint = f"shorten it, or send truncate=true to embed its first {self.max_length} tokens"
+        if not clipped:
+            return f"text {index} has {tokens} tokens, over the model's maximum of {self.max_length}; {hint}"
+        return (f"text {index} is longer than the {self.byte_limit} bytes the server reads of a text "
+                f"({TEXT_BYTES_PER_TOKEN} per token of the model's maximum of {self.max_length}); those bytes alone "
+                f"hold {tokens} tokens; {hint}")
+
+    def _padded(self, batch: list) -> Encoded:
+        seq = max(len(encoding.ids) for encoding in batch)
+        ids = np.full((len(batch), seq), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(batch), seq), dtype=np.int64)
+        types = np.zeros((len(batch), seq), dtype=np.int64)
+        for row, encoding in enumerate(batch):
+            length = len(encoding.ids)
+            ids[row, :length] = encoding.ids
+            mask[row, :length] = encoding.attention_mask
+            types[row, :length] = encoding.type_ids
+        return Encoded(ids, mask, types)

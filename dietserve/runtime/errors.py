@@ -15,6 +15,19 @@ class InputError(ServingError, ValueError):
     """A request's tensors are malformed or out of the model's range."""
 
 
+class InputTooLong(InputError):
+    """A text (or token sequence) has more tokens than the model takes and the request did not
+    ask for truncation."""
+
+
+class RequestIncomplete(InputError):
+    """The request's body did not arrive in full (fewer bytes than it declared, too slowly)."""
+
+
+class RequestTooLarge(ServingError):
+    """The request's body is over the server's size limit (gRPC refuses such messages itself)."""
+
+
 class UnknownModel(ServingError):
     """The request names a model or version this server does not serve."""
 

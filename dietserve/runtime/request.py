@@ -16,6 +16,12 @@ class EncoderRequest:
     token_type_ids: np.ndarray
     outputs: tuple[str, ...] = OUTPUTS  # in the order the client asked for them
     deadline: float | None = None  # time.monotonic() after which the answer is no longer wanted
+    id: str = ""  # the client's request id, echoed in the answer
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the model reads, special tokens included, padding excluded."""
+        return int(self.attention_mask.sum())
 
     @property
     def rows(self) -> int:

@@ -1,9 +1,11 @@
 """Server lifecycle: listen, load and warm up, serve, and on SIGTERM drain and exit.
 
-    start: /metrics -> traffic record -> gRPC listening (live, not ready) -> load and warm up
-           -> batcher -> hot-swap watcher -> re-tuning policy -> traffic saver -> ready
-    stop:  the same in reverse: not ready -> keep serving ``drain_seconds`` -> stop accepting and
-           finish in-flight requests (up to ``grace_seconds``) -> ... -> last traffic save -> /metrics
+    start: /metrics -> traffic record -> gRPC listening (live, not ready) -> HTTP listening
+           -> load and warm up -> batcher -> hot-swap watcher -> re-tuning policy -> traffic saver
+           -> ready (both wires read the same readiness)
+    stop:  the same in reverse: not ready -> keep serving ``drain_seconds`` -> both wires stop
+           accepting and finish in-flight requests (up to ``grace_seconds``) -> ... -> last
+           traffic save -> /metrics
 
 Each ``_start_*`` step acquires one part and registers its teardown on an ``AsyncExitStack``, so
 a failure half-way through ``start`` releases exactly what was acquired, newest first.
@@ -28,10 +30,11 @@ from . import grpc_server
 from .batch_metrics import BatchRecorder
 from .config import ServerConfig
 from .grpc_server import SERVICE_NAME
+from .http_server import HttpServer
+from .inference import Inference, ServingState
 from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
 from .retune import RetunePolicy, RetuneSettings
-from .servicer import ServingState
 from .swap import HotSwap, MeasuredGain, Swapper
 from .traffic_log import TrafficLog
 
@@ -69,7 +72,8 @@ async def _cancel(task: asyncio.Task) -> None:
 class Server:
     """Serves ``model_name`` (token ids) and ``model_name-text`` (text) from the engine
     ``load_model`` returns. ``say`` reports progress; the line
-    ``listening grpc=HOST:PORT metrics=HOST:PORT`` gives the bound ports. ``hot_swap``: serve a
+    ``listening grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]`` gives the
+    bound ports. ``hot_swap``: serve a
     version store's versions; ``retune`` (with ``hot_swap``): re-tune when the traffic drifts.
     ``stop``: an event that requests a stop when set (default: a new one)."""
 
@@ -83,8 +87,9 @@ class Server:
         self.metrics = ServerMetrics()
         self.gain = MeasuredGain(self.metrics)
         self.state = ServingState(config=config, metrics=self.metrics, model_names=(model_name, self.text_name))
+        self.core = Inference(self.state)
         self.health = health.aio.HealthServicer()
-        self.ports = ""  # "grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT" once listening
+        self.ports = ""  # "grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]" once listening
         self.traffic: TrafficLog | None = None
         self.engine: Engine | None = None
         self.batcher: DynamicBatcher | None = None
@@ -92,6 +97,7 @@ class Server:
         self._tokenizer: TextTokenizer | None = None
         self._settled_bytes = 0
         self._grpc: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
         self._grace = config.grace_seconds
         self._parts = AsyncExitStack()
         self._requests_finished = self._stopped = False
@@ -111,7 +117,8 @@ class Server:
     async def start(self) -> None:
         """Acquires the parts in order, ready at the end. If a step fails, what the steps before it
         acquired is released (as :meth:`stop` does) and the error raised."""
-        steps = (self._start_metrics, self._open_traffic, self._listen, self._load, self._start_batcher,
+        steps = (self._start_metrics, self._open_traffic, self._listen, self._listen_http, self._load,
+                 self._start_batcher,
                  self._start_hot_swap, self._start_retune, self._keep_saving_traffic, self._open)
         try:
             for step in steps:
@@ -166,7 +173,7 @@ class Server:
     async def _listen(self) -> None:
         """gRPC up, live but not ready, and the probes' health port if configured."""
         config = self.config
-        self._grpc = grpc_server.inference_server(config, self.state, self.health)
+        self._grpc = grpc_server.inference_server(config, self.core, self.health)
         self._parts.callback(self.state.decode_pool.shutdown, wait=False, cancel_futures=True)
         await self._set_health(NOT_SERVING)
         port = grpc_server.bind(self._grpc, config.host, config.port, grpc_server.credentials(config))
@@ -179,8 +186,22 @@ class Server:
             await probes.start()
             self._parts.push_async_callback(probes.stop, 0)
         self.ports = f"{ports} metrics={self._metrics_address}"
+
+    async def _listen_http(self) -> None:
+        """HTTP up on the gRPC server's loop and core (same readiness), then the ports are said."""
+        config = self.config
+        if config.http_port is not None:
+            self._http = HttpServer(self.core)
+            self._parts.push_async_callback(self._finish_http)
+            port = await self._http.start(config.host, config.http_port)
+            self.ports += f" http={config.host}:{port}"
         tls = (" (mutual TLS)" if config.tls_client_ca else " (TLS)") if config.tls else ""
         self.say(f"listening {self.ports}{tls}")
+
+    async def _finish_http(self) -> None:
+        http, self._http = self._http, None  # once
+        if http is not None:
+            await http.finish(self._grace)
 
     async def _finish_requests(self) -> None:
         """Stops accepting calls and gives the ones in flight the grace period; once."""
@@ -188,7 +209,7 @@ class Server:
             return
         self._requests_finished = True
         self.say("stopping: finishing in-flight requests")
-        await self._grpc.stop(self._grace)
+        await asyncio.gather(self._grpc.stop(self._grace), self._finish_http())
 
     async def _load(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,20 +1,24 @@
-"""KServe v2 messages <-> the transport-free request and answer: the only wire conversions.
+"""KServe v2 tensors <-> the transport-free request and answer: the checks every wire shares.
 
 Two served models share one engine: the ids model takes ``input_ids`` (INT64 or INT32
 [batch, seq]) with optional ``attention_mask`` and ``token_type_ids``; the text model takes
 ``text`` (BYTES [batch] or [batch, 1]) and tokenizes it. Both answer ``last_hidden_state``
 [batch, seq, hidden] and ``sentence_embedding`` [batch, hidden] as raw FP32.
 
-Decoding is split so that per-element work is only done for requests the model can run:
-:func:`check_shapes` reads names, shapes and sizes alone (microseconds); :func:`decode` then
-touches the elements. The servicer runs both on a worker thread when the message is large.
+Each wire (gRPC messages here, REST JSON in ``http_v2.py``) describes its inputs as
+:class:`InputTensor` values. Decoding is split so that per-element work is only done for
+requests the model can run: :func:`check_shapes` reads names, shapes and sizes alone
+(microseconds); :func:`encoder_request` then touches the elements. Large messages are decoded on
+a worker thread.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -29,11 +33,7 @@ if TYPE_CHECKING:  # messages are duck-typed: any wire-identical v2 classes work
 ID_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TEXT_INPUT = "text"
 ID_DATATYPES = ("INT64", "INT32")
-# Text beyond this many bytes per token of the model's maximum length is cut before tokenizing:
-# it could only add tokens past the truncation point. English averages 4-6 bytes a token, so
-# this changes an answer only for text whose first tokens are spread over unusually long words
-# or whitespace runs; in exchange a request's tokenizing time is bounded by the maximum length.
-TEXT_BYTES_PER_TOKEN = 64
+TRUNCATE_PARAMETER = "truncate"
 # Messages up to this size are parsed and decoded on the event loop, where a thread hop would
 # cost more than the work (tens of microseconds); text over INLINE_TEXT_BYTES is tokenized on a
 # worker thread.
@@ -58,6 +58,25 @@ DATATYPES: dict[str, tuple[np.dtype, str]] = {
 _LENGTH = struct.Struct("<I")
 
 
+class TensorHeader(Protocol):
+    """What :func:`check_shapes` reads of an input: a gRPC tensor or an :class:`InputTensor`."""
+
+    name: str
+    shape: Iterable[int]
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    """One input as a wire carried it: ``raw`` bytes in the v2 binary layout, or ``values``,
+    a flat sequence of elements (typed contents, or JSON data already checked for type)."""
+
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    raw: bytes | None = None
+    values: Sequence | np.ndarray = ()
+
+
 # ---------------------------------------------------------------------------- generic v2 tensors
 
 
@@ -79,22 +98,22 @@ def _split_bytes(name: str, raw: bytes, count: int) -> list[bytes]:
     return items
 
 
-def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> np.ndarray | list[bytes]:
+def decode_tensor(tensor: InputTensor) -> np.ndarray | list[bytes]:
     """One input as a numpy array of its shape, or a flat list of ``bytes`` for BYTES."""
-    name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
+    name, datatype, shape, raw = tensor.name, tensor.datatype, list(tensor.shape), tensor.raw
     if any(dim < 0 for dim in shape):
         raise InputError(f"input '{name}' has a negative dimension in shape {shape}")
     count = math.prod(shape)
     if datatype == "BYTES":
         if raw is not None:
             return _split_bytes(name, raw, count)
-        items = list(tensor.contents.bytes_contents)
+        items = list(tensor.values)
         if len(items) != count:
             raise InputError(f"input '{name}' holds {len(items)} BYTES elements but its shape needs {count}")
         return items
     if datatype not in DATATYPES:
         raise InputError(f"input '{name}' has datatype '{datatype}', which the v2 protocol does not define")
-    dtype, field = DATATYPES[datatype]
+    dtype = DATATYPES[datatype][0]
     if raw is not None:
         if len(raw) != count * dtype.itemsize:
             raise InputError(
@@ -102,14 +121,31 @@ def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | Non
                 f"{count * dtype.itemsize}"
             )
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
-    values = getattr(tensor.contents, field)
+    values = tensor.values
     if len(values) != count:
         raise InputError(f"input '{name}' holds {len(values)} {datatype} values but its shape {shape} needs {count}")
-    return np.array(values, dtype=dtype).reshape(shape)
+    return np.asarray(values, dtype=dtype).reshape(shape)
+
+
+def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> np.ndarray | list[bytes]:
+    """A gRPC input: raw bytes, or its typed contents."""
+    field = "bytes_contents" if tensor.datatype == "BYTES" else DATATYPES.get(tensor.datatype, (None, None))[1]
+    values = getattr(tensor.contents, field) if field is not None else ()
+    return decode_tensor(InputTensor(tensor.name, tensor.datatype, tensor.shape, raw, values))
+
+
+def decode_tensors(tensors: Iterable[InputTensor]) -> dict[str, tuple[str, np.ndarray | list[bytes]]]:
+    """name -> (datatype, data) for every input."""
+    decoded = {}
+    for tensor in tensors:
+        if tensor.name in decoded:
+            raise InputError(f"input '{tensor.name}' appears twice")
+        decoded[tensor.name] = (tensor.datatype, decode_tensor(tensor))
+    return decoded
 
 
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, tuple[str, np.ndarray | list[bytes]]]:
-    """name -> (datatype, data) for every input of ``request``."""
+    """name -> (datatype, data) for every input of a gRPC ``request``."""
     raw_contents = request.raw_input_contents
     if raw_contents and len(raw_contents) != len(request.inputs):
         raise InputError(
@@ -139,8 +175,9 @@ def parse_infer_request(message: bytes) -> pb.ModelInferRequest:
         raise InputError(f"the request is not a valid ModelInferRequest message: {err}") from None
 
 
-def requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
-    names = tuple(output.name for output in request.outputs)
+def requested_outputs(names: Sequence[str]) -> tuple[str, ...]:
+    """The outputs to return, in the order asked; all when none are named."""
+    names = tuple(names)
     for name in names:
         if name not in OUTPUTS:
             raise InputError(f"unknown output '{name}'; this model produces {', '.join(OUTPUTS)}")
@@ -149,9 +186,24 @@ def requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
     return names or OUTPUTS
 
 
-def check_shapes(request: pb.ModelInferRequest, engine: Engine, takes_text: bool) -> None:
+def check_truncate(value: object) -> bool | None:
+    """The ``truncate`` request parameter: a bool, or None where the request has none."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise InputError(f"parameter 'truncate' must be a bool (true or false), got {value!r}")
+
+
+def grpc_truncate(request: pb.ModelInferRequest) -> bool | None:
+    if TRUNCATE_PARAMETER not in request.parameters:
+        return None
+    parameter = request.parameters[TRUNCATE_PARAMETER]
+    choice = parameter.WhichOneof("parameter_choice")
+    return check_truncate(getattr(parameter, choice) if choice else "nothing")
+
+
+def check_shapes(inputs: Sequence[TensorHeader], engine: Engine, takes_text: bool) -> None:
     """Names, ranks and sizes from the metadata alone, before any element is touched."""
-    names = [tensor.name for tensor in request.inputs]
+    names = [tensor.name for tensor in inputs]
     allowed = (TEXT_INPUT,) if takes_text else ID_INPUTS
     for name in names:
         if name not in allowed:
@@ -165,7 +217,7 @@ def check_shapes(request: pb.ModelInferRequest, engine: Engine, takes_text: bool
         spec = "text (BYTES [batch])" if takes_text else "input_ids (INT64 [batch, seq])"
         got = ", ".join(names) if names else "no inputs"
         raise InputError(f"missing input {spec}: got {got}")
-    for tensor in request.inputs:
+    for tensor in inputs:
         shape = list(tensor.shape)
         if any(dim < 0 for dim in shape):
             raise InputError(f"input '{tensor.name}' has a negative dimension in shape {shape}")
@@ -182,31 +234,45 @@ def check_shapes(request: pb.ModelInferRequest, engine: Engine, takes_text: bool
             engine.check_shape(*shape)
 
 
-def _texts(datatype: str, data: list[bytes], byte_limit: int) -> list[str]:
+def texts_of(datatype: str, data: list[bytes], byte_limit: int) -> tuple[list[str], set[int]]:
+    """UTF-8 texts, each cut to ``byte_limit`` bytes (at a character boundary), and the indices
+    of those cut."""
     if datatype != "BYTES":
         raise InputError(f"input 'text' has datatype {datatype}; expected BYTES")
-    texts = []
+    texts, clipped = [], set()
     for index, item in enumerate(data):
         if len(item) > byte_limit:
             cut = byte_limit
             while cut > 0 and (item[cut] & 0xC0) == 0x80:  # do not split a UTF-8 character
                 cut -= 1
             item = item[:cut]
+            clipped.add(index)
         try:
             texts.append(item.decode("utf-8"))
         except UnicodeDecodeError as err:
             raise InputError(f"input 'text' element {index} is not UTF-8: {err}") from None
-    return texts
+    return texts, clipped
 
 
-def decode(request: pb.ModelInferRequest, engine: Engine, tokenizer: TextTokenizer | None,
-           deadline: float | None) -> EncoderRequest:
-    """A request that passed :func:`check_shapes` -> validated token tensors (may tokenize)."""
-    inputs = decode_inputs(request)
-    outputs = requested_outputs(request)
-    if tokenizer is not None:
-        texts = _texts(*inputs[TEXT_INPUT], byte_limit=engine.max_seq_len * TEXT_BYTES_PER_TOKEN)
-        encoded = tokenizer.encode(texts)
+@dataclass(frozen=True)
+class Decoding:
+    """How to turn checked inputs into an encoder request: the model's engine and tokenizer
+    (None: the ids model), whether to truncate long texts, and the caller's deadline."""
+
+    engine: Engine
+    tokenizer: TextTokenizer | None
+    truncate: bool
+    deadline: float | None = None
+    first: int = 0  # the index of the first row in the client's request (a request split in parts), for messages
+
+
+def encoder_request(inputs: dict[str, tuple[str, np.ndarray | list[bytes]]], outputs: tuple[str, ...],
+                    how: Decoding, request_id: str = "") -> EncoderRequest:
+    """Inputs that passed :func:`check_shapes`, decoded (name -> (datatype, data)) -> validated
+    token tensors (may tokenize)."""
+    if how.tokenizer is not None:
+        texts, clipped = texts_of(*inputs[TEXT_INPUT], byte_limit=how.tokenizer.byte_limit)
+        encoded = how.tokenizer.encode(texts, truncate=how.truncate, clipped=clipped, first=how.first)
         arrays = (encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     else:
         arrays = []
@@ -218,8 +284,14 @@ def decode(request: pb.ModelInferRequest, engine: Engine, tokenizer: TextTokeniz
             if datatype not in ID_DATATYPES:
                 raise InputError(f"input '{name}' has datatype {datatype}; expected INT64 (or INT32)")
             arrays.append(data)
-    ids, mask, types = engine.validate(*arrays)
-    return EncoderRequest(ids, mask, types, outputs, deadline)
+    ids, mask, types = how.engine.validate(*arrays)
+    return EncoderRequest(ids, mask, types, outputs, how.deadline, request_id)
+
+
+def decode(request: pb.ModelInferRequest, how: Decoding) -> EncoderRequest:
+    """A gRPC request that passed :func:`check_shapes` -> an encoder request."""
+    outputs = requested_outputs([output.name for output in request.outputs])
+    return encoder_request(decode_inputs(request), outputs, how, request.id)
 
 
 # ---------------------------------------------------------------------------- the answer

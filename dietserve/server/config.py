@@ -17,6 +17,8 @@ class ServerConfig:
     model_name: str | None = None  # default: the artifact's model name
     host: str = "127.0.0.1"  # gRPC
     port: int = 8001  # 0 picks a free port
+    http_port: int | None = 8000  # KServe v2 REST and OpenAI embeddings on --host; None: no HTTP
+    http_body_timeout_seconds: float = 30.0  # a body that has not arrived by then is refused (408)
     metrics_host: str = "127.0.0.1"  # /metrics is for the scraper, not the clients
     metrics_port: int = 8002  # 0 picks a free port
     batching: bool = True
@@ -38,11 +40,13 @@ class ServerConfig:
     traffic_half_life_seconds: float = 3600.0
     traffic_save_seconds: float = 60.0
     reflection: bool = True  # gRPC server reflection (grpcurl, Postman); off where the API should not be listed
+    truncate: bool = False  # a text over the model's maximum length: truncated, or refused (the default)
 
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.port <= 65535, f"--port {self.port} is not a TCP port"),
             (0 <= self.metrics_port <= 65535, f"--metrics-port {self.metrics_port} is not a TCP port"),
+            (self.http_port is None or 0 <= self.http_port <= 65535, f"--http-port {self.http_port} is not a TCP port"),
             (self.max_batch_size >= 1, f"--max-batch-size must be at least 1, got {self.max_batch_size}"),
             (self.max_queue_delay_ms >= 0, f"--max-queue-delay-ms must be >= 0, got {self.max_queue_delay_ms}"),
             (self.bucket_ratio > 1.0, f"--bucket-ratio must be above 1, got {self.bucket_ratio}"),
@@ -58,6 +62,8 @@ class ServerConfig:
              f"--traffic-half-life-seconds must be positive, got {self.traffic_half_life_seconds}"),
             (self.traffic_save_seconds > 0,
              f"--traffic-save-seconds must be positive, got {self.traffic_save_seconds}"),
+            (self.http_body_timeout_seconds > 0,
+             f"--http-body-timeout-seconds must be positive, got {self.http_body_timeout_seconds}"),
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.drain_seconds >= 0, f"--drain-seconds must be >= 0, got {self.drain_seconds}"),
             (self.grace_seconds >= 0, f"--grace-seconds must be >= 0, got {self.grace_seconds}"),
@@ -89,8 +95,17 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 def _add_address_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
     group.add_argument("--model-name", default=None, help="name clients use (default: the artifact's model name)")
     group.add_argument("--host", default=defaults.host,
-                       help=f"address to bind gRPC to (default {defaults.host}; 0.0.0.0 in a pod)")
+                       help=f"address to bind gRPC and HTTP to (default {defaults.host}; 0.0.0.0 in a pod)")
     group.add_argument("--port", type=int, default=defaults.port, help=f"gRPC port (default {defaults.port}; 0: any)")
+    group.add_argument("--http-port", type=int, default=defaults.http_port,
+                       help=f"HTTP port: KServe v2 REST, OpenAI /v1/embeddings, /health (default {defaults.http_port}; "
+                            "0: any)")
+    group.add_argument("--no-http", dest="http_port", action="store_const", const=None,
+                       help="serve gRPC only")
+    group.add_argument("--http-body-timeout-seconds", type=float, default=defaults.http_body_timeout_seconds,
+                       help="an HTTP request body that has not arrived in full by then gets 408, so a client that "
+                            "declares more bytes than it sends cannot hold a connection (default "
+                            f"{defaults.http_body_timeout_seconds:g})")
     group.add_argument("--metrics-host", default=defaults.metrics_host,
                        help=f"address to bind /metrics to (default {defaults.metrics_host}; the pod IP or 0.0.0.0 "
                             "where Prometheus scrapes it)")
@@ -123,10 +138,14 @@ def _add_limit_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> 
                        help="largest answer; a request whose answer would be larger gets RESOURCE_EXHAUSTED before "
                             f"it runs (default {defaults.max_response_bytes})")
     group.add_argument("--max-concurrent-rpcs", type=int, default=defaults.max_concurrent_rpcs,
-                       help="RPCs handled at once, health checks aside; more get RESOURCE_EXHAUSTED "
+                       help="calls handled at once over gRPC and HTTP together, health checks aside; more get "
+                            "RESOURCE_EXHAUSTED (HTTP 429) "
                             f"(default {defaults.max_concurrent_rpcs})")
     group.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the kernels (default: every CPU this process may use)")
+    group.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=defaults.truncate,
+                       help="a text over the model's maximum length is cut to it (--truncate) or refused "
+                            "(--no-truncate, the default); a request's own `truncate` parameter overrides this")
 
 
 def _add_shutdown_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:

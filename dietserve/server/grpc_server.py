@@ -9,7 +9,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ._proto import open_inference_pb2 as pb
 from .config import ServerConfig
-from .servicer import InferenceServicer, ServingState, inference_handlers
+from .inference import Inference
+from .servicer import InferenceServicer, inference_handlers
 from .status import ServingInterceptor
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -18,18 +19,18 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REPLY_OVERHEAD_BYTES = 64 << 10
 
 
-def inference_server(config: ServerConfig, state: ServingState,
+def inference_server(config: ServerConfig, core: Inference,
                      health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
-    """The v2 inference service over ``state``, with ``health_servicer`` and, if configured,
+    """The v2 inference service over ``core``, with ``health_servicer`` and, if configured,
     reflection; not bound yet."""
     server = grpc.aio.server(
-        interceptors=[ServingInterceptor(state.metrics, config.max_concurrent_rpcs)],
+        interceptors=[ServingInterceptor(core.state.metrics, core.state.cap)],
         options=[
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", config.max_response_bytes + REPLY_OVERHEAD_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-    server.add_generic_rpc_handlers((inference_handlers(InferenceServicer(state)),))
+    server.add_generic_rpc_handlers((inference_handlers(InferenceServicer(core)),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -35,13 +35,20 @@ class ServerMetrics:
             "gRPC calls by method and status code: every service (health, reflection), refusals by the "
             "concurrency cap and unknown methods included; messages over the size limit never reach the server",
             ["method", "code"], registry=r)
+        self.http_requests = Counter(
+            "dietserve_http_requests",
+            "HTTP requests by route and status: the sibling of dietserve_requests_total for the HTTP port (unknown "
+            "routes under one label); bodies over the size limit included",
+            ["route", "code"], registry=r)
         self.request_duration = Histogram(
-            "dietserve_request_duration_seconds", "ModelInfer time in the server, from receipt to response",
+            "dietserve_request_duration_seconds",
+            "inference time in the server (gRPC ModelInfer and HTTP infer and embeddings), from receipt to response",
             buckets=DURATION_BUCKETS, registry=r)
         self.queue_duration = Histogram(
             "dietserve_queue_duration_seconds", "time a request waited for its batch to start",
             buckets=DURATION_BUCKETS, registry=r)
-        self.inflight = Gauge("dietserve_inflight_requests", "ModelInfer requests being handled", registry=r)
+        self.inflight = Gauge("dietserve_inflight_requests", "inference requests being handled (both wires)",
+                              registry=r)
         self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
 
     def _add_batch_metrics(self, r: CollectorRegistry) -> None:

@@ -1,9 +1,10 @@
-"""Every RPC passes here: the error -> status mapping, the concurrency cap, and the count of
-RPCs by method and status code (health and reflection included).
+"""The error -> status mapping of both wires, and the gRPC interceptor every RPC passes: the
+concurrency cap and the count of RPCs by method and status code (health and reflection included).
 
 Handlers raise the transport-free errors of ``runtime/errors.py``; this module alone turns them
-into gRPC statuses. Anything else is a bug: logged with its traceback, answered INTERNAL with a
-reference the operator can find in the log, never with the traceback itself.
+into gRPC statuses (:func:`status_of`) and HTTP statuses (:func:`http_status_of`). Anything else
+is a bug: logged with its traceback, answered INTERNAL (HTTP 500) with a reference the operator
+can find in the log, never with the traceback itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ import uuid
 
 import grpc
 
-from ..runtime.errors import Expired, InputError, NotReady, Overloaded, ReplyTooLarge, ServingError, UnknownModel
+from ..runtime.errors import (
+    Expired,
+    InputError,
+    InputTooLong,
+    NotReady,
+    Overloaded,
+    ReplyTooLarge,
+    RequestIncomplete,
+    RequestTooLarge,
+    ServingError,
+    UnknownModel,
+)
+from .inference import ConcurrencyCap
 from .metrics import ServerMetrics
 
 log = logging.getLogger("dietserve.server")
@@ -28,7 +41,21 @@ STATUS_OF_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Expired: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RequestTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# The first entry that matches wins: subclasses before their bases.
+HTTP_STATUS_OF_ERROR: dict[type[ServingError], int] = {
+    InputTooLong: 413,  # the request's content is larger than the model takes
+    RequestTooLarge: 413,
+    RequestIncomplete: 408,
+    InputError: 400,
+    UnknownModel: 404,
+    NotReady: 503,
+    Overloaded: 429,  # retrying later can succeed
+    ReplyTooLarge: 400,  # ask for fewer rows or outputs: the request as sent will never be answered
+    Expired: 504,
+}
+INTERNAL_HTTP_STATUS = 500
 UNKNOWN_METHOD = "unknown"
 # Probes must answer however busy the server is: they are never refused by the cap.
 UNCAPPED_SERVICES = ("/grpc.health.v1.Health/",)
@@ -39,19 +66,30 @@ def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
     for error_type, code in STATUS_OF_ERROR.items():
         if isinstance(err, error_type):
             return code, str(err)
+    return grpc.StatusCode.INTERNAL, _unexpected(err)
+
+
+def http_status_of(err: Exception) -> tuple[int, str]:
+    """The HTTP status and message a client gets for ``err``."""
+    for error_type, status in HTTP_STATUS_OF_ERROR.items():
+        if isinstance(err, error_type):
+            return status, str(err)
+    return INTERNAL_HTTP_STATUS, _unexpected(err)
+
+
+def _unexpected(err: Exception) -> str:
     reference = uuid.uuid4().hex[:12]
     log.error("unexpected error (reference %s)", reference, exc_info=err)
-    return grpc.StatusCode.INTERNAL, f"internal error (reference {reference} in the server log)"
+    return f"internal error (reference {reference} in the server log)"
 
 
 class ServingInterceptor(grpc.aio.ServerInterceptor):
-    """``max_concurrent_rpcs``: RPCs handled at once (health checks aside); more are refused with
-    RESOURCE_EXHAUSTED before their message is read."""
+    """``cap``: calls handled at once, shared with HTTP (health checks aside); more are refused
+    with RESOURCE_EXHAUSTED before their message is read."""
 
-    def __init__(self, metrics: ServerMetrics, max_concurrent_rpcs: int):
+    def __init__(self, metrics: ServerMetrics, cap: ConcurrencyCap):
         self.metrics = metrics
-        self.max_concurrent_rpcs = max_concurrent_rpcs
-        self.active = 0
+        self.cap = cap
         self._counters: dict[tuple[str, str], object] = {}  # labels() costs microseconds per call
         self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, wrapped)
 
@@ -102,12 +140,11 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
 
     @contextlib.asynccontextmanager
     async def _track(self, method: str, context: grpc.aio.ServicerContext, capped: bool):
-        if capped and self.active >= self.max_concurrent_rpcs:
+        refusal = self.cap.refusal() if capped else None
+        if refusal is not None:
             self.count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server busy: {self.active} RPCs in progress (limit {self.max_concurrent_rpcs}); "
-                                "retry later")
-        self.active += capped
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        self.cap.active += capped
         code = None
         try:
             yield
@@ -121,5 +158,5 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
             code, message = status_of(err)
             await context.abort(code, message)
         finally:
-            self.active -= capped
+            self.cap.active -= capped
             self.count(method, code or context.code() or grpc.StatusCode.OK)

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-LISTENING = re.compile(r"listening grpc=(\S+)(?: health=(\S+))? metrics=(\S+)")
+LISTENING = re.compile(r"listening grpc=(\S+)(?: health=(\S+))? metrics=(\S+)(?: http=(\S+))?")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,13 +27,14 @@ class ServerProcess:
         self.model_name = model_name
         source = ["--artifact", str(artifact)] if artifact is not None else []
         command = command or [sys.executable, "-m", "dietserve", "serve", *source,
-                              "--model-name", model_name, "--port", "0", "--metrics-port", "0", *flags]
+                              "--model-name", model_name, "--port", "0", "--metrics-port", "0", "--http-port", "0",
+                              *flags]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._events: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read_log, daemon=True).start()
-        self.grpc_url, self.health_url, self.metrics_url = self._wait_for(LISTENING).groups()
+        self.grpc_url, self.health_url, self.metrics_url, self.http_url = self._wait_for(LISTENING).groups()
         self._wait_for(re.compile(r"ready: model"))
 
     def _read_log(self) -> None:

@@ -66,6 +66,7 @@ def test_health_answers_within_200_ms_while_a_16_mib_text_is_handled(server, cha
     request.inputs.add(name="text", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
     request.outputs.add(name="sentence_embedding")
+    request.parameters["truncate"].bool_param = True  # the server refuses over-long text by default
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     latencies = []
     with grpc.insecure_channel(server.grpc_url) as probe_channel:  # a probe has its own connection

@@ -58,7 +58,7 @@ def accepting(listening: str) -> list[bool]:
 
 async def run(scenario: str) -> dict:
     lines: list[str] = []
-    config = ServerConfig(artifact=None, port=0, metrics_port=0,
+    config = ServerConfig(artifact=None, port=0, metrics_port=0, http_port=0,
                           drain_seconds=0.01 if scenario == "requested-stop" else 30)
     server = Server(config, "m", fail_to_load if scenario == "failed-load" else load_engine, lines.append)
     report: dict = {"lines": lines}

@@ -10,6 +10,7 @@ import pytest
 
 from dietserve.model.presets import default_model_folder
 from dietserve.model.tokenizer import TextTokenizer, TokenizerError
+from dietserve.runtime.errors import InputTooLong
 
 TEXTS = ["Hello, World!", "Dynamic shapes need shape-generic micro-kernels.", "naïve café"]
 
@@ -35,3 +36,43 @@ def test_folder_without_tokenizer_is_explained(tmp_path: Path) -> None:
         TextTokenizer.from_folder(tmp_path, 16)
     with pytest.raises(TokenizerError, match="no texts"):
         TextTokenizer.from_folder(default_model_folder(), 16).encode([])
+
+
+def _reference(max_length: int):
+    """The checkpoint's tokenizer as the tokenizers library pads and truncates it."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(default_model_folder() / "tokenizer.json"))
+    reference.enable_truncation(max_length)
+    reference.enable_padding(pad_id=reference.token_to_id("[PAD]"))
+    return reference
+
+
+def test_truncated_batch_equals_the_tokenizers_library() -> None:
+    texts = TEXTS + ["one two three four five six seven eight nine ten eleven twelve"]
+    encoded = TextTokenizer.from_folder(default_model_folder(), 8).encode(texts, truncate=True)
+    expected = _reference(8).encode_batch(texts)
+    np.testing.assert_array_equal(encoded.input_ids, [e.ids for e in expected])
+    np.testing.assert_array_equal(encoded.attention_mask, [e.attention_mask for e in expected])
+    np.testing.assert_array_equal(encoded.token_type_ids, [e.type_ids for e in expected])
+
+
+def test_a_text_over_the_maximum_is_refused_naming_index_count_and_maximum() -> None:
+    tokenizer = TextTokenizer.from_folder(default_model_folder(), 8)
+    texts = ["short", "one two three four five six seven eight"]  # 8 words + [CLS] + [SEP]
+    with pytest.raises(InputTooLong, match="text 1 has 10 tokens, over the model's maximum of 8"):
+        tokenizer.encode(texts, truncate=False)
+    assert tokenizer.encode(texts[:1], truncate=False).input_ids.shape == (1, 3)  # fits: no error
+
+
+def test_a_text_cut_to_the_byte_limit_is_too_long_without_truncation() -> None:
+    tokenizer = TextTokenizer.from_folder(default_model_folder(), 8)
+    # What a server keeps of a text over byte_limit: the part read may hold few tokens (long
+    # words become one [UNK]), yet the whole text was never counted.
+    prefix = "x" * tokenizer.byte_limit
+    with pytest.raises(InputTooLong, match=f"longer than the {tokenizer.byte_limit} bytes"):
+        tokenizer.encode(["fine", prefix], truncate=False, clipped={1})
+    english = ("word " * tokenizer.byte_limit)[: tokenizer.byte_limit]
+    with pytest.raises(InputTooLong, match=r"hold \d+ tokens"):
+        tokenizer.encode([english], truncate=False, clipped={0})
+    assert tokenizer.encode([english], truncate=True, clipped={0}).input_ids.shape == (1, 8)

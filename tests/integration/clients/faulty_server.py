@@ -37,7 +37,7 @@ async def serve(server: Server) -> int:
 
 
 def main(artifact: Path, fault_token: int) -> int:
-    config = ServerConfig(artifact=artifact, port=0, metrics_port=0)
+    config = ServerConfig(artifact=artifact, port=0, metrics_port=0, http_port=0)
 
     def load_model():
         engine = Engine(load_artifact(artifact))

@@ -1,0 +1,201 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``, ``GET /v1/models``) and ``GET /health``.
+
+``input`` is a string, a list of strings (tokenized by the server, as the ``-text`` model), a list
+of token ids or a list of such lists (run as given, as the ids model: the caller's ids include
+any special tokens). Either model name is accepted. A request with more inputs than the model's
+batch bound is split into batch-sized requests, which the batcher may run together.
+
+``dimensions``: the first N dimensions of each sentence embedding, L2-normalised again when the
+model normalises its embeddings (a shortened unit vector stays a unit vector, as OpenAI's
+text-embedding-3 models shorten theirs); as they are otherwise. ``truncate`` (not OpenAI's): cut
+inputs over the model's maximum length instead of refusing them (default: ``--truncate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+from aiohttp import web
+
+from ..runtime.errors import InputError, InputTooLong, ServingError, UnknownModel
+from ..runtime.request import EncoderRequest
+from . import codec
+from .http_body import FieldError, json_response, parse_object, read_body
+from .inference import Inference
+from .model import ServedModel
+
+EMBEDDING = "sentence_embedding"
+ENCODINGS = ("float", "base64")
+# OpenAI's error codes and the body field at fault, for the errors it has; other errors have none.
+ERROR_CODES: dict[type[ServingError], tuple[str, str]] = {
+    InputTooLong: ("context_length_exceeded", "input"), UnknownModel: ("model_not_found", "model")}
+
+
+def error_body(status: int, message: str, err: Exception | None) -> dict:
+    """OpenAI's error shape, which its clients parse into their exceptions."""
+    code, param = next((known for kind, known in ERROR_CODES.items() if isinstance(err, kind)), (None, None))
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": getattr(err, "param", param), "code": code}}
+
+
+def _token_lists(value: list) -> list[list[int]] | None:
+    """``value`` as token id sequences, or None if it is not made of integers."""
+    def ints(items: list) -> bool:
+        return all(isinstance(i, int) and not isinstance(i, bool) for i in items)
+
+    if ints(value):
+        return [value]
+    if all(isinstance(item, list) for item in value) and all(ints(item) for item in value):
+        return value
+    return None
+
+
+def parse_input(value: object) -> list[str] | list[list[int]]:
+    """A string, strings, token ids or lists of token ids -> texts or token id sequences."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise FieldError("input", "input must be a string, a list of strings, a list of token ids or a list of "
+                                  "lists of token ids, and not empty")
+    if all(isinstance(item, str) for item in value):
+        return value
+    tokens = _token_lists(value)
+    if tokens is None:
+        raise FieldError("input", "input mixes types: give strings only, or token ids (integers) only")
+    for index, sequence in enumerate(tokens):
+        if not sequence:
+            raise FieldError("input", f"input[{index}] is an empty list of token ids")
+    return tokens
+
+
+class EmbeddingsRequest:
+    """The body's fields, checked."""
+
+    def __init__(self, body: dict, served: tuple[str, ...]):
+        self.model = body.get("model")
+        if not isinstance(self.model, str):
+            raise FieldError("model", "model must name a served model: " + ", ".join(served))
+        if "input" not in body:
+            raise FieldError("input", "the body needs 'input': the text(s) or token ids to embed")
+        self.inputs = parse_input(body["input"])
+        self.takes_text = isinstance(self.inputs[0], str)
+        self.encoding = body.get("encoding_format") or "float"
+        if self.encoding not in ENCODINGS:
+            raise FieldError("encoding_format", f"encoding_format must be 'float' or 'base64', got {self.encoding!r}")
+        self.dimensions = body.get("dimensions")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise FieldError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
+        self.truncate = codec.check_truncate(body.get(codec.TRUNCATE_PARAMETER))
+
+
+def _ids_rows(sequences: list[list[int]], max_length: int, truncate: bool, first: int):
+    """Token id sequences -> padded ids and mask (rows from input ``first`` on)."""
+    for index, sequence in enumerate(sequences):
+        if len(sequence) > max_length and not truncate:
+            raise InputTooLong(f"input[{first + index}] has {len(sequence)} tokens, over the model's maximum of "
+                               f"{max_length}; shorten it, or send truncate=true to embed its first {max_length}")
+    rows = [sequence[:max_length] for sequence in sequences]
+    seq = max(len(row) for row in rows)
+    ids, mask = np.zeros((len(rows), seq), np.int64), np.zeros((len(rows), seq), np.int64)
+    for index, row in enumerate(rows):
+        try:
+            ids[index, : len(row)] = row
+        except OverflowError:
+            raise FieldError("input", f"input[{first + index}] holds a token id outside int64") from None
+        mask[index, : len(row)] = 1
+    return ids, mask
+
+
+def shorten(embeddings: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
+    """The first ``dimensions`` of each row; re-normalised if the model normalises (as
+    torch.nn.functional.normalize: x / max(||x||, 1e-12))."""
+    if dimensions is None or dimensions == embeddings.shape[1]:
+        return embeddings
+    if dimensions > embeddings.shape[1]:
+        raise FieldError("dimensions", f"dimensions is {dimensions}, over this model's {embeddings.shape[1]}")
+    short = embeddings[:, :dimensions]
+    if normalized:
+        norms = np.linalg.norm(short.astype(np.float64), axis=1, keepdims=True)
+        short = (short / np.maximum(norms, 1e-12)).astype(np.float32)
+    return short
+
+
+def encode_embeddings(embeddings: np.ndarray, parsed: EmbeddingsRequest, tokens: int) -> dict:
+    def encoded(row: np.ndarray):
+        if parsed.encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
+            return base64.b64encode(np.ascontiguousarray(row, "<f4").tobytes()).decode()
+        return row.tolist()
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(row)} for i, row in enumerate(embeddings)]
+    return {"object": "list", "data": data, "model": parsed.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+class OpenAIRoutes:
+    def __init__(self, core: Inference):
+        self.core = core
+        self.config = core.state.config
+        self.started = int(time.time())
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self.core.state.ready
+        return json_response({"status": "ready" if ready else "not ready"}, 200 if ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.started, "owned_by": "dietserve"}
+            for name in self.core.state.model_names]})
+
+    def _model(self, parsed: EmbeddingsRequest) -> ServedModel:
+        """The served model for the input's kind, once the named model is known to be served."""
+        self.core.check_name(parsed.model, "")
+        for name in self.core.state.model_names:
+            model = self.core.loaded(name)
+            if model.takes_text == parsed.takes_text:
+                return model
+        raise InputError(f"this server has no model for {'text' if parsed.takes_text else 'token ids'}")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        parsed = EmbeddingsRequest(parse_object(body, "the request body"), self.core.state.model_names)
+        model = self._model(parsed)
+        step = model.engine.max_batch
+        chunks = [(start, parsed.inputs[start : start + step]) for start in range(0, len(parsed.inputs), step)]
+        large = len(body) > (codec.INLINE_TEXT_BYTES if parsed.takes_text else codec.INLINE_MESSAGE_BYTES)
+        answers = await asyncio.gather(*(self.core.infer(self._receive(model, parsed, first, chunk, large))
+                                         for first, chunk in chunks))
+        embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer, _ in answers])
+        embeddings = shorten(embeddings, parsed.dimensions, _normalizes(model))
+        tokens = sum(answer.request.tokens for answer, _ in answers)
+        return json_response(await self.core.off_loop(large, encode_embeddings, embeddings, parsed, tokens))
+
+    async def _receive(self, model: ServedModel, parsed: EmbeddingsRequest, first: int, inputs: list,
+                       large: bool) -> tuple[ServedModel, EncoderRequest, None]:
+        return model, await self.core.off_loop(large, self._decode, model, parsed, first, inputs), None
+
+    def _decode(self, model: ServedModel, parsed: EmbeddingsRequest, first: int, inputs: list) -> EncoderRequest:
+        truncate = self.core.truncate(parsed.truncate)
+        if parsed.takes_text:
+            # Lone surrogates (JSON allows them) pass through to codec's UTF-8 check, which names them.
+            tensor = codec.InputTensor(codec.TEXT_INPUT, "BYTES", [len(inputs)],
+                                       values=[text.encode("utf-8", "surrogatepass") for text in inputs])
+            how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first)
+            return codec.encoder_request(codec.decode_tensors([tensor]), (EMBEDDING,), how)
+        ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first)
+        ids, mask, types = model.engine.validate(ids, mask)
+        return EncoderRequest(ids, mask, types, (EMBEDDING,))
+
+
+def _normalizes(model: ServedModel) -> bool:
+    return bool(model.engine.artifact.manifest.normalize_embeddings)
+
+
