@@ -25,8 +25,21 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture for --target cuda (e.g. sm_90, sm_75)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts")
     parser.add_argument("--seed", type=int, default=0, help="weight seed for the bert-base preset")
+    parser.add_argument("--pooling", type=_pooling_modes, default=None, metavar="MODE[,MODE...]",
+                        help="sentence-embedding pooling in place of the checkpoint's own (1_Pooling): "
+                             "cls, max, mean, mean_sqrt_len_tokens, weightedmean or lasttoken; several "
+                             "separated by commas are concatenated in that order")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
                         help=f"where compiled artifacts and generated models are kept (default {DEFAULT_CACHE})")
+
+
+def _pooling_modes(text: str) -> tuple[str, ...]:
+    from ..model.heads import parse_pooling_modes
+
+    try:
+        return parse_pooling_modes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def compile_request(args: argparse.Namespace):
@@ -35,7 +48,8 @@ def compile_request(args: argparse.Namespace):
 
     spec = TargetSpec(kind=args.target, mcpu=args.mcpu, num_cores=args.num_cores, arch=args.arch)
     plans = tuple(getattr(args, "plans", None) or ())
-    return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans)
+    return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
+                          pooling=args.pooling)
 
 
 def build_argv(args: argparse.Namespace) -> list[str]:
@@ -46,4 +60,6 @@ def build_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--mcpu", args.mcpu]
     if args.num_cores:
         argv += ["--num-cores", str(args.num_cores)]
+    if args.pooling:
+        argv += ["--pooling", ",".join(args.pooling)]
     return argv

@@ -18,8 +18,9 @@ from safetensors.numpy import save_file
 
 from ..host.cpu import target_cpu_flags
 from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
-from ..model.bert import SHAPE_VARS, BertModel, export_relax
+from ..model.bert import SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
+from ..model.heads import parse_pooling_modes
 from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
@@ -48,10 +49,20 @@ class CompileRequest:
     max_batch: int = 64
     seed: int = 0  # for the random-weight presets
     plans: tuple[Path, ...] = ()  # kernel plan files or directories (python -m dietserve tune)
+    # Pooling modes in place of the checkpoint's own (--pooling), concatenated in this order.
+    pooling: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.pooling is not None:
+            parse_pooling_modes(",".join(self.pooling))
+
+
+def open_checkpoint(request: CompileRequest, cache_dir: Path) -> Checkpoint:
+    """The request's checkpoint, pooled as ``--pooling`` says where given."""
+    checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
+    return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 
 def compiler_source_hash() -> str:
@@ -69,12 +80,13 @@ def required_cpu_flags(target) -> list[str]:
     return sorted(target_cpu_flags(target)) if target.kind.name == "llvm" else []
 
 
-def cache_key(checkpoint: Checkpoint, weights_sha: str, target, max_batch: int,
+def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch: int,
               plans: list[KernelPlan] = ()) -> str:
+    """``weights_sha``: the digests of ``checkpoint.weight_files``, in order."""
     inputs = {
         "plans": sorted(plan.digest() for plan in plans),
         "config": checkpoint.config.to_dict(),
-        "normalize": checkpoint.pooling.normalize,
+        "head": checkpoint.head_description(),
         "weights": weights_sha,
         "target": target_description(target),
         "tvm": tvm_version(),
@@ -106,11 +118,11 @@ def compile_artifact(
     progress: Progress = lambda _message: None,
 ) -> Path:
     """Compile ``request`` into ``out_dir`` (default: a content-addressed cache entry)."""
-    folder = resolve_model(request.model, cache_dir, request.seed)
-    checkpoint = Checkpoint.open(folder)
+    checkpoint = open_checkpoint(request, cache_dir)
+    folder = checkpoint.folder
     target = build_target(request.target)
     progress(f"hashing weights in {checkpoint.weights_file}")
-    weights_sha = sha256_file(checkpoint.weights_file)
+    weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(request.plans)
     for plan in plans:  # stale plans are refused before any work
         plan.check_target(link_target_fields(target), tvm_version())
@@ -139,7 +151,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     from .passes import foreign_plans, link_tuned_kernels, linked_operators
     from .pipeline import compile_module
 
-    model = BertModel(checkpoint.config, checkpoint.pooling)
+    model = checkpoint.model()
     mod, parameters = export_relax(model, request.max_batch)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
@@ -181,7 +193,10 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     manifest = Manifest(
         model_name=name,
         model_config=checkpoint.config.to_dict(),
-        normalize_embeddings=checkpoint.pooling.normalize,
+        normalize_embeddings=checkpoint.classifier is None and checkpoint.pooling.normalize,
+        **checkpoint.head_description(),
+        outputs=list(model.output_names),
+        output_shapes=model.output_shapes(),
         target=target_description(target),
         tvm_version=tvm_version(),
         cache_key=key,

@@ -23,12 +23,10 @@ from ..kernels.plan.decision_tree import names_in
 from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
 from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
-from ..model.bert import SHAPE_VARS, BertModel, export_relax
-from ..model.checkpoint import Checkpoint
-from ..model.presets import resolve_model
+from ..model.bert import SHAPE_VARS, export_relax
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths
-from .artifact import CompileRequest, compile_artifact, model_display_name
+from .artifact import CompileRequest, compile_artifact, model_display_name, open_checkpoint
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
@@ -92,10 +90,10 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     plan), weighted by ``lengths`` where given; operators whose rows are ``batch`` alone vary
     the batch instead. On CPU an operator the link pass fuses with its softmax (attention's
     scores) is marked so, and the tuner times it with the softmax, as it is served."""
-    folder = resolve_model(request.model, cache_dir, request.seed)
-    checkpoint = Checkpoint.open(folder)
+    checkpoint = open_checkpoint(request, cache_dir)
+    folder = checkpoint.folder
     target = build_target(request.target)
-    mod, _ = export_relax(BertModel(checkpoint.config, checkpoint.pooling), request.max_batch)
+    mod, _ = export_relax(checkpoint.model(), request.max_batch)
     with target:
         legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
     calls = call_counts(legalized)

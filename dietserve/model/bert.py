@@ -18,7 +18,6 @@ Three layout choices differ from the checkpoint, all for the matmul kernels:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import tvm
 from tvm import relax
@@ -26,17 +25,11 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import BertConfig
+from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 
 # torch.finfo(torch.float32).min: the additive mask value Hugging Face uses, so masked
 # keys get exactly zero attention weight in both implementations.
 MASK_FILL = -3.4028234663852886e38
-
-
-@dataclass(frozen=True)
-class PoolingOptions:
-    """How the sentence embedding is derived from the last hidden state."""
-
-    normalize: bool = False  # L2-normalise (sentence-transformers' Normalize module)
 
 
 class TransposedLinear(nn.Module):
@@ -186,14 +179,45 @@ class BertEncoder(nn.Module):
         return hidden
 
 
-class BertModel(nn.Module):
-    """Returns ``(last_hidden_state [b, s, h], sentence_embedding [b, h])``."""
+class BertPooler(nn.Module):
+    """Hugging Face's pooler: ``tanh(dense(hidden[:, 0]))``, the [CLS] row whatever the mask."""
 
-    def __init__(self, cfg: BertConfig, pooling: PoolingOptions = PoolingOptions()):
+    def __init__(self, cfg: BertConfig):
+        self.dense = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, hidden: nn.Tensor) -> nn.Tensor:
+        batch, _, width = hidden.shape
+        first = nn.op.wrap_nested(relax.op.strided_slice(hidden._expr, [1], [0], [1]), "cls_row")
+        return op.tanh(self.dense(op.reshape(first, (batch, width))))
+
+
+class BertModel(nn.Module):
+    """Returns ``(last_hidden_state [b, s, h], sentence_embedding [b, e])``, or with a
+    ``classifier`` (BertForSequenceClassification) ``(last_hidden_state, logits [b, labels])``."""
+
+    def __init__(self, cfg: BertConfig, pooling: PoolingOptions | None = None,
+                 classifier: ClassifierOptions | None = None):
         self.config = cfg
-        self.pooling = pooling
+        self.pooling = pooling = pooling or PoolingOptions()
+        self.classifier_options = classifier
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
+        if classifier is None:
+            self.sentence = SentencePooling(pooling)
+        else:  # named as in the checkpoint: bert.pooler.dense.*, classifier.*
+            self.pooler = BertPooler(cfg)
+            self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
+
+    @property
+    def output_names(self) -> tuple[str, str]:
+        return output_names(self.classifier_options is not None)
+
+    def output_shapes(self) -> dict[str, list[int]]:
+        """Each output's shape, -1 where it follows the input (batch, sequence length)."""
+        hidden = self.config.hidden_size
+        classifier = self.classifier_options
+        width = classifier.num_labels if classifier is not None else self.pooling.embedding_size(hidden)
+        return dict(zip(self.output_names, ([-1, -1, hidden], [-1, width]), strict=True))
 
     def forward(
         self,
@@ -208,25 +232,21 @@ class BertModel(nn.Module):
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
         hidden = self.encoder(hidden, mask_bias)
         hidden = op.reshape(hidden, (batch, seq, hidden.shape[-1]))
-        return hidden, self._pool(hidden, mask)
-
-    def _pool(self, hidden: nn.Tensor, mask: nn.Tensor) -> nn.Tensor:
-        # Masked mean exactly as sentence-transformers' Pooling (count clamped at 1e-9).
-        batch, seq = mask.shape
-        summed = op.sum(hidden * op.reshape(mask, (batch, seq, 1)), axis=1)
-        counts = op.maximum(op.sum(mask, axis=1, keepdims=True), nn.Tensor.from_const(1e-9))
-        pooled = summed / counts
-        if not self.pooling.normalize:
-            return pooled
-        # torch.nn.functional.normalize: x / max(||x||, 1e-12).
-        norm = op.sqrt(op.sum(pooled * pooled, axis=1, keepdims=True))
-        return pooled / op.maximum(norm, nn.Tensor.from_const(1e-12))
+        if self.classifier_options is not None:
+            return hidden, self.classifier(self.pooler(hidden))
+        return hidden, self.sentence(hidden, mask, op.astype(position_ids, "float32"))
 
 
 # The symbolic dims every dynamic operator's shapes are expressions of.
 SHAPE_VARS = ("batch", "seq_len")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
+CLASSIFIER_OUTPUT_NAMES = ("last_hidden_state", "logits")
+
+
+def output_names(classifies: bool) -> tuple[str, str]:
+    """The compiled function's two outputs, in order."""
+    return CLASSIFIER_OUTPUT_NAMES if classifies else OUTPUT_NAMES
 
 
 def transposed_weight_names(model: nn.Module) -> set[str]:

@@ -1,7 +1,10 @@
-"""Hugging Face checkpoint folder -> parameters in the layout of our Relax BERT."""
+"""Hugging Face checkpoint folder -> parameters in the layout of our Relax BERT, with what sits
+on top of the encoder: a sentence-transformers recipe (modules.json) or, for a
+BertForSequenceClassification checkpoint, its pooler and classifier."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,14 +12,29 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from .bert import BertModel, PoolingOptions, checkpoint_parts, transposed_weight_names
+from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
+from .heads import ClassifierOptions, DenseLayer, PoolingOptions
 from .side_by_side import side_by_side
 
 # Prefixes under which task heads (BertForMaskedLM, ...) nest the encoder.
 _ENCODER_PREFIXES = ("bert.", "model.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
+WEIGHTS_FILE = "model.safetensors"
+# sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
+_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+# Dense activation classes (torch.nn, built without arguments) -> our names.
+_TORCH_ACTIVATIONS = {"Tanh": "tanh", "Identity": "identity", "ReLU": "relu", "GELU": "gelu", "Sigmoid": "sigmoid"}
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 
 
 class CheckpointError(ValueError):
@@ -25,15 +43,45 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A Hugging Face BERT folder: config, weights file, optional sentence-transformers pooling."""
+    """A Hugging Face BERT folder: config, weights file, and its head: the sentence-embedding
+    recipe (``pooling``) or, where ``classifier`` is set, a sequence-classification head."""
 
     folder: Path
     config: BertConfig
-    pooling: PoolingOptions
+    pooling: PoolingOptions = PoolingOptions()
+    classifier: ClassifierOptions | None = None
 
     @property
     def weights_file(self) -> Path:
-        return self.folder / "model.safetensors"
+        return self.folder / WEIGHTS_FILE
+
+    @property
+    def weight_files(self) -> list[Path]:
+        """Every file a build reads weights from: the encoder's, then each Dense module's."""
+        dense = [] if self.classifier else [self.folder / d.path / WEIGHTS_FILE for d in self.pooling.dense]
+        return [self.weights_file, *dense]
+
+    @property
+    def task(self) -> str:
+        return "classification" if self.classifier is not None else "embedding"
+
+    def model(self) -> BertModel:
+        return BertModel(self.config, self.pooling, self.classifier)
+
+    def head_description(self) -> dict:
+        """The head as data, for the manifest and the cache key."""
+        if self.classifier is not None:
+            return {"task": self.task, "classifier": self.classifier.to_dict()}
+        return {"task": self.task, "pooling": self.pooling.to_dict()}
+
+    def with_pooling_modes(self, modes: tuple[str, ...]) -> Checkpoint:
+        """This checkpoint pooled with ``modes`` in place of its own (``--pooling``)."""
+        if self.classifier is not None:
+            raise CheckpointError(f"{self.folder} is a {CLASSIFICATION_ARCHITECTURE} checkpoint: its logits come "
+                                  "from the [CLS] row, and --pooling applies to sentence-embedding models only")
+        pooling = dataclasses.replace(self.pooling, modes=modes)
+        _check_dense_inputs(pooling, self.config.hidden_size, f"--pooling {','.join(modes)}")
+        return dataclasses.replace(self, pooling=pooling)
 
     @classmethod
     def open(cls, folder: Path) -> Checkpoint:
@@ -44,19 +92,123 @@ class Checkpoint:
             config = BertConfig.from_file(folder / "config.json")
         except ModelConfigError as err:
             raise CheckpointError(str(err)) from err
-        if not (folder / "model.safetensors").is_file():
-            raise CheckpointError(f"{folder} has no model.safetensors (pytorch_model.bin is not read)")
-        return cls(folder, config, read_pooling_options(folder))
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} (pytorch_model.bin is not read)")
+        raw = json.loads((folder / "config.json").read_text())
+        if CLASSIFICATION_ARCHITECTURE in (raw.get("architectures") or []):
+            return cls(folder, config, classifier=read_classifier(raw, folder))
+        return cls(folder, config, read_pooling_options(folder, config.hidden_size))
 
 
-def read_pooling_options(folder: Path) -> PoolingOptions:
-    """Sentence-transformers checkpoints list a Normalize module in modules.json."""
+def read_classifier(raw: dict, folder: Path) -> ClassifierOptions:
+    """The labels of a BertForSequenceClassification config (``id2label``, ``num_labels``)."""
+    id2label = raw.get("id2label") or {}
+    count = int(raw.get("num_labels") or len(id2label) or 2)  # transformers' default is 2
+    try:
+        labels = {int(key): str(value) for key, value in id2label.items()}
+    except ValueError:
+        raise CheckpointError(f"{folder}/config.json: id2label keys must be integers, got {list(id2label)}") from None
+    if labels and sorted(labels) != list(range(count)):
+        raise CheckpointError(f"{folder}/config.json: id2label has ids {sorted(labels)}, "
+                              f"expected 0..{count - 1} for {count} labels")
+    return ClassifierOptions(tuple(labels.get(i, f"LABEL_{i}") for i in range(count)))
+
+
+def _read_json(path: Path) -> dict | list:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+
+
+def read_pooling_options(folder: Path, hidden_size: int) -> PoolingOptions:
+    """The sentence-embedding recipe modules.json lists (Transformer, Pooling, Dense...,
+    Normalize, in that order); without modules.json, a masked mean."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingOptions()
-    modules = json.loads(modules_file.read_text())
-    kinds = {module.get("type", "") for module in modules}
-    return PoolingOptions(normalize="sentence_transformers.models.Normalize" in kinds)
+    modes, dense, normalize = None, [], False
+    for index, entry in enumerate(_read_json(modules_file)):
+        kind, path = _module_kind(entry, modules_file), str(entry.get("path", ""))
+        where = f"{modules_file}: the {kind} module ({path or 'the root folder'})"
+        if (kind == "Transformer") != (index == 0) or (kind == "Transformer" and path):
+            raise CheckpointError(f"{where}: dietserve reads a Transformer module first, in the root folder, "
+                                  "and nowhere else")
+        if kind != "Transformer" and (normalize or (kind != "Pooling" and modes is None)):
+            raise CheckpointError(f"{where} comes after Normalize or before Pooling; dietserve runs "
+                                  "Pooling, then Dense modules, then Normalize")
+        if kind == "Pooling":
+            if modes is not None:
+                raise CheckpointError(f"{where}: a second Pooling module is not supported")
+            modes = _pooling_modes(_read_json(folder / path / "config.json"), hidden_size, where)
+        elif kind == "Dense":
+            dense.append(_dense_layer(folder, path, where))
+        elif kind == "Normalize":
+            normalize = True
+    if modes is None:
+        raise CheckpointError(f"{modules_file} lists no Pooling module: there is no sentence embedding to compute")
+    pooling = PoolingOptions(modes, tuple(dense), normalize)
+    _check_dense_inputs(pooling, hidden_size, str(modules_file))
+    return pooling
+
+
+def _module_kind(entry: dict, modules_file: Path) -> str:
+    """``sentence_transformers.models.Pooling`` (or the module's newer path) -> ``Pooling``."""
+    kind = str(entry.get("type", ""))
+    name = kind.rsplit(".", 1)[-1]
+    if not kind.startswith("sentence_transformers.") or name not in _ST_MODULES:
+        raise CheckpointError(f"{modules_file}: module type {kind!r} is not supported; dietserve compiles "
+                              f"sentence-transformers' {', '.join(_ST_MODULES)} modules")
+    return name
+
+
+def _pooling_modes(config: dict, hidden_size: int, where: str) -> tuple[str, ...]:
+    if config.get("include_prompt", True) is False:
+        raise CheckpointError(f"{where}: include_prompt=false (pooling that skips an instruction prompt) "
+                              "is not supported")
+    width = config.get("embedding_dimension", config.get("word_embedding_dimension", hidden_size))
+    if width != hidden_size:
+        raise CheckpointError(f"{where} pools {width}-wide token embeddings; the encoder's are {hidden_size}")
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        modes = (mode,) if isinstance(mode, str) else tuple(mode)
+    else:
+        modes = tuple(mode for flag, mode in _POOLING_FLAGS.items() if config.get(flag)) or ("mean",)
+    try:
+        return PoolingOptions(modes).modes
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+
+
+def _dense_layer(folder: Path, path: str, where: str) -> DenseLayer:
+    config = _read_json(folder / path / "config.json")
+    if config.get("use_residual"):
+        raise CheckpointError(f"{where}: use_residual=true is not supported")
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key) not in (None, "sentence_embedding"):
+            raise CheckpointError(f"{where}: {key}={config[key]!r} is not supported (only sentence_embedding)")
+    function = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    activation = _TORCH_ACTIVATIONS.get(function.rsplit(".", 1)[-1]) if function.startswith("torch.") else None
+    if activation is None:
+        raise CheckpointError(f"{where}: activation_function {function!r} is not supported; expected torch.nn's "
+                              f"{', '.join(_TORCH_ACTIVATIONS)}")
+    weights = folder / path / WEIGHTS_FILE
+    if not weights.is_file():
+        other = " (pytorch_model.bin is not read)" if (folder / path / "pytorch_model.bin").is_file() else ""
+        raise CheckpointError(f"{where}: {weights} is missing{other}")
+    return DenseLayer(int(config["in_features"]), int(config["out_features"]), bool(config.get("bias", True)),
+                      activation, path)
+
+
+def _check_dense_inputs(pooling: PoolingOptions, hidden_size: int, where: str) -> None:
+    width = len(pooling.modes) * hidden_size
+    for layer in pooling.dense:
+        if layer.in_features != width:
+            raise CheckpointError(f"{where}: the Dense module in {layer.path!r} takes {layer.in_features} features, "
+                                  f"its input has {width}")
+        width = layer.out_features
 
 
 def canonical_name(name: str) -> str:
@@ -76,6 +228,7 @@ def load_parameters(
     """Read the checkpoint's tensors, rename, transpose linear weights, concatenate the ones a
     layer computes side by side (the query, key and value projections) and check every shape."""
     raw = {canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
+    raw.update(_dense_tensors(checkpoint))
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}
@@ -93,3 +246,12 @@ def load_parameters(
             )
         params[name] = tensor
     return params
+
+
+def _dense_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
+    """Each Dense module's ``linear.*`` under its parameter names in our model."""
+    tensors = {}
+    for index, path in enumerate(checkpoint.weight_files[1:]):
+        for name, tensor in load_file(str(path)).items():
+            tensors[f"sentence.dense.{index}.{name.removeprefix('linear.')}"] = tensor
+    return tensors

@@ -15,6 +15,7 @@ import tvm
 from ..host.cpu import configure_cpu_threads, target_cores
 from .artifact import LoadedArtifact
 from .errors import InputError
+from .manifest import CLASSIFICATION_TASK
 from .memory import PoolBound
 from .variant_by_shape import KernelDispatch
 
@@ -24,7 +25,8 @@ LOG = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EncoderOutput:
     last_hidden_state: np.ndarray  # float32 [batch, seq, hidden]
-    sentence_embedding: np.ndarray  # float32 [batch, hidden]
+    sentence_embedding: np.ndarray | None  # float32 [batch, embedding size]; None from a classifier
+    logits: np.ndarray | None = None  # float32 [batch, num_labels]: a classification artifact's
 
 
 TVM_ALIGNMENT = 64  # bytes: TVM takes host memory it did not allocate only at this alignment
@@ -83,6 +85,7 @@ class Engine:
         self.vocab_size = int(manifest.model_config["vocab_size"])
         self.type_vocab_size = int(manifest.model_config["type_vocab_size"])
         self.hidden_size = int(manifest.model_config["hidden_size"])
+        self._describe_outputs(manifest)
         self.dispatch = KernelDispatch(manifest.dispatch)
         self._forward = artifact.vm["forward"]
         self._positions = np.arange(self.max_seq_len, dtype=np.int64)
@@ -94,6 +97,18 @@ class Engine:
             self._to_numpy = tvm.runtime.Tensor.numpy
         self._lock = threading.Lock()
         self.pool_bound: PoolBound | None = None
+
+    def _describe_outputs(self, manifest) -> None:
+        """What the artifact returns: ``task`` (embedding or classification), ``output_shapes``
+        (name -> shape, -1 where it follows the request), the sentence embedding's width (None
+        for a classifier) and the classifier's ``labels`` (logit i is ``labels[i]``; empty for
+        an embedding model)."""
+        self.task = manifest.task
+        self.output_shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.output_shapes.items()}
+        embedding = self.output_shapes.get("sentence_embedding")
+        self.embedding_size = embedding[1] if embedding else None
+        id2label = (manifest.classifier or {}).get("id2label", {})
+        self.labels = tuple(id2label[str(i)] for i in range(len(id2label)))
 
     def bound_memory(self, limit_bytes: int) -> None:
         """Releases the VM's pooled buffers whenever resident memory passes ``limit_bytes`` after
@@ -150,9 +165,12 @@ class Engine:
             self._configured.done = True
         inputs = [self._to_device(array) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
         with self._lock:
-            hidden, pooled = self._forward(*inputs, *self.artifact.params)
-            output = EncoderOutput(self._to_numpy(hidden), self._to_numpy(pooled))
-            del hidden, pooled  # back to the pool before it is measured
+            hidden, head = self._forward(*inputs, *self.artifact.params)
+            if self.task == CLASSIFICATION_TASK:
+                output = EncoderOutput(self._to_numpy(hidden), None, logits=self._to_numpy(head))
+            else:
+                output = EncoderOutput(self._to_numpy(hidden), self._to_numpy(head))
+            del hidden, head  # back to the pool before it is measured
             if self.pool_bound is not None:
                 self.pool_bound.check()
             return output

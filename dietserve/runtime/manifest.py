@@ -15,8 +15,10 @@ MANIFEST_FILE = "manifest.json"
 LIBRARY_FILE = "model.so"
 PARAMS_FILE = "params.safetensors"
 PLANS_DIR = "plans"  # the kernel plans linked into a tuned artifact
-# 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights
-FORMAT_VERSION = 3
+# 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights;
+# 4: the head (pooling recipe or classifier) and each output's shape
+FORMAT_VERSION = 4
+EMBEDDING_TASK, CLASSIFICATION_TASK = "embedding", "classification"
 
 
 class ArtifactError(RuntimeError):
@@ -39,6 +41,13 @@ class Manifest:
     cuda_source_sha256: str | None = None  # the kernels' source, which kernels.fatbin was built from
     inputs: list = field(default_factory=lambda: ["input_ids", "attention_mask", "token_type_ids", "position_ids"])
     outputs: list = field(default_factory=lambda: ["last_hidden_state", "sentence_embedding"])
+    # output name -> shape, -1 where it follows the request (batch, sequence length)
+    output_shapes: dict = field(default_factory=dict)
+    task: str = EMBEDDING_TASK  # or CLASSIFICATION_TASK: logits in place of sentence_embedding
+    # EMBEDDING_TASK: {"modes": [...], "dense": [...], "normalize": bool} (model/heads.py PoolingOptions)
+    pooling: dict | None = None
+    # CLASSIFICATION_TASK: {"num_labels": n, "id2label": {"0": name, ...}}
+    classifier: dict | None = None
     # dynamic operator -> {"symbolic": [vars], "variants": [names], "tree": decision tree}; see
     # dietserve/runtime/variant_by_shape.py. Untuned artifacts have one variant per operator, "default".
     dispatch: dict = field(default_factory=dict)

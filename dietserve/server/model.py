@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from ..model.tokenizer import TextTokenizer
 from ..runtime.batcher import BatchRun
 from ..runtime.engine import Engine
-from ..runtime.request import OUTPUTS
 from ._proto import open_inference_pb2 as pb
 from .codec import ID_INPUTS, TEXT_INPUT
 
@@ -87,7 +86,6 @@ class ServedModel:
         return self.tokenizer is not None
 
     def metadata(self) -> pb.ModelMetadataResponse:
-        hidden = self.engine.hidden_size
         tensor = pb.ModelMetadataResponse.TensorMetadata
         if self.takes_text:
             inputs = [tensor(name=TEXT_INPUT, datatype="BYTES", shape=[-1])]
@@ -98,15 +96,12 @@ class ServedModel:
             versions=[self.version],
             platform=PLATFORM,
             inputs=inputs,
-            outputs=[
-                tensor(name=OUTPUTS[0], datatype="FP32", shape=[-1, -1, hidden]),
-                tensor(name=OUTPUTS[1], datatype="FP32", shape=[-1, hidden]),
-            ],
+            outputs=[tensor(name=name, datatype="FP32", shape=list(shape))
+                     for name, shape in self.engine.output_shapes.items()],
         )
 
     def config(self, batching: bool, max_queue_delay_ms: float, buckets: list[int]) -> pb.ModelConfig:
         """Triton's model configuration; dims exclude the batch dimension (max_batch_size > 0)."""
-        hidden = self.engine.hidden_size
         if self.takes_text:
             inputs = [pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[1],
                                     reshape=pb.ModelTensorReshape(shape=[]))]
@@ -120,10 +115,8 @@ class ServedModel:
             backend="dietserve",
             max_batch_size=self.engine.max_batch,
             input=inputs,
-            output=[
-                pb.ModelOutput(name=OUTPUTS[0], data_type=pb.TYPE_FP32, dims=[-1, hidden]),
-                pb.ModelOutput(name=OUTPUTS[1], data_type=pb.TYPE_FP32, dims=[hidden]),
-            ],
+            output=[pb.ModelOutput(name=name, data_type=pb.TYPE_FP32, dims=list(shape[1:]))
+                    for name, shape in self.engine.output_shapes.items()],
             instance_group=[pb.ModelInstanceGroup(
                 name=self.name, count=1,
                 kind=pb.ModelInstanceGroup.KIND_GPU if self.target_kind == "cuda" else pb.ModelInstanceGroup.KIND_CPU,

@@ -109,7 +109,12 @@ def test_folder_without_weights_is_explained(tmp_path: Path) -> None:
 def test_sentence_transformers_normalize_module_is_detected(tmp_path: Path) -> None:
     folder = _write_checkpoint(tmp_path / "st", random_hf_weights(TINY, seed=1))
     assert not Checkpoint.open(folder).pooling.normalize
-    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Normalize"}]))
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"},
+               {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps(modules))
     assert Checkpoint.open(folder).pooling.normalize
 
 

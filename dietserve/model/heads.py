@@ -1,0 +1,186 @@
+"""What a checkpoint puts on top of the encoder, as data and as Relax modules.
+
+- A sentence-transformers embedding recipe: one or more pooling modes (concatenated in the
+  order the checkpoint lists them), then Dense layers, then an optional L2 normalisation;
+  each mode computed as sentence-transformers' ``Pooling._forward_padded`` does, so left- or
+  right-padded batches and rows without any attended token give the same vectors.
+- A sequence-classification head's labels (its modules, pooler and classifier, are BERT's own
+  and live in ``bert.py``).
+
+Both stay inside the compiled graph: a request is still one call into the VM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+# sentence-transformers' names, in the order its legacy ``pooling_mode_*`` flags concatenate.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid")
+# Beyond any position (and exact in float32 when added to one): marks padding in a minimum
+# over positions.
+_NO_TOKEN = float(1 << 20)
+
+
+def parse_pooling_modes(text: str) -> tuple[str, ...]:
+    """``"cls"`` or ``"cls,mean"`` (concatenated in that order) -> the modes, checked."""
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [mode for mode in modes if mode not in POOLING_MODES]
+    if unknown or not modes:
+        raise ValueError(f"unknown pooling mode {', '.join(map(repr, unknown)) or repr(text)}; "
+                         f"expected one or more of {', '.join(POOLING_MODES)}, separated by commas")
+    return modes
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module: ``activation(x @ W.T + b)``."""
+
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "tanh"
+    path: str = ""  # its folder in the checkpoint, which holds its weights
+
+    def __post_init__(self) -> None:
+        if self.activation not in DENSE_ACTIVATIONS:
+            raise ValueError(f"Dense activation {self.activation!r} is not supported; "
+                             f"expected one of {', '.join(DENSE_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True)
+class PoolingOptions:
+    """How the sentence embedding is derived from the last hidden state."""
+
+    modes: tuple[str, ...] = ("mean",)
+    dense: tuple[DenseLayer, ...] = ()
+    normalize: bool = False  # L2-normalise last (sentence-transformers' Normalize module)
+
+    def __post_init__(self) -> None:
+        parse_pooling_modes(",".join(self.modes))
+
+    def embedding_size(self, hidden_size: int) -> int:
+        return self.dense[-1].out_features if self.dense else len(self.modes) * hidden_size
+
+    def to_dict(self) -> dict:
+        dense = [{"in_features": d.in_features, "out_features": d.out_features, "bias": d.bias,
+                  "activation": d.activation, "path": d.path} for d in self.dense]
+        return {"modes": list(self.modes), "dense": dense, "normalize": self.normalize}
+
+
+@dataclass(frozen=True)
+class ClassifierOptions:
+    """A BertForSequenceClassification head: ``labels[i]`` names logit ``i``."""
+
+    labels: tuple[str, ...]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def to_dict(self) -> dict:
+        return {"num_labels": self.num_labels, "id2label": {str(i): label for i, label in enumerate(self.labels)}}
+
+
+def _activation(x: nn.Tensor, name: str) -> nn.Tensor:
+    if name == "tanh":
+        return op.tanh(x)
+    if name == "relu":
+        return op.relu(x)
+    if name == "gelu":  # torch.nn.GELU's default: the exact erf form
+        return op.gelu(x)
+    if name == "sigmoid":
+        return op.sigmoid(x)
+    return x
+
+
+class DenseModule(nn.Module):
+    """``DenseLayer`` with its weight stored ``[in, out]`` like the encoder's linear layers."""
+
+    def __init__(self, layer: DenseLayer):
+        self.weight = nn.Parameter((layer.in_features, layer.out_features), "float32")
+        self.weight.stored_transposed = True
+        self.bias = nn.Parameter((layer.out_features,), "float32") if layer.bias else None
+        self.activation = layer.activation
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        y = op.matmul(x, self.weight)
+        return _activation(y + self.bias if self.bias is not None else y, self.activation)
+
+
+def _const(value: float) -> nn.Tensor:
+    return nn.Tensor.from_const(value)
+
+
+def _weighted_sum(hidden: nn.Tensor, weights: nn.Tensor) -> nn.Tensor:
+    """``sum_s hidden[b, s, :] * weights[b, s]``."""
+    batch, seq = weights.shape
+    return op.sum(hidden * op.reshape(weights, (batch, seq, 1)), axis=1)
+
+
+def _one_hot(positions: nn.Tensor, index: nn.Tensor) -> nn.Tensor:
+    """``[b, s]``: 1.0 where the position equals the row's ``index`` (exact: small integers)."""
+    (seq,), (batch,) = positions.shape, index.shape
+    hit = op.equal(op.reshape(positions, (1, seq)), op.reshape(index, (batch, 1)))
+    return op.astype(hit, "float32")
+
+
+def _first_token(mask: nn.Tensor, positions: nn.Tensor) -> nn.Tensor:
+    """``[b]``: each row's first attended position, 0 in a row with none (as
+    ``attention_mask.argmax(dim=1)``, sentence-transformers' "pad length")."""
+    first = op.min(positions + (1.0 - mask) * _NO_TOKEN, axis=1)
+    return first - op.astype(op.greater_equal(first, _const(_NO_TOKEN)), "float32") * _NO_TOKEN
+
+
+def _mean_parts(hidden: nn.Tensor, mask: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
+    counts = op.maximum(op.sum(mask, axis=1, keepdims=True), _const(1e-9))
+    return _weighted_sum(hidden, mask), counts
+
+
+def pool(mode: str, hidden: nn.Tensor, mask: nn.Tensor, positions: nn.Tensor) -> nn.Tensor:
+    """One pooling mode: ``hidden [b, s, h]``, ``mask [b, s]`` and ``positions [s]`` as
+    float32 -> ``[b, h]``."""
+    if mode in ("mean", "mean_sqrt_len_tokens"):
+        summed, counts = _mean_parts(hidden, mask)
+        return summed / (counts if mode == "mean" else op.sqrt(counts))
+    if mode == "cls":  # the first attended token, not masked (as sentence-transformers gathers it)
+        return _weighted_sum(hidden, _one_hot(positions, _first_token(mask, positions)))
+    if mode == "lasttoken":  # the last attended token; zeros in a row with none
+        last = op.max(mask * positions, axis=1)
+        return _weighted_sum(hidden, _one_hot(positions, last) * mask)
+    if mode == "weightedmean":  # weights 1, 2, ... from the first attended token on
+        first = op.reshape(_first_token(mask, positions), (mask.shape[0], 1))
+        weights = mask * (positions + 1.0 - first)
+        total = op.maximum(op.sum(weights, axis=1, keepdims=True), _const(1e-9))
+        return _weighted_sum(hidden, weights) / total
+    if mode == "max":  # padding excluded as -inf, as sentence-transformers' masked_fill
+        batch, seq = mask.shape
+        minus_inf = _const(float("-inf"))
+        attended = op.greater(op.reshape(mask, (batch, seq, 1)), _const(0.0))
+        largest = op.max(op.where(attended, hidden, minus_inf), axis=1)
+        # TVM's max starts from the lowest finite float, so a row without tokens needs its -inf set
+        return op.where(op.greater(op.sum(mask, axis=1, keepdims=True), _const(0.0)), largest, minus_inf)
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+class SentencePooling(nn.Module):
+    """``PoolingOptions`` as a module: pooled modes side by side, Dense layers, Normalize."""
+
+    def __init__(self, options: PoolingOptions):
+        self.modes = options.modes
+        self.normalize = options.normalize
+        self.dense = nn.ModuleList([DenseModule(layer) for layer in options.dense])
+
+    def forward(self, hidden: nn.Tensor, mask: nn.Tensor, positions: nn.Tensor) -> nn.Tensor:
+        pooled = [pool(mode, hidden, mask, positions) for mode in self.modes]
+        embedding = pooled[0] if len(pooled) == 1 else op.concat(pooled, dim=1)
+        for layer in self.dense:
+            embedding = layer(embedding)
+        if not self.normalize:
+            return embedding
+        # torch.nn.functional.normalize: x / max(||x||, 1e-12).
+        norm = op.sqrt(op.sum(embedding * embedding, axis=1, keepdims=True))
+        return embedding / op.maximum(norm, _const(1e-12))
