@@ -31,7 +31,8 @@ class EncoderRequest:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def reply_bytes(self, hidden_size: int) -> int:
-        """Bytes of float32 output the answer carries."""
-        per_row = {"last_hidden_state": self.seq_len * hidden_size, "sentence_embedding": hidden_size}
+    def reply_bytes(self, hidden_size: int, embedding_size: int | None = None) -> int:
+        """Bytes of float32 output the answer carries; ``embedding_size``: the sentence
+        embedding's width where it is not ``hidden_size`` (pooling modes concatenated, Dense)."""
+        per_row = {"last_hidden_state": self.seq_len * hidden_size, "sentence_embedding": embedding_size or hidden_size}
         return 4 * self.rows * sum(per_row[name] for name in self.outputs)

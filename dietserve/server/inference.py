@@ -136,7 +136,7 @@ class Inference:
         try:
             model, request, wire = await receive
             rows = request.rows
-            reply = request.reply_bytes(model.engine.hidden_size)
+            reply = request.reply_bytes(model.engine.hidden_size, model.engine.embedding_size)
             if reply > state.config.max_response_bytes:
                 raise ReplyTooLarge(
                     f"the answer would be {reply} bytes, over this server's limit of {state.config.max_response_bytes} "
