@@ -89,7 +89,7 @@ def _json_values(name: str, datatype: str, data: object) -> Sequence:
         raise InputError(f"input '{name}': data is a ragged nested list; rows must have equal lengths") from None
     kinds, what = ELEMENT_KINDS[datatype]
     if array.size and array.dtype.kind not in kinds:
-        raise InputError(f"input '{name}' is {datatype}: its data must hold {what}, got {array.ravel()[0]!r}")
+        raise InputError(f"input '{name}' is {datatype}: its data must hold {what}, got {array.ravel()[0].tolist()!r}")
     return array.ravel()
 
 
@@ -289,7 +289,8 @@ class V2Routes:
     async def infer(self, request: web.Request) -> web.Response:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
         answer, parsed = await self.core.infer(self._receive(request, body))
-        large = answer.request.reply_bytes(answer.model.engine.hidden_size) > codec.INLINE_MESSAGE_BYTES
+        large = (answer.request.reply_bytes(answer.model.engine.hidden_size, answer.model.engine.embedding_size)
+                 > codec.INLINE_MESSAGE_BYTES)
         return await self.core.off_loop(large, encode_answer, answer, parsed)
 
     async def _receive(self, request: web.Request, body: bytes) -> tuple[ServedModel, EncoderRequest, V2Request]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -102,6 +103,11 @@ def test_the_concurrency_cap_refuses_cleanly_and_is_counted(server, channel, min
     assert f"limit {CAP}" in refused.value.details()
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes are never capped
+    # One cap for both wires: the gRPC calls in flight fill it for HTTP too; HTTP probes pass.
+    over_http = requests.post(f"http://{server.http_url}/v1/embeddings", json={"model": MODEL, "input": "hi"},
+                              timeout=30)
+    assert over_http.status_code == 429 and f"limit {CAP}" in over_http.json()["error"]["message"]
+    assert requests.get(f"http://{server.http_url}/health", timeout=5).status_code == 200
     expected = minilm_engine.run(big).sentence_embedding
     for future in running:
         np.testing.assert_allclose(_embedding(future.result()), expected, atol=ATOL)
