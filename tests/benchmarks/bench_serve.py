@@ -1,13 +1,16 @@
-"""Closed-loop gRPC load on loopback against a real ``python -m dietserve serve`` process.
+"""Closed-loop gRPC and HTTP load on loopback against a real ``python -m dietserve serve`` process.
 
     python tests/benchmarks/bench_serve.py [--model default|bert-base|DIR] [--seconds 12]
                                            [--concurrency 1 8] [--max-batch-size 8] [--skip-perf-analyzer]
+                                           [--skip-http]
 
 Sequence lengths follow real text: passages of 1-3 consecutive sentences from the Python
 standard library's docstrings, tokenized by the model's own tokenizer (short queries and longer
 passages, as an embedding service sees). Each client sends its next request as soon as the last
 one is answered. For batching off and on, and each concurrency, the table shows throughput and
-p50/p99 latency. Then:
+p50/p99 latency over gRPC (ModelInfer, raw INT64) and over HTTP (OpenAI /v1/embeddings with the
+same token ids, one keep-alive connection per client), and HTTP's throughput ratio and p50
+difference against gRPC. Then:
 
 - the server's overhead: median latency of one fixed request through gRPC (batching off, one
   client) minus the median of the same request run directly on the VM, beside the median of an
@@ -20,16 +23,19 @@ p50/p99 latency. Then:
 Last line:
 
     RESULT throughput_rps=X p50_ms=Y p99_ms=Z overhead_p50_us=W empty_rpc_p50_us=E batching_gain_8=G
-           lone_request_ratio=L
+           lone_request_ratio=L [http_throughput_ratio=R http_p50_extra_us=D]
 
 (throughput and latency: batching on at the highest concurrency; batching_gain_8: throughput on
-/ off at 8 clients; lone_request_ratio: p50 on / off at 1 client.)
+/ off at 8 clients; lone_request_ratio: p50 on / off at 1 client; http_throughput_ratio: HTTP /
+gRPC throughput, batching on, highest concurrency; http_p50_extra_us: HTTP p50 - gRPC p50,
+batching off, one client: the HTTP layer's own cost.)
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import pkgutil
 import re
 import statistics
@@ -113,6 +119,44 @@ def closed_loop(url: str, requests: list, concurrency: int, seconds: float) -> t
                     stub.ModelInfer(request, timeout=60)
                 except grpc.RpcError as err:
                     errors.append(f"{err.code()}: {err.details()}")
+                    return
+                mine.append(time.perf_counter() - start)
+            with lock:
+                latencies.extend(mine)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    return len(latencies) / (time.perf_counter() - started), latencies
+
+
+def closed_loop_http(url: str, encoded: list[np.ndarray], concurrency: int,
+                     seconds: float) -> tuple[float, list[float]]:
+    """:func:`closed_loop` over HTTP: the same token ids to OpenAI's /v1/embeddings."""
+    import requests
+
+    bodies = [json.dumps({"model": MODEL, "input": ids[0].tolist()}).encode() for ids in encoded]
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + seconds
+    errors: list[str] = []
+
+    def client(offset: int) -> None:
+        with requests.Session() as session:
+            mine, index = [], offset
+            while time.perf_counter() < stop_at:
+                body = bodies[index % len(bodies)]
+                index += concurrency
+                start = time.perf_counter()
+                answer = session.post(f"http://{url}/v1/embeddings", data=body, timeout=60,
+                                      headers={"Content-Type": "application/json"})
+                if answer.status_code != 200:
+                    errors.append(f"{answer.status_code}: {answer.text[:200]}")
                     return
                 mine.append(time.perf_counter() - start)
             with lock:
@@ -215,6 +259,7 @@ def main() -> int:
     parser.add_argument("--bucket-ratio", type=float, default=None, help="server default if not given")
     parser.add_argument("--requests", type=int, default=400, help="distinct requests in the rotation")
     parser.add_argument("--skip-perf-analyzer", action="store_true")
+    parser.add_argument("--skip-http", action="store_true", help="gRPC only")
     args = parser.parse_args()
 
     artifact = compile_artifact(CompileRequest(model=args.model, max_batch=max(16, args.max_batch_size)),
@@ -229,7 +274,7 @@ def main() -> int:
           f"{percentile(lengths, 10):.0f}/{percentile(lengths, 50):.0f}/{percentile(lengths, 90):.0f}/"
           f"{max(lengths)}; {engine.threads} CPU threads")
 
-    rows, results = [], {}
+    rows, results, http_results = [], {}, {}
     overhead_us = empty_us = None
     for batching in (False, True):
         flags = ["--max-batch-size", str(args.max_batch_size), "--max-queue-delay-ms", str(args.max_queue_delay_ms)]
@@ -255,17 +300,24 @@ def main() -> int:
                 closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
                 rps, latencies = closed_loop(server.grpc_url, requests, concurrency, args.seconds)
                 results[(batching, concurrency)] = (rps, latencies)
-                rows.append((("on" if batching else "off"), concurrency, rps, percentile(latencies, 50) * 1e3,
+                rows.append((("on" if batching else "off"), "grpc", concurrency, rps, percentile(latencies, 50) * 1e3,
                              percentile(latencies, 99) * 1e3, len(latencies)))
                 time.sleep(0.5)
+                if not args.skip_http:
+                    closed_loop_http(server.http_url, encoded, concurrency, 1.5)  # warm-up
+                    rps, latencies = closed_loop_http(server.http_url, encoded, concurrency, args.seconds)
+                    http_results[(batching, concurrency)] = (rps, latencies)
+                    rows.append((("on" if batching else "off"), "http", concurrency, rps,
+                                 percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3, len(latencies)))
+                    time.sleep(0.5)
             if batching and not args.skip_perf_analyzer:
                 perf_analyzer_runs(server.grpc_url, encoded, args.cache_dir / "perf_analyzer")
         finally:
             server.stop()
 
-    print(f"\n{'batching':>8} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
-    for batching, concurrency, rps, p50, p99, count in rows:
-        print(f"{batching:>8} {concurrency:>7} {rps:8.1f} {p50:8.2f} {p99:8.2f} {count:8d}")
+    print(f"\n{'batching':>8} {'wire':>5} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
+    for batching, wire, concurrency, rps, p50, p99, count in rows:
+        print(f"{batching:>8} {wire:>5} {concurrency:>7} {rps:8.1f} {p50:8.2f} {p99:8.2f} {count:8d}")
     top, low = max(args.concurrency), min(args.concurrency)
     on_rps, on_latencies = results[(True, top)]
     gain = on_rps / results[(False, top)][0]
@@ -273,9 +325,16 @@ def main() -> int:
     print(f"\nbatching on / off throughput at {top} clients: {gain:.2f}x (goal >= 1.2x); p50 on / off at {low} "
           f"client(s): {lone:.3f} (goal <= 1.05); overhead p50 {overhead_us:.0f} us vs empty RPC {empty_us:.0f} us "
           f"(goal <= empty + 200 us)")
+    http = ""
+    if http_results:
+        ratio = http_results[(True, top)][0] / on_rps
+        extra_us = (percentile(http_results[(False, low)][1], 50) - percentile(results[(False, low)][1], 50)) * 1e6
+        print(f"HTTP / gRPC throughput at {top} clients, batching on: {ratio:.2f}x (goal >= 0.9x); HTTP p50 - gRPC p50 "
+              f"at {low} client(s), batching off: {extra_us:.0f} us (goal <= 300 us)")
+        http = f" http_throughput_ratio={ratio:.2f} http_p50_extra_us={extra_us:.0f}"
     print(f"RESULT throughput_rps={on_rps:.1f} p50_ms={percentile(on_latencies, 50) * 1e3:.2f} "
           f"p99_ms={percentile(on_latencies, 99) * 1e3:.2f} overhead_p50_us={overhead_us:.0f} "
-          f"empty_rpc_p50_us={empty_us:.0f} batching_gain_{top}={gain:.2f} lone_request_ratio={lone:.3f}")
+          f"empty_rpc_p50_us={empty_us:.0f} batching_gain_{top}={gain:.2f} lone_request_ratio={lone:.3f}{http}")
     return 0
 
 
