@@ -121,7 +121,7 @@ def test_modes_follow_the_mask_as_sentence_transformers_does(all_modes_engine: E
     """Left padding, right padding and a row with no attended token, against
     sentence-transformers' own Pooling module run on our last_hidden_state."""
     import torch
-    from sentence_transformers.models import Pooling
+    from sentence_transformers.sentence_transformer.modules import Pooling
 
     ids = np.random.default_rng(0).integers(1000, 30000, (4, 12))
     mask = np.ones_like(ids)
@@ -136,7 +136,7 @@ def test_modes_follow_the_mask_as_sentence_transformers_does(all_modes_engine: E
 
 def test_dense_and_normalize_match_sentence_transformers(tmp_path: Path, cache_dir: Path) -> None:
     import torch
-    from sentence_transformers.models import Dense
+    from sentence_transformers.base.modules import Dense
 
     torch.manual_seed(0)
     dense = (Dense(384, 256, activation_function=torch.nn.Tanh()),
