@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -133,6 +134,13 @@ def test_unexpected_errors_are_internal_without_a_traceback_and_serving_goes_on(
             assert raised.value.status() == "StatusCode.INTERNAL"
             assert "internal error (reference" in raised.value.message()
             assert "secret" not in raised.value.message() and "Traceback" not in raised.value.message()
+            # HTTP maps the same error the same way: 500 with a log reference.
+            over_http = requests.post(f"http://{server.http_url}/v1/embeddings", timeout=30,
+                                      json={"model": MODEL, "input": [101, fault, 102]})
+            assert over_http.status_code == 500
+            http_error = over_http.json()["error"]
+            assert http_error["type"] == "server_error" and "internal error (reference" in http_error["message"]
+            assert "secret" not in over_http.text and "Traceback" not in over_http.text
             for length in (3, 9, 27):  # every batch's metrics recording fails; the answers still go out
                 ids = np.full((1, length), 2000)
                 good = client.infer(MODEL, [_input(ids)]).as_numpy("sentence_embedding")
@@ -146,3 +154,5 @@ def test_unexpected_errors_are_internal_without_a_traceback_and_serving_goes_on(
     reference = raised.value.message().split("reference ")[1].split(" ")[0]
     assert f"reference {reference}" in server.log() and "injected fault: secret" in server.log()
     assert "recording a batch failed; serving continues" in server.log()
+    http_reference = http_error["message"].split("reference ")[1].split(" ")[0]
+    assert f"reference {http_reference}" in server.log()

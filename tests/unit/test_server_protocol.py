@@ -441,7 +441,22 @@ def test_dispatch_rejects_malformed_tables(table, message):
     ({"max_queue_delay_ms": -1}, "--max-queue-delay-ms"), ({"grace_seconds": -1}, "--grace-seconds"),
     ({"max_concurrent_rpcs": 0}, "--max-concurrent-rpcs"), ({"max_response_bytes": 10}, "--max-response-bytes"),
     ({"tls_client_ca": Path("ca.pem")}, "--tls-client-ca needs --tls-cert"),
+    ({"http_port": 70000}, "--http-port 70000"), ({"http_body_timeout_seconds": 0}, "--http-body-timeout-seconds"),
 ])
 def test_config_rejects_out_of_range_settings(change, message):
     with pytest.raises(ConfigError, match=message):
         ServerConfig(artifact=None, **change)
+
+
+def test_http_flags_parse_into_the_config():
+    import argparse
+
+    from dietserve.server.config import add_server_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    default = config_from_args(parser.parse_args([]), None)
+    assert (default.http_port, default.truncate) == (8000, False)  # HTTP on, over-long text refused
+    changed = config_from_args(parser.parse_args(["--no-http", "--truncate"]), None)
+    assert (changed.http_port, changed.truncate) == (None, True)
+    assert config_from_args(parser.parse_args(["--http-port", "0"]), None).http_port == 0
