@@ -48,11 +48,19 @@ class GpuHardware:
         if not (self.arch.startswith("sm_") and self.arch[3:].isdigit()):
             raise ValueError(f"arch must look like sm_90, got {self.arch!r}")
 
+    @property
+    def compute_capability(self) -> int:
+        """The arch's number: 90 for sm_90 (what decides the instructions a kernel may use)."""
+        return int(self.arch[3:])
+
     def with_overrides(self, **changes: int | str) -> GpuHardware:
         return replace(self, **changes)
 
 
 GPU_PRESETS = {
+    "a100": GpuHardware("NVIDIA A100 SXM", "sm_80", sm_count=108, warp_size=32, max_threads_per_block=1024,
+                        max_shared_memory_per_block=163 * 1024, registers_per_block=65536,
+                        registers_per_thread=255),
     "h100": GpuHardware("NVIDIA H100 SXM", "sm_90", sm_count=132, warp_size=32, max_threads_per_block=1024,
                         max_shared_memory_per_block=227 * 1024, registers_per_block=65536,
                         registers_per_thread=255),

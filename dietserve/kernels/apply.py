@@ -28,10 +28,16 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
     settings = settings or kernel_settings(target)
     target_kind = target.kind.name
     if target_kind == "cuda":
+        if kernel.mma:
+            from .cuda.tensor_core import apply_tensor_core
+
+            return apply_tensor_core(func, kernel, loop_partition=loop_partition)
         from .cuda.kernel import apply_cuda
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
+        if kernel.mma:
+            raise ScheduleMismatch(f"a tensor-core micro-kernel runs on CUDA targets only: {kernel}")
         if kernel.pack:
             return apply_cpu_packed(packed_form(func, kernel.pack), kernel, target_cores(target),
                                     settings=settings.packed)

@@ -194,7 +194,7 @@ def _kernel_cases(quick: bool) -> list[dict]:
     from tuner.ops import attention_context, attention_scores, dense
     from tuner.space.gpu import gpu_space, shared_memory_bytes
 
-    h100, t4 = gpu_space(GPU_PRESETS["h100"]), gpu_space(GPU_PRESETS["t4"])
+    h100, t4 = ([k for k in gpu_space(GPU_PRESETS[name]) if not k.mma] for name in ("h100", "t4"))
     named = {  # the kernels of test_tuner_cuda_gpu.py
         "typical": MicroKernel(tile=(("i", (4, 8)), ("j", (4, 16)), ("k", (16,))), unroll=64, vector=4,
                                cache_scopes=("shared", "local")),

@@ -35,7 +35,7 @@ def _gpu_arch() -> str:
 
 
 def _kernels() -> dict[str, MicroKernel]:
-    h100, t4 = gpu_space(GPU_PRESETS["h100"]), gpu_space(GPU_PRESETS["t4"])
+    h100, t4 = ([k for k in gpu_space(GPU_PRESETS[name]) if not k.mma] for name in ("h100", "t4"))
     return {
         "typical": MicroKernel(tile=(("i", (4, 8)), ("j", (4, 16)), ("k", (16,))), unroll=64, vector=4,
                                cache_scopes=("shared", "local")),

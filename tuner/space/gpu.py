@@ -3,7 +3,7 @@
 ``tile = (("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,)))``: a ``tm x tn`` register tile per thread,
 a ``ty x tx`` thread grid per block, the reduction ``bk`` at a time with both operand tiles in
 shared memory; ``vector`` is the fill's load width, ``unroll`` the auto-unroll limit (0: nvcc's).
-Rules (fp32):
+Rules (fp32; the tensor-core kernels, fp16 inputs, are ``gpu_tensor_core.py``'s):
 * threads: whole warps, at most ``max_threads_per_block``; ``tx`` in 8, 16, 32 so a warp's stores
   cover whole 32-byte sectors.
 * ``tm * tn >= tm + tn``: at least one FMA per shared-memory load.
@@ -58,7 +58,10 @@ def _balanced_fill(rows: int, cols: int, block_threads: int, vector: int) -> boo
 
 
 def gpu_space(hw: GpuHardware) -> list[MicroKernel]:
-    """Every micro-kernel ``hw`` can run under the rules above, in a stable order."""
+    """Every micro-kernel ``hw`` can run under the rules above, in a stable order, then the
+    tensor-core kernels where it has them (``gpu_tensor_core.py``)."""
+    from .gpu_tensor_core import tensor_core_space
+
     kernels = []
     for (ty, tx), tm, tn in product(_thread_grids(hw), REGISTER_TILES, REGISTER_TILES):
         block_threads, bm, bn = ty * tx, tm * ty, tn * tx
@@ -73,4 +76,4 @@ def gpu_space(hw: GpuHardware) -> list[MicroKernel]:
             scope = "shared.dyn" if shared > STATIC_SHARED_MEMORY_BYTES else "shared"
             kernels.append(MicroKernel(tile=(("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,))), unroll=unroll,
                                        vector=vector, cache_scopes=(scope, "local")))
-    return kernels
+    return kernels + tensor_core_space(hw)

@@ -23,12 +23,12 @@ from ..plan.microkernel import MicroKernel
 from ..tir.loops import loops_below, static_extent
 from ..tir.matching import ScheduleMismatch, find_matmul, pad_to_tiles, stage_result
 
-__all__ = ["ScheduleMismatch", "apply_cuda"]
+__all__ = ["ScheduleMismatch", "apply_cuda", "fill_tile", "vector_lanes"]
 
 _OPERAND_SCOPES = ("shared", "shared.dyn")
 
 
-def _vector_lanes(source, staged, lanes: int) -> int:
+def vector_lanes(source, staged, lanes: int) -> int:
     """Lanes a global load of ``source`` into its (padded) copy ``staged`` may use.
 
     The rows of ``source`` must be a static multiple of ``lanes``, so that every vector is
@@ -41,7 +41,7 @@ def _vector_lanes(source, staged, lanes: int) -> int:
     return 1
 
 
-def _fill(sch: s_tir.Schedule, block, at, threads: tuple[int, int], lanes: int) -> None:
+def fill_tile(sch: s_tir.Schedule, block, at, threads: tuple[int, int], lanes: int) -> None:
     """A shared-memory tile filled cooperatively by the block's threads at reduction step ``at``."""
     sch.compute_at(block, at, preserve_unit_loops=True)
     loops = loops_below(sch, block, at)
@@ -102,7 +102,7 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
             sch.set_scope(stage, 0, operand_scope)
         else:
             stage = sch.cache_read(block, index, operand_scope)
-        _fill(sch, stage, k_step, (ty, tx), _vector_lanes(operand, staged, kernel.vector))
+        fill_tile(sch, stage, k_step, (ty, tx), vector_lanes(operand, staged, kernel.vector))
 
     sch.decompose_reduction(block, k_step)
     if loop_partition:

@@ -39,6 +39,9 @@ def cuda_source(func: tirx.PrimFunc, arch: str) -> str:
 
 _CONDITIONAL = re.compile(r"\bif\s*\(|\?|\bmin\(|\bmax\(")
 _FMA = re.compile(r"^(\w+)\[(.+)\] = \(\1\[\2\] \+ \(.+ \* .+\)\);$")
+# A tensor-core multiply-accumulate: WMMA's, or PTX mma.sync in inline assembly.
+_MMA = re.compile(r"\bwmma::mma_sync\(|\bmma\.sync\.")
+_THREAD_INDEX = re.compile(r"\b(threadIdx|blockIdx)\.")
 
 
 @dataclass
@@ -87,18 +90,29 @@ def _parse(source: str) -> _Scope:
 
 
 def _fma_sites(scope: _Scope, enclosing: tuple[_Scope, ...] = ()) -> Iterator[tuple[str, tuple[_Scope, ...]]]:
-    """Each accumulation ``acc[x] = (acc[x] + (a * b))`` with the scopes around it, outermost first."""
+    """Each accumulation ``acc[x] = (acc[x] + (a * b))`` or tensor-core mma with the scopes
+    around it, outermost first."""
     for item in scope.items:
         if isinstance(item, _Scope):
             yield from _fma_sites(item, (*enclosing, item))
-        elif _FMA.match(item):
+        elif _FMA.match(item) or _MMA.search(item):
             yield item, enclosing
 
 
-def inner_loop_has_bound_checks(source: str) -> bool:
-    """Whether any multiply-accumulate of the generated CUDA ``source`` runs under a conditional.
+def _may_check_elements(branch: _Scope, enclosing: tuple[_Scope, ...]) -> bool:
+    """Whether ``branch`` can be a per-element check: its condition can vary only inside a loop
+    or with the thread's index. Outside both it guards a whole step for every thread alike (a
+    software pipeline's last step when the step count is symbolic)."""
+    outer = enclosing[: enclosing.index(branch)]
+    return any(scope.is_loop for scope in outer) or bool(_THREAD_INDEX.search(branch.header))
 
-    That is: an FMA statement holding a ternary or min/max, an ``if`` around an FMA, or any
+
+def inner_loop_has_bound_checks(source: str) -> bool:
+    """Whether any multiply-accumulate (FMA or tensor-core mma) of the generated CUDA ``source``
+    runs under a conditional.
+
+    That is: an FMA or mma statement holding a ternary or min/max, an ``if`` around one that
+    may check elements (``_may_check_elements``), or any
     conditional in the outermost FMA-holding loop below the shared-memory step (the innermost
     loop with a ``__syncthreads``, whose fills may check bounds). Raises ValueError when the
     source has no FMA statement at all, since then there is nothing to check.
@@ -107,7 +121,8 @@ def inner_loop_has_bound_checks(source: str) -> bool:
     if not sites:
         raise ValueError("no multiply-accumulate statement found in the CUDA source")
     for statement, enclosing in sites:
-        if _CONDITIONAL.search(statement) or any(scope.is_branch for scope in enclosing):
+        if _CONDITIONAL.search(statement) or any(
+                scope.is_branch and _may_check_elements(scope, enclosing) for scope in enclosing):
             return True
         fma_loops = []
         for scope in reversed(enclosing):

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+# CUDA tensor-core instruction families a kernel may name in ``mma`` (inputs rounded to that
+# type, fp32 accumulation): ``cuda/tensor_core.py``.
+MMA_KINDS = ("wmma_f16",)
+MMA_FRAGMENT = 16  # the m, n and k of one wmma operation
+
 
 @dataclass(frozen=True)
 class MicroKernel:
@@ -23,11 +28,25 @@ class MicroKernel:
     # CPU: panel width of the packed weight the kernel reads (``cpu_packed/packing.py``); 0 = unpacked.
     # A packed kernel's j tile is (panel, panels per register tile, register tiles per task).
     pack: int = 0
+    # CUDA: "" = fp32 FMAs on CUDA cores; else a tensor-core kind of ``MMA_KINDS``, whose tile
+    # levels are (fragment, fragments per warp, warps per block) on i and j, (fragment, steps) on k.
+    mma: str = ""
 
     def __post_init__(self) -> None:
         for axis, sizes in self.tile:
             if not sizes or any(size < 1 for size in sizes):
                 raise ValueError(f"tile sizes for axis {axis!r} must be positive, got {sizes}")
+        if self.mma:
+            self._check_tensor_core()
+
+    def _check_tensor_core(self) -> None:
+        if self.mma not in MMA_KINDS:
+            raise ValueError(f"unknown tensor-core kind {self.mma!r}; known: {MMA_KINDS}")
+        levels = {axis: len(sizes) for axis, sizes in self.tile}
+        if levels != {"i": 3, "j": 3, "k": 2} or self.pack:
+            raise ValueError(f"a tensor-core kernel tiles i and j in 3 levels and k in 2, unpacked: {self}")
+        if any(sizes[0] != MMA_FRAGMENT for _, sizes in self.tile):
+            raise ValueError(f"a tensor-core kernel's innermost tile is the {MMA_FRAGMENT}-wide fragment: {self}")
 
     def tile_sizes(self, axis: str) -> tuple[int, ...]:
         for name, sizes in self.tile:
@@ -49,7 +68,10 @@ class MicroKernel:
         return json.loads(self.to_json())
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if not self.mma:  # CUDA-core kernels keep the text (and so the record keys) they had
+            del fields["mma"]
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> MicroKernel:
@@ -64,11 +86,13 @@ class MicroKernel:
             cache_scopes=tuple(raw["cache_scopes"]),
             threads=raw.get("threads", 0),
             pack=raw.get("pack", 0),
+            mma=raw.get("mma", ""),
         )
 
     def __str__(self) -> str:
         tiles = " ".join(f"{axis}={'x'.join(map(str, sizes))}" for axis, sizes in self.tile)
         serial = " serial" if self.threads == 1 else ""
         packed = f" packed={self.pack}" if self.pack else ""
+        mma = f" mma={self.mma}" if self.mma else ""
         return (f"MicroKernel({tiles} vec={self.vector} unroll={self.unroll} {'/'.join(self.cache_scopes)}"
-                f"{serial}{packed})")
+                f"{serial}{packed}{mma})")
