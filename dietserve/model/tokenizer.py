@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +30,9 @@ class Encoded:
 
 
 class TextTokenizer:
-    """Pads a batch to its longest member. A text over ``max_length`` tokens is truncated to
-    ``max_length`` (as the checkpoint's tokenizer truncates: special tokens kept) when the caller
-    asks for it, and refused with :class:`InputTooLong` otherwise."""
+    """Pads a batch to its longest member. A text (or pair) over ``max_length`` tokens is
+    truncated to ``max_length`` (as the checkpoint's tokenizer truncates: special tokens kept)
+    when the caller asks for it, and refused with :class:`InputTooLong` otherwise."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int):
         self.max_length = max_length
@@ -73,29 +73,34 @@ class TextTokenizer:
             return cls(wordpiece._tokenizer, max_length)
         raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
-    def encode(self, texts: list[str], truncate: bool = True, clipped: Collection[int] = (), first: int = 0) -> Encoded:
-        """``clipped``: indices of texts the caller cut to :attr:`byte_limit` bytes before
-        tokenizing. Without ``truncate`` they are refused even if the part read fits, since the
-        whole text was not counted. ``first``: the index of ``texts[0]`` in the caller's request,
-        for messages."""
+    def encode(self, texts: Sequence[str | tuple[str, str]], truncate: bool = True, clipped: Collection[int] = (),
+               first: int = 0) -> Encoded:
+        """Each item a text, or a (text, text_pair) pair encoded as the checkpoint's tokenizer
+        encodes pairs (``[CLS] a [SEP] b [SEP]``, token_type_ids 0 then 1; truncated
+        ``longest_first``, as sentence-transformers' CrossEncoder does). ``clipped``: indices of
+        items the caller cut to :attr:`byte_limit` bytes (a pair: either text) before tokenizing.
+        Without ``truncate`` they are refused even if the part read fits, since the whole text was
+        not counted. ``first``: the index of ``texts[0]`` in the caller's request, for messages."""
         if not texts:
             raise TokenizerError("no texts to encode")
-        batch = self._whole.encode_batch(list(texts))
+        items = list(texts)
+        batch = self._whole.encode_batch(items)
         too_long = [i for i, encoding in enumerate(batch) if len(encoding.ids) > self.max_length or i in clipped]
         if too_long and not truncate:
             index = too_long[0]
-            raise InputTooLong(self._too_long(first + index, len(batch[index].ids), index in clipped))
+            what = "pair" if isinstance(items[index], tuple) else "text"
+            raise InputTooLong(self._too_long(f"{what} {first + index}", len(batch[index].ids), index in clipped))
         if too_long:
-            for index, encoding in zip(too_long, self._truncating.encode_batch([texts[i] for i in too_long]),
+            for index, encoding in zip(too_long, self._truncating.encode_batch([items[i] for i in too_long]),
                                        strict=True):
                 batch[index] = encoding
         return self._padded(batch)
 
-    def _too_long(self, index: int, tokens: int, clipped: bool) -> str:
-        hint = f"shorten it, or send truncate=true to embed its first {self.max_length} tokens"
+    def _too_long(self, what: str, tokens: int, clipped: bool) -> str:
+        hint = f"shorten it, or send truncate=true to use its first {self.max_length} tokens"
         if not clipped:
-            return f"text {index} has {tokens} tokens, over the model's maximum of {self.max_length}; {hint}"
-        return (f"text {index} is longer than the {self.byte_limit} bytes the server reads of a text "
+            return f"{what} has {tokens} tokens, over the model's maximum of {self.max_length}; {hint}"
+        return (f"{what} is longer than the {self.byte_limit} bytes the server reads of a text "
                 f"({TEXT_BYTES_PER_TOKEN} per token of the model's maximum of {self.max_length}); those bytes alone "
                 f"hold {tokens} tokens; {hint}")
 

@@ -310,9 +310,7 @@ class DynamicBatcher:
         for job in jobs:
             r = job.request
             stop = start + r.rows
-            hidden = output.last_hidden_state[start:stop, : r.seq_len]
-            results.append(JobResult(EncoderOutput(hidden, output.sentence_embedding[start:stop]),
-                                     started - job.enqueued, run))
+            results.append(JobResult(output.rows(start, stop, r.seq_len), started - job.enqueued, run))
             start = stop
         loop.call_soon_threadsafe(self._deliver, jobs, results)
         return run

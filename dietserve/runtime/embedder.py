@@ -10,6 +10,9 @@ from .engine import EncoderOutput, Engine
 
 class Embedder:
     def __init__(self, engine: Engine):
+        if engine.is_classifier:
+            raise ValueError(f"{engine.artifact.directory} is a classifier (cross-encoder): it scores texts and pairs "
+                             "instead of embedding them; serve it and use /rerank or /predict")
         self.engine = engine
         self.tokenizer = TextTokenizer.from_folder(engine.artifact.directory, engine.max_seq_len)
 

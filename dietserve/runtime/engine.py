@@ -28,6 +28,19 @@ class EncoderOutput:
     sentence_embedding: np.ndarray | None  # float32 [batch, embedding size]; None from a classifier
     logits: np.ndarray | None = None  # float32 [batch, num_labels]: a classification artifact's
 
+    def named(self) -> dict[str, np.ndarray]:
+        """The outputs this model produced, by name (an embedding model's or a classifier's)."""
+        return {name: value for name in ("last_hidden_state", "sentence_embedding", "logits")
+                if (value := getattr(self, name)) is not None}
+
+    def rows(self, start: int, stop: int, seq_len: int) -> EncoderOutput:
+        """Rows ``start:stop`` of a batch's outputs, the hidden states cut to ``seq_len``."""
+        def cut(array: np.ndarray | None) -> np.ndarray | None:
+            return None if array is None else array[start:stop]
+
+        return EncoderOutput(self.last_hidden_state[start:stop, :seq_len], cut(self.sentence_embedding),
+                             cut(self.logits))
+
 
 TVM_ALIGNMENT = 64  # bytes: TVM takes host memory it did not allocate only at this alignment
 
@@ -109,6 +122,10 @@ class Engine:
         self.embedding_size = embedding[1] if embedding else None
         id2label = (manifest.classifier or {}).get("id2label", {})
         self.labels = tuple(id2label[str(i)] for i in range(len(id2label)))
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.task == CLASSIFICATION_TASK
 
     def bound_memory(self, limit_bytes: int) -> None:
         """Releases the VM's pooled buffers whenever resident memory passes ``limit_bytes`` after

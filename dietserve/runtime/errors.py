@@ -28,6 +28,10 @@ class RequestTooLarge(ServingError):
     """The request's body is over the server's size limit (gRPC refuses such messages itself)."""
 
 
+class Unauthenticated(ServingError):
+    """The request carries no API key, or one the server does not hold (``--api-key-file``)."""
+
+
 class UnknownModel(ServingError):
     """The request names a model or version this server does not serve."""
 

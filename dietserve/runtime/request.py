@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-OUTPUTS = ("last_hidden_state", "sentence_embedding")
+OUTPUTS = ("last_hidden_state", "sentence_embedding")  # an embedding model's; a classifier's end in logits
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,12 @@ class EncoderRequest:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def reply_bytes(self, hidden_size: int, embedding_size: int | None = None) -> int:
-        """Bytes of float32 output the answer carries; ``embedding_size``: the sentence
-        embedding's width where it is not ``hidden_size`` (pooling modes concatenated, Dense)."""
-        per_row = {"last_hidden_state": self.seq_len * hidden_size, "sentence_embedding": embedding_size or hidden_size}
-        return 4 * self.rows * sum(per_row[name] for name in self.outputs)
+    def reply_bytes(self, output_shapes: Mapping[str, tuple[int, ...]]) -> int:
+        """Bytes of float32 output the answer carries. ``output_shapes``: the engine's (name ->
+        shape, -1 for the batch and the sequence length), so every output counts at its own
+        width (concatenated pooling modes, Dense layers, a classifier's labels)."""
+        def floats(shape: tuple[int, ...]) -> int:
+            return math.prod(self.rows if axis == 0 else self.seq_len if dim < 0 else dim
+                             for axis, dim in enumerate(shape))
+
+        return 4 * sum(floats(output_shapes[name]) for name in self.outputs)

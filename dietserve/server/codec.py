@@ -2,8 +2,10 @@
 
 Two served models share one engine: the ids model takes ``input_ids`` (INT64 or INT32
 [batch, seq]) with optional ``attention_mask`` and ``token_type_ids``; the text model takes
-``text`` (BYTES [batch] or [batch, 1]) and tokenizes it. Both answer ``last_hidden_state``
-[batch, seq, hidden] and ``sentence_embedding`` [batch, hidden] as raw FP32.
+``text`` (BYTES [batch] or [batch, 1]; a classifier's also [batch, 2], one (text, text_pair) per
+row) and tokenizes it. Both answer the engine's outputs as raw FP32: ``last_hidden_state``
+[batch, seq, hidden] and ``sentence_embedding`` [batch, width], or a classifier's ``logits``
+[batch, num_labels].
 
 Each wire (gRPC messages here, REST JSON in ``http_v2.py``) describes its inputs as
 :class:`InputTensor` values. Decoding is split so that per-element work is only done for
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # messages are duck-typed: any wire-identical v2 classes work
 
 ID_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 TEXT_INPUT = "text"
+PAIR_WIDTH = 2  # a classifier's text input [batch, 2]: (text, text_pair) per row
 ID_DATATYPES = ("INT64", "INT32")
 TRUNCATE_PARAMETER = "truncate"
 # Messages up to this size are parsed and decoded on the event loop, where a thread hop would
@@ -175,15 +178,15 @@ def parse_infer_request(message: bytes) -> pb.ModelInferRequest:
         raise InputError(f"the request is not a valid ModelInferRequest message: {err}") from None
 
 
-def requested_outputs(names: Sequence[str]) -> tuple[str, ...]:
-    """The outputs to return, in the order asked; all when none are named."""
-    names = tuple(names)
+def requested_outputs(names: Sequence[str], produced: Sequence[str] = OUTPUTS) -> tuple[str, ...]:
+    """The outputs to return, in the order asked; all the model ``produced`` when none are named."""
+    names, produced = tuple(names), tuple(produced)
     for name in names:
-        if name not in OUTPUTS:
-            raise InputError(f"unknown output '{name}'; this model produces {', '.join(OUTPUTS)}")
+        if name not in produced:
+            raise InputError(f"unknown output '{name}'; this model produces {', '.join(produced)}")
     if len(set(names)) != len(names):
         raise InputError("an output is requested twice")
-    return names or OUTPUTS
+    return names or produced
 
 
 def check_truncate(value: object) -> bool | None:
@@ -201,37 +204,61 @@ def grpc_truncate(request: pb.ModelInferRequest) -> bool | None:
     return check_truncate(getattr(parameter, choice) if choice else "nothing")
 
 
-def check_shapes(inputs: Sequence[TensorHeader], engine: Engine, takes_text: bool) -> None:
-    """Names, ranks and sizes from the metadata alone, before any element is touched."""
-    names = [tensor.name for tensor in inputs]
+def _text_spec(engine: Engine) -> str:
+    if engine.is_classifier:
+        return "text (BYTES [batch, 2]: a (text, text_pair) per row, or [batch]: single texts)"
+    return "text (BYTES [batch])"
+
+
+def _check_names(names: list[str], engine: Engine, takes_text: bool) -> None:
     allowed = (TEXT_INPUT,) if takes_text else ID_INPUTS
     for name in names:
         if name not in allowed:
             if takes_text:
-                raise InputError(f"unknown input '{name}'; this model takes one input, text (BYTES [batch])")
+                hint = "; send each pair as one row of text, shape [batch, 2]" if name == "text_pair" else ""
+                raise InputError(f"unknown input '{name}'; this model takes one input, {_text_spec(engine)}{hint}")
             hint = "; send text to the model's -text twin" if name == TEXT_INPUT else ""
             raise InputError(f"unknown input '{name}'; this model takes input_ids (with optional attention_mask "
                              f"and token_type_ids){hint}")
     required = TEXT_INPUT if takes_text else "input_ids"
     if required not in names:
-        spec = "text (BYTES [batch])" if takes_text else "input_ids (INT64 [batch, seq])"
+        spec = _text_spec(engine) if takes_text else "input_ids (INT64 [batch, seq])"
         got = ", ".join(names) if names else "no inputs"
         raise InputError(f"missing input {spec}: got {got}")
+
+
+def _check_text_shape(shape: list[int], engine: Engine) -> None:
+    widths = (1, PAIR_WIDTH) if engine.is_classifier else (1,)
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] not in widths):
+        allowed = "[batch], [batch, 1] or [batch, 2] (text, text_pair)" if engine.is_classifier else \
+            "[batch] or [batch, 1]"
+        hint = "" if engine.is_classifier or len(shape) != 2 or shape[1] != PAIR_WIDTH else \
+            " (text pairs are for a classifier; this model embeds single texts)"
+        raise InputError(f"input 'text' must have shape {allowed}, got {shape}{hint}")
+    if shape[0] == 0:
+        raise InputError("input 'text' is an empty batch")
+    if shape[0] > engine.max_batch:
+        raise InputError(f"batch of {shape[0]} texts exceeds the model's maximum of {engine.max_batch}")
+
+
+def check_shapes(inputs: Sequence[TensorHeader], engine: Engine, takes_text: bool) -> None:
+    """Names, ranks and sizes from the metadata alone, before any element is touched."""
+    _check_names([tensor.name for tensor in inputs], engine, takes_text)
     for tensor in inputs:
         shape = list(tensor.shape)
         if any(dim < 0 for dim in shape):
             raise InputError(f"input '{tensor.name}' has a negative dimension in shape {shape}")
         if takes_text:
-            if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
-                raise InputError(f"input 'text' must have shape [batch] or [batch, 1], got {shape}")
-            if shape[0] == 0:
-                raise InputError("input 'text' is an empty batch")
-            if shape[0] > engine.max_batch:
-                raise InputError(f"batch of {shape[0]} texts exceeds the model's maximum of {engine.max_batch}")
+            _check_text_shape(shape, engine)
         else:
             if len(shape) != 2:
                 raise InputError(f"{tensor.name} must be 2-D [batch, seq], got shape {shape}")
             engine.check_shape(*shape)
+
+
+def in_pairs(inputs: Sequence[TensorHeader]) -> bool:
+    """Whether checked text inputs hold (text, text_pair) rows ([batch, 2])."""
+    return any(tensor.name == TEXT_INPUT and list(tensor.shape)[1:] == [PAIR_WIDTH] for tensor in inputs)
 
 
 def texts_of(datatype: str, data: list[bytes], byte_limit: int) -> tuple[list[str], set[int]]:
@@ -263,6 +290,7 @@ class Decoding:
     tokenizer: TextTokenizer | None
     truncate: bool
     deadline: float | None = None
+    pairs: bool = False  # the text input holds (text, text_pair) rows: see in_pairs
     first: int = 0  # the index of the first row in the client's request (a request split in parts), for messages
 
 
@@ -272,6 +300,9 @@ def encoder_request(inputs: dict[str, tuple[str, np.ndarray | list[bytes]]], out
     token tensors (may tokenize)."""
     if how.tokenizer is not None:
         texts, clipped = texts_of(*inputs[TEXT_INPUT], byte_limit=how.tokenizer.byte_limit)
+        if how.pairs:  # row-major [batch, 2]: a row's two texts are neighbours
+            texts = list(zip(texts[0::PAIR_WIDTH], texts[1::PAIR_WIDTH], strict=True))
+            clipped = {index // PAIR_WIDTH for index in clipped}
         encoded = how.tokenizer.encode(texts, truncate=how.truncate, clipped=clipped, first=how.first)
         arrays = (encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     else:
@@ -290,7 +321,7 @@ def encoder_request(inputs: dict[str, tuple[str, np.ndarray | list[bytes]]], out
 
 def decode(request: pb.ModelInferRequest, how: Decoding) -> EncoderRequest:
     """A gRPC request that passed :func:`check_shapes` -> an encoder request."""
-    outputs = requested_outputs([output.name for output in request.outputs])
+    outputs = requested_outputs([output.name for output in request.outputs], how.engine.output_shapes)
     return encoder_request(decode_inputs(request), outputs, how, request.id)
 
 

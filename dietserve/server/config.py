@@ -41,6 +41,7 @@ class ServerConfig:
     traffic_save_seconds: float = 60.0
     reflection: bool = True  # gRPC server reflection (grpcurl, Postman); off where the API should not be listed
     truncate: bool = False  # a text over the model's maximum length: truncated, or refused (the default)
+    api_key_file: Path | None = None  # keys clients must present (server/auth.py reads it); None: no keys
 
     def __post_init__(self) -> None:
         checks = [
@@ -74,7 +75,7 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "api_key_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"--{name.replace('_', '-')} {path} is not a readable file")
@@ -88,7 +89,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig(artifact=None)
     group = parser.add_argument_group("server")
     for add in (_add_address_flags, _add_batching_flags, _add_limit_flags, _add_shutdown_flags,
-                _add_tls_flags, _add_traffic_flags):
+                _add_tls_flags, _add_auth_flags, _add_traffic_flags):
         add(group, defaults)
 
 
@@ -164,6 +165,13 @@ def _add_tls_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> No
     group.add_argument("--health-port", type=int, default=None,
                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes gRPC "
                             "probes, which cannot speak TLS; 0: any)")
+
+
+def _add_auth_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:
+    group.add_argument("--api-key-file", type=Path, default=defaults.api_key_file,
+                       help="API keys, one per line (blank lines and # comments ignored): HTTP clients send "
+                            "'Authorization: Bearer KEY', gRPC clients 'authorization' metadata 'Bearer KEY'; "
+                            "health, readiness and /metrics need none (default: no keys)")
 
 
 def _add_traffic_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -> None:

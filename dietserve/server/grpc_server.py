@@ -24,7 +24,7 @@ def inference_server(config: ServerConfig, core: Inference,
     """The v2 inference service over ``core``, with ``health_servicer`` and, if configured,
     reflection; not bound yet."""
     server = grpc.aio.server(
-        interceptors=[ServingInterceptor(core.state.metrics, core.state.cap)],
+        interceptors=[ServingInterceptor(core.state.metrics, core.state.cap, core.state.api_keys)],
         options=[
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", config.max_response_bytes + REPLY_OVERHEAD_BYTES),

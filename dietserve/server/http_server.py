@@ -1,10 +1,12 @@
 """The HTTP port: KServe v2 REST (``http_v2.py``), OpenAI embeddings and ``/health``
-(``openai_api.py``), in an aiohttp application on the gRPC server's event loop, over the same
-``inference.Inference`` core: same models, batcher, limits and metrics.
+(``openai_api.py``), rerank and classification (``rerank_api.py``), in an aiohttp application on
+the gRPC server's event loop, over the same ``inference.Inference`` core: same models, batcher,
+limits and metrics.
 
-One middleware wraps every request: the concurrency cap shared with gRPC (probes exempt), the
-error -> status mapping (``status.http_status_of``) with each API's error body, and the count of
-requests by route and status (``dietserve_http_requests_total``).
+One middleware wraps every request: the API key check (``--api-key-file``; probes exempt), the
+concurrency cap shared with gRPC (probes exempt), the error -> status mapping
+(``status.http_status_of``) with each API's error body, and the count of requests by route and
+status (``dietserve_http_requests_total``).
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import ssl
 
 from aiohttp import web
 
-from ..runtime.errors import Overloaded
+from ..runtime.errors import Overloaded, Unauthenticated
 from . import openai_api
+from .auth import AUTHORIZATION, CHALLENGE
 from .config import ServerConfig
 from .http_body import json_response
 from .http_v2 import V2Routes
 from .inference import Inference
 from .openai_api import OpenAIRoutes
+from .rerank_api import RerankRoutes
 from .status import http_status_of
 
-PROBE_ROUTES = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})  # never refused by the cap
+# Never refused by the cap, and answered without an API key: probes hold none.
+PROBE_ROUTES = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 UNKNOWN_ROUTE = "unknown"  # one label for every path no route matches: clients cannot mint label values
 CLIENT_CLOSED = 499  # counted for a request whose client went away (nginx's convention; never sent)
 CLOSE_IDLE_SECONDS = 1.0  # after the grace period: how long aiohttp may take to close connections
@@ -40,15 +45,19 @@ def _explain(request: web.Request, err: web.HTTPException) -> str:
         return f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(err.allowed_methods))}"
     if isinstance(err, web.HTTPNotFound):
         return (f"no route {request.method} {request.path}: this server answers /v2/... (KServe v2), "
-                "/v1/embeddings and /v1/models (OpenAI) and /health")
+                "/v1/embeddings and /v1/models (OpenAI), /rerank and /predict (TEI), /v1/rerank (Cohere) and /health")
     return err.text or err.reason
 
 
 def error_response(request: web.Request, status: int, message: str, err: Exception | None) -> web.Response:
-    """OpenAI's error shape under /v1/, the v2 protocol's elsewhere."""
+    """OpenAI's error shape under /v1/, the v2 protocol's elsewhere; a 401 says the scheme."""
     if request.path.startswith("/v1/"):
-        return json_response(openai_api.error_body(status, message, err), status)
-    return json_response({"error": message}, status)
+        response = json_response(openai_api.error_body(status, message, err), status)
+    else:
+        response = json_response({"error": message}, status)
+    if isinstance(err, Unauthenticated):
+        response.headers.update(CHALLENGE)
+    return response
 
 
 def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -70,6 +79,7 @@ class HttpServer:
         app = web.Application(client_max_size=core.state.config.max_request_bytes, middlewares=[self._serve])
         V2Routes(core).add_to(app)
         OpenAIRoutes(core).add_to(app)
+        RerankRoutes(core).add_to(app)
         # handler_cancellation: a request whose client has gone leaves the batcher's queue, as over gRPC.
         self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=CLOSE_IDLE_SECONDS)
@@ -77,6 +87,7 @@ class HttpServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._counters: dict[tuple[str, int], object] = {}  # labels() costs microseconds per call
+        self._refused = self.metrics.unauthenticated.labels("http")
 
     async def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: any free port); returns the bound port."""
@@ -103,6 +114,16 @@ class HttpServer:
             counter = self._counters[(route, status)] = self.metrics.http_requests.labels(route, str(status))
         counter.inc()
 
+    def _authenticate(self, request: web.Request) -> None:
+        keys = self.core.state.api_keys
+        if keys is None:
+            return
+        try:
+            keys.check(request.headers.get(AUTHORIZATION))
+        except Unauthenticated:
+            self._refused.inc()
+            raise
+
     @web.middleware
     async def _serve(self, request: web.Request, handler) -> web.StreamResponse:
         route, status = _route(request), CLIENT_CLOSED
@@ -111,6 +132,8 @@ class HttpServer:
         self._active += 1
         self._idle.clear()
         try:
+            if capped:
+                self._authenticate(request)
             refusal = cap.refusal() if capped else None
             if refusal is not None:
                 raise Overloaded(refusal)

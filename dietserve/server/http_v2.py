@@ -289,8 +289,7 @@ class V2Routes:
     async def infer(self, request: web.Request) -> web.Response:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
         answer, parsed = await self.core.infer(self._receive(request, body))
-        large = (answer.request.reply_bytes(answer.model.engine.hidden_size, answer.model.engine.embedding_size)
-                 > codec.INLINE_MESSAGE_BYTES)
+        large = answer.request.reply_bytes(answer.model.engine.output_shapes) > codec.INLINE_MESSAGE_BYTES
         return await self.core.off_loop(large, encode_answer, answer, parsed)
 
     async def _receive(self, request: web.Request, body: bytes) -> tuple[ServedModel, EncoderRequest, V2Request]:
@@ -301,6 +300,8 @@ class V2Routes:
     def _decode(self, model: ServedModel, body: bytes, header_length: str | None):
         parsed = parse_request(body, header_length)
         codec.check_shapes(parsed.inputs, model.engine, model.takes_text)
-        how = codec.Decoding(model.engine, model.tokenizer, self.core.truncate(parsed.truncate))
+        how = codec.Decoding(model.engine, model.tokenizer, self.core.truncate(parsed.truncate),
+                             pairs=codec.in_pairs(parsed.inputs))
         decoded = codec.decode_tensors(parsed.inputs)
-        return model, codec.encoder_request(decoded, codec.requested_outputs(parsed.outputs), how, parsed.id), parsed
+        outputs = codec.requested_outputs(parsed.outputs, model.engine.output_shapes)
+        return model, codec.encoder_request(decoded, outputs, how, parsed.id), parsed

@@ -22,6 +22,7 @@ import numpy as np
 from ..runtime.batcher import DynamicBatcher
 from ..runtime.errors import NotReady, ReplyTooLarge, UnknownModel
 from ..runtime.request import EncoderRequest
+from .auth import ApiKeys, load_api_keys
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .model import VERSION, ServedModel
@@ -56,11 +57,13 @@ class ServingState:
     batcher: DynamicBatcher | None = None
     ready: bool = False
     cap: ConcurrencyCap = field(init=False)
+    api_keys: ApiKeys | None = field(init=False)  # None: no keys needed
     decode_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dietserve-decode"))
 
     def __post_init__(self) -> None:
         self.cap = ConcurrencyCap(self.config.max_concurrent_rpcs)
+        self.api_keys = load_api_keys(self.config.api_key_file)  # read once, for both wires
 
 
 @dataclass(frozen=True)
@@ -136,11 +139,11 @@ class Inference:
         try:
             model, request, wire = await receive
             rows = request.rows
-            reply = request.reply_bytes(model.engine.hidden_size, model.engine.embedding_size)
+            reply = request.reply_bytes(model.engine.output_shapes)
             if reply > state.config.max_response_bytes:
                 raise ReplyTooLarge(
                     f"the answer would be {reply} bytes, over this server's limit of {state.config.max_response_bytes} "
-                    "(--max-response-bytes); request fewer rows or only sentence_embedding")
+                    "(--max-response-bytes); request fewer rows, or not last_hidden_state")
             result = await state.batcher.submit(request)
             queue_seconds, compute_seconds = result.queue_seconds, result.run.compute_seconds
             model.statistics.record_execution(result.run)

@@ -40,6 +40,10 @@ class ServerMetrics:
             "HTTP requests by route and status: the sibling of dietserve_requests_total for the HTTP port (unknown "
             "routes under one label); bodies over the size limit included",
             ["route", "code"], registry=r)
+        self.unauthenticated = Counter(
+            "dietserve_unauthenticated_requests",
+            "requests refused for a missing or wrong API key (--api-key-file), by wire (grpc, http)",
+            ["wire"], registry=r)
         self.request_duration = Histogram(
             "dietserve_request_duration_seconds",
             "inference time in the server (gRPC ModelInfer and HTTP infer and embeddings), from receipt to response",

@@ -1,7 +1,8 @@
 """A served model: the engine it runs on, whether it takes text, its v2 metadata, Triton config
-and statistics. One engine serves two models, ``NAME`` (token ids) and ``NAME-text`` (text,
-tokenized by the server), so that each model's config lists only inputs a client must send, as
-Triton's clients (perf_analyzer among them) expect."""
+(outputs as the engine has them: an embedding model's or a classifier's) and statistics. One
+engine serves two models, ``NAME`` (token ids) and ``NAME-text`` (text, tokenized by the
+server), so that each model's config lists only inputs a client must send, as Triton's clients
+(perf_analyzer among them) expect."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..model.tokenizer import TextTokenizer
 from ..runtime.batcher import BatchRun
 from ..runtime.engine import Engine
 from ._proto import open_inference_pb2 as pb
-from .codec import ID_INPUTS, TEXT_INPUT
+from .codec import ID_INPUTS, PAIR_WIDTH, TEXT_INPUT
 
 PLATFORM = "dietserve_tvm"
 VERSION = "1"
@@ -88,7 +89,10 @@ class ServedModel:
     def metadata(self) -> pb.ModelMetadataResponse:
         tensor = pb.ModelMetadataResponse.TensorMetadata
         if self.takes_text:
-            inputs = [tensor(name=TEXT_INPUT, datatype="BYTES", shape=[-1])]
+            # A classifier's text model is listed with pairs, what a cross-encoder is for; it
+            # also takes single texts, [batch].
+            shape = [-1, PAIR_WIDTH] if self.engine.is_classifier else [-1]
+            inputs = [tensor(name=TEXT_INPUT, datatype="BYTES", shape=shape)]
         else:
             inputs = [tensor(name=name, datatype="INT64", shape=[-1, -1]) for name in ID_INPUTS]
         return pb.ModelMetadataResponse(
@@ -102,7 +106,9 @@ class ServedModel:
 
     def config(self, batching: bool, max_queue_delay_ms: float, buckets: list[int]) -> pb.ModelConfig:
         """Triton's model configuration; dims exclude the batch dimension (max_batch_size > 0)."""
-        if self.takes_text:
+        if self.takes_text and self.engine.is_classifier:
+            inputs = [pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[PAIR_WIDTH])]
+        elif self.takes_text:
             inputs = [pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[1],
                                     reshape=pb.ModelTensorReshape(shape=[]))]
         else:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from aiohttp import web
 
-from ..runtime.errors import InputError, InputTooLong, ServingError, UnknownModel
+from ..runtime.errors import InputError, InputTooLong, ServingError, Unauthenticated, UnknownModel
 from ..runtime.request import EncoderRequest
 from . import codec
 from .http_body import FieldError, json_response, parse_object, read_body
@@ -31,7 +31,8 @@ EMBEDDING = "sentence_embedding"
 ENCODINGS = ("float", "base64")
 # OpenAI's error codes and the body field at fault, for the errors it has; other errors have none.
 ERROR_CODES: dict[type[ServingError], tuple[str, str]] = {
-    InputTooLong: ("context_length_exceeded", "input"), UnknownModel: ("model_not_found", "model")}
+    InputTooLong: ("context_length_exceeded", "input"), UnknownModel: ("model_not_found", "model"),
+    Unauthenticated: ("invalid_api_key", None)}
 
 
 def error_body(status: int, message: str, err: Exception | None) -> dict:
@@ -168,6 +169,10 @@ class OpenAIRoutes:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
         parsed = EmbeddingsRequest(parse_object(body, "the request body"), self.core.state.model_names)
         model = self._model(parsed)
+        if model.engine.is_classifier:
+            raise FieldError("model", f"the served model '{parsed.model}' is a classifier (cross-encoder), not an "
+                                      "embedding model: it gives scores, not embeddings; use /rerank, /v1/rerank or "
+                                      "/predict")
         step = model.engine.max_batch
         chunks = [(start, parsed.inputs[start : start + step]) for start in range(0, len(parsed.inputs), step)]
         large = len(body) > (codec.INLINE_TEXT_BYTES if parsed.takes_text else codec.INLINE_MESSAGE_BYTES)

@@ -78,7 +78,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _decoding(self, request: pb.ModelInferRequest, model: ServedModel, deadline: float | None) -> codec.Decoding:
         truncate = self.core.truncate(codec.grpc_truncate(request))
-        return codec.Decoding(model.engine, model.tokenizer, truncate, deadline)
+        return codec.Decoding(model.engine, model.tokenizer, truncate, deadline, codec.in_pairs(request.inputs))
 
     async def _receive(self, message: bytes, context) -> tuple[ServedModel, EncoderRequest, None]:
         """Large messages are parsed and decoded on a worker thread, and text is tokenized

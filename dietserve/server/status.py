@@ -1,5 +1,6 @@
-"""The error -> status mapping of both wires, and the gRPC interceptor every RPC passes: the
-concurrency cap and the count of RPCs by method and status code (health and reflection included).
+"""The error -> status mapping of both wires, and the gRPC interceptor every RPC passes: the API
+key check, the concurrency cap and the count of RPCs by method and status code (health and
+reflection included).
 
 Handlers raise the transport-free errors of ``runtime/errors.py``; this module alone turns them
 into gRPC statuses (:func:`status_of`) and HTTP statuses (:func:`http_status_of`). Anything else
@@ -27,8 +28,10 @@ from ..runtime.errors import (
     RequestIncomplete,
     RequestTooLarge,
     ServingError,
+    Unauthenticated,
     UnknownModel,
 )
+from .auth import AUTHORIZATION, ApiKeys
 from .inference import ConcurrencyCap
 from .metrics import ServerMetrics
 
@@ -42,6 +45,7 @@ STATUS_OF_ERROR: dict[type[ServingError], grpc.StatusCode] = {
     ReplyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Expired: grpc.StatusCode.DEADLINE_EXCEEDED,
     RequestTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 # The first entry that matches wins: subclasses before their bases.
 HTTP_STATUS_OF_ERROR: dict[type[ServingError], int] = {
@@ -54,11 +58,15 @@ HTTP_STATUS_OF_ERROR: dict[type[ServingError], int] = {
     Overloaded: 429,  # retrying later can succeed
     ReplyTooLarge: 400,  # ask for fewer rows or outputs: the request as sent will never be answered
     Expired: 504,
+    Unauthenticated: 401,
 }
 INTERNAL_HTTP_STATUS = 500
 UNKNOWN_METHOD = "unknown"
 # Probes must answer however busy the server is: they are never refused by the cap.
 UNCAPPED_SERVICES = ("/grpc.health.v1.Health/",)
+# Liveness and readiness answer without an API key: probes and load balancers hold none.
+KEYLESS_METHODS = ("/grpc.health.v1.Health/", "/inference.GRPCInferenceService/ServerLive",
+                   "/inference.GRPCInferenceService/ServerReady")
 
 
 def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
@@ -85,11 +93,15 @@ def _unexpected(err: Exception) -> str:
 
 class ServingInterceptor(grpc.aio.ServerInterceptor):
     """``cap``: calls handled at once, shared with HTTP (health checks aside); more are refused
-    with RESOURCE_EXHAUSTED before their message is read."""
+    with RESOURCE_EXHAUSTED before their message is read. ``api_keys``: calls without one of
+    them (``authorization`` metadata ``Bearer KEY``) are refused with UNAUTHENTICATED, before the
+    cap counts them; health and readiness aside."""
 
-    def __init__(self, metrics: ServerMetrics, cap: ConcurrencyCap):
+    def __init__(self, metrics: ServerMetrics, cap: ConcurrencyCap, api_keys: ApiKeys | None = None):
         self.metrics = metrics
         self.cap = cap
+        self.api_keys = api_keys
+        self._refused = metrics.unauthenticated.labels("grpc")
         self._counters: dict[tuple[str, str], object] = {}  # labels() costs microseconds per call
         self._wrapped: dict[str, tuple[object, object]] = {}  # method -> (its handler, wrapped)
 
@@ -110,36 +122,49 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
         cached = self._wrapped.get(full_method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrapped_handler(handler, method, not full_method.startswith(UNCAPPED_SERVICES))
+        keyed = self.api_keys is not None and not full_method.startswith(KEYLESS_METHODS)
+        wrapped = self._wrapped_handler(handler, method, not full_method.startswith(UNCAPPED_SERVICES), keyed)
         self._wrapped[full_method] = (handler, wrapped)
         return wrapped
 
-    def _wrapped_handler(self, handler, method: str, capped: bool):
+    def _wrapped_handler(self, handler, method: str, capped: bool, keyed: bool):
         for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
                            ("unary_stream", grpc.unary_stream_rpc_method_handler),
                            ("stream_unary", grpc.stream_unary_rpc_method_handler),
                            ("stream_stream", grpc.stream_stream_rpc_method_handler)):
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return make(self._wrap(behavior, method, capped), request_deserializer=handler.request_deserializer,
+                return make(self._wrap(behavior, method, capped, keyed),
+                            request_deserializer=handler.request_deserializer,
                             response_serializer=handler.response_serializer)
         return handler
 
-    def _wrap(self, behavior, method: str, capped: bool):
+    def _wrap(self, behavior, method: str, capped: bool, keyed: bool):
         if inspect.isasyncgenfunction(behavior):
             async def streaming(request, context):
-                async with self._track(method, context, capped):
+                async with self._track(method, context, capped, keyed):
                     async for response in behavior(request, context):
                         yield response
             return streaming
 
         async def handle(request, context):
-            async with self._track(method, context, capped):
+            async with self._track(method, context, capped, keyed):
                 return await behavior(request, context)
         return handle
 
+    async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        presented = next((value for key, value in context.invocation_metadata() or () if key == AUTHORIZATION), None)
+        try:
+            self.api_keys.check(presented)
+        except Unauthenticated as err:
+            self._refused.inc()
+            self.count(method, grpc.StatusCode.UNAUTHENTICATED)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
     @contextlib.asynccontextmanager
-    async def _track(self, method: str, context: grpc.aio.ServicerContext, capped: bool):
+    async def _track(self, method: str, context: grpc.aio.ServicerContext, capped: bool, keyed: bool):
+        if keyed:
+            await self._authenticate(method, context)
         refusal = self.cap.refusal() if capped else None
         if refusal is not None:
             self.count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)

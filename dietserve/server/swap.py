@@ -69,7 +69,10 @@ def _incompatibility(current: Engine, candidate: Engine) -> str | None:
     a, b = current.artifact.manifest, candidate.artifact.manifest
     for what, mine, theirs in (("model", a.model_config, b.model_config), ("maximum batch", a.max_batch, b.max_batch),
                                ("maximum sequence length", a.max_seq_len, b.max_seq_len),
-                               ("target", a.target.get("kind"), b.target.get("kind"))):
+                               ("target", a.target.get("kind"), b.target.get("kind")),
+                               # clients read outputs and labels by name: they must not change under them
+                               ("outputs", current.output_shapes, candidate.output_shapes),
+                               ("labels", current.labels, candidate.labels)):
         if mine != theirs:
             return f"its {what} differs from the served version's ({theirs} vs {mine})"
     return None
@@ -156,9 +159,9 @@ async def best_reading(time_once, min_gain: float) -> tuple[float, list[str], li
 def compare(current: Engine, candidate: Engine, ids: np.ndarray) -> str | None:
     """Runs one sample through both; the difference if they disagree."""
     inputs = current.validate(ids)  # every token attended, one segment
-    want, got = current.execute(*inputs), candidate.execute(*inputs)
-    for name in ("last_hidden_state", "sentence_embedding"):
-        a, b = getattr(want, name), getattr(got, name)
+    want, got = current.execute(*inputs).named(), candidate.execute(*inputs).named()
+    for name, a in want.items():  # an embedding model's outputs or a classifier's logits
+        b = got[name]
         if not np.isfinite(b).all():
             return f"{name} at shape {list(ids.shape)} is not finite"
         error = float(np.abs(a - b).max())

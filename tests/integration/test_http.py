@@ -255,3 +255,16 @@ def test_http_requests_are_counted_by_route_and_status(server):
     requests.get(f"http://{server.http_url}/v3/anything", timeout=30)
     after = (count("/v1/embeddings", "200"), count(infer_route, "400"), count("unknown", "404"))
     assert after == tuple(b + 1 for b in before)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/rerank", {"query": "q", "texts": ["a"]}),
+    ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a"]}),
+    ("/predict", {"inputs": ["q", "a"]}),
+], ids=["tei-rerank", "cohere-rerank", "predict"])
+def test_classifier_routes_on_an_embedding_model_say_it_is_not_a_classifier(server, path, body):
+    answer = requests.post(f"http://{server.http_url}{path}", json=body, timeout=30)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert f"needs a classifier (cross-encoder); the served model '{TEXT_MODEL}' is an embedding model" in message

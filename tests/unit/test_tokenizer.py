@@ -76,3 +76,43 @@ def test_a_text_cut_to_the_byte_limit_is_too_long_without_truncation() -> None:
     with pytest.raises(InputTooLong, match=r"hold \d+ tokens"):
         tokenizer.encode([english], truncate=False, clipped={0})
     assert tokenizer.encode([english], truncate=True, clipped={0}).input_ids.shape == (1, 8)
+
+
+PAIRS = [("How many people live in Berlin?", "Berlin has a population of 3,520,031 registered inhabitants."),
+         ("A man is eating food.", "A man is eating a piece of bread.")]
+
+
+def _transformers_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_folder()))
+
+
+def test_pairs_encode_as_the_checkpoints_tokenizer_with_two_segments() -> None:
+    encoded = TextTokenizer.from_folder(default_model_folder(), 512).encode(PAIRS, truncate=False)
+    expected = _transformers_tokenizer()([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True,
+                                         return_tensors="np")
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        np.testing.assert_array_equal(getattr(encoded, name), expected[name])
+    assert set(np.unique(encoded.token_type_ids[encoded.attention_mask == 1])) == {0, 1}
+
+
+def test_truncated_pairs_cut_the_longest_first_as_cross_encoder_does() -> None:
+    """sentence-transformers' CrossEncoder tokenizes with truncation="longest_first"."""
+    pairs = PAIRS + [("short query", "a long document " * 20), ("a long query " * 20, "short document")]
+    encoded = TextTokenizer.from_folder(default_model_folder(), 16).encode(pairs, truncate=True)
+    expected = _transformers_tokenizer()([a for a, _ in pairs], [b for _, b in pairs], padding=True,
+                                         truncation="longest_first", max_length=16, return_tensors="np")
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        np.testing.assert_array_equal(getattr(encoded, name), expected[name])
+
+
+def test_a_pair_over_the_maximum_is_refused_naming_pair_count_and_maximum() -> None:
+    tokenizer = TextTokenizer.from_folder(default_model_folder(), 16)
+    fits = ("one two three four five six", "seven eight nine ten eleven twelve thirteen")  # 13 words + 3 specials
+    assert tokenizer.encode([("short", "pair"), fits], truncate=False).input_ids.shape == (2, 16)
+    over = (fits[0], fits[1] + " fourteen")
+    with pytest.raises(InputTooLong, match="pair 4 has 17 tokens, over the model's maximum of 16"):
+        tokenizer.encode([("short", "pair"), over], truncate=False, first=3)
+    with pytest.raises(InputTooLong, match="pair 0 is longer than"):
+        tokenizer.encode([over], truncate=False, clipped={0})

@@ -1,0 +1,214 @@
+"""Rerank and classification over HTTP, for a classifier (cross-encoder) artifact: text
+embeddings inference's (TEI) ``POST /rerank`` and ``POST /predict``, and Cohere's
+``POST /v1/rerank``. On an embedding model each answers 400, naming what the model is.
+
+A query and its documents become (query, document) pairs, tokenized as the checkpoint's
+tokenizer encodes pairs (``model/tokenizer.py``) and run through the same core as every other
+request (batcher, limits, metrics); requests with more pairs than the model's batch bound are
+split into batch-sized requests, which the batcher may run together.
+
+Scores are what sentence-transformers' CrossEncoder and TEI give: the sigmoid of the logit for
+a one-label model (a relevance score), the softmax over the labels for several (``/predict``);
+``raw_scores`` returns the logits as they are. Reranking needs a one-label model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+
+import numpy as np
+from aiohttp import web
+
+from ..runtime.errors import InputError
+from ..runtime.request import EncoderRequest
+from . import codec
+from .http_body import FieldError, json_response, parse_object, read_body
+from .inference import Inference
+from .model import ServedModel
+
+LOGITS = "logits"
+Item = str | tuple[str, str]  # a text, or a (text, text_pair) pair
+COHERE_SEARCH_UNIT = 100  # documents per search unit, as Cohere bills
+
+
+def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    """[rows, labels] logits -> TEI's scores: as they are (``raw``), a sigmoid for one label, a
+    softmax over several."""
+    logits = logits.astype(np.float64)
+    if raw:
+        return logits
+    if logits.shape[1] == 1:
+        return 1 / (1 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------- request fields
+
+
+def _string(body: dict, key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str):
+        got = type(value).__name__ if key in body else "nothing"
+        raise FieldError(key, f"{key} must be a string, got {got}")
+    return value
+
+
+def _flag(body: dict, key: str, default: bool | None) -> bool | None:
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise FieldError(key, f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _texts(body: dict, key: str) -> list[str]:
+    """A non-empty list of strings, or of Cohere's {"text": str} documents."""
+    value = body.get(key)
+    if not isinstance(value, list) or not value:
+        raise FieldError(key, f"{key} must be a non-empty list of strings")
+    texts = []
+    for index, item in enumerate(value):
+        if isinstance(item, dict) and isinstance(item.get("text"), str):
+            item = item["text"]
+        if not isinstance(item, str):
+            raise FieldError(key, f"{key}[{index}] must be a string or {{\"text\": string}}, got {item!r:.80}")
+        texts.append(item)
+    return texts
+
+
+def _sequence(value: object, where: str) -> Item:
+    """TEI's sequence: a text, [text] or [text, text_pair]."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) in (1, 2) and all(isinstance(text, str) for text in value):
+        return value[0] if len(value) == 1 else (value[0], value[1])
+    raise FieldError("inputs", f"{where} must be a text, [text] or [text, text_pair], got {value!r:.80}")
+
+
+def predict_inputs(value: object) -> tuple[list[Item], bool]:
+    """TEI's ``inputs`` -> (items, whether it was a batch): a text or a one- or two-text list is
+    one input; any other list is a batch of such inputs."""
+    if isinstance(value, str):
+        return [value], False
+    if isinstance(value, list) and len(value) in (1, 2) and all(isinstance(text, str) for text in value):
+        return [_sequence(value, "inputs")], False
+    if not isinstance(value, list) or not value:
+        raise FieldError("inputs", "inputs must be a text, [text, text_pair], or a non-empty list of them")
+    return [_sequence(item, f"inputs[{index}]") for index, item in enumerate(value)], True
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+class RerankRoutes:
+    def __init__(self, core: Inference):
+        self.core = core
+        self.config = core.state.config
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/rerank", self.rerank)
+        app.router.add_post("/v1/rerank", self.cohere_rerank)
+        app.router.add_post("/predict", self.predict)
+
+    async def _body(self, request: web.Request) -> tuple[dict, bool]:
+        """The JSON body, and whether it is large enough to tokenize off the event loop."""
+        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        return parse_object(body, "the request body"), len(body) > codec.INLINE_TEXT_BYTES
+
+    def _classifier(self, route: str, one_label: bool) -> ServedModel:
+        """The text model, once it is known to be a classifier (with one label, to rerank)."""
+        model = next(self.core.loaded(name) for name in self.core.state.model_names
+                     if self.core.loaded(name).takes_text)
+        engine = model.engine
+        if not engine.is_classifier:
+            raise InputError(f"{route} needs a classifier (cross-encoder); the served model '{model.name}' is an "
+                             "embedding model: use /v1/embeddings or the v2 infer routes")
+        if one_label and len(engine.labels) != 1:
+            raise InputError(f"{route} needs a classifier with one label (a relevance score); the served model has "
+                             f"{len(engine.labels)} ({', '.join(engine.labels)}): use /predict")
+        return model
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best first."""
+        body, large = await self._body(request)
+        model = self._classifier("/rerank", one_label=True)
+        query, texts = _string(body, "query"), _texts(body, "texts")
+        raw, with_text = _flag(body, "raw_scores", False), _flag(body, "return_text", False)
+        logits, _ = await self._logits(model, [(query, text) for text in texts], _flag(body, "truncate", None), large)
+        ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
+        return json_response([{"index": index, "score": score, **({"text": texts[index]} if with_text else {})}
+                              for index, score in ranked])
+
+    async def cohere_rerank(self, request: web.Request) -> web.Response:
+        """Cohere: {model, query, documents, top_n, return_documents} -> {id, results, meta}."""
+        body, large = await self._body(request)
+        name = _string(body, "model")
+        self.core.check_name(name, "")
+        model = self._classifier("/v1/rerank", one_label=True)
+        query, documents = _string(body, "query"), _texts(body, "documents")
+        top_n = body.get("top_n", len(documents))
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
+            raise FieldError("top_n", f"top_n must be a positive integer, got {top_n!r}")
+        with_documents = _flag(body, "return_documents", False)
+        logits, tokens = await self._logits(model, [(query, document) for document in documents],
+                                            _flag(body, "truncate", None), large)
+        ranked = sorted(enumerate(scores(logits, False)[:, 0].tolist()), key=lambda entry: -entry[1])[:top_n]
+        results = [{"index": index, "relevance_score": score,
+                    **({"document": {"text": documents[index]}} if with_documents else {})}
+                   for index, score in ranked]
+        meta = {"api_version": {"version": "2"}, "tokens": {"input_tokens": tokens},
+                "billed_units": {"search_units": math.ceil(len(documents) / COHERE_SEARCH_UNIT)}}
+        return json_response({"id": str(uuid.uuid4()), "results": results, "meta": meta})
+
+    async def predict(self, request: web.Request) -> web.Response:
+        """TEI: {inputs, raw_scores, truncate} -> [{label, score}] per input, best first."""
+        body, large = await self._body(request)
+        model = self._classifier("/predict", one_label=False)
+        if "inputs" not in body:
+            raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
+        items, batch = predict_inputs(body["inputs"])
+        raw = _flag(body, "raw_scores", False)
+        logits, _ = await self._logits(model, items, _flag(body, "truncate", None), large)
+        labels = model.engine.labels
+        answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
+                          key=lambda entry: -entry["score"])
+                   for row in scores(logits, raw).tolist()]
+        return json_response(answers if batch else answers[0])
+
+    # ------------------------------------------------------------------ inference
+
+    async def _logits(self, model: ServedModel, items: list[Item], truncate: bool | None,
+                      large: bool) -> tuple[np.ndarray, int]:
+        """[len(items), labels] logits and the tokens read, in batch-sized requests."""
+        step, truncate = model.engine.max_batch, self.core.truncate(truncate)
+        answers = await asyncio.gather(*(
+            self.core.infer(self._receive(model, items[first : first + step], first, truncate, large))
+            for first in range(0, len(items), step)))
+        logits = np.concatenate([answer.outputs[LOGITS] for answer, _ in answers])
+        return logits, sum(answer.request.tokens for answer, _ in answers)
+
+    async def _receive(self, model: ServedModel, items: list[Item], first: int, truncate: bool,
+                       large: bool) -> tuple[ServedModel, EncoderRequest, None]:
+        return model, await self.core.off_loop(large, encode_items, model, items, first, truncate), None
+
+
+def encode_items(model: ServedModel, items: list[Item], first: int, truncate: bool) -> EncoderRequest:
+    """Texts and pairs -> a request for the logits. Each text is cut to the tokenizer's byte limit
+    and checked as UTF-8 as v2 text is (``codec.texts_of``); ``first`` numbers the items in
+    messages as the client's request does."""
+    flat = [text for item in items for text in ((item,) if isinstance(item, str) else item)]
+    # Lone surrogates (JSON allows them) pass through to the UTF-8 check, which names them.
+    texts, clipped_texts = codec.texts_of("BYTES", [text.encode("utf-8", "surrogatepass") for text in flat],
+                                          model.tokenizer.byte_limit)
+    regrouped, clipped, offset = [], set(), 0
+    for index, item in enumerate(items):
+        width = 1 if isinstance(item, str) else 2
+        regrouped.append(texts[offset] if width == 1 else (texts[offset], texts[offset + 1]))
+        if clipped_texts.intersection(range(offset, offset + width)):
+            clipped.add(index)
+        offset += width
+    encoded = model.tokenizer.encode(regrouped, truncate=truncate, clipped=clipped, first=first)
+    ids, mask, types = model.engine.validate(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    return EncoderRequest(ids, mask, types, (LOGITS,))
