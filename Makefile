@@ -18,7 +18,7 @@ LINT_PATHS := dietserve tuner tests
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
 
-serve: $(RUNTIME_STAMP) $(PROTO_STAMP) ## serve the default model over gRPC on 127.0.0.1:8001, metrics on :8002 (compiles on first run)
+serve: $(TUNE_STAMP) $(PROTO_STAMP) ## serve the default model (gRPC :8001, HTTP :8000, metrics :8002); tunes it for this CPU in the background on a first start
 	$(PY) -m dietserve serve $(SERVE_FLAGS)
 
 tune: $(TUNE_STAMP) ## tune the default model's kernels and compile a linked artifact into tuned/ (TUNE_FLAGS)

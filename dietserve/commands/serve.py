@@ -1,9 +1,10 @@
-"""``serve``: the gRPC server over a compiled artifact or a version store, with hot swaps and
-background re-tuning."""
+"""``serve``: the server over a compiled artifact or a version store, with hot swaps, background
+re-tuning, and by default the host's own tuning (``auto_tune.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -20,16 +21,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args, args.artifact)  # checks the flags before a long compile
-    hot_swap = None
     if args.swap_min_gain < 0:
         raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
-    if args.artifact_store is not None:
-        from ..runtime.versions import VersionStore
-
-        if args.artifact is not None:
-            raise SystemExit("error: give --artifact or --artifact-store, not both")
-        store = VersionStore(args.artifact_store)
-        version = store.to_serve()
+    if args.artifact is not None and args.artifact_store is not None:
+        raise SystemExit("error: give --artifact or --artifact-store, not both")
+    store, start_reason = None, None
+    if args.artifact_store is not None or _auto_tune(args):
+        store, version, start_reason = _open_store(args)
         directory = store.path(version)
         config = dataclasses.replace(config, artifact=directory)
     elif args.artifact is not None:
@@ -59,17 +57,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
-    retune = None
-    if args.artifact_store is not None:
+    hot_swap = retune = None
+    if store is not None:
         hot_swap = HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
-        if args.retune:
-            retune = retune_settings(args)
+        if args.retune or start_reason:
+            retune = retune_settings(args, start_reason)
     elif args.retune:
         raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
     return asyncio.run(serve(config, model_name, load_model, say, hot_swap=hot_swap, retune=retune))
 
 
-def retune_settings(args: argparse.Namespace):
+def _auto_tune(args: argparse.Namespace) -> bool:
+    """Whether this server tunes its host (``auto_tune.py``): asked, on a CPU, not serving a
+    given artifact, and with the tuner's packages installed (else said why not)."""
+    from .auto_tune import tuner_installed
+
+    if not args.auto_tune or args.artifact is not None or args.target != "llvm":
+        return False
+    if not tuner_installed():
+        say("not tuning for this host: the tuner's packages are not installed (pip install 'dietserve[tune]', "
+            "as make serve does); serving the untuned kernels")
+        return False
+    return True
+
+
+def _open_store(args: argparse.Namespace):
+    """(store, version to serve, why to tune at once or None)."""
+    from ..runtime.versions import VersionStore
+
+    if not (args.auto_tune and args.target == "llvm" and args.artifact is None):
+        store = VersionStore(args.artifact_store)
+        return store, store.to_serve(), None
+    from ..compile.artifact import compile_artifact
+    from .auto_tune import default_store, host_target, version_to_serve
+
+    target = host_target(args)
+    store = VersionStore(args.artifact_store or default_store(args, target))
+    version, reason = version_to_serve(
+        store, target, lambda: compile_artifact(compile_request(args), args.cache_dir, None, progress=say), say)
+    say(f"serving version {version} of {store.root}" + (f"; {reason}: tuning it in the background" if reason else
+                                                         ", tuned for this host"))
+    return store, version, reason
+
+
+def retune_settings(args: argparse.Namespace, start_reason: str | None = None):
+    """The re-tuning job and when it runs: on drift (``--retune``), and at once given ``start_reason``."""
     from ..server.retune import RetuneSettings
 
     def command(store: Path, traffic: Path) -> list[str]:
@@ -82,9 +114,10 @@ def retune_settings(args: argparse.Namespace):
         return argv
 
     cpus = frozenset(int(c) for c in args.retune_cpus.split(",")) if args.retune_cpus else frozenset()
-    return RetuneSettings(command=command, drift_threshold=args.retune_drift, min_rows=args.retune_min_rows,
-                          min_interval_seconds=args.retune_min_interval, check_seconds=args.retune_check_seconds,
-                          time_budget_seconds=args.retune_time_budget, cpus=cpus, nice=args.retune_nice)
+    return RetuneSettings(command=command, drift_threshold=args.retune_drift if args.retune else math.inf,
+                          min_rows=args.retune_min_rows, min_interval_seconds=args.retune_min_interval,
+                          check_seconds=args.retune_check_seconds, time_budget_seconds=args.retune_time_budget,
+                          cpus=cpus, nice=args.retune_nice, start_reason=start_reason)
 
 
 def add_serve_command(commands) -> None:
@@ -103,6 +136,12 @@ def add_serve_command(commands) -> None:
                               help="refuse a newer version measured below this fraction of the served version's "
                                    "speed, timed side by side on the traffic's heaviest shapes before swapping "
                                    "(default 0.9; 0: swap without timing). Rollbacks are not timed")
+    serve_parser.add_argument("--auto-tune", action=argparse.BooleanOptionalAction, default=True,
+                              help="on a CPU without --artifact: serve from a version store (--artifact-store, "
+                                   "default one per model and host under --cache-dir) and, when no version there "
+                                   "was tuned for this host, serve the untuned kernels at once and tune them in "
+                                   "the background (the re-tuning job: --retune-* flags), then swap them in "
+                                   "(default on; needs the tuner's packages)")
     retune_group = serve_parser.add_argument_group("re-tuning (with --artifact-store)")
     retune_group.add_argument("--retune", action="store_true",
                               help="re-tune in a background process when the traffic drifts from the mix the "

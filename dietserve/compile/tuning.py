@@ -58,13 +58,16 @@ class TuneRequest:
 
 def read_lengths(path: Path) -> tuple[int, ...]:
     """Observed sequence lengths: whitespace-separated integers, JSON ``{"length": count}``, or a
-    server's traffic file (``runtime/traffic.py``: decayed rows per executed shape)."""
+    server's traffic file (``runtime/traffic.py``: decayed rows per executed shape). A traffic
+    file without rows (a server tuning before its first request) gives none: every length alike."""
     text = Path(path).read_text()
     try:
         if text.lstrip().startswith("{"):
             counts = json.loads(text)
             if isinstance(counts, dict) and counts.get("format") == TRAFFIC_FORMAT:
                 lengths = list(observed_lengths(Traffic.from_dict(counts, str(path))))
+                if not lengths:
+                    return ()
             else:
                 lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
         else:

@@ -106,6 +106,8 @@ class ServerMetrics:
         self.retune_duration = Gauge("dietserve_last_retune_duration_seconds", "wall time of the last re-tuning job",
                                      registry=r)
         self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", registry=r)
+        self.retune_progress = Gauge("dietserve_retune_progress", "share of the running re-tuning job's operators "
+                                     "tuned (0 to 1; 1 while it compiles the tuned artifact)", registry=r)
 
     def _add_swap_metrics(self, r: CollectorRegistry) -> None:
         self.artifact_version = Gauge(

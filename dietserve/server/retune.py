@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -53,6 +54,31 @@ class RetuneSettings:
     time_budget_seconds: float = 3600.0  # the job is killed after this (plus a minute to compile)
     cpus: frozenset[int] = field(default_factory=frozenset)  # empty: every CPU
     nice: int = 10
+    # Given, the job starts at the first check, whatever the traffic (``serve --auto-tune``: the
+    # served version was not tuned for this host), saying this as its reason.
+    start_reason: str | None = None
+    progress_seconds: float = 60.0  # how often a running job's progress is said
+
+
+_OPERATOR_LINE = re.compile(rb"\[(\d+)/(\d+)\] ")
+_TUNED_LINE = re.compile(rb"tuned \d+ operators in ")  # the tuner's last line
+
+
+def job_progress(log_path: Path | None) -> tuple[int, int]:
+    """(operators done, operators) from a job's log: the tuner starts each with ``[k/n]``; (0, 0)
+    before the first."""
+    try:
+        with open(log_path, "rb") as stream:
+            stream.seek(max(0, stream.seek(0, os.SEEK_END) - (64 << 10)))  # the tail: logs grow
+            tail = stream.read()
+    except (OSError, TypeError):
+        return 0, 0
+    found = _OPERATOR_LINE.findall(tail)
+    if not found:
+        return 0, 0
+    current, total = (int(x) for x in found[-1])
+    finished = _TUNED_LINE.search(tail[tail.rfind(b"[%d/%d] " % (current, total)):]) is not None
+    return (total if finished else current - 1), total
 
 
 class RetunePolicy:
@@ -71,6 +97,9 @@ class RetunePolicy:
         # served (another version, a rollback's say, is worth a run on any mix)
         self._tried: tuple[int, dict[int, float]] | None = None
         self._held_back = False  # the hold has been logged (once per tried mix)
+        self._start_reason = settings.start_reason
+        self._progress_said = float("-inf")
+        self._log_path: Path | None = None
 
     def tuned_for(self) -> dict[int, float]:
         version = self.hot_swap.version
@@ -90,11 +119,11 @@ class RetunePolicy:
 
     async def watch(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.check_seconds)
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the policy must outlive any one failure
                 log.exception("the re-tuning policy failed a check; serving goes on")
+            await asyncio.sleep(self.settings.check_seconds)
 
     def step(self) -> None:
         now = time.monotonic()
@@ -108,6 +137,10 @@ class RetunePolicy:
             if self.hot_swap.version <= self._job[0]:  # (not a later version: refused)
                 self._tried_without_change("its version was not swapped in")
         observed = self.traffic.traffic.row_weights()
+        if self._start_reason is not None:
+            reason, self._start_reason = self._start_reason, None
+            self.start(reason, observed)
+            return
         drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
         rows = sum(observed.values())
@@ -138,7 +171,7 @@ class RetunePolicy:
         snapshot = folder / f"traffic-{stamp}.json"
         self.traffic.traffic.save(snapshot)
         self._job = (self.hot_swap.version, observed)
-        log_path = folder / f"job-{stamp}.log"
+        log_path = self._log_path = folder / f"job-{stamp}.log"
         with log_path.open("w") as job_log:
             self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
                                             stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -159,11 +192,15 @@ class RetunePolicy:
             if elapsed > self.settings.time_budget_seconds + 60:
                 self._kill()
                 self.say(f"re-tuning job {self.process.pid} ran past its budget; killed")
+            elif now - self._progress_said >= self.settings.progress_seconds:
+                self._progress_said = now
+                self._say_progress(elapsed)
             return
         outcome = OUTCOMES.get(code, "failed")
         self.metrics.retune_runs.labels(outcome).inc()
         self.metrics.retune_duration.set(elapsed)
         self.metrics.retune_running.set(0)
+        self.metrics.retune_progress.set(0)
         self.say(f"re-tuning job {self.process.pid} {outcome} (exit {code}) after {elapsed:.0f} s")
         self.process = None
         if outcome == "not-faster":
@@ -172,6 +209,20 @@ class RetunePolicy:
             # decided in ``step`` once no candidate waits (the swap may already have taken it:
             # hence the comparison with the version served at the start)
             self._awaiting_swap = True
+
+    def _say_progress(self, elapsed: float) -> None:
+        """The stage the job's log shows (the tuner's ``[k/n] operator`` lines), and an estimate of
+        the time left at the pace of the operators done."""
+        done, total = job_progress(self._log_path)
+        if total == 0:
+            self.say(f"re-tuning: {elapsed:.0f} s in, compiling and extracting the operators")
+            return
+        self.metrics.retune_progress.set(done / total)
+        if done == total:
+            self.say(f"re-tuning: {elapsed:.0f} s in, every operator tuned; compiling the tuned artifact")
+            return
+        left = f", about {elapsed / done * (total - done):.0f} s left" if done else ""
+        self.say(f"re-tuning: {elapsed:.0f} s in, operator {done + 1} of {total}{left}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

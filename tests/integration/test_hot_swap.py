@@ -54,7 +54,8 @@ def _cli(*args: str) -> str:
 class SteadyClient:
     """Sends requests of varied lengths back to back and checks every answer."""
 
-    def __init__(self, server: ServerProcess, engine):
+    def __init__(self, server: ServerProcess, engine, model: str = MODEL):
+        self.model = model
         rng = np.random.default_rng(11)
         self.cases = [rng.integers(1000, 5000, size=(1, int(n))) for n in rng.integers(4, 120, size=12)]
         self.expected = [engine.run(ids).sentence_embedding for ids in self.cases]
@@ -71,7 +72,7 @@ class SteadyClient:
                 tensor = triton.InferInput("input_ids", list(ids.shape), "INT64")
                 tensor.set_data_from_numpy(ids)
                 try:
-                    got = client.infer(MODEL, [tensor], client_timeout=60).as_numpy("sentence_embedding")
+                    got = client.infer(self.model, [tensor], client_timeout=60).as_numpy("sentence_embedding")
                     if not np.allclose(got, self.expected[index % len(self.cases)], atol=ATOL):
                         self.failures.append(f"wrong answer for case {index % len(self.cases)}")
                 except triton.InferenceServerException as err:
@@ -103,7 +104,7 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
     store_dir = tmp_path / "store"
     store = VersionStore(store_dir)
     assert "as version 1" in _cli("publish", str(minilm_artifact), "--store", str(store_dir))
-    flags = ("--artifact-store", str(store_dir), "--watch-seconds", "0.3")
+    flags = ("--artifact-store", str(store_dir), "--watch-seconds", "0.3", "--no-auto-tune")
     # The speed check times both versions side by side, at the default minimum (0.9): two copies
     # of one artifact read close to 1 on a quiet host, but one reading on a contended host can
     # fall below the minimum, which is why such a reading is read again (``swap.SPEED_READINGS``).

@@ -45,7 +45,8 @@ def test_killing_the_retuning_job_five_times_leaves_serving_and_records_intact(
 
     store_dir, records = tmp_path / "store", tmp_path / "records.jsonl"
     VersionStore(store_dir).publish(minilm_artifact)
-    server = ServerProcess(None, "--artifact-store", str(store_dir), "--retune", "--retune-drift", "0",
+    server = ServerProcess(None, "--artifact-store", str(store_dir), "--no-auto-tune", "--retune",
+                           "--retune-drift", "0",
                            "--retune-min-rows", "1", "--retune-min-interval", "0", "--retune-check-seconds", "0.5",
                            "--retune-db", str(records), "--model", "default", "--max-batch", str(MAX_BATCH),
                            "--cache-dir", str(cache_dir), model_name=MODEL)

@@ -36,6 +36,11 @@ def test_the_file_round_trips_and_is_what_tune_reads(tmp_path):
     assert lengths.count(16) == pytest.approx(10_000 * 30 / 44, abs=1)
     assert lengths.count(128) == pytest.approx(10_000 * 14 / 44, abs=1)
     assert observed_lengths(Traffic(1.0, 0.0)) == ()
+    Traffic(60.0, 0.0).save(path)  # a server that tunes before its first request: every length alike
+    assert read_lengths(path) == ()
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="no positive sequence lengths"):  # a lengths file the user wrote
+        read_lengths(tmp_path / "empty.txt")
 
 
 @pytest.mark.parametrize("content, message", [
