@@ -20,9 +20,10 @@ Two entry points:
 * ``artifacts/default``: ``dietserve compile --target cuda --arch sm_90 --max-batch 8`` (dlight
   schedules); ``artifacts/tuned``: the same with hand-made CUDA kernel plans linked in (two
   micro-kernels and the default rule, split by row count, for every dense and attention matmul).
-* ``kernels/``: CUDA micro-kernels applied with local padding (``dietserve.kernels.cuda.kernel``), each
-  exported with its fatbin: the cases of ``test_tuner_cuda_gpu.py`` (checked at ragged lengths)
-  and candidates for MiniLM's 384->1536 dense+GELU timed against the default rule and torch.
+* ``kernels/``: CUDA micro-kernels applied with local padding (``dietserve.kernels.cuda.kernel``,
+  tensor-core ones ``cuda.tensor_core``), each exported with its fatbin: the cases of
+  ``test_tuner_cuda_gpu.py`` (checked at ragged lengths) and candidates for MiniLM's 384->1536
+  dense+GELU timed against the default rule and torch.
 * ``local_reference.npz``: transformers on this machine for a few shapes, to check the GPU
   host's own reference (transformers on its CPU) against.
 
@@ -65,6 +66,7 @@ SEQS = (1, 7, 64, 127, 300, 512)
 TIMING_SEQS = (1, 8, 16, 32, 64, 128, 256, 384, 512)
 KERNEL_CHECK_LENGTHS = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)  # as test_tuner_cuda_gpu.py
 DENSE_TIMING_ROWS = (1, 16, 64, 128, 512, 2048, 4096)
+TENSOR_CORE_TOLERANCE = 1e-2  # abs, against fp32 sums of fp16-rounded operands
 TVM_FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"
 BUNDLE_LIMIT = 62 * 1024 * 1024
 PARAMS_FILE = "params.safetensors"
@@ -193,6 +195,7 @@ def _kernel_cases(quick: bool) -> list[dict]:
     from dietserve.kernels.plan.microkernel import MicroKernel
     from tuner.ops import attention_context, attention_scores, dense
     from tuner.space.gpu import gpu_space, shared_memory_bytes
+    from tuner.space.gpu_tensor_core import tensor_core_space
 
     h100, t4 = ([k for k in gpu_space(GPU_PRESETS[name]) if not k.mma] for name in ("h100", "t4"))
     named = {  # the kernels of test_tuner_cuda_gpu.py
@@ -208,6 +211,8 @@ def _kernel_cases(quick: bool) -> list[dict]:
         "attention_scores": attention_scores,
         "attention_context": attention_context,
     }
+    tensor_cores = _tensor_core_kernels()
+    named.update(tensor_cores)
     cases = []
     for op, build in checked.items():
         for name, kernel in named.items():
@@ -219,11 +224,29 @@ def _kernel_cases(quick: bool) -> list[dict]:
     # MiniLM's FFN up-projection: the default rule, the named kernels and a sample of the space.
     minilm = lambda: dense(384, 1536, "bias_gelu")  # noqa: E731
     sample = random.Random(0).sample([k for k in h100 if k.cache_scopes[0] == "shared"], 6 if quick else 40)
-    timed = [("default", None), *named.items(), *((f"h100_space_{i}", k) for i, k in enumerate(sample))]
+    tc_sample = random.Random(0).sample(tensor_core_space(GPU_PRESETS["h100"]), 3 if quick else 12)
+    timed = [("default", None), *named.items(), *((f"h100_space_{i}", k) for i, k in enumerate(sample)),
+             *((f"h100_tc_space_{i}", k) for i, k in enumerate(tc_sample))]
     for name, kernel in timed:
         cases.append({"op": "minilm_dense_bias_gelu", "spec": minilm, "kernel_name": name, "kernel": kernel,
                       "loop_partition": False, "check": (1, 7, 129, 512), "time": DENSE_TIMING_ROWS})
     return cases
+
+
+def _tensor_core_kernels() -> dict:
+    """The tensor-core kernels of test_tuner_cuda_gpu.py (fp16 operands: checked against numpy on
+    fp16-rounded operands, within ``TENSOR_CORE_TOLERANCE``)."""
+    from dietserve.host.hardware import GPU_PRESETS
+    from tuner.space.gpu_tensor_core import (
+        registers_per_thread,
+        shared_memory_bytes,
+        tensor_core_kernel,
+        tensor_core_space,
+    )
+
+    space = tensor_core_space(GPU_PRESETS["a100"])
+    return {"tc_typical": tensor_core_kernel(2, 2, 2, 2, 2), "tc_largest_shared": max(space, key=shared_memory_bytes),
+            "tc_most_registers": max(space, key=registers_per_thread), "tc_one_warp": tensor_core_kernel(1, 1, 1, 1, 1)}
 
 
 def _build_kernels(folder: Path, quick: bool) -> None:
@@ -231,8 +254,7 @@ def _build_kernels(folder: Path, quick: bool) -> None:
     from tvm.target import Target
 
     from dietserve.compile.cuda import compile_fatbin, source_digest
-    from dietserve.kernels.apply import apply_default
-    from dietserve.kernels.cuda.kernel import apply_cuda
+    from dietserve.kernels.apply import apply_default, apply_kernel
     from dietserve.kernels.cuda.source import find_cuda_source
 
     folder.mkdir(parents=True)
@@ -251,7 +273,7 @@ def _build_kernels(folder: Path, quick: bool) -> None:
             if case["kernel"] is None:
                 scheduled = apply_default(spec.func, target)
             else:
-                scheduled = apply_cuda(spec.func, case["kernel"], loop_partition=case["loop_partition"])
+                scheduled = apply_kernel(spec.func, case["kernel"], target, loop_partition=case["loop_partition"])
             executable = tvm.compile(scheduled, target)
             source = find_cuda_source(executable.mod)
             executable.export_library(str(folder / f"{entry['id']}.so"))
@@ -590,6 +612,8 @@ def _kernel_inputs(shapes: list, seed: int) -> list[np.ndarray]:
 
 
 def _kernel_reference(entry: dict, inputs: list[np.ndarray]) -> np.ndarray:
+    if (entry.get("kernel") or {}).get("mma"):  # tensor cores: fp16 product operands, fp32 sums
+        inputs = [x.astype(np.float16).astype(np.float32) if i < 2 else x for i, x in enumerate(inputs)]
     if entry["kind"] != "dense":
         return inputs[0] @ inputs[1]
     from scipy.special import erf
@@ -627,6 +651,7 @@ def _stage_kernels(bundle: Path, work: Path, start: int, results: Path) -> dict:
             install_prebuilt_kernels(bundle / "kernels" / f"{entry['id']}.fatbin", entry["source_sha256"])
             module = tvm.runtime.load_module(str(bundle / "kernels" / f"{entry['id']}.so"))
             errors = {}
+            tolerance = (0.0, TENSOR_CORE_TOLERANCE) if (entry.get("kernel") or {}).get("mma") else (1e-3, 1e-3)
             for length in entry["check"]:
                 shape = entry["shapes"][str(length)]
                 inputs = _kernel_inputs(shape["inputs"], seed=length)
@@ -636,7 +661,7 @@ def _stage_kernels(bundle: Path, work: Path, start: int, results: Path) -> dict:
                 got, expected = output.numpy(), _kernel_reference(entry, inputs)
                 if np.isnan(got).any():
                     errors[length] = "NaN: elements left unwritten"
-                elif not np.allclose(got, expected, rtol=1e-3, atol=1e-3):
+                elif not np.allclose(got, expected, rtol=tolerance[0], atol=tolerance[1]):
                     errors[length] = f"max abs error {float(np.abs(got - expected).max()):.3g}"
             out["check_ok"] = not errors
             if errors:

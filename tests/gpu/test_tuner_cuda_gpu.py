@@ -79,3 +79,55 @@ def test_scheduled_kernel_matches_numpy_for_every_length(op: str, kernel_name: s
         ours, expected = _run(spec, module, length)
         assert not np.isnan(ours).any(), f"T={length}: elements left unwritten"
         np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3, err_msg=f"T={length}")
+
+
+# -- tensor-core kernels (sm_80+): fp16 operands, fp32 accumulation ---------------------------
+
+def _tensor_core_kernels() -> dict[str, MicroKernel]:
+    from tuner.space.gpu_tensor_core import registers_per_thread, tensor_core_kernel, tensor_core_space
+    from tuner.space.gpu_tensor_core import shared_memory_bytes as tc_shared
+
+    space = tensor_core_space(GPU_PRESETS["a100"])
+    return {"tc_typical": tensor_core_kernel(2, 2, 2, 2, 2), "tc_largest_shared": max(space, key=tc_shared),
+            "tc_most_registers": max(space, key=registers_per_thread),
+            "tc_one_warp": tensor_core_kernel(1, 1, 1, 1, 1)}
+
+
+def fp16_reference(spec: OperatorSpec, inputs: list[np.ndarray]) -> np.ndarray:
+    """The operator on its two product operands rounded to fp16, in fp32 (the other inputs, bias
+    and residual, stay fp32 as the kernel reads them)."""
+    rounded = [x.astype(np.float16).astype(np.float32) if i < 2 else x for i, x in enumerate(inputs)]
+    return spec.reference(*rounded)
+
+
+@functools.cache
+def _compiled_tensor_core(op: str, kernel_name: str, pipeline: bool):
+    import tvm
+    from tvm.target import Target
+
+    from dietserve.kernels.cuda.tensor_core import apply_tensor_core
+
+    spec = OPERATORS[op]()
+    scheduled = apply_tensor_core(spec.func, _tensor_core_kernels()[kernel_name], pipeline=pipeline)
+    executable = tvm.compile(scheduled, Target({"kind": "cuda", "arch": _gpu_arch()}, host={"kind": "llvm"}))
+    return spec, executable.jit()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("kernel_name", ["tc_typical", "tc_largest_shared", "tc_most_registers", "tc_one_warp"])
+@pytest.mark.parametrize("op", list(OPERATORS))
+def test_tensor_core_kernel_matches_fp16_rounded_numpy(op: str, kernel_name: str, pipeline: bool) -> None:
+    if int(_gpu_arch()[3:]) < 80:
+        pytest.skip("tensor-core kernels are listed for sm_80 and later")
+    import tvm
+
+    spec, module = _compiled_tensor_core(op, kernel_name, pipeline)
+    device = tvm.cuda(0)
+    for length in LENGTHS:
+        inputs = random_inputs(spec, {"T": length}, seed=length)
+        output = tvm.runtime.tensor(np.full(spec.output_shape({"T": length}), np.nan, "float32"), device)
+        module["main"](*[tvm.runtime.tensor(x, device) for x in inputs], output)
+        device.sync()
+        got = output.numpy()
+        assert not np.isnan(got).any(), f"T={length}: elements left unwritten"
+        np.testing.assert_allclose(got, fp16_reference(spec, inputs), rtol=0, atol=1e-2, err_msg=f"T={length}")

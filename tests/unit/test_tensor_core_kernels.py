@@ -2,10 +2,7 @@
 space fits the GPU and starts at sm_80, the plan format keeps old kernels readable, every kernel of
 the space applied to a dense layer with local padding generates mma code with no bound check
 around it, nvcc compiles a sample of them and every operator for sm_80 and sm_90, and a plan with
-a tensor-core variant links into the model. Numerics: tests/gpu/test_tuner_cuda_gpu.py.
-
-The first schedule imports TVM's tensor intrinsics (``tvm.s_tir.tensor_intrin``), which takes
-tens of seconds once per process."""
+a tensor-core variant links into the model. Numerics: tests/gpu/test_tuner_cuda_gpu.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Each is TVM's own (``tvm.s_tir.tensor_intrin.cuda``: the same descriptions and the same
 ``tvm_load_matrix_sync``/``tvm_fill_fragment``/``tvm_mma_sync``/``tvm_store_matrix_sync`` calls)
 for the one shape used here: 16x16x16, row-major fp16 operands, fp32 accumulator. Importing TVM's
-module instead registers every intrinsic TVM has for every target, tens of seconds per process.
+module instead registers every intrinsic TVM has for every target, which takes far longer than
+building the kernels.
 """
 
 from __future__ import annotations
