@@ -1,5 +1,6 @@
-"""``serve``: the server over a compiled artifact or a version store, with hot swaps, background
-re-tuning, and by default the host's own tuning (``auto_tune.py``)."""
+"""``serve``: the server over compiled artifacts (several: one engine and queue each) or a version
+store, with hot swaps, background re-tuning, and by default the host's own tuning
+(``auto_tune.py``)."""
 
 from __future__ import annotations
 
@@ -20,24 +21,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.config import config_from_args
 
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args, args.artifact)  # checks the flags before a long compile
-    if args.swap_min_gain < 0:
-        raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
-    if args.artifact is not None and args.artifact_store is not None:
-        raise SystemExit("error: give --artifact or --artifact-store, not both")
+    given = _given_artifacts(args)
+    config = config_from_args(args, given[0] if given else None)  # checks the flags before a long compile
+    _check_sources(args, given)
     store, start_reason = None, None
     if args.artifact_store is not None or _auto_tune(args):
         store, version, start_reason = _open_store(args)
-        directory = store.path(version)
-        config = dataclasses.replace(config, artifact=directory)
-    elif args.artifact is not None:
-        directory = args.artifact
+        directories = [store.path(version)]
+        config = dataclasses.replace(config, artifact=directories[0])
+    elif given:
+        directories = given
     else:
         from ..compile.artifact import compile_artifact
 
-        directory = compile_artifact(compile_request(args), args.cache_dir, None, progress=say)
-        config = dataclasses.replace(config, artifact=directory)
-    model_name = config.model_name or Manifest.read(directory).model_name
+        directories = [compile_artifact(compile_request(args), args.cache_dir, None, progress=say)]
+        config = dataclasses.replace(config, artifact=directories[0])
+    names = [config.model_name or Manifest.read(directory).model_name for directory in directories]
 
     def load_engine(path):
         from ..runtime.artifact import load_artifact
@@ -45,18 +44,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return Engine(load_artifact(path), threads=config.threads)
 
-    def load_model():
-        from ..model.tokenizer import TextTokenizer
+    def loader(directory: Path):
+        def load_model():
+            from ..model.tokenizer import TextTokenizer
 
-        say(f"loading {directory}")
-        engine = load_engine(directory)
-        return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
+            say(f"loading {directory}")
+            engine = load_engine(directory)
+            return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
+
+        return load_model
 
     try:
-        from ..server.app import serve
+        from ..server.app import ModelSource, serve
+        from ..server.model import served_names
         from ..server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
+    try:
+        served_names(names)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    sources = [ModelSource(name, loader(directory)) for name, directory in zip(names, directories, strict=True)]
     hot_swap = retune = None
     if store is not None:
         hot_swap = HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
@@ -64,7 +72,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
             retune = retune_settings(args, start_reason)
     elif args.retune:
         raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
-    return asyncio.run(serve(config, model_name, load_model, say, hot_swap=hot_swap, retune=retune))
+    return asyncio.run(serve(config, sources, say, hot_swap=hot_swap, retune=retune))
+
+
+def _given_artifacts(args: argparse.Namespace) -> list[Path]:
+    """The ``--artifact`` directories, then each subfolder of ``--model-repository`` holding an
+    artifact (by name, as Triton's model repository); empty when neither flag is given."""
+    given = list(args.artifact or [])
+    if args.model_repository is not None:
+        repository = args.model_repository
+        if not repository.is_dir():
+            raise SystemExit(f"error: --model-repository {repository} is not a directory")
+        found = sorted(path for path in repository.iterdir() if (path / "manifest.json").is_file())
+        if not found:
+            raise SystemExit(f"error: --model-repository {repository} has no artifact (a subfolder with a "
+                             "manifest.json, as `dietserve compile` writes)")
+        given += found
+    return given
+
+
+def _check_sources(args: argparse.Namespace, given: list[Path]) -> None:
+    """Refuses flag combinations that cannot hold, before anything is compiled or loaded."""
+    if args.swap_min_gain < 0:
+        raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
+    if given and args.artifact_store is not None:
+        raise SystemExit("error: give --artifact (or --model-repository) or --artifact-store, not both: "
+                         "one version store per server, serving one artifact, for now")
+    if len(given) > 1 and args.model_name is not None:
+        raise SystemExit(f"error: --model-name names the one artifact served; {len(given)} are given, each served "
+                         "under its manifest's model_name")
+    if len(given) > 1 and args.traffic_file is not None:
+        raise SystemExit("error: --traffic-file records one artifact's traffic (for re-tuning it); it cannot be "
+                         f"used with {len(given)} artifacts")
 
 
 def _auto_tune(args: argparse.Namespace) -> bool:
@@ -72,7 +111,7 @@ def _auto_tune(args: argparse.Namespace) -> bool:
     given artifact, and with the tuner's packages installed (else said why not)."""
     from .auto_tune import tuner_installed
 
-    if not args.auto_tune or args.artifact is not None or args.target != "llvm":
+    if not _auto_tune_asked(args):
         return False
     if not tuner_installed():
         say("not tuning for this host: the tuner's packages are not installed (pip install 'dietserve[tune]', "
@@ -81,11 +120,15 @@ def _auto_tune(args: argparse.Namespace) -> bool:
     return True
 
 
+def _auto_tune_asked(args: argparse.Namespace) -> bool:
+    return args.auto_tune and args.target == "llvm" and args.artifact is None and args.model_repository is None
+
+
 def _open_store(args: argparse.Namespace):
     """(store, version to serve, why to tune at once or None)."""
     from ..runtime.versions import VersionStore
 
-    if not (args.auto_tune and args.target == "llvm" and args.artifact is None):
+    if not _auto_tune_asked(args):
         store = VersionStore(args.artifact_store)
         return store, store.to_serve(), None
     from ..compile.artifact import compile_artifact
@@ -126,7 +169,12 @@ def add_serve_command(commands) -> None:
     serve_parser = commands.add_parser(
         "serve", help="serve the model over the KServe v2 / Triton gRPC protocol (compiles on first use)")
     add_build_flags(serve_parser)
-    serve_parser.add_argument("--artifact", type=Path, default=None, help="serve this compiled artifact directory")
+    serve_parser.add_argument("--artifact", type=Path, action="append", default=None,
+                              help="serve this compiled artifact directory; repeat it to serve several (an embedder "
+                                   "and a reranker), each under its manifest's model name")
+    serve_parser.add_argument("--model-repository", type=Path, default=None,
+                              help="serve every artifact in this directory's subfolders (as Triton's model "
+                                   "repository), beside any --artifact")
     serve_parser.add_argument("--artifact-store", type=Path, default=None,
                               help="serve the current version of this version store and swap in newer ones "
                                    "after checking them (see `publish`, `rollback`)")

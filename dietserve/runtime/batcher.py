@@ -5,7 +5,9 @@ when the engine frees, the bucket whose head waited longest runs with its batch-
 ``max_batch_size`` rows. Right after a batch of k requests the engine counts as busy a little
 longer: it waits (at most until the head has queued ``max_queue_delay``) for k requests, because
 clients whose answers just went out are about to send their next ones. One execution runs at a
-time (the VM is not re-entrant, and on a CPU it already uses every core). Buckets grow
+time (the VM is not re-entrant, and on a CPU it already uses every core): a server with several
+models gives their batchers one shared ``execution_lock``, which a batch takes once it is ready,
+first come first served. Buckets grow
 geometrically, so a batch's padding is under ``1 - 1/ratio`` of its tokens. With batching off
 every request runs alone, in arrival order.
 
@@ -106,8 +108,12 @@ class DynamicBatcher:
         on_queue_change: Callable[[int], None] | None = None,
         on_batch: Callable[[BatchRun], None] | None = None,
         on_stopped: Callable[[BaseException], None] | None = None,
+        execution_lock: asyncio.Lock | None = None,
     ):
         self.engine = engine
+        # Shared by every model of a server: asyncio's lock is fair (the longest waiter gets it
+        # next), so batches of different models run in the order they became ready.
+        self.execution_lock = execution_lock or asyncio.Lock()
         self.batching = batching
         self.max_batch_size = min(max_batch_size, engine.max_batch) if batching else 1
         self.max_queue_delay_s = max_queue_delay_s if batching else 0.0
@@ -161,7 +167,8 @@ class DynamicBatcher:
     async def run_between_batches(self, function, *args):
         """Runs ``function(*args)`` on the execution thread between two batches (a hot swap's
         checks: one model run at a time, so no request waits behind more than one)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        async with self.execution_lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
     async def close(self) -> None:
         """Runs what is queued, then stops."""
@@ -240,19 +247,22 @@ class DynamicBatcher:
             await self._wakeup.wait()
             return True
         await self._gather(bucket)
-        jobs = self._take(bucket)
-        if not jobs:
-            return True
-        loop = asyncio.get_running_loop()
-        try:
-            run = await loop.run_in_executor(self._executor, self._execute, jobs, loop)
-        except Exception as err:  # noqa: BLE001 - delivered to each waiting request
-            for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(err)
-            return True
-        finally:
-            self._last_batch_jobs, self._last_batch_end = len(jobs), time.monotonic()
+        # The batch is taken once the lock is held, so requests that arrived while another
+        # model ran join it, and deadlines are checked as late as possible.
+        async with self.execution_lock:
+            jobs = self._take(bucket)
+            if not jobs:
+                return True
+            loop = asyncio.get_running_loop()
+            try:
+                run = await loop.run_in_executor(self._executor, self._execute, jobs, loop)
+            except Exception as err:  # noqa: BLE001 - delivered to each waiting request
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(err)
+                return True
+            finally:
+                self._last_batch_jobs, self._last_batch_end = len(jobs), time.monotonic()
         loop.call_soon(self._record, run)  # after the callers have their answers
         return True
 

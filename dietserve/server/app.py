@@ -1,8 +1,8 @@
 """Server lifecycle: listen, load and warm up, serve, and on SIGTERM drain and exit.
 
     start: /metrics -> traffic record -> gRPC listening (live, not ready) -> HTTP listening
-           -> load and warm up -> batcher -> hot-swap watcher -> re-tuning policy -> traffic saver
-           -> ready (both wires read the same readiness)
+           -> load and warm up every artifact -> their batchers -> hot-swap watcher -> re-tuning
+           policy -> traffic saver -> ready (both wires read the same readiness)
     stop:  the same in reverse: not ready -> keep serving ``drain_seconds`` -> both wires stop
            accepting and finish in-flight requests (up to ``grace_seconds``) -> ... -> last
            traffic save -> /metrics
@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -62,6 +63,15 @@ def warm_up(engine: Engine, rows: int) -> int:
     return resident_bytes()
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """An artifact to serve: the name of its ids model (its text model is ``name-text``) and
+    how to load it (on a worker thread)."""
+
+    name: str
+    load: Callable[[], tuple[Engine, TextTokenizer]]
+
+
 async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
     (outcome,) = await asyncio.gather(task, return_exceptions=True)
@@ -70,31 +80,35 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 class Server:
-    """Serves ``model_name`` (token ids) and ``model_name-text`` (text) from the engine
-    ``load_model`` returns. ``say`` reports progress; the line
+    """Serves each source's artifact as ``name`` (token ids) and ``name-text`` (text), each
+    artifact on its own engine and batcher, one execution at a time across them. ``say``
+    reports progress; the line
     ``listening grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]`` gives the
-    bound ports. ``hot_swap``: serve a
-    version store's versions; ``retune`` (with ``hot_swap``): re-tune when the traffic drifts.
-    ``stop``: an event that requests a stop when set (default: a new one)."""
+    bound ports. ``hot_swap`` (one artifact only): serve a version store's versions; ``retune``
+    (with ``hot_swap``): re-tune when the traffic drifts. ``stop``: an event that requests a stop
+    when set (default: a new one). A name two artifacts would share raises ValueError."""
 
-    def __init__(self, config: ServerConfig, model_name: str,
-                 load_model: Callable[[], tuple[Engine, TextTokenizer]], say: Callable[[str], None], *,
+    def __init__(self, config: ServerConfig, sources: Sequence[ModelSource], say: Callable[[str], None], *,
                  hot_swap: HotSwap | None = None, retune: RetuneSettings | None = None,
                  stop: asyncio.Event | None = None):
-        self.config, self.model_name, self.text_name = config, model_name, model_name + TEXT_MODEL_SUFFIX
+        if not sources:
+            raise ValueError("a server needs at least one artifact to serve")
+        if len(sources) > 1 and (hot_swap is not None or retune is not None):
+            raise ValueError("hot swaps and re-tuning serve one artifact: one version store per server for now")
+        self.config, self.sources = config, tuple(sources)
         self.say, self.hot_swap, self.retune = say, hot_swap, retune
         self.stop_requested = stop or asyncio.Event()
         self.metrics = ServerMetrics()
         self.gain = MeasuredGain(self.metrics)
-        self.state = ServingState(config=config, metrics=self.metrics, model_names=(model_name, self.text_name))
+        self.state = ServingState(config=config, metrics=self.metrics,
+                                  artifact_names=tuple(source.name for source in sources))
         self.core = Inference(self.state)
         self.health = health.aio.HealthServicer()
         self.ports = ""  # "grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]" once listening
         self.traffic: TrafficLog | None = None
-        self.engine: Engine | None = None
-        self.batcher: DynamicBatcher | None = None
-        self._load_model = load_model
-        self._tokenizer: TextTokenizer | None = None
+        self.engines: dict[str, Engine] = {}  # by artifact name, in the sources' order
+        self.batchers: dict[str, DynamicBatcher] = {}
+        self._tokenizers: dict[str, TextTokenizer] = {}
         self._settled_bytes = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
@@ -212,34 +226,49 @@ class Server:
         await asyncio.gather(self._grpc.stop(self._grace), self._finish_http())
 
     async def _load(self) -> None:
+        """Loads and warms up each artifact in turn, then bounds the VM's pool (one pool per
+        process, whichever engine runs) at what they all hold after warming up."""
         loop = asyncio.get_running_loop()
-        self.engine, self._tokenizer = await loop.run_in_executor(None, self._load_model)
-        engine = self.engine
-        self._settled_bytes = await loop.run_in_executor(None, warm_up, engine, self.config.max_batch_size)
-        engine.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))
+        for source in self.sources:
+            engine, self._tokenizers[source.name] = await loop.run_in_executor(None, source.load)
+            self.engines[source.name] = engine
+            self._settled_bytes = await loop.run_in_executor(None, warm_up, engine, self.config.max_batch_size)
+        first, *others = self.engines.values()
+        first.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))
+        for engine in others:
+            engine.pool_bound = first.pool_bound
         self.metrics.settled_memory.set(self._settled_bytes)
-        if engine.pool_bound is not None:
-            self.metrics.memory_limit.set(engine.pool_bound.limit_bytes)
-            self.metrics.pool_releases.set_function(lambda: engine.pool_bound.releases)
+        if first.pool_bound is not None:
+            self.metrics.memory_limit.set(first.pool_bound.limit_bytes)
+            self.metrics.pool_releases.set_function(lambda: first.pool_bound.releases)
 
     async def _start_batcher(self) -> None:
-        config = self.config
-        self.batcher = DynamicBatcher(
-            self.engine,
-            batching=config.batching,
-            max_batch_size=config.max_batch_size,
-            max_queue_delay_s=config.max_queue_delay_ms / 1000,
-            bucket_ratio=config.bucket_ratio,
-            max_queue_rows=config.max_queue_rows,
-            on_queue_change=self.metrics.queued_rows.set,
-            on_batch=self.batch_recorder(),
-            on_stopped=self._execution_stopped,
-        )
-        self.batcher.start()
-        self._parts.push_async_callback(self.batcher.close)  # runs what is queued
-        self.state.batcher = self.batcher
-        self.state.models = {self.model_name: ServedModel(self.model_name, self.engine),
-                             self.text_name: ServedModel(self.text_name, self.engine, self._tokenizer)}
+        """One batcher per artifact, sharing one execution lock: the kernels of one execution
+        already use every core, so two at once would only thrash."""
+        config, lock, record = self.config, asyncio.Lock(), self.batch_recorder()
+        for name, engine in self.engines.items():
+            batcher = DynamicBatcher(
+                engine,
+                batching=config.batching,
+                max_batch_size=config.max_batch_size,
+                max_queue_delay_s=config.max_queue_delay_ms / 1000,
+                bucket_ratio=config.bucket_ratio,
+                max_queue_rows=config.max_queue_rows,
+                on_queue_change=self._queue_changed,
+                on_batch=record,
+                on_stopped=self._execution_stopped,
+                execution_lock=lock,
+            )
+            self.batchers[name] = batcher
+            batcher.start()
+            self._parts.push_async_callback(batcher.close)  # runs what is queued
+            text = name + TEXT_MODEL_SUFFIX
+            self.state.models[name] = ServedModel(name, engine, batcher=batcher)
+            self.state.models[text] = ServedModel(text, engine, self._tokenizers[name], artifact=name, batcher=batcher)
+
+    def _queue_changed(self, rows: int) -> None:
+        """``dietserve_queued_rows``: every model's waiting rows together."""
+        self.metrics.queued_rows.set(sum(batcher.queued_rows for batcher in self.batchers.values()))
 
     def batch_recorder(self) -> Callable[[BatchRun], None]:
         """The batcher's ``on_batch``: metrics, traffic record, measured swap gain."""
@@ -252,14 +281,16 @@ class Server:
         hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
         for model in self.state.models.values():
             model.version = str(hot_swap.version)
-        swapper = Swapper(hot_swap, self.batcher, self.state.models, self.metrics, self.traffic, self.gain, self.say)
+        (batcher,) = self.batchers.values()  # a hot swap serves one artifact (checked at __init__)
+        swapper = Swapper(hot_swap, batcher, self.state.models, self.metrics, self.traffic, self.gain, self.say)
         self._background(swapper.watch(), "dietserve-versions")
 
     async def _start_retune(self) -> None:
         if self.retune is None or self.hot_swap is None:
             return
-        edges = bucket_edges(self.engine.max_seq_len, RETUNE_BUCKET_RATIO)
-        policy = RetunePolicy(self.retune, self.hot_swap, self.traffic, edges, self.engine.max_seq_len,
+        (engine,) = self.engines.values()
+        edges = bucket_edges(engine.max_seq_len, RETUNE_BUCKET_RATIO)
+        policy = RetunePolicy(self.retune, self.hot_swap, self.traffic, edges, engine.max_seq_len,
                               self.metrics, self.say)
         self._parts.callback(policy.stop)  # kills a running job
         self._background(policy.watch(), "dietserve-retune")
@@ -309,11 +340,13 @@ class Server:
         update.add_done_callback(self._health_updates.discard)
 
     def _say_ready(self) -> None:
-        config, batcher = self.config, self.batcher
-        batching = (f"batching up to {batcher.max_batch_size} rows, {config.max_queue_delay_ms} ms delay"
+        config = self.config
+        rows = max(batcher.max_batch_size for batcher in self.batchers.values())
+        batching = (f"batching up to {rows} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
         served = f"version {self.hot_swap.version} of {self.hot_swap.store.root}; " if self.hot_swap else ""
-        self.say(f"ready: models '{self.model_name}' (token ids) and '{self.text_name}' (text); {served}{batching}; "
+        models = ", ".join(f"'{name}' (token ids) and '{name}{TEXT_MODEL_SUFFIX}' (text)" for name in self.engines)
+        self.say(f"ready: models {models}; {served}{batching}; "
                  f"{self._settled_bytes / 2**20:.0f} MiB resident after warm-up")
 
     def _say_answered(self) -> None:
@@ -326,14 +359,13 @@ class Server:
 
 async def serve(
     config: ServerConfig,
-    model_name: str,
-    load_model: Callable[[], tuple[Engine, TextTokenizer]],
+    sources: Sequence[ModelSource],
     say: Callable[[str], None],
     stop: asyncio.Event | None = None,
     hot_swap: HotSwap | None = None,
     retune: RetuneSettings | None = None,
 ) -> int:
     """Runs a :class:`Server` until ``stop`` is set; SIGTERM and SIGINT set it."""
-    server = Server(config, model_name, load_model, say, hot_swap=hot_swap, retune=retune, stop=stop)
+    server = Server(config, sources, say, hot_swap=hot_swap, retune=retune, stop=stop)
     server.stop_on_signals()
     return await server.run()

@@ -270,8 +270,7 @@ class V2Routes:
 
     async def model_config(self, request: web.Request) -> web.Response:
         model, config = self.core.loaded(*self._name(request)), self.config
-        buckets = self.core.state.batcher.edges if self.core.state.batcher is not None else []
-        return json_response(message_dict(model.config(config.batching, config.max_queue_delay_ms, buckets)))
+        return json_response(message_dict(model.config(config.batching, config.max_queue_delay_ms)))
 
     async def statistics(self, request: web.Request) -> web.Response:
         name, version = self._name(request)

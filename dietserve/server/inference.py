@@ -19,13 +19,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..runtime.batcher import DynamicBatcher
 from ..runtime.errors import NotReady, ReplyTooLarge, UnknownModel
 from ..runtime.request import EncoderRequest
 from .auth import ApiKeys, load_api_keys
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .model import VERSION, ServedModel
+from .model import TEXT_MODEL_SUFFIX, VERSION, ServedModel, served_names
 
 DECODE_THREADS = 2  # tokenizing and large tensors; bounded so decoding cannot starve the kernels
 T = TypeVar("T")
@@ -48,20 +47,22 @@ class ConcurrencyCap:
 
 @dataclass
 class ServingState:
-    """What the wires serve; ``models`` and ``batcher`` are set once loading finishes."""
+    """What the wires serve; ``models`` is set once every artifact is loaded. Each artifact is
+    served as two models, ``NAME`` and ``NAME-text`` (``model.py``), with its own batcher."""
 
     config: ServerConfig
     metrics: ServerMetrics
-    model_names: tuple[str, ...]  # known from the start, so requests during loading get UNAVAILABLE
+    artifact_names: tuple[str, ...]  # known from the start, so requests during loading get UNAVAILABLE
     models: dict[str, ServedModel] = field(default_factory=dict)
-    batcher: DynamicBatcher | None = None
     ready: bool = False
+    model_names: tuple[str, ...] = field(init=False)
     cap: ConcurrencyCap = field(init=False)
     api_keys: ApiKeys | None = field(init=False)  # None: no keys needed
     decode_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="dietserve-decode"))
 
     def __post_init__(self) -> None:
+        self.model_names = served_names(list(self.artifact_names))
         self.cap = ConcurrencyCap(self.config.max_concurrent_rpcs)
         self.api_keys = load_api_keys(self.config.api_key_file)  # read once, for both wires
 
@@ -105,6 +106,17 @@ class Inference:
             raise NotReady(f"model '{name}' is still loading")
         return model
 
+    def model_for(self, name: str, takes_text: bool) -> ServedModel:
+        """The model of ``name``'s artifact that takes text or token ids (the OpenAI and rerank
+        APIs accept either model's name and choose by the input)."""
+        self.check_name(name, "")
+        artifact = name.removesuffix(TEXT_MODEL_SUFFIX) if name not in self.state.artifact_names else name
+        return self.loaded(artifact + TEXT_MODEL_SUFFIX if takes_text else artifact)
+
+    def text_models(self) -> list[ServedModel]:
+        """Each artifact's text model, in the order the artifacts were given."""
+        return [self.loaded(artifact + TEXT_MODEL_SUFFIX) for artifact in self.state.artifact_names]
+
     def repository_index(self, ready_only: bool) -> list[ModelState]:
         if self.state.ready:
             state = "READY"
@@ -144,7 +156,7 @@ class Inference:
                 raise ReplyTooLarge(
                     f"the answer would be {reply} bytes, over this server's limit of {state.config.max_response_bytes} "
                     "(--max-response-bytes); request fewer rows, or not last_hidden_state")
-            result = await state.batcher.submit(request)
+            result = await model.batcher.submit(request)
             queue_seconds, compute_seconds = result.queue_seconds, result.run.compute_seconds
             model.statistics.record_execution(result.run)
             ok = True

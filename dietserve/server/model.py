@@ -1,8 +1,8 @@
 """A served model: the engine it runs on, whether it takes text, its v2 metadata, Triton config
-(outputs as the engine has them: an embedding model's or a classifier's) and statistics. One
-engine serves two models, ``NAME`` (token ids) and ``NAME-text`` (text, tokenized by the
-server), so that each model's config lists only inputs a client must send, as Triton's clients
-(perf_analyzer among them) expect."""
+(outputs as the engine has them: an embedding model's or a classifier's) and statistics. Each
+artifact's engine serves two models, ``NAME`` (token ids) and ``NAME-text`` (text, tokenized by
+the server), so that each model's config lists only inputs a client must send, as Triton's
+clients (perf_analyzer among them) expect."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from ..model.tokenizer import TextTokenizer
-from ..runtime.batcher import BatchRun
+from ..runtime.batcher import BatchRun, DynamicBatcher
 from ..runtime.engine import Engine
 from ._proto import open_inference_pb2 as pb
 from .codec import ID_INPUTS, PAIR_WIDTH, TEXT_INPUT
@@ -19,6 +19,20 @@ from .codec import ID_INPUTS, PAIR_WIDTH, TEXT_INPUT
 PLATFORM = "dietserve_tvm"
 VERSION = "1"
 TEXT_MODEL_SUFFIX = "-text"
+
+
+def served_names(artifact_names: list[str]) -> tuple[str, ...]:
+    """Every model name the artifacts are served under (``NAME``, ``NAME-text`` each); a name two
+    artifacts would share is refused, naming both."""
+    owners: dict[str, str] = {}
+    for artifact in artifact_names:
+        for name in (artifact, artifact + TEXT_MODEL_SUFFIX):
+            if name in owners:
+                raise ValueError(f"two artifacts would both serve a model named '{name}' ('{owners[name]}' and "
+                                 f"'{artifact}'); rename one (its manifest's model_name, or --model-name with a "
+                                 "single artifact)")
+            owners[name] = artifact
+    return tuple(owners)
 
 
 @dataclass
@@ -71,13 +85,18 @@ class ModelStatistics:
 
 
 class ServedModel:
-    """``tokenizer``: the text model's; None for the ids model."""
+    """``tokenizer``: the text model's; None for the ids model. ``artifact``: the name of the
+    ids model, which both models of an artifact share as their family name; ``batcher``: the
+    artifact's queue."""
 
-    def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer | None = None):
+    def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer | None = None, *,
+                 artifact: str | None = None, batcher: DynamicBatcher | None = None):
         self.name = name
+        self.artifact = artifact or name
         self.version = VERSION
         self.engine = engine
         self.tokenizer = tokenizer
+        self.batcher = batcher
         self.statistics = ModelStatistics()
         manifest = engine.artifact.manifest
         self.target_kind = manifest.target.get("kind", "llvm")
@@ -104,8 +123,9 @@ class ServedModel:
                      for name, shape in self.engine.output_shapes.items()],
         )
 
-    def config(self, batching: bool, max_queue_delay_ms: float, buckets: list[int]) -> pb.ModelConfig:
+    def config(self, batching: bool, max_queue_delay_ms: float) -> pb.ModelConfig:
         """Triton's model configuration; dims exclude the batch dimension (max_batch_size > 0)."""
+        buckets = self.batcher.edges if self.batcher is not None else []
         if self.takes_text and self.engine.is_classifier:
             inputs = [pb.ModelInput(name=TEXT_INPUT, data_type=pb.TYPE_STRING, dims=[PAIR_WIDTH])]
         elif self.takes_text:

@@ -2,8 +2,9 @@
 
 ``input`` is a string, a list of strings (tokenized by the server, as the ``-text`` model), a list
 of token ids or a list of such lists (run as given, as the ids model: the caller's ids include
-any special tokens). Either model name is accepted. A request with more inputs than the model's
-batch bound is split into batch-sized requests, which the batcher may run together.
+any special tokens). ``model`` picks the artifact: either of its two models' names is accepted.
+A request with more inputs than the model's batch bound is split into batch-sized requests,
+which the batcher may run together.
 
 ``dimensions``: the first N dimensions of each sentence embedding, L2-normalised again when the
 model normalises its embeddings (a shortened unit vector stays a unit vector, as OpenAI's
@@ -20,7 +21,7 @@ import time
 import numpy as np
 from aiohttp import web
 
-from ..runtime.errors import InputError, InputTooLong, ServingError, Unauthenticated, UnknownModel
+from ..runtime.errors import InputTooLong, ServingError, Unauthenticated, UnknownModel
 from ..runtime.request import EncoderRequest
 from . import codec
 from .http_body import FieldError, json_response, parse_object, read_body
@@ -157,13 +158,8 @@ class OpenAIRoutes:
             for name in self.core.state.model_names]})
 
     def _model(self, parsed: EmbeddingsRequest) -> ServedModel:
-        """The served model for the input's kind, once the named model is known to be served."""
-        self.core.check_name(parsed.model, "")
-        for name in self.core.state.model_names:
-            model = self.core.loaded(name)
-            if model.takes_text == parsed.takes_text:
-                return model
-        raise InputError(f"this server has no model for {'text' if parsed.takes_text else 'token ids'}")
+        """The named model's artifact, as its text or its ids model by the input's kind."""
+        return self.core.model_for(parsed.model, parsed.takes_text)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)

@@ -10,6 +10,10 @@ split into batch-sized requests, which the batcher may run together.
 Scores are what sentence-transformers' CrossEncoder and TEI give: the sigmoid of the logit for
 a one-label model (a relevance score), the softmax over the labels for several (``/predict``);
 ``raw_scores`` returns the logits as they are. Reranking needs a one-label model.
+
+Which model: Cohere's body names it (``model``). TEI's routes have none, since TEI serves one
+model; here they use the only classifier served, or, where there are several, the one named by a
+``model`` field in the body or a ``?model=`` query (either model name of the artifact).
 """
 
 from __future__ import annotations
@@ -117,23 +121,38 @@ class RerankRoutes:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
         return parse_object(body, "the request body"), len(body) > codec.INLINE_TEXT_BYTES
 
-    def _classifier(self, route: str, one_label: bool) -> ServedModel:
-        """The text model, once it is known to be a classifier (with one label, to rerank)."""
-        model = next(self.core.loaded(name) for name in self.core.state.model_names
-                     if self.core.loaded(name).takes_text)
+    def _chosen(self, route: str, request: web.Request, body: dict) -> ServedModel:
+        """TEI's routes: the model named in the body or the query, else the only classifier."""
+        name = request.query.get("model") if "model" not in body else _string(body, "model")
+        if name is not None:
+            return self.core.model_for(name, takes_text=True)
+        models = self.core.text_models()
+        classifiers = [model for model in models if model.engine.is_classifier]
+        if len(classifiers) == 1 or len(models) == 1:
+            return (classifiers or models)[0]
+        if not classifiers:
+            served = ", ".join(f"'{model.artifact}'" for model in models)
+            raise InputError(f"{route} needs a classifier (cross-encoder); the served models ({served}) are "
+                             "embedding models: use /v1/embeddings or the v2 infer routes")
+        named = ", ".join(f"'{model.artifact}'" for model in classifiers)
+        raise FieldError("model", f"this server serves several classifiers ({named}): name one with 'model' in the "
+                                  "body or ?model= in the URL")
+
+    def _classifier(self, route: str, one_label: bool, model: ServedModel) -> ServedModel:
+        """``model``, once it is known to be a classifier (with one label, to rerank)."""
         engine = model.engine
         if not engine.is_classifier:
             raise InputError(f"{route} needs a classifier (cross-encoder); the served model '{model.name}' is an "
                              "embedding model: use /v1/embeddings or the v2 infer routes")
         if one_label and len(engine.labels) != 1:
-            raise InputError(f"{route} needs a classifier with one label (a relevance score); the served model has "
+            raise InputError(f"{route} needs a classifier with one label (a relevance score); '{model.artifact}' has "
                              f"{len(engine.labels)} ({', '.join(engine.labels)}): use /predict")
         return model
 
     async def rerank(self, request: web.Request) -> web.Response:
         """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best first."""
         body, large = await self._body(request)
-        model = self._classifier("/rerank", one_label=True)
+        model = self._classifier("/rerank", True, self._chosen("/rerank", request, body))
         query, texts = _string(body, "query"), _texts(body, "texts")
         raw, with_text = _flag(body, "raw_scores", False), _flag(body, "return_text", False)
         logits, _ = await self._logits(model, [(query, text) for text in texts], _flag(body, "truncate", None), large)
@@ -144,9 +163,7 @@ class RerankRoutes:
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         """Cohere: {model, query, documents, top_n, return_documents} -> {id, results, meta}."""
         body, large = await self._body(request)
-        name = _string(body, "model")
-        self.core.check_name(name, "")
-        model = self._classifier("/v1/rerank", one_label=True)
+        model = self._classifier("/v1/rerank", True, self.core.model_for(_string(body, "model"), takes_text=True))
         query, documents = _string(body, "query"), _texts(body, "documents")
         top_n = body.get("top_n", len(documents))
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
@@ -165,7 +182,7 @@ class RerankRoutes:
     async def predict(self, request: web.Request) -> web.Response:
         """TEI: {inputs, raw_scores, truncate} -> [{label, score}] per input, best first."""
         body, large = await self._body(request)
-        model = self._classifier("/predict", one_label=False)
+        model = self._classifier("/predict", False, self._chosen("/predict", request, body))
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
         items, batch = predict_inputs(body["inputs"])

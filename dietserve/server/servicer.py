@@ -49,8 +49,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request, context):
         model = self.core.loaded(request.name, request.version)
         config = self.state.config
-        buckets = self.state.batcher.edges if self.state.batcher is not None else []
-        return pb.ModelConfigResponse(config=model.config(config.batching, config.max_queue_delay_ms, buckets))
+        return pb.ModelConfigResponse(config=model.config(config.batching, config.max_queue_delay_ms))
 
     async def ModelStatistics(self, request, context):
         if request.name:

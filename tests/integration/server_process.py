@@ -20,15 +20,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path | None, *flags: str, model_name: str = "minilm",
+    def __init__(self, artifact: Path | None, *flags: str, model_name: str | None = "minilm",
                  command: list[str] | None = None, env: dict[str, str] | None = None):
-        """``artifact`` None: the flags name what to serve (``--artifact-store``). ``env``: the
-        process's environment (default: this one's)."""
+        """``artifact`` None: the flags name what to serve (``--artifact-store``, several
+        ``--artifact``). ``model_name`` None: the manifests' names. ``env``: the process's
+        environment (default: this one's)."""
         self.model_name = model_name
         source = ["--artifact", str(artifact)] if artifact is not None else []
-        command = command or [sys.executable, "-m", "dietserve", "serve", *source,
-                              "--model-name", model_name, "--port", "0", "--metrics-port", "0", "--http-port", "0",
-                              *flags]
+        naming = ["--model-name", model_name] if model_name is not None else []
+        command = command or [sys.executable, "-m", "dietserve", "serve", *source, *naming,
+                              "--port", "0", "--metrics-port", "0", "--http-port", "0", *flags]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []

@@ -3,7 +3,7 @@ and which of its ports accepted connections during and after. A separate process
 protocol messages share the ``inference`` protobuf package with tritonclient's, which other
 tests import, and one process cannot register both.
 
-    python -m tests.unit.server_scenarios {requested-stop,unrequested-stop,failed-load}
+    python -m tests.unit.server_scenarios {requested-stop,unrequested-stop,failed-load,two-models}
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from dietserve.runtime.engine import EncoderOutput
-from dietserve.server.app import Server
+from dietserve.server.app import ModelSource, Server
 from dietserve.server.config import ServerConfig
 
 
@@ -60,7 +60,10 @@ async def run(scenario: str) -> dict:
     lines: list[str] = []
     config = ServerConfig(artifact=None, port=0, metrics_port=0, http_port=0,
                           drain_seconds=0.01 if scenario == "requested-stop" else 30)
-    server = Server(config, "m", fail_to_load if scenario == "failed-load" else load_engine, lines.append)
+    sources = [ModelSource("m", fail_to_load if scenario == "failed-load" else load_engine)]
+    if scenario == "two-models":
+        sources.append(ModelSource("n", load_engine))
+    server = Server(config, sources, lines.append)
     report: dict = {"lines": lines}
     try:
         await server.start()

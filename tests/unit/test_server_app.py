@@ -43,3 +43,11 @@ def test_a_failed_load_releases_what_start_acquired_and_raises() -> None:
     assert report["error"] == "no such artifact"
     assert _first_words(report["lines"]) == ["listening", "stopping", "stopped;"]
     assert report["accepting_after"] == [False, False, False]
+
+
+def test_several_artifacts_are_each_served_as_two_models_and_ready_once_all_are_loaded() -> None:
+    report = _scenario("two-models")
+    assert report["ready"] and report["models"] == ["m", "m-text", "n", "n-text"]
+    assert report["lines"][1].startswith("ready: models 'm' (token ids) and 'm-text' (text), "
+                                         "'n' (token ids) and 'n-text' (text);")
+    assert report["accepting_after"] == [False, False, False]

@@ -15,7 +15,7 @@ from pathlib import Path
 from dietserve.model.tokenizer import TextTokenizer
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.server.app import Server
+from dietserve.server.app import ModelSource, Server
 from dietserve.server.config import ServerConfig
 
 
@@ -51,7 +51,7 @@ def main(artifact: Path, fault_token: int) -> int:
         engine.execute = faulty
         return engine, TextTokenizer.from_folder(artifact, engine.max_seq_len)
 
-    return asyncio.run(serve(FaultyServer(config, "minilm", load_model, say)))
+    return asyncio.run(serve(FaultyServer(config, [ModelSource("minilm", load_model)], say)))
 
 
 if __name__ == "__main__":

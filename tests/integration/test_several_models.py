@@ -1,0 +1,148 @@
+"""An embedder and a reranker in one server (``serve --artifact A --artifact B``): each answers
+as it does alone (the embedder as its engine run in this process, the reranker as
+sentence-transformers' CrossEncoder), both are listed on both wires, requests to both at once all
+succeed, and flags that cannot hold with several artifacts are refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as triton_grpc
+
+from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.model.tokenizer import TextTokenizer
+
+from .server_process import REPO_ROOT, ServerProcess
+from .test_classification import classification_folder
+from .test_rerank import DOCUMENTS, QUERY, cross_encoder_scores
+
+pytestmark = pytest.mark.slow
+EMBEDDER, RERANKER = "all-MiniLM-L6-v2", "reranker"  # the manifests' model names
+SENTENCES = ["A man is eating food.", "The new movie is awesome and everyone should see it twice.", "Hi"]
+EMBEDDING_ATOL, SCORE_ATOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def reranker_artifact(tmp_path_factory, cache_dir: Path) -> tuple[Path, Path]:
+    """A one-label cross-encoder checkpoint (the folder names the model) and its artifact."""
+    folder = classification_folder(tmp_path_factory.mktemp("several-models") / RERANKER, 1)
+    return folder, compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def server(minilm_artifact: Path, reranker_artifact):
+    process = ServerProcess(None, "--artifact", str(minilm_artifact), "--artifact", str(reranker_artifact[1]),
+                            model_name=None)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def expected_embeddings(minilm_artifact: Path, minilm_engine) -> np.ndarray:
+    """The embedder's engine run in this process on the checkpoint's tokenization."""
+    encoded = TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len).encode(SENTENCES)
+    return minilm_engine.execute(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids).sentence_embedding
+
+
+@pytest.fixture(scope="module")
+def expected_scores(reranker_artifact) -> np.ndarray:
+    return cross_encoder_scores(reranker_artifact[0], [(QUERY, document) for document in DOCUMENTS])
+
+
+def _post(server: ServerProcess, path: str, body: dict) -> requests.Response:
+    return requests.post(f"http://{server.http_url}{path}", json=body, timeout=60)
+
+
+def _embeddings(server: ServerProcess, model: str = EMBEDDER) -> np.ndarray:
+    answer = _post(server, "/v1/embeddings", {"model": model, "input": SENTENCES})
+    assert answer.status_code == 200, answer.text
+    return np.array([entry["embedding"] for entry in answer.json()["data"]])
+
+
+def _rerank_scores(server: ServerProcess, path: str = "/rerank", **fields) -> np.ndarray:
+    answer = _post(server, path, {"query": QUERY, "texts": DOCUMENTS, **fields})
+    assert answer.status_code == 200, answer.text
+    scores = np.zeros(len(DOCUMENTS))
+    for entry in answer.json():
+        scores[entry["index"]] = entry["score"]
+    return scores
+
+
+def test_each_model_answers_as_it_does_alone(server, expected_embeddings, expected_scores):
+    np.testing.assert_allclose(_embeddings(server), expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
+    np.testing.assert_allclose(_embeddings(server, EMBEDDER + "-text"), expected_embeddings, rtol=0,
+                               atol=EMBEDDING_ATOL)
+    # /rerank names no model: the only classifier served answers, or the one named.
+    np.testing.assert_allclose(_rerank_scores(server), expected_scores, rtol=0, atol=SCORE_ATOL)
+    np.testing.assert_allclose(_rerank_scores(server, model=RERANKER), expected_scores, rtol=0, atol=SCORE_ATOL)
+    np.testing.assert_allclose(_rerank_scores(server, f"/rerank?model={RERANKER}-text"), expected_scores, rtol=0,
+                               atol=SCORE_ATOL)
+    cohere = _post(server, "/v1/rerank", {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS}).json()
+    np.testing.assert_allclose(sorted(r["relevance_score"] for r in cohere["results"]), np.sort(expected_scores),
+                               rtol=0, atol=SCORE_ATOL)
+
+
+def test_routes_refuse_the_other_kind_of_model_by_name(server):
+    embedding_of_reranker = _post(server, "/v1/embeddings", {"model": RERANKER, "input": ["Hi"]})
+    assert embedding_of_reranker.status_code == 400
+    assert f"'{RERANKER}' is a classifier" in embedding_of_reranker.json()["error"]["message"]
+    rerank_of_embedder = _post(server, f"/rerank?model={EMBEDDER}", {"query": QUERY, "texts": ["a"]})
+    assert rerank_of_embedder.status_code == 400
+    assert f"the served model '{EMBEDDER}-text' is an embedding model" in rerank_of_embedder.json()["error"]
+    unknown = _post(server, "/rerank", {"model": "rerank-9", "query": QUERY, "texts": ["a"]})
+    assert unknown.status_code == 404 and "unknown model 'rerank-9'" in unknown.json()["error"]
+
+
+def test_both_models_are_listed_on_both_wires(server):
+    names = {EMBEDDER, EMBEDDER + "-text", RERANKER, RERANKER + "-text"}
+    with triton_grpc.InferenceServerClient(server.grpc_url) as client:
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert {entry["name"] for entry in index} == names and {entry["state"] for entry in index} == {"READY"}
+        outputs = {name: [o.name for o in client.get_model_metadata(name).outputs] for name in names}
+        assert outputs[EMBEDDER] == outputs[EMBEDDER + "-text"] == ["last_hidden_state", "sentence_embedding"]
+        assert outputs[RERANKER] == outputs[RERANKER + "-text"] == ["last_hidden_state", "logits"]
+        assert client.get_model_config(RERANKER).config.max_batch_size == 8
+        _rerank_scores(server)
+        statistics = {s.name: s for s in client.get_inference_statistics().model_stats}
+        assert set(statistics) == names and statistics[RERANKER + "-text"].inference_count >= len(DOCUMENTS)
+    listed = requests.get(f"http://{server.http_url}/v1/models", timeout=30).json()["data"]
+    assert {entry["id"] for entry in listed} == names
+    v2 = requests.get(f"http://{server.http_url}/v2/models/{RERANKER}-text/config", timeout=30).json()
+    assert v2["input"][0]["dims"] == [2]
+
+
+def test_concurrent_requests_to_both_models_all_succeed(server, expected_embeddings, expected_scores):
+    def one(index: int) -> np.ndarray:
+        return _embeddings(server) if index % 2 else _rerank_scores(server)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(24)))
+    for index, answer in enumerate(answers):
+        if index % 2:
+            np.testing.assert_allclose(answer, expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
+        else:
+            np.testing.assert_allclose(answer, expected_scores, rtol=0, atol=SCORE_ATOL)
+
+
+def _refused(*flags: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dietserve", "serve", "--port", "0", "--metrics-port", "0",
+                           "--http-port", "0", *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stderr[-2000:]
+    return done.stderr
+
+
+def test_a_name_two_artifacts_share_is_refused_at_start(minilm_artifact: Path):
+    message = _refused("--artifact", str(minilm_artifact), "--artifact", str(minilm_artifact))
+    assert f"two artifacts would both serve a model named '{EMBEDDER}'" in message
+
+
+def test_model_name_with_several_artifacts_is_refused(minilm_artifact: Path, reranker_artifact):
+    message = _refused("--artifact", str(minilm_artifact), "--artifact", str(reranker_artifact[1]),
+                       "--model-name", "x")
+    assert "--model-name names the one artifact served; 2 are given" in message
