@@ -116,6 +116,11 @@ def test_device_check_data_matches_the_exporters(task_file: Path, tmp_path: Path
     drawn = [rng.uniform(-1, 1, s).astype("float32") for s in entry["check_inputs"]]
     np.testing.assert_allclose(np.load(tmp_path / "c.npy"), spec.expected({"T": 13}, drawn), rtol=1e-6)
     assert [float(x.sum(dtype=np.float64)) for x in drawn] == entry["check_sums"]
+    # A tensor-core kernel's check: the product's operands rounded to fp16, as it reads them.
+    entry = _write_check(tmp_path, "m.npy", spec, {"T": 13}, fp16_operands=True)
+    rounded = [x.astype(np.float16).astype(np.float32) if i < 2 else x for i, x in enumerate(drawn)]
+    np.testing.assert_allclose(np.load(tmp_path / "m.npy"), spec.expected({"T": 13}, rounded), rtol=1e-6)
+    assert entry["tolerance"] > 1e-3 and np.abs(np.load(tmp_path / "m.npy") - np.load(tmp_path / "c.npy")).max() > 0
 
 
 def test_bundle_of_another_tuner_version_is_refused(tmp_path: Path) -> None:

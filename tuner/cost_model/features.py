@@ -47,6 +47,7 @@ def kernel_features(kernel: MicroKernel) -> list[float]:
         float(kernel.vector),
         float(kernel.threads == 1),
         float(kernel.pack),
+        float(bool(kernel.mma)),  # tensor cores: another instruction's rate
     ]
     features += [float(scope in kernel.cache_scopes) for scope in SCOPES]
     return features

@@ -24,6 +24,7 @@ import numpy as np
 
 from dietserve.host.atomic_io import write_text_atomic
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT
+from dietserve.kernels.plan.microkernel import MicroKernel
 
 from ..database.records import RecordDatabase, TuningRecord
 from . import bundle_device
@@ -64,16 +65,22 @@ def _shape_entry(spec, shape: dict) -> dict:
             "scalars": [[position, shape[name]] for position, name in spec.scalar_params]}
 
 
-def _write_check(folder: Path, name: str, spec, shape: dict) -> dict:
+def _write_check(folder: Path, name: str, spec, shape: dict, fp16_operands: bool = False) -> dict:
     """The check's expected output, as numpy computes it from inputs the device draws alike
-    (the same generator and seed; their sums tell a generator that draws otherwise)."""
+    (the same generator and seed; their sums tell a generator that draws otherwise); for a
+    tensor-core kernel from the product's operands rounded to fp16, as it reads them, and with
+    its looser bar (``worker.py``)."""
     from ..ops import random_inputs
+    from .worker import CHECK_ATOL, MMA_CHECK_TOLERANCE
 
     inputs = random_inputs(spec, shape, seed=CHECK_SEED)
-    np.save(folder / name, spec.expected(shape, inputs).astype("float32"))
+    operands = [x.astype(np.float16).astype(np.float32) if fp16_operands and i < 2 else x
+                for i, x in enumerate(inputs)]
+    np.save(folder / name, spec.expected(shape, operands).astype("float32"))
     entry = _shape_entry(spec, shape)
     return {"check": name, "check_seed": CHECK_SEED, "check_inputs": entry["inputs"],
-            "check_scalars": entry["scalars"], "check_sums": [float(x.sum(dtype=np.float64)) for x in inputs]}
+            "check_scalars": entry["scalars"], "check_sums": [float(x.sum(dtype=np.float64)) for x in inputs],
+            "tolerance": MMA_CHECK_TOLERANCE if fp16_operands else CHECK_ATOL}
 
 
 def _build(job: MeasureJob, spec, folder: Path, name: str) -> dict:
@@ -123,10 +130,11 @@ def write_bundle(out: Path, pending: Sequence[tuple[object, Sequence[MeasureJob]
             except Exception as err:  # noqa: BLE001 - a candidate that does not build is a result
                 _failed_build(database, task, job, f"{type(err).__name__}: {err}")
                 continue
-            check_key = (task.workload, tuple(sorted(job.check_shape.items())))
+            mma = job.kernel is not None and bool(MicroKernel.from_json(job.kernel).mma)
+            check_key = (task.workload, tuple(sorted(job.check_shape.items())), mma)
             if check_key not in checks:
                 checks[check_key] = _write_check(staging / "jobs", f"c{len(checks):03d}.npy", task.spec,
-                                                 dict(job.check_shape))
+                                                 dict(job.check_shape), mma)
             jobs.append({"id": name, "workload": task.workload, "target": task.target_key, "kernel": job.kernel,
                          "check_shape": dict(job.check_shape), **checks[check_key],
                          "shapes": [_shape_entry(task.spec, shape) for shape in job.shapes],

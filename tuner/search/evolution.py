@@ -16,13 +16,18 @@ Score = Callable[[list[MicroKernel]], np.ndarray]  # higher is better
 
 
 def _knobs(kernel: MicroKernel) -> tuple:
-    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes, kernel.threads, kernel.pack)
+    return (*kernel.tile, kernel.unroll, kernel.vector, kernel.cache_scopes, kernel.threads, kernel.pack, kernel.mma)
 
 
-def _rebuild(knobs: tuple) -> MicroKernel:
-    *tile, unroll, vector, scopes, threads, pack = knobs
-    return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes, threads=threads,
-                       pack=pack)
+def _rebuild(knobs: tuple) -> MicroKernel | None:
+    """The kernel of these knobs; None where they do not make one (a tensor-core kind with a
+    CUDA-core tile: the space mixes both)."""
+    *tile, unroll, vector, scopes, threads, pack, mma = knobs
+    try:
+        return MicroKernel(tile=tuple(tile), unroll=unroll, vector=vector, cache_scopes=scopes, threads=threads,
+                           pack=pack, mma=mma)
+    except ValueError:
+        return None
 
 
 class EvolutionarySearch:
