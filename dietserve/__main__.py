@@ -35,6 +35,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .compile.tuning import TuneRequest, read_lengths, tune_model
 
     lengths = read_lengths(args.lengths) if args.lengths else ()
+    if args.tasks_only:  # for a tuner that measures elsewhere (python -m tuner bundle)
+        from .compile.tuning import TASKS_FILE, tuning_tasks
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(tuning_tasks(compile_request(args), args.cache_dir, lengths).write(args.out / TASKS_FILE))
+        return 0
     request = TuneRequest(compile=compile_request(args), db=args.db, out=args.out, trials=args.trials,
                           time_budget_s=args.time_budget, lengths=lengths, rpc_tracker=args.rpc_tracker,
                           rpc_key=args.rpc_key)
@@ -135,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="host:port of a TVM RPC tracker: measure on the devices registered with it "
                                   "(e.g. GPU nodes; default: this machine)")
     tune_parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
+    tune_parser.add_argument("--tasks-only", action="store_true",
+                             help="write OUT/tasks.json and stop (tune it elsewhere: python -m tuner bundle)")
     tune_parser.set_defaults(run=cmd_tune)
 
     explain_parser = commands.add_parser("explain", help="which kernel variant each dynamic operator runs at a shape")
