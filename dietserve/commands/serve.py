@@ -37,34 +37,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         directories = [compile_artifact(compile_request(args), args.cache_dir, None, progress=say)]
         config = dataclasses.replace(config, artifact=directories[0])
     names = [config.model_name or Manifest.read(directory).model_name for directory in directories]
-
-    def load_engine(path):
-        from ..runtime.artifact import load_artifact
-        from ..runtime.engine import Engine
-
-        return Engine(load_artifact(path), threads=config.threads)
-
-    def loader(directory: Path):
-        def load_model():
-            from ..model.tokenizer import TextTokenizer
-
-            say(f"loading {directory}")
-            engine = load_engine(directory)
-            return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
-
-        return load_model
-
+    load_engine = _engine_loader(config.threads)
     try:
-        from ..server.app import ModelSource, serve
-        from ..server.model import served_names
+        from ..server.app import serve
         from ..server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
-    try:
-        served_names(names)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    sources = [ModelSource(name, loader(directory)) for name, directory in zip(names, directories, strict=True)]
+    sources = _model_sources(names, directories, load_engine)
     hot_swap = retune = None
     if store is not None:
         hot_swap = HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
@@ -73,6 +52,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.retune:
         raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
     return asyncio.run(serve(config, sources, say, hot_swap=hot_swap, retune=retune))
+
+
+def _engine_loader(threads: int | None):
+    def load_engine(path: Path):
+        from ..runtime.artifact import load_artifact
+        from ..runtime.engine import Engine
+
+        return Engine(load_artifact(path), threads=threads)
+
+    return load_engine
+
+
+def _model_sources(names: list[str], directories: list[Path], load_engine) -> list:
+    """A ``ModelSource`` per artifact (loaded on the server's worker thread); a name two
+    artifacts would share is refused here, before anything loads."""
+    from ..model.tokenizer import TextTokenizer
+    from ..server.app import ModelSource
+    from ..server.model import served_names
+
+    try:
+        served_names(names)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+    def loader(directory: Path):
+        def load_model():
+            say(f"loading {directory}")
+            engine = load_engine(directory)
+            return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
+
+        return load_model
+
+    return [ModelSource(name, loader(directory)) for name, directory in zip(names, directories, strict=True)]
 
 
 def _given_artifacts(args: argparse.Namespace) -> list[Path]:

@@ -146,3 +146,10 @@ def test_model_name_with_several_artifacts_is_refused(minilm_artifact: Path, rer
     message = _refused("--artifact", str(minilm_artifact), "--artifact", str(reranker_artifact[1]),
                        "--model-name", "x")
     assert "--model-name names the one artifact served; 2 are given" in message
+
+
+def test_a_model_repository_serves_each_subfolder_and_refuses_an_empty_one(tmp_path: Path, minilm_artifact: Path):
+    assert "has no artifact" in _refused("--model-repository", str(tmp_path))
+    for name in ("a", "b"):  # two subfolders holding one artifact: both read, so their names clash
+        (tmp_path / name).symlink_to(minilm_artifact, target_is_directory=True)
+    assert f"model named '{EMBEDDER}'" in _refused("--model-repository", str(tmp_path))
