@@ -20,7 +20,7 @@ from dietserve.model.tokenizer import TextTokenizer
 
 from .server_process import REPO_ROOT, ServerProcess
 from .test_classification import classification_folder
-from .test_rerank import DOCUMENTS, QUERY, cross_encoder_scores
+from .test_rerank import DOCUMENTS, QUERY, cross_encoder_scores, transformers_logits
 
 pytestmark = pytest.mark.slow
 EMBEDDER, RERANKER = "all-MiniLM-L6-v2", "reranker"  # the manifests' model names
@@ -128,6 +128,30 @@ def test_concurrent_requests_to_both_models_all_succeed(server, expected_embeddi
             np.testing.assert_allclose(answer, expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
         else:
             np.testing.assert_allclose(answer, expected_scores, rtol=0, atol=SCORE_ATOL)
+
+
+@pytest.fixture(scope="module")
+def two_classifiers(tmp_path_factory, cache_dir: Path, reranker_artifact):
+    """The reranker beside a three-label classifier, 'nli': TEI's routes must be told which."""
+    folder = classification_folder(tmp_path_factory.mktemp("several-classifiers") / "nli", 3)
+    nli = compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)
+    process = ServerProcess(None, "--artifact", str(reranker_artifact[1]), "--artifact", str(nli), model_name=None)
+    yield folder, process
+    process.stop()
+
+
+def test_with_several_classifiers_tei_routes_need_the_model_named(two_classifiers, expected_scores):
+    folder, server = two_classifiers
+    unnamed = _post(server, "/rerank", {"query": QUERY, "texts": DOCUMENTS})
+    assert unnamed.status_code == 400
+    assert "several classifiers ('reranker', 'nli'): name one with 'model'" in unnamed.json()["error"]
+    np.testing.assert_allclose(_rerank_scores(server, f"/rerank?model={RERANKER}"), expected_scores, rtol=0,
+                               atol=SCORE_ATOL)
+    pairs = [("A man is eating food.", "A man eats."), ("A man is eating food.", "The sky is green.")]
+    answer = _post(server, "/predict", {"model": "nli", "inputs": [list(pair) for pair in pairs], "raw_scores": True})
+    assert answer.status_code == 200, answer.text
+    got = np.array([sorted(p["score"] for p in row) for row in answer.json()])
+    np.testing.assert_allclose(got, np.sort(transformers_logits(folder, pairs), axis=1), rtol=0, atol=SCORE_ATOL)
 
 
 def _refused(*flags: str) -> str:
