@@ -121,12 +121,12 @@ def test_the_tuner_times_kernels_built_as_the_model_builds_them() -> None:
     """The tuner's worker builds a candidate with the target's cores as workers, as the model's
     compile does (``apply_variant``): what is timed is what is served."""
     from tuner.measure.job import MeasureJob, WorkerJob
-    from tuner.measure.worker import _compiled, _freeze, _spec
+    from tuner.measure.worker import _freeze, _spec, compiled
 
     spec = dense(96, 144, "bias")
     kernel = fitting_space(spec)[0]
     job = MeasureJob(recipe=spec.recipe, target={"kind": "llvm", "num-cores": 2}, kernel=kernel.to_json(),
                      shapes=({"T": 7},), check_shape={"T": 7})
-    tuned = _compiled(WorkerJob(job), _spec(_freeze(job.recipe))).mod.inspect_source("ll")
+    tuned = compiled(WorkerJob(job), _spec(_freeze(job.recipe))).mod.inspect_source("ll")
     served = build(apply_variant(spec.func, kernel, TARGET), TARGET).mod.inspect_source("ll")
     assert "load volatile" in tuned and "load volatile" in served
