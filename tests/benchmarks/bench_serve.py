@@ -101,6 +101,19 @@ def request_for(ids: np.ndarray, model: str = MODEL) -> service_pb2.ModelInferRe
     return request
 
 
+def _run_clients(client, concurrency: int, latencies: list[float], errors: list[str]) -> tuple[float, list[float]]:
+    """Runs ``client(offset)`` on ``concurrency`` threads; (requests per second, latencies)."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    return len(latencies) / (time.perf_counter() - started), latencies
+
+
 def closed_loop(url: str, requests: list, concurrency: int, seconds: float) -> tuple[float, list[float]]:
     """(requests per second, latencies in seconds) of ``concurrency`` clients for ``seconds``."""
     latencies: list[float] = []
@@ -125,15 +138,7 @@ def closed_loop(url: str, requests: list, concurrency: int, seconds: float) -> t
             with lock:
                 latencies.extend(mine)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError(f"requests failed: {errors[:3]}")
-    return len(latencies) / (time.perf_counter() - started), latencies
+    return _run_clients(client, concurrency, latencies, errors)
 
 
 def closed_loop_http(url: str, encoded: list[np.ndarray], concurrency: int,
@@ -172,15 +177,7 @@ def closed_loop_http(url: str, encoded: list[np.ndarray], concurrency: int,
         with lock:
             latencies.extend(mine)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError(f"requests failed: {errors[:3]}")
-    return len(latencies) / (time.perf_counter() - started), latencies
+    return _run_clients(client, concurrency, latencies, errors)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -85,7 +85,7 @@ class _Session:
     def load(self, executable):
         if self.remote is None:
             return executable.jit()
-        # A fresh name each: the session outlives jobs, and dlopen of a path loaded before returns the old library.
+        # A fresh name each: the RPC connection outlives jobs, and dlopen of a path loaded before returns the old library.
         self.uploads += 1
         name = f"candidate-{os.getpid()}-{self.uploads}.so"
         with tempfile.TemporaryDirectory(prefix="dietserve-tuner-") as folder:
@@ -155,7 +155,7 @@ def compiled(work: WorkerJob, spec):
     return build(scheduled, target)
 
 
-def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, pack: int):
+def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, kernel):
     """(the candidate compiled, loaded and checked on the sample shape, whether it was kept from
     before); or the error message of a wrong one (not kept)."""
     import tvm
@@ -166,10 +166,8 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, 
         return _BUILDS[key], True
     # ``work.library``: compiled by a builder worker (``compile_only``; local only)
     module = tvm.runtime.load_module(work.library) if work.library else session.load(compiled(work, spec))
-    from dietserve.kernels.plan.microkernel import MicroKernel
-
     check_key = tuple(sorted(work.job.check_shape.items()))
-    mma = work.job.kernel is not None and bool(MicroKernel.from_json(work.job.kernel).mma)
+    pack, mma = (0, False) if kernel is None else (kernel.pack, bool(kernel.mma))
     expected = _expected(recipe, check_key, mma)
     tolerance = (MMA_CHECK_TOLERANCE,) * 2 if mma else (CHECK_RTOL, CHECK_ATOL)
     output = session.tensor(np.full(expected.shape, np.nan, "float32"))
@@ -195,8 +193,9 @@ def _measure(work: WorkerJob, started: float) -> MeasureResult:
     if key not in _SESSIONS:
         _SESSIONS[key] = _Session(dict(work.device), job.target["kind"], key[2])
     session = _SESSIONS[key]
-    pack = 0 if job.kernel is None else MicroKernel.from_json(job.kernel).pack
-    outcome = _built_and_checked(work, spec, recipe, session, pack)
+    kernel = None if job.kernel is None else MicroKernel.from_json(job.kernel)
+    pack = 0 if kernel is None else kernel.pack
+    outcome = _built_and_checked(work, spec, recipe, session, kernel)
     if isinstance(outcome, str):  # a wrong result
         return MeasureResult.failed(outcome)
     (module, reused), build_seconds = outcome, time.perf_counter() - started
