@@ -67,7 +67,6 @@ TIMING_SEQS = (1, 8, 16, 32, 64, 128, 256, 384, 512)
 KERNEL_CHECK_LENGTHS = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)  # as test_tuner_cuda_gpu.py
 DENSE_TIMING_ROWS = (1, 16, 64, 128, 512, 2048, 4096)
 TENSOR_CORE_TOLERANCE = 1e-2  # abs, against fp32 sums of fp16-rounded operands
-TVM_FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"
 BUNDLE_LIMIT = 62 * 1024 * 1024
 PARAMS_FILE = "params.safetensors"
 
@@ -288,22 +287,9 @@ def _build_kernels(folder: Path, quick: bool) -> None:
 
 
 def _runtime_package(bundle: Path) -> None:
-    from dietserve.runtime.tvm_runtime_only import installed_tvm_package, is_runtime_file
+    from dietserve.runtime.tvm_runtime_only import write_runtime_package
 
-    package = installed_tvm_package()
-
-    def keep(info: tarfile.TarInfo):
-        relative = Path(info.name).relative_to("tvm")
-        return info if is_runtime_file(relative) and "__pycache__" not in relative.parts else None
-
-    with tarfile.open(bundle / "tvm-runtime.tgz", "w:gz") as archive:
-        archive.add(package, arcname="tvm", filter=keep)
-    wheels = bundle / "whl"
-    wheels.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp",
-                    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                    "-d", str(wheels), TVM_FFI_WHEEL], check=True)
+    write_runtime_package(bundle)  # tvm-runtime.tgz and whl/, as the tuner's bundles carry them
 
 
 def _local_reference(bundle: Path, checkpoint: Path) -> None:
