@@ -85,7 +85,8 @@ class _Session:
     def load(self, executable):
         if self.remote is None:
             return executable.jit()
-        # A fresh name each: the RPC connection outlives jobs, and dlopen of a path loaded before returns the old library.
+        # A fresh name each: the RPC connection outlives jobs, and dlopen of a path
+        # loaded before returns the old library.
         self.uploads += 1
         name = f"candidate-{os.getpid()}-{self.uploads}.so"
         with tempfile.TemporaryDirectory(prefix="dietserve-tuner-") as folder:
