@@ -1,6 +1,6 @@
-"""``serve``: the server over compiled artifacts (several: one engine and queue each) or a version
-store, with hot swaps, background re-tuning, and by default the host's own tuning
-(``auto_tune.py``)."""
+"""``serve``: the server over compiled artifacts and version stores (several: one engine and queue
+each), a store's versions hot-swapped and re-tuned in the background per model, and by default
+the host's own tuning (``auto_tune.py``)."""
 
 from __future__ import annotations
 
@@ -21,21 +21,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.config import config_from_args
 
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
-    given = _given_artifacts(args)
+    given, stores = _given_artifacts(args), _given_stores(args)
     config = config_from_args(args, given[0] if given else None)  # checks the flags before a long compile
-    _check_sources(args, given)
-    store, start_reason = None, None
-    if args.artifact_store is not None or _auto_tune(args):
-        store, version, start_reason = _open_store(args)
-        directories = [store.path(version)]
-        config = dataclasses.replace(config, artifact=directories[0])
-    elif given:
-        directories = given
+    _check_sources(args, given, stores)
+    start_reason = None
+    if _auto_tune(args, stores):
+        store, version, start_reason = _open_auto_tuned_store(args, stores)
+        served_stores = [(store, version)]
     else:
+        served_stores = [_open_store(root) for root in stores]
+    if not given and not served_stores:
         from ..compile.artifact import compile_artifact
 
-        directories = [compile_artifact(compile_request(args), args.cache_dir, None, progress=say)]
-        config = dataclasses.replace(config, artifact=directories[0])
+        given = [compile_artifact(compile_request(args), args.cache_dir, None, progress=say)]
+    directories = given + [store.path(version) for store, version in served_stores]
+    config = dataclasses.replace(config, artifact=directories[0])
     names = [config.model_name or Manifest.read(directory).model_name for directory in directories]
     load_engine = _engine_loader(config.threads)
     try:
@@ -43,15 +43,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..server.swap import HotSwap
     except ImportError as err:
         raise SystemExit(f"error: the generated protocol code is missing ({err}); run `make protos`") from None
-    sources = _model_sources(names, directories, load_engine)
-    hot_swap = retune = None
-    if store is not None:
-        hot_swap = HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
-        if args.retune or start_reason:
-            retune = retune_settings(args, start_reason)
-    elif args.retune:
-        raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
-    return asyncio.run(serve(config, sources, say, hot_swap=hot_swap, retune=retune))
+    hot_swaps = [None] * len(given) + [HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
+                                       for store, version in served_stores]
+    sources = _model_sources(names, directories, hot_swaps, load_engine)
+    retune = None
+    if args.retune or start_reason:
+        if not served_stores:
+            raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
+        retune = retune_settings(args, start_reason)
+    return asyncio.run(serve(config, sources, say, retune=retune))
 
 
 def _engine_loader(threads: int | None):
@@ -64,9 +64,10 @@ def _engine_loader(threads: int | None):
     return load_engine
 
 
-def _model_sources(names: list[str], directories: list[Path], load_engine) -> list:
-    """A ``ModelSource`` per artifact (loaded on the server's worker thread); a name two
-    artifacts would share is refused here, before anything loads."""
+def _model_sources(names: list[str], directories: list[Path], hot_swaps: list, load_engine) -> list:
+    """A ``ModelSource`` per artifact (loaded on the server's worker thread), with its hot swap
+    where it comes from a version store; a name two artifacts would share is refused here, before
+    anything loads."""
     from ..model.tokenizer import TextTokenizer
     from ..server.app import ModelSource
     from ..server.model import served_names
@@ -84,46 +85,63 @@ def _model_sources(names: list[str], directories: list[Path], load_engine) -> li
 
         return load_model
 
-    return [ModelSource(name, loader(directory)) for name, directory in zip(names, directories, strict=True)]
+    return [ModelSource(name, loader(directory), hot_swap)
+            for name, directory, hot_swap in zip(names, directories, hot_swaps, strict=True)]
+
+
+def _repository(args: argparse.Namespace) -> list[Path]:
+    """``--model-repository``'s subfolders: artifacts and version stores, by name."""
+    repository = args.model_repository
+    if repository is None:
+        return []
+    if not repository.is_dir():
+        raise SystemExit(f"error: --model-repository {repository} is not a directory")
+    return sorted(path for path in repository.iterdir() if path.is_dir())
 
 
 def _given_artifacts(args: argparse.Namespace) -> list[Path]:
     """The ``--artifact`` directories, then each subfolder of ``--model-repository`` holding an
-    artifact (by name, as Triton's model repository); empty when neither flag is given."""
-    given = list(args.artifact or [])
-    if args.model_repository is not None:
-        repository = args.model_repository
-        if not repository.is_dir():
-            raise SystemExit(f"error: --model-repository {repository} is not a directory")
-        found = sorted(path for path in repository.iterdir() if (path / "manifest.json").is_file())
-        if not found:
-            raise SystemExit(f"error: --model-repository {repository} has no artifact (a subfolder with a "
-                             "manifest.json, as `dietserve compile` writes)")
-        given += found
-    return given
+    artifact (by name, as Triton's model repository)."""
+    return list(args.artifact or []) + [path for path in _repository(args) if (path / "manifest.json").is_file()]
 
 
-def _check_sources(args: argparse.Namespace, given: list[Path]) -> None:
+def _given_stores(args: argparse.Namespace) -> list[Path]:
+    """The ``--artifact-store`` directories, then each version store in ``--model-repository``
+    (a subfolder with ``versions/``, as `dietserve publish` writes). A repository with neither
+    artifacts nor stores is refused."""
+    from ..runtime.versions import VERSIONS_DIR
+
+    found = _repository(args)
+    stores = [path for path in found if (path / VERSIONS_DIR).is_dir()]
+    if args.model_repository is not None and not any((path / "manifest.json").is_file() for path in found) \
+            and not stores:
+        raise SystemExit(f"error: --model-repository {args.model_repository} has no artifact (a subfolder with a "
+                         "manifest.json, as `dietserve compile` writes) and no version store (a subfolder with "
+                         "versions/, as `dietserve publish` writes)")
+    return list(args.artifact_store or []) + stores
+
+
+def _check_sources(args: argparse.Namespace, given: list[Path], stores: list[Path]) -> None:
     """Refuses flag combinations that cannot hold, before anything is compiled or loaded."""
     if args.swap_min_gain < 0:
         raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
-    if given and args.artifact_store is not None:
-        raise SystemExit("error: give --artifact (or --model-repository) or --artifact-store, not both: "
-                         "one version store per server, serving one artifact, for now")
-    if len(given) > 1 and args.model_name is not None:
-        raise SystemExit(f"error: --model-name names the one artifact served; {len(given)} are given, each served "
+    served = len(given) + len(stores)
+    if served > 1 and args.model_name is not None:
+        raise SystemExit(f"error: --model-name names the one artifact served; {served} are given, each served "
                          "under its manifest's model_name")
-    if len(given) > 1 and args.traffic_file is not None:
+    if served > 1 and args.traffic_file is not None:
         raise SystemExit("error: --traffic-file records one artifact's traffic (for re-tuning it); it cannot be "
-                         f"used with {len(given)} artifacts")
+                         f"used with {served} artifacts (each store's job gets its model's traffic)")
+    if args.retune and not stores and (given or not _auto_tune_asked(args, stores)):
+        raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
 
 
-def _auto_tune(args: argparse.Namespace) -> bool:
+def _auto_tune(args: argparse.Namespace, stores: list[Path]) -> bool:
     """Whether this server tunes its host (``auto_tune.py``): asked, on a CPU, not serving a
     given artifact, and with the tuner's packages installed (else said why not)."""
     from .auto_tune import tuner_installed
 
-    if not _auto_tune_asked(args):
+    if not _auto_tune_asked(args, stores):
         return False
     if not tuner_installed():
         say("not tuning for this host: the tuner's packages are not installed (pip install 'dietserve[tune]', "
@@ -132,22 +150,32 @@ def _auto_tune(args: argparse.Namespace) -> bool:
     return True
 
 
-def _auto_tune_asked(args: argparse.Namespace) -> bool:
-    return args.auto_tune and args.target == "llvm" and args.artifact is None and args.model_repository is None
+def _auto_tune_asked(args: argparse.Namespace, stores: list[Path]) -> bool:
+    """Serving one model of this CPU: the default model's store, or the one store given."""
+    return (args.auto_tune and args.target == "llvm" and args.artifact is None and args.model_repository is None
+            and len(stores) <= 1)
 
 
-def _open_store(args: argparse.Namespace):
-    """(store, version to serve, why to tune at once or None)."""
+def _open_store(root: Path):
+    """(store, the version it serves)."""
+    from ..runtime.manifest import ArtifactError
     from ..runtime.versions import VersionStore
 
-    if not _auto_tune_asked(args):
-        store = VersionStore(args.artifact_store)
-        return store, store.to_serve(), None
+    store = VersionStore(root)
+    try:
+        return store, store.to_serve()
+    except ArtifactError as err:
+        raise SystemExit(f"error: --artifact-store: {err}") from None
+
+
+def _open_auto_tuned_store(args: argparse.Namespace, stores: list[Path]):
+    """(store, version to serve, why to tune at once or None)."""
     from ..compile.artifact import compile_artifact
+    from ..runtime.versions import VersionStore
     from .auto_tune import default_store, host_target, version_to_serve
 
     target = host_target(args)
-    store = VersionStore(args.artifact_store or default_store(args, target))
+    store = VersionStore(stores[0] if stores else default_store(args, target))
     version, reason = version_to_serve(
         store, target, lambda: compile_artifact(compile_request(args), args.cache_dir, None, progress=say), say)
     say(f"serving version {version} of {store.root}" + (f"; {reason}: tuning it in the background" if reason else
@@ -185,11 +213,12 @@ def add_serve_command(commands) -> None:
                               help="serve this compiled artifact directory; repeat it to serve several (an embedder "
                                    "and a reranker), each under its manifest's model name")
     serve_parser.add_argument("--model-repository", type=Path, default=None,
-                              help="serve every artifact in this directory's subfolders (as Triton's model "
-                                   "repository), beside any --artifact")
-    serve_parser.add_argument("--artifact-store", type=Path, default=None,
+                              help="serve every artifact and version store in this directory's subfolders (as "
+                                   "Triton's model repository), beside any --artifact and --artifact-store")
+    serve_parser.add_argument("--artifact-store", type=Path, action="append", default=None,
                               help="serve the current version of this version store and swap in newer ones "
-                                   "after checking them (see `publish`, `rollback`)")
+                                   "after checking them (see `publish`, `rollback`); repeat it (or put stores in "
+                                   "--model-repository) to serve several, each swapped and re-tuned on its own")
     serve_parser.add_argument("--watch-seconds", type=float, default=5.0,
                               help="how often the version store is checked for a new version (default 5)")
     serve_parser.add_argument("--swap-min-gain", type=float, default=0.9,

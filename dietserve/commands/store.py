@@ -18,7 +18,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
 
     lengths = read_lengths(args.traffic)
     out = args.work or args.store / "retune" / "work"
-    request = TuneRequest(compile=compile_request(args), db=args.db or args.store / "records.jsonl", out=out,
+    request = TuneRequest(compile=_served_build(args), db=args.db or args.store / "records.jsonl", out=out,
                           trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
                           rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     started = time.monotonic()
@@ -36,6 +36,29 @@ def cmd_retune(args: argparse.Namespace) -> int:
     print(f"published version {version} of {args.store}, tuned for {args.traffic}"
           + (f"; predicted gain {gain:.2f}x over the served version" if gain else ""))
     return 0
+
+
+def _served_build(args: argparse.Namespace):
+    """The compile request of the store's served version, from its manifest's build record (the
+    build flags for a version without one): a server re-tuning several models runs one job per
+    store, each building its own model."""
+    from ..compile.artifact import CompileRequest
+    from ..runtime.manifest import ArtifactError, Manifest
+    from ..runtime.versions import VersionStore
+
+    store = VersionStore(args.store)
+    try:
+        record = Manifest.read(store.path(store.to_serve())).build
+    except ArtifactError as err:
+        raise SystemExit(f"error: {args.store} has no version to re-tune: {err}") from None
+    if record is None:
+        return compile_request(args)
+    try:
+        request = CompileRequest.from_build_record(record)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    say(f"re-tuning {request.model} as the served version was built (max batch {request.max_batch})")
+    return request
 
 
 def _predicted_gain(store, new_plans: Path, artifact: Path, traffic_file: Path) -> float | None:
@@ -79,8 +102,9 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 def add_store_commands(commands) -> None:
     retune_parser = commands.add_parser(
-        "retune", help="tune for a recorded traffic mix and publish the result as a store's next version")
-    add_build_flags(retune_parser)
+        "retune", help="tune for a recorded traffic mix and publish the result as a store's next version (the "
+                       "model built as the served version was, from its manifest)")
+    add_build_flags(retune_parser)  # for a served version whose manifest has no build record
     retune_parser.add_argument("--store", type=Path, required=True, help="version store directory")
     retune_parser.add_argument("--traffic", type=Path, required=True,
                                help="traffic file (serve --traffic-file) or lengths file to tune for")

@@ -58,6 +58,26 @@ class CompileRequest:
         if self.pooling is not None:
             parse_pooling_modes(",".join(self.pooling))
 
+    def build_record(self) -> dict:
+        """What the manifest keeps of this request (``Manifest.build``), plans aside: enough for a
+        re-tuning job to build the same model again. A folder is kept as an absolute path."""
+        model = self.model if self.model in PRESET_DISPLAY_NAMES else str(Path(self.model).resolve())
+        spec = self.target
+        return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
+                "pooling": list(self.pooling) if self.pooling is not None else None,
+                "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
+
+    @classmethod
+    def from_build_record(cls, record: dict) -> CompileRequest:
+        """The request a manifest's build record describes (ValueError: a malformed record)."""
+        try:
+            pooling = record.get("pooling")
+            return cls(model=str(record["model"]), target=TargetSpec(**record["target"]),
+                       max_batch=int(record["max_batch"]), seed=int(record["seed"]),
+                       pooling=tuple(pooling) if pooling is not None else None)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
+
 
 def open_checkpoint(request: CompileRequest, cache_dir: Path) -> Checkpoint:
     """The request's checkpoint, pooled as ``--pooling`` says where given."""
@@ -208,6 +228,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         cuda_source_sha256=cuda_source_sha256,
         dispatch=dispatch_table(operators, plans),
         transform_params=transform_params if transform_params in functions else None,
+        build=request.build_record(),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
 

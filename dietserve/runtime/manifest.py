@@ -54,6 +54,9 @@ class Manifest:
     # The library function that lays the parameters out for ``forward`` (packed weights), run
     # once at load: forward(*inputs, *transform_params(parameters)). None: parameters as stored.
     transform_params: str | None = None
+    # How it was built (compile/artifact.py CompileRequest.build_record): model, target, bounds.
+    # A re-tuning job builds the served model from it. None: an artifact from before it was kept.
+    build: dict | None = None
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 

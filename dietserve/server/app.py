@@ -1,14 +1,18 @@
 """Server lifecycle: listen, load and warm up, serve, and on SIGTERM drain and exit.
 
-    start: /metrics -> traffic record -> gRPC listening (live, not ready) -> HTTP listening
-           -> load and warm up every artifact -> their batchers -> hot-swap watcher -> re-tuning
-           policy -> traffic saver -> ready (both wires read the same readiness)
+    start: /metrics -> traffic records -> gRPC listening (live, not ready) -> HTTP listening
+           -> load and warm up every artifact -> their batchers -> hot-swap watchers -> re-tuning
+           policies -> traffic savers -> ready (both wires read the same readiness)
     stop:  the same in reverse: not ready -> keep serving ``drain_seconds`` -> both wires stop
            accepting and finish in-flight requests (up to ``grace_seconds``) -> ... -> last
            traffic save -> /metrics
 
 Each ``_start_*`` step acquires one part and registers its teardown on an ``AsyncExitStack``, so
 a failure half-way through ``start`` releases exactly what was acquired, newest first.
+
+Each artifact served has its own parts (``ServedArtifact``): engine, batcher, traffic record,
+metrics labelled with its name, and, served from a version store, its own hot swap and re-tuning
+policy. What they share: one execution at a time, one re-tuning job at a time, the wires.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import signal
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -33,9 +37,9 @@ from .config import ServerConfig
 from .grpc_server import SERVICE_NAME
 from .http_server import HttpServer
 from .inference import Inference, ServingState
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics, ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
-from .retune import RetunePolicy, RetuneSettings
+from .retune import JobSlot, RetunePolicy, RetuneSettings
 from .swap import HotSwap, MeasuredGain, Swapper
 from .traffic_log import TrafficLog
 
@@ -65,11 +69,32 @@ def warm_up(engine: Engine, rows: int) -> int:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """An artifact to serve: the name of its ids model (its text model is ``name-text``) and
-    how to load it (on a worker thread)."""
+    """An artifact to serve: the name of its ids model (its text model is ``name-text``), how to
+    load it (on a worker thread), and, served from a version store, its hot swap (the version
+    loaded, the store it watches)."""
 
     name: str
     load: Callable[[], tuple[Engine, TextTokenizer]]
+    hot_swap: HotSwap | None = None
+
+
+@dataclass
+class ServedArtifact:
+    """One source's parts in the server; engine, tokenizer and batcher once loaded."""
+
+    source: ModelSource
+    metrics: ModelMetrics
+    traffic: TrafficLog
+    gain: MeasuredGain
+    say: Callable[[str], None]  # the server's, naming the model when there are several
+    engine: Engine | None = None
+    tokenizer: TextTokenizer | None = None
+    batcher: DynamicBatcher | None = None
+    models: dict[str, ServedModel] = field(default_factory=dict)  # its ids and text models
+
+    @property
+    def name(self) -> str:
+        return self.source.name
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -84,31 +109,27 @@ class Server:
     artifact on its own engine and batcher, one execution at a time across them. ``say``
     reports progress; the line
     ``listening grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]`` gives the
-    bound ports. ``hot_swap`` (one artifact only): serve a version store's versions; ``retune``
-    (with ``hot_swap``): re-tune when the traffic drifts. ``stop``: an event that requests a stop
-    when set (default: a new one). A name two artifacts would share raises ValueError."""
+    bound ports. A source with a hot swap serves a version store's versions; ``retune``: each such
+    source is re-tuned when its traffic drifts, one job at a time. ``stop``: an event that
+    requests a stop when set (default: a new one). A name two artifacts would share, or one
+    traffic file for several artifacts, raises ValueError."""
 
     def __init__(self, config: ServerConfig, sources: Sequence[ModelSource], say: Callable[[str], None], *,
-                 hot_swap: HotSwap | None = None, retune: RetuneSettings | None = None,
-                 stop: asyncio.Event | None = None):
+                 retune: RetuneSettings | None = None, stop: asyncio.Event | None = None):
         if not sources:
             raise ValueError("a server needs at least one artifact to serve")
-        if len(sources) > 1 and (hot_swap is not None or retune is not None):
-            raise ValueError("hot swaps and re-tuning serve one artifact: one version store per server for now")
+        if len(sources) > 1 and config.traffic_file is not None:
+            raise ValueError("a traffic file records one artifact's traffic; several artifacts are served")
         self.config, self.sources = config, tuple(sources)
-        self.say, self.hot_swap, self.retune = say, hot_swap, retune
+        self.say, self.retune = say, retune
         self.stop_requested = stop or asyncio.Event()
         self.metrics = ServerMetrics()
-        self.gain = MeasuredGain(self.metrics)
         self.state = ServingState(config=config, metrics=self.metrics,
                                   artifact_names=tuple(source.name for source in sources))
         self.core = Inference(self.state)
         self.health = health.aio.HealthServicer()
         self.ports = ""  # "grpc=HOST:PORT [health=HOST:PORT] metrics=HOST:PORT [http=HOST:PORT]" once listening
-        self.traffic: TrafficLog | None = None
-        self.engines: dict[str, Engine] = {}  # by artifact name, in the sources' order
-        self.batchers: dict[str, DynamicBatcher] = {}
-        self._tokenizers: dict[str, TextTokenizer] = {}
+        self.artifacts: dict[str, ServedArtifact] = {}  # by name, in the sources' order, from _open_traffic
         self._settled_bytes = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
@@ -175,14 +196,20 @@ class Server:
         self._metrics_address = f"{self.config.metrics_host}:{port}"
 
     async def _open_traffic(self) -> None:
-        self.traffic = TrafficLog(self.config.traffic_file, self.config.traffic_half_life_seconds, self.metrics)
-        self._parts.push_async_callback(self._save_traffic)
+        """Each artifact's parts, starting with its traffic record (and its file: one artifact only)."""
+        config, several = self.config, len(self.sources) > 1
+        for source in self.sources:
+            metrics = self.metrics.for_model(source.name)
+            say = (lambda message, name=source.name: self.say(f"{name}: {message}")) if several else self.say
+            traffic = TrafficLog(config.traffic_file, config.traffic_half_life_seconds, metrics)
+            self.artifacts[source.name] = ServedArtifact(source, metrics, traffic, MeasuredGain(metrics), say)
+            self._parts.push_async_callback(self._save_traffic, traffic)
 
-    async def _save_traffic(self) -> None:
+    async def _save_traffic(self, traffic: TrafficLog) -> None:
         try:
-            await self.traffic.save()
+            await traffic.save()
         except OSError as err:
-            log.error("cannot write the traffic file %s: %s", self.config.traffic_file, err)
+            log.error("cannot write the traffic file %s: %s", traffic.path, err)
 
     async def _listen(self) -> None:
         """gRPC up, live but not ready, and the probes' health port if configured."""
@@ -229,11 +256,10 @@ class Server:
         """Loads and warms up each artifact in turn, then bounds the VM's pool (one pool per
         process, whichever engine runs) at what they all hold after warming up."""
         loop = asyncio.get_running_loop()
-        for source in self.sources:
-            engine, self._tokenizers[source.name] = await loop.run_in_executor(None, source.load)
-            self.engines[source.name] = engine
-            self._settled_bytes = await loop.run_in_executor(None, warm_up, engine, self.config.max_batch_size)
-        first, *others = self.engines.values()
+        for served in self.artifacts.values():
+            served.engine, served.tokenizer = await loop.run_in_executor(None, served.source.load)
+            self._settled_bytes = await loop.run_in_executor(None, warm_up, served.engine, self.config.max_batch_size)
+        first, *others = (served.engine for served in self.artifacts.values())
         first.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))
         for engine in others:
             engine.pool_bound = first.pool_bound
@@ -245,59 +271,61 @@ class Server:
     async def _start_batcher(self) -> None:
         """One batcher per artifact, sharing one execution lock: the kernels of one execution
         already use every core, so two at once would only thrash."""
-        config, lock, record = self.config, asyncio.Lock(), self.batch_recorder()
-        for name, engine in self.engines.items():
-            batcher = DynamicBatcher(
-                engine,
+        config, lock = self.config, asyncio.Lock()
+        for name, served in self.artifacts.items():
+            batcher = served.batcher = DynamicBatcher(
+                served.engine,
                 batching=config.batching,
                 max_batch_size=config.max_batch_size,
                 max_queue_delay_s=config.max_queue_delay_ms / 1000,
                 bucket_ratio=config.bucket_ratio,
                 max_queue_rows=config.max_queue_rows,
-                on_queue_change=self._queue_changed,
-                on_batch=record,
+                on_queue_change=served.metrics.queued_rows.set,
+                on_batch=self.batch_recorder(served),
                 on_stopped=self._execution_stopped,
                 execution_lock=lock,
             )
-            self.batchers[name] = batcher
             batcher.start()
             self._parts.push_async_callback(batcher.close)  # runs what is queued
             text = name + TEXT_MODEL_SUFFIX
-            self.state.models[name] = ServedModel(name, engine, batcher=batcher)
-            self.state.models[text] = ServedModel(text, engine, self._tokenizers[name], artifact=name, batcher=batcher)
+            served.models = {name: ServedModel(name, served.engine, batcher=batcher),
+                             text: ServedModel(text, served.engine, served.tokenizer, artifact=name, batcher=batcher)}
+            self.state.models.update(served.models)
 
-    def _queue_changed(self, rows: int) -> None:
-        """``dietserve_queued_rows``: every model's waiting rows together."""
-        self.metrics.queued_rows.set(sum(batcher.queued_rows for batcher in self.batchers.values()))
-
-    def batch_recorder(self) -> Callable[[BatchRun], None]:
-        """The batcher's ``on_batch``: metrics, traffic record, measured swap gain."""
-        return BatchRecorder(self.metrics, self.traffic, self.gain)
+    def batch_recorder(self, served: ServedArtifact) -> Callable[[BatchRun], None]:
+        """An artifact's batcher's ``on_batch``: metrics, traffic record, measured swap gain."""
+        return BatchRecorder(served.metrics, served.traffic, served.gain)
 
     async def _start_hot_swap(self) -> None:
-        hot_swap = self.hot_swap
-        if hot_swap is None:
-            return
-        hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
-        for model in self.state.models.values():
-            model.version = str(hot_swap.version)
-        (batcher,) = self.batchers.values()  # a hot swap serves one artifact (checked at __init__)
-        swapper = Swapper(hot_swap, batcher, self.state.models, self.metrics, self.traffic, self.gain, self.say)
-        self._background(swapper.watch(), "dietserve-versions")
+        for served in self.artifacts.values():
+            hot_swap = served.source.hot_swap
+            if hot_swap is None:
+                continue
+            hot_swap.store.set_current(hot_swap.version)  # verified by serving it (restarts come back to it)
+            for model in served.models.values():
+                model.version = str(hot_swap.version)
+            swapper = Swapper(hot_swap, served.batcher, served.models, served.metrics, served.traffic, served.gain,
+                              served.say)
+            self._background(swapper.watch(), f"dietserve-versions-{served.name}")
 
     async def _start_retune(self) -> None:
-        if self.retune is None or self.hot_swap is None:
+        if self.retune is None:
             return
-        (engine,) = self.engines.values()
-        edges = bucket_edges(engine.max_seq_len, RETUNE_BUCKET_RATIO)
-        policy = RetunePolicy(self.retune, self.hot_swap, self.traffic, edges, engine.max_seq_len,
-                              self.metrics, self.say)
-        self._parts.callback(policy.stop)  # kills a running job
-        self._background(policy.watch(), "dietserve-retune")
+        slot = JobSlot()  # a job already uses the cores it may: two at once would only slow both
+        for served in self.artifacts.values():
+            if served.source.hot_swap is None:
+                continue
+            engine = served.engine
+            edges = bucket_edges(engine.max_seq_len, RETUNE_BUCKET_RATIO)
+            policy = RetunePolicy(self.retune, served.source.hot_swap, served.traffic, edges, engine.max_seq_len,
+                                  served.metrics, served.say, slot)
+            self._parts.callback(policy.stop)  # kills a running job
+            self._background(policy.watch(), f"dietserve-retune-{served.name}")
 
     async def _keep_saving_traffic(self) -> None:
-        self._background(self.traffic.keep_saving(self.config.traffic_save_seconds, self.gain.publish),
-                         "dietserve-traffic")
+        for served in self.artifacts.values():
+            self._background(served.traffic.keep_saving(self.config.traffic_save_seconds, served.gain.publish),
+                             f"dietserve-traffic-{served.name}")
 
     async def _open(self) -> None:
         await self._set_ready(True)
@@ -341,12 +369,12 @@ class Server:
 
     def _say_ready(self) -> None:
         config = self.config
-        rows = max(batcher.max_batch_size for batcher in self.batchers.values())
+        rows = max(served.batcher.max_batch_size for served in self.artifacts.values())
         batching = (f"batching up to {rows} rows, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
-        served = f"version {self.hot_swap.version} of {self.hot_swap.store.root}; " if self.hot_swap else ""
-        models = ", ".join(f"'{name}' (token ids) and '{name}{TEXT_MODEL_SUFFIX}' (text)" for name in self.engines)
-        self.say(f"ready: models {models}; {served}{batching}; "
+        models = ", ".join(f"'{name}' (token ids) and '{name}{TEXT_MODEL_SUFFIX}' (text){_version_said(served)}"
+                           for name, served in self.artifacts.items())
+        self.say(f"ready: models {models}; {batching}; "
                  f"{self._settled_bytes / 2**20:.0f} MiB resident after warm-up")
 
     def _say_answered(self) -> None:
@@ -357,15 +385,19 @@ class Server:
                  + (", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"))
 
 
+def _version_said(served: ServedArtifact) -> str:
+    hot_swap = served.source.hot_swap
+    return f", version {hot_swap.version} of {hot_swap.store.root}" if hot_swap is not None else ""
+
+
 async def serve(
     config: ServerConfig,
     sources: Sequence[ModelSource],
     say: Callable[[str], None],
     stop: asyncio.Event | None = None,
-    hot_swap: HotSwap | None = None,
     retune: RetuneSettings | None = None,
 ) -> int:
     """Runs a :class:`Server` until ``stop`` is set; SIGTERM and SIGINT set it."""
-    server = Server(config, sources, say, hot_swap=hot_swap, retune=retune, stop=stop)
+    server = Server(config, sources, say, retune=retune, stop=stop)
     server.stop_on_signals()
     return await server.run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 
 from ..runtime.batcher import BatchRun
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics
 from .swap import MeasuredGain
 from .traffic_log import TrafficLog
 
@@ -13,7 +13,7 @@ from .traffic_log import TrafficLog
 class BatchRecorder:
     """The batcher's ``on_batch`` callback."""
 
-    def __init__(self, metrics: ServerMetrics, traffic: TrafficLog, gain: MeasuredGain):
+    def __init__(self, metrics: ModelMetrics, traffic: TrafficLog, gain: MeasuredGain):
         self.metrics, self.traffic, self.gain = metrics, traffic, gain
         # labels() is a lookup under a lock; a model has dozens of dynamic operators per batch.
         self._dispatch_counters: dict[tuple[str, str], Counter] = {}

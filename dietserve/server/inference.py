@@ -164,8 +164,9 @@ class Inference:
         finally:
             metrics.inflight.dec()
             elapsed = time.perf_counter() - started
-            metrics.request_duration.observe(elapsed)
+            artifact = model.artifact if model is not None else ""  # "": refused before naming a served model
+            metrics.request_duration.labels(artifact).observe(elapsed)
             if queue_seconds is not None:
-                metrics.queue_duration.observe(queue_seconds)
+                metrics.queue_duration.labels(artifact).observe(queue_seconds)
             if model is not None:
                 model.statistics.record_request(ok, rows, elapsed, queue_seconds, compute_seconds)

@@ -2,6 +2,9 @@
 
 Names follow Prometheus conventions: base units (seconds), ``_total`` counters, histograms with
 sub-millisecond buckets because a short request's server overhead is tens of microseconds.
+What one served artifact does (its requests, batches, traffic, re-tuning and versions) carries a
+``model`` label, the artifact's name (its ``-text`` model counts under it): each artifact's parts
+write through :meth:`ServerMetrics.for_model`, which fills that label in.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ DURATION_BUCKETS = (
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024)
 RATIO_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+MODEL = ("model",)
+# The metrics labelled by model (``ModelMetrics`` binds them); the rest are the server's own.
+PER_MODEL = (
+    "request_duration", "queue_duration", "compute_duration", "batch_size", "sequence_length", "padding_ratio",
+    "padding_tokens", "computed_tokens", "queued_rows", "kernel_dispatch", "traffic_rows", "traffic_drift",
+    "retune_runs", "retune_duration", "retune_running", "retune_progress", "artifact_version", "swaps",
+    "swap_failures", "checked_gain", "measured_gain", "predicted_gain", "swap_duration",
+)
 
 
 class ServerMetrics:
@@ -46,11 +57,12 @@ class ServerMetrics:
             ["wire"], registry=r)
         self.request_duration = Histogram(
             "dietserve_request_duration_seconds",
-            "inference time in the server (gRPC ModelInfer and HTTP infer and embeddings), from receipt to response",
-            buckets=DURATION_BUCKETS, registry=r)
+            "inference time in the server (gRPC ModelInfer and HTTP infer and embeddings), from receipt to response "
+            "(model=\"\": refused before a served model was named)",
+            buckets=DURATION_BUCKETS, labelnames=MODEL, registry=r)
         self.queue_duration = Histogram(
             "dietserve_queue_duration_seconds", "time a request waited for its batch to start",
-            buckets=DURATION_BUCKETS, registry=r)
+            buckets=DURATION_BUCKETS, labelnames=MODEL, registry=r)
         self.inflight = Gauge("dietserve_inflight_requests", "inference requests being handled (both wires)",
                               registry=r)
         self.ready = Gauge("dietserve_ready", "1 once the model is loaded and warmed up", registry=r)
@@ -58,24 +70,24 @@ class ServerMetrics:
     def _add_batch_metrics(self, r: CollectorRegistry) -> None:
         self.compute_duration = Histogram(
             "dietserve_compute_duration_seconds", "model execution time per batch",
-            buckets=DURATION_BUCKETS, registry=r)
+            buckets=DURATION_BUCKETS, labelnames=MODEL, registry=r)
         self.batch_size = Histogram("dietserve_batch_size", "rows per model execution",
-                                    buckets=SIZE_BUCKETS, registry=r)
+                                    buckets=SIZE_BUCKETS, labelnames=MODEL, registry=r)
         self.sequence_length = Histogram(
             "dietserve_request_sequence_length", "tokens of each computed row of a request, padding excluded",
-            buckets=LENGTH_BUCKETS, registry=r)
+            buckets=LENGTH_BUCKETS, labelnames=MODEL, registry=r)
         self.padding_ratio = Histogram(
             "dietserve_batch_padding_ratio", "share of a batch's computed tokens that are padding",
-            buckets=RATIO_BUCKETS, registry=r)
+            buckets=RATIO_BUCKETS, labelnames=MODEL, registry=r)
         self.padding_tokens = Counter("dietserve_padding_tokens",
-                                      "tokens computed only because a batch was padded", registry=r)
+                                      "tokens computed only because a batch was padded", labelnames=MODEL, registry=r)
         self.computed_tokens = Counter("dietserve_computed_tokens", "tokens computed, padding included",
-                                       registry=r)
-        self.queued_rows = Gauge("dietserve_queued_rows", "rows waiting for a batch", registry=r)
+                                       labelnames=MODEL, registry=r)
+        self.queued_rows = Gauge("dietserve_queued_rows", "rows waiting for a batch", labelnames=MODEL, registry=r)
         self.kernel_dispatch = Counter(
             "dietserve_kernel_dispatch",
             "operator executions (call sites x batches) by dynamic operator and the variant its compiled tree chose",
-            ["operator", "variant"], registry=r)
+            ["model", "operator", "variant"], registry=r)
 
     def _add_memory_metrics(self, r: CollectorRegistry) -> None:
         self.settled_memory = Gauge(
@@ -95,39 +107,47 @@ class ServerMetrics:
             "dietserve_traffic_rows",
             "executed rows at or below each sequence length, each execution's weight halving every "
             "--traffic-half-life-seconds (what re-tuning weights shapes by)",
-            ["le"], registry=r)
+            ["model", "le"], registry=r)
         self.traffic_file_resets = Counter(
             "dietserve_traffic_file_resets", "unreadable traffic files set aside at start", registry=r)
         self.traffic_drift = Gauge(
             "dietserve_traffic_drift", "total variation distance between the recorded sequence-length mix and "
-            "the one the served kernels were tuned for (re-tuning starts above --retune-drift)", registry=r)
-        self.retune_runs = Counter("dietserve_retune_runs", "re-tuning jobs finished, by outcome", ["outcome"],
+            "the one the served kernels were tuned for (re-tuning starts above --retune-drift)",
+            labelnames=MODEL, registry=r)
+        self.retune_runs = Counter("dietserve_retune_runs", "re-tuning jobs finished, by outcome", ["model", "outcome"],
                                    registry=r)
         self.retune_duration = Gauge("dietserve_last_retune_duration_seconds", "wall time of the last re-tuning job",
-                                     registry=r)
-        self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", registry=r)
+                                     labelnames=MODEL, registry=r)
+        self.retune_running = Gauge("dietserve_retune_running", "1 while a re-tuning job runs", labelnames=MODEL,
+                                    registry=r)
         self.retune_progress = Gauge("dietserve_retune_progress", "share of the running re-tuning job's operators "
-                                     "tuned (0 to 1; 1 while it compiles the tuned artifact)", registry=r)
+                                     "tuned (0 to 1; 1 while it compiles the tuned artifact)", labelnames=MODEL,
+                                     registry=r)
 
     def _add_swap_metrics(self, r: CollectorRegistry) -> None:
         self.artifact_version = Gauge(
             "dietserve_artifact_version_info", "1 for the artifact version being served (hot swap; label: version)",
-            ["version"], registry=r)
-        self.swaps = Counter("dietserve_swaps", "versions checked and swapped in", registry=r)
+            ["model", "version"], registry=r)
+        self.swaps = Counter("dietserve_swaps", "versions checked and swapped in", labelnames=MODEL, registry=r)
         self.swap_failures = Counter(
             "dietserve_swap_failures", "candidate versions refused: unloadable, incompatible, answering "
-            "differently or measured slower (--swap-min-gain)", registry=r)
+            "differently or measured slower (--swap-min-gain)", labelnames=MODEL, registry=r)
         self.checked_gain = Gauge(
             "dietserve_swap_checked_gain", "the last newer version's speed over the served version's, timed side "
-            "by side on the traffic's heaviest shapes before swapping (below --swap-min-gain: refused)", registry=r)
+            "by side on the traffic's heaviest shapes before swapping (below --swap-min-gain: refused)",
+            labelnames=MODEL, registry=r)
         self.measured_gain = Gauge(
             "dietserve_swap_measured_gain", "compute time per shape before / after the last swap, weighted by the "
-            "executions since, over shapes executed on both sides (above 1: faster)", registry=r)
+            "executions since, over shapes executed on both sides (above 1: faster)", labelnames=MODEL, registry=r)
         self.predicted_gain = Gauge(
             "dietserve_swap_predicted_gain", "what the re-tuning job that made the swapped-in version predicted: the "
-            "plans' kernel time over the recorded traffic, served version / new", registry=r)
+            "plans' kernel time over the recorded traffic, served version / new", labelnames=MODEL, registry=r)
         self.swap_duration = Gauge("dietserve_last_swap_duration_seconds",
-                                   "load + checks + swap of the last version swapped in", registry=r)
+                                   "load + checks + swap of the last version swapped in", labelnames=MODEL, registry=r)
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The per-model metrics with ``model`` filled in (one view per artifact served)."""
+        return ModelMetrics(self, model)
 
     def calls_by_code(self, method: str) -> dict[str, int]:
         """How many calls of ``method`` ended with each status code so far."""
@@ -139,3 +159,32 @@ class ServerMetrics:
         """Starts /metrics in a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, server.server_port
+
+
+class _WithModel:
+    """A metric with labels beyond ``model``: ``labels``/``remove`` take the others."""
+
+    def __init__(self, metric, model: str):
+        self._metric, self._model = metric, model
+
+    def labels(self, *values: str):
+        return self._metric.labels(self._model, *values)
+
+    def remove(self, *values: str) -> None:
+        self._metric.remove(self._model, *values)
+
+
+class ModelMetrics:
+    """What one artifact's parts (batcher callback, traffic record, swapper, re-tuning policy)
+    write to: the same attribute names as :class:`ServerMetrics`, the per-model ones bound to
+    ``model``; any other name is the server's own metric."""
+
+    def __init__(self, metrics: ServerMetrics, model: str):
+        self.server, self.model = metrics, model
+        for name in PER_MODEL:
+            metric = getattr(metrics, name)
+            bound = metric.labels(model) if tuple(metric._labelnames) == MODEL else _WithModel(metric, model)
+            setattr(self, name, bound)
+
+    def __getattr__(self, name: str):  # names not bound above: the server-wide metrics
+        return getattr(self.server, name)

@@ -17,6 +17,11 @@ same mix would reuse the first one's records and find the same plans, while the 
 requests pay for its tuning (p99 about 2x idle on 2 cores, ``bench_retune.py``). So the next
 run also waits until the traffic has drifted by ``drift_threshold`` from the mix that run
 tuned for. A run that failed (a crash, a kill past its budget) is retried after the interval.
+
+A server serving several version stores has a policy for each, and one job runs at a time
+(``JobSlot``): a job uses every core it may, so two at once would each take twice as long while
+the requests pay for both. A policy whose job would start waits, and starts it once the slot is
+free.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.traffic import Traffic, TrafficError, mix_distance
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics
 from .swap import HotSwap
 from .traffic_log import TrafficLog
 
@@ -81,11 +86,20 @@ def job_progress(log_path: Path | None) -> tuple[int, int]:
     return (total if finished else current - 1), total
 
 
+class JobSlot:
+    """The one re-tuning job a server runs at a time, across its models: who holds it."""
+
+    def __init__(self) -> None:
+        self.holder: RetunePolicy | None = None
+
+
 class RetunePolicy:
     def __init__(self, settings: RetuneSettings, hot_swap: HotSwap, traffic: TrafficLog, edges: list[int],
-                 max_seq_len: int, metrics: ServerMetrics, say: Callable[[str], None]):
+                 max_seq_len: int, metrics: ModelMetrics, say: Callable[[str], None], slot: JobSlot | None = None):
         self.settings, self.hot_swap, self.traffic = settings, hot_swap, traffic
         self.edges, self.max_seq_len, self.metrics, self.say = edges, max_seq_len, metrics, say
+        self.slot = slot or JobSlot()
+        self._waiting_said = False  # that a job waits for the slot, once per wait
         self.process: subprocess.Popen | None = None
         self._started = float("-inf")
         self._tuned_for: tuple[int, dict[int, float]] | None = None  # (version, its mix), read once
@@ -138,8 +152,8 @@ class RetunePolicy:
                 self._tried_without_change("its version was not swapped in")
         observed = self.traffic.traffic.row_weights()
         if self._start_reason is not None:
-            reason, self._start_reason = self._start_reason, None
-            self.start(reason, observed)
+            if self.start(self._start_reason, observed):
+                self._start_reason = None
             return
         drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
@@ -151,8 +165,8 @@ class RetunePolicy:
             tried = self._tried[1] if self._tried is not None and self._tried[0] == self.hot_swap.version else None
             moved = None if tried is None else mix_distance(observed, tried, self.edges)
             if moved is None or moved >= threshold:
-                self._tried = None
-                self.start(f"drift {drift:.2f} >= {threshold}", observed)
+                if self.start(f"drift {drift:.2f} >= {threshold}", observed):
+                    self._tried = None
             elif not self._held_back:
                 self._held_back = True
                 self.say(f"not re-tuning: drift {drift:.2f} from the served version, but {moved:.2f} (< {threshold})"
@@ -163,8 +177,15 @@ class RetunePolicy:
         self.say(f"the re-tuning job changed nothing served ({why}): the next one waits until the traffic "
                  f"drifts {self.settings.drift_threshold} from the mix it tuned for")
 
-    def start(self, reason: str, observed: dict[int, float]) -> None:
-        """Runs the job on a snapshot of the traffic, whose mix is ``observed``."""
+    def start(self, reason: str, observed: dict[int, float]) -> bool:
+        """Runs the job on a snapshot of the traffic, whose mix is ``observed``, unless another
+        model's job holds the slot (False: the next checks try again)."""
+        if self.slot.holder is not None and self.slot.holder is not self:
+            if not self._waiting_said:
+                self._waiting_said = True
+                self.say(f"re-tuning ({reason}) waits: another model's job is running")
+            return False
+        self._waiting_said = False
         folder = self.hot_swap.store.root / RETUNE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -175,6 +196,7 @@ class RetunePolicy:
         with log_path.open("w") as job_log:
             self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
                                             stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.slot.holder = self
         # Before the job has started any thread or process of its own (Python takes longer to start).
         os.setpriority(os.PRIO_PROCESS, self.process.pid, self.settings.nice)
         if self.settings.cpus:
@@ -184,6 +206,7 @@ class RetunePolicy:
         cpus = ",".join(map(str, sorted(self.settings.cpus))) or "all"
         self.say(f"re-tuning ({reason}): pid {self.process.pid}, CPUs {cpus}, nice {self.settings.nice}, "
                  f"log {log_path}")
+        return True
 
     def _follow(self, now: float) -> None:
         code = self.process.poll()
@@ -203,6 +226,7 @@ class RetunePolicy:
         self.metrics.retune_progress.set(0)
         self.say(f"re-tuning job {self.process.pid} {outcome} (exit {code}) after {elapsed:.0f} s")
         self.process = None
+        self.slot.holder = None
         if outcome == "not-faster":
             self._tried_without_change("no faster plans")
         elif outcome == "published":

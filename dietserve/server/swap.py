@@ -30,7 +30,7 @@ import numpy as np
 from ..runtime.batcher import DynamicBatcher
 from ..runtime.engine import Engine
 from ..runtime.versions import VersionStore
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics
 from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
@@ -175,7 +175,7 @@ class MeasuredGain:
     the traffic that actually came (mean time before / after, weighted by executions after, over
     the shapes seen on both sides)."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ModelMetrics):
         self.metrics = metrics
         self.before: dict[tuple[int, int], tuple[int, float]] = {}
         self.after: dict[tuple[int, int], tuple[int, float]] = {}
@@ -198,7 +198,7 @@ class MeasuredGain:
 
 
 class Swapper:
-    def __init__(self, swap: HotSwap, batcher: DynamicBatcher, models: dict, metrics: ServerMetrics,
+    def __init__(self, swap: HotSwap, batcher: DynamicBatcher, models: dict, metrics: ModelMetrics,
                  traffic: TrafficLog, gain: MeasuredGain, say: Callable[[str], None]):
         self.swap, self.batcher, self.models, self.gain = swap, batcher, models, gain
         self.metrics, self.traffic, self.say = metrics, traffic, say

@@ -14,13 +14,13 @@ from pathlib import Path
 from ..host.atomic_io import write_text_atomic
 from ..runtime.batcher import BatchRun
 from ..runtime.traffic import Traffic, TrafficError
-from .metrics import LENGTH_BUCKETS, ServerMetrics
+from .metrics import LENGTH_BUCKETS, ModelMetrics
 
 log = logging.getLogger("dietserve.server")
 
 
 class TrafficLog:
-    def __init__(self, path: Path | None, half_life_seconds: float, metrics: ServerMetrics):
+    def __init__(self, path: Path | None, half_life_seconds: float, metrics: ModelMetrics):
         self.path = path
         self.metrics = metrics
         self.traffic = self._open(path, half_life_seconds)

@@ -39,7 +39,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.benchmarks.bench_serve import real_passages  # noqa: E402
-from tests.integration.scrape import metrics  # noqa: E402
+from tests.integration.scrape import metrics, total  # noqa: E402
 from tests.integration.server_process import REPO_ROOT, ServerProcess  # noqa: E402
 
 MODEL = "first"
@@ -138,7 +138,7 @@ def first_start(args, texts: list[str], work: Path):
     server = holder["server"]
     ready_s, swap_s = time.monotonic() - started, -1.0
     while time.monotonic() - started < args.minutes * 60:
-        if swap_s < 0 and metrics(server).get(("dietserve_swaps_total", ()), 0) >= 1:
+        if swap_s < 0 and total(metrics(server), "dietserve_swaps_total") >= 1:
             swap_s = time.monotonic() - started
         time.sleep(1.0)
     load.stop()

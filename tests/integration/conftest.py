@@ -58,6 +58,15 @@ def bert_base_artifact(cache_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def reranker_artifact(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, Path]:
+    """A one-label cross-encoder checkpoint (the folder names the model, 'reranker') and its artifact."""
+    from .test_classification import classification_folder
+
+    folder = classification_folder(tmp_path_factory.mktemp("reranker") / "reranker", 1)
+    return folder, compile_artifact(CompileRequest(model=str(folder), max_batch=MAX_BATCH), cache_dir)
+
+
+@pytest.fixture(scope="session")
 def minilm_engine(minilm_artifact: Path) -> Engine:
     return Engine(load_artifact(minilm_artifact))
 

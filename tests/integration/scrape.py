@@ -25,6 +25,14 @@ def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (every model's, unless
+    ``model=`` is given); 0 when there are none."""
+    wanted = set(labels.items())
+    return sum(value for (sample, sample_labels), value in samples.items()
+               if sample == name and wanted <= set(sample_labels))
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0, interval: float = 0.05) -> None:
     """Polls ``condition`` until it holds; fails the test naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -40,7 +48,7 @@ def metrics_after_batches(server: ServerProcess, batches: float, timeout: float 
     def recorded() -> bool:
         nonlocal samples
         samples = metrics(server)
-        return samples.get(("dietserve_batch_size_count", ()), 0.0) >= batches
+        return total(samples, "dietserve_batch_size_count") >= batches
 
     wait_for(recorded, f"{batches:g} recorded batches", timeout)
     return samples

@@ -17,7 +17,7 @@ from dietserve.runtime.manifest import MANIFEST_FILE, Manifest
 from dietserve.runtime.versions import PLANS_DIR, VersionStore
 
 from .conftest import MAX_BATCH
-from .scrape import metrics
+from .scrape import metrics, total
 from .server_process import ServerProcess
 from .test_hot_swap import SteadyClient
 
@@ -44,7 +44,7 @@ def test_first_start_tunes_in_the_background_and_a_restart_serves_the_tuned_vers
     try:
         assert store.current() == 1 and not (store.path(1) / PLANS_DIR).exists()  # untuned, served at once
         deadline = time.monotonic() + 1200
-        while metrics(server).get(("dietserve_swaps_total", ()), 0) < 1:
+        while total(metrics(server), "dietserve_swaps_total") < 1:
             assert time.monotonic() < deadline, "no swap:\n" + server.log()[-3000:]
             assert server.process.poll() is None and store.rejected(2) is None, server.log()[-3000:]
             assert "failed (exit" not in server.log(), _job_log(store_dir)

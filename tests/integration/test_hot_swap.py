@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from dietserve.runtime.manifest import MANIFEST_FILE, PARAMS_FILE, sha256_file
 from dietserve.runtime.versions import VersionStore
 
-from .scrape import metrics, wait_for
+from .scrape import metrics, total, wait_for
 from .server_process import REPO_ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ MODEL = "swap"
 ATOL = 1e-4
 
 
-def _tampered_copy(artifact: Path, folder: Path) -> Path:
+def tampered_copy(artifact: Path, folder: Path) -> Path:
     """A well-formed artifact (its manifest's hashes match) whose answers are wrong."""
     shutil.copytree(artifact, folder)
     params = load_file(str(folder / PARAMS_FILE))
@@ -118,16 +118,16 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
 
         def swapped() -> bool:
             assert store.rejected(2) is None, f"version 2 refused: {store.rejected(2)}"
-            return metrics(server).get(("dietserve_swaps_total", ())) == 1
+            return total(metrics(server), "dietserve_swaps_total") == 1
 
         wait_for(swapped, "the swap to version 2", timeout=120, interval=0.2)
         assert _served_version(server) == "2" and store.current() == 2
-        assert metrics(server)[("dietserve_artifact_version_info", (("version", "2"),))] == 1
+        assert total(metrics(server), "dietserve_artifact_version_info", version="2") == 1
         assert "version 2: " in server.log() and "timed side by side" in server.log()  # the speed check ran
         print(re.search(r"version 2: [0-9.]+x the served version's speed.*", server.log()).group(0))
         # A version whose answers differ is refused; version 2 stays.
-        store.publish(_tampered_copy(minilm_artifact, tmp_path / "tampered"))
-        wait_for(lambda: metrics(server).get(("dietserve_swap_failures_total", ())) == 1, "the refusal",
+        store.publish(tampered_copy(minilm_artifact, tmp_path / "tampered"))
+        wait_for(lambda: total(metrics(server), "dietserve_swap_failures_total") == 1, "the refusal",
                  timeout=120, interval=0.2)
         assert _served_version(server) == "2" and "differs by up to" in store.rejected(3)
         served_before_restart = client.answers
@@ -148,7 +148,7 @@ def test_hot_swap_refusal_restart_and_rollback_without_a_failed_request(minilm_a
         wait_for(lambda: store.rejected(copy) is not None, "the copy's refusal", timeout=180, interval=0.2)
         assert "served version's speed" in store.rejected(copy) and "below the minimum 1.5" in store.rejected(copy)
         assert _served_version(restarted) == "2" and store.current() == 2
-        copies = metrics(restarted)[("dietserve_swap_checked_gain", ())]
+        copies = total(metrics(restarted), "dietserve_swap_checked_gain")
         print(f"two copies of one artifact, timed side by side under a steady client: {copies:.3f}x")
         assert 0 < copies < 1.5
         assert "version 1" in _cli("rollback", "--store", str(store_dir))

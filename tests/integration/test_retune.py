@@ -31,7 +31,7 @@ from dietserve.runtime.traffic import Traffic
 from dietserve.runtime.versions import VersionStore
 
 from .conftest import MAX_BATCH
-from .scrape import metrics
+from .scrape import metrics, total
 from .server_process import REPO_ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
         traffic = threading.Thread(target=long_traffic)
         traffic.start()
         deadline = time.monotonic() + 1500
-        while (metrics(server).get(("dietserve_swaps_total", ()), 0) < 1
+        while (total(metrics(server), "dietserve_swaps_total") < 1
                and store.rejected(2) is None):
             assert time.monotonic() < deadline, "no swap:\n" + server.log()[-3000:]
             assert server.process.poll() is None, server.log()
@@ -114,7 +114,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
         traffic.join(timeout=300)
         # The traffic goes on drifting from the mix the job tuned for, so a second job may run
         # (--retune-min-interval 0), then its version's check: the probe waits for both.
-        while (metrics(server).get(("dietserve_retune_running", ()), 0) > 0
+        while (total(metrics(server), "dietserve_retune_running") > 0
                or store.newer_candidate(store.current()) is not None):
             assert time.monotonic() < deadline, "a re-tuning job still running:\n" + server.log()[-3000:]
             time.sleep(2)
@@ -127,7 +127,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
     log = server.log()
     assert failures == [] and answered[0] > 5, failures[:5]
     assert "re-tuning (drift" in log and "published (exit 0)" in log
-    assert samples[("dietserve_retune_runs_total", (("outcome", "published"),))] >= 1
+    assert total(samples, "dietserve_retune_runs_total", outcome="published") >= 1
     assert store.tuned_for(2) is not None and store.retune_summary(2)["predicted_gain"] > 0
     refusal = store.rejected(2)
     if refusal is not None:
@@ -140,14 +140,14 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
         assert "changed nothing served (its version was not swapped in)" in log
         assert log.count("re-tuning (drift") == 1, log[-3000:]
     else:
-        checked = samples[("dietserve_swap_checked_gain", ())]  # version 2 timed against version 1 before swapping
+        checked = total(samples, "dietserve_swap_checked_gain")  # version 2 timed against version 1 before swapping
         print(f"seq {LONG}: {before * 1e3:.1f} ms tuned for short sequences, {after * 1e3:.1f} ms after the "
               f"re-tune (timed at {checked:.2f}x before the swap)")
         assert store.current() == 2 and checked >= 0.9
         assert after < 1.5 * before, f"re-tuned {after * 1e3:.1f} ms vs {before * 1e3:.1f} ms before"
-        assert samples[("dietserve_swap_measured_gain", ())] > 0.5  # the server's own view of the same shapes
+        assert total(samples, "dietserve_swap_measured_gain") > 0.5  # the server's own view of the same shapes
         # The job's prediction from the plans' own latencies over the recorded traffic, as exported.
-        assert samples[("dietserve_swap_predicted_gain", ())] == store.retune_summary(2)["predicted_gain"]
+        assert total(samples, "dietserve_swap_predicted_gain") == store.retune_summary(2)["predicted_gain"]
 
     # The same job asked for a gain no plan predicts: it tunes, compiles, and publishes nothing.
     snapshot = sorted((store_dir / "retune").glob("traffic-*.json"))[-1]

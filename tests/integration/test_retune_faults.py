@@ -1,6 +1,7 @@
 """Faults around online re-tuning, against a real server: the re-tuning job killed mid-run five
 times leaves the server serving correct answers and the records readable (the tuner reads them,
-skipping at most a torn last line)."""
+skipping at most a torn last line). The small generated reranker is served: its jobs reach their
+first record soonest."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.engine import Engine
 from dietserve.runtime.versions import VersionStore
 
-from .conftest import MAX_BATCH
-from .scrape import metrics
+from .scrape import metrics, total
 from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -34,25 +36,26 @@ def _check_answer(server: ServerProcess, engine) -> None:
     tensor = triton.InferInput("input_ids", [1, 23], "INT64")
     tensor.set_data_from_numpy(ids)
     with triton.InferenceServerClient(server.grpc_url) as client:
-        got = client.infer(MODEL, [tensor], client_timeout=60).as_numpy("sentence_embedding")
+        got = client.infer(MODEL, [tensor], client_timeout=60).as_numpy("logits")
         assert client.is_server_ready()
-    np.testing.assert_allclose(got, engine.run(ids).sentence_embedding, atol=1e-4)
+    np.testing.assert_allclose(got, engine.run(ids).logits, atol=1e-4)
 
 
 def test_killing_the_retuning_job_five_times_leaves_serving_and_records_intact(
-        minilm_artifact: Path, minilm_engine, cache_dir: Path, tmp_path: Path):
+        reranker_artifact, cache_dir: Path, tmp_path: Path):
     from tuner.database.records import RecordDatabase
 
     store_dir, records = tmp_path / "store", tmp_path / "records.jsonl"
-    VersionStore(store_dir).publish(minilm_artifact)
+    VersionStore(store_dir).publish(reranker_artifact[1])
+    engine = Engine(load_artifact(reranker_artifact[1]))
     server = ServerProcess(None, "--artifact-store", str(store_dir), "--no-auto-tune", "--retune",
                            "--retune-drift", "0",
                            "--retune-min-rows", "1", "--retune-min-interval", "0", "--retune-check-seconds", "0.5",
-                           "--retune-db", str(records), "--model", "default", "--max-batch", str(MAX_BATCH),
-                           "--cache-dir", str(cache_dir), model_name=MODEL)
+                           "--retune-trials", "8", "--retune-db", str(records), "--cache-dir", str(cache_dir),
+                           model_name=MODEL)
     killed, lines = [], 0
     try:
-        _check_answer(server, minilm_engine)  # the first recorded rows: drift 0 >= 0 starts a job
+        _check_answer(server, engine)  # the first recorded rows: drift 0 >= 0 starts a job
         for delay in (0.0, 0.3, 0.7, 1.1, 1.5):
             deadline = time.monotonic() + 240
             while len(JOB.findall(server.log())) <= len(killed):
@@ -66,13 +69,13 @@ def test_killing_the_retuning_job_five_times_leaves_serving_and_records_intact(
             os.killpg(pid, signal.SIGKILL)  # the job and the tuner processes it started
             killed.append(pid)
             lines = _lines(records)
-            _check_answer(server, minilm_engine)
+            _check_answer(server, engine)
         deadline = time.monotonic() + 60
-        while metrics(server).get(("dietserve_retune_runs_total", (("outcome", "failed"),)), 0) < 5:
+        while total(metrics(server), "dietserve_retune_runs_total", outcome="failed") < 5:
             assert time.monotonic() < deadline, server.log()[-2000:]
             time.sleep(0.2)
-        _check_answer(server, minilm_engine)
-        assert metrics(server).get(("dietserve_swaps_total", ()), 0) == 0
+        _check_answer(server, engine)
+        assert total(metrics(server), "dietserve_swaps_total") == 0
     finally:
         server.stop()
     assert server.process.returncode == 0

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from dietserve.model.tokenizer import TextTokenizer
 
-from .scrape import metrics, metrics_after_batches
+from .scrape import metrics, metrics_after_batches, total
 from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -287,8 +287,8 @@ def test_metrics_count_the_requests(server, client):
     bad = before.get(("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer"))), 0.0)
     health_ok = before.get(("dietserve_requests_total", (("code", "OK"), ("method", "Check"))), 0.0)
     unknown = before.get(("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown"))), 0.0)
-    rows_before = before.get(("dietserve_request_sequence_length_count", ()), 0.0)
-    batches_before = before.get(("dietserve_batch_size_count", ()), 0.0)
+    rows_before = total(before, "dietserve_request_sequence_length_count")
+    batches_before = total(before, "dietserve_batch_size_count")
     for length in (3, 17, 40):
         client.infer(MODEL, [ids_input(np.full((2, length), 2000, dtype=np.int64))])
     with pytest.raises(triton.InferenceServerException):
@@ -300,17 +300,17 @@ def test_metrics_count_the_requests(server, client):
     after = metrics_after_batches(server, batches_before + 3)
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "Check")))] == health_ok + 1
     assert after[("dietserve_requests_total", (("code", "UNIMPLEMENTED"), ("method", "unknown")))] == unknown + 1
-    assert after[("dietserve_request_sequence_length_count", ())] == rows_before + 6  # per row, not per request
-    assert after[("process_resident_memory_bytes", ())] > 0 and after[("dietserve_settled_memory_bytes", ())] > 0
+    assert total(after, "dietserve_request_sequence_length_count") == rows_before + 6  # per row, not per request
+    assert after[("process_resident_memory_bytes", ())] > 0 and total(after, "dietserve_settled_memory_bytes") > 0
     assert after[("dietserve_requests_total", (("code", "OK"), ("method", "ModelInfer")))] == ok + 3
     assert after[("dietserve_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "ModelInfer")))] == bad + 1
-    assert after[("dietserve_request_duration_seconds_count", ())] >= ok + bad + 4
-    assert ("dietserve_request_duration_seconds_bucket", (("le", "0.0001"),)) in after  # sub-millisecond buckets
-    assert after[("dietserve_batch_size_count", ())] == batches_before + 3  # one request a batch, sent in turn
-    assert after[("dietserve_computed_tokens_total", ())] >= 2 * (3 + 17 + 40)
-    assert ("dietserve_padding_tokens_total", ()) in after
-    assert after[("dietserve_inflight_requests", ())] == 0
-    assert after[("dietserve_ready", ())] == 1
+    assert total(after, "dietserve_request_duration_seconds_count") >= ok + bad + 4
+    assert ("dietserve_request_duration_seconds_bucket", (("le", "0.0001"), ("model", MODEL))) in after  # sub-ms
+    assert total(after, "dietserve_batch_size_count") == batches_before + 3  # one request a batch, sent in turn
+    assert total(after, "dietserve_computed_tokens_total") >= 2 * (3 + 17 + 40)
+    assert ("dietserve_padding_tokens_total", (("model", MODEL),)) in after
+    assert total(after, "dietserve_inflight_requests") == 0
+    assert total(after, "dietserve_ready") == 1
     dispatch = {labels: value for (name, labels), value in after.items() if name == "dietserve_kernel_dispatch_total"}
     assert dispatch and all(dict(labels)["variant"] == "default" for labels in dispatch)
     assert any("matmul" in dict(labels)["operator"] for labels in dispatch)

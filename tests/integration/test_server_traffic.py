@@ -13,7 +13,7 @@ import tritonclient.grpc as triton
 
 from dietserve.runtime.traffic import Traffic
 
-from .scrape import metrics, wait_for
+from .scrape import metrics, total, wait_for
 from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def _infer(server: ServerProcess, ids: np.ndarray) -> None:
 
 
 def _rows_up_to(server: ServerProcess, length: int) -> float:
-    return metrics(server)[("dietserve_traffic_rows", (("le", str(length)),))]
+    return total(metrics(server), "dietserve_traffic_rows", le=str(length))
 
 
 def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path, tmp_path: Path):
@@ -39,7 +39,7 @@ def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path,
     server = ServerProcess(minilm_artifact, *flags, model_name=MODEL)
     try:
         assert "starting from an empty traffic record" in server.log()
-        assert metrics(server)[("dietserve_traffic_file_resets_total", ())] == 1
+        assert total(metrics(server), "dietserve_traffic_file_resets_total") == 1
         for _ in range(3):
             _infer(server, np.full((1, 37), 2000))
         _infer(server, np.full((2, 100), 2000))
@@ -57,6 +57,6 @@ def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path,
     try:
         time.sleep(1.0)
         assert _rows_up_to(restarted, 128) == pytest.approx(5, rel=1e-3)  # warm-up runs are not traffic
-        assert metrics(restarted)[("dietserve_traffic_file_resets_total", ())] == 0
+        assert total(metrics(restarted), "dietserve_traffic_file_resets_total") == 0
     finally:
         restarted.stop()

@@ -29,13 +29,6 @@ EMBEDDING_ATOL, SCORE_ATOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def reranker_artifact(tmp_path_factory, cache_dir: Path) -> tuple[Path, Path]:
-    """A one-label cross-encoder checkpoint (the folder names the model) and its artifact."""
-    folder = classification_folder(tmp_path_factory.mktemp("several-models") / RERANKER, 1)
-    return folder, compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)
-
-
-@pytest.fixture(scope="module")
 def server(minilm_artifact: Path, reranker_artifact):
     process = ServerProcess(None, "--artifact", str(minilm_artifact), "--artifact", str(reranker_artifact[1]),
                             model_name=None)
@@ -177,3 +170,12 @@ def test_a_model_repository_serves_each_subfolder_and_refuses_an_empty_one(tmp_p
     for name in ("a", "b"):  # two subfolders holding one artifact: both read, so their names clash
         (tmp_path / name).symlink_to(minilm_artifact, target_is_directory=True)
     assert f"model named '{EMBEDDER}'" in _refused("--model-repository", str(tmp_path))
+
+
+def test_one_traffic_file_for_several_models_and_retune_without_a_store_are_refused(tmp_path: Path,
+                                                                                   minilm_artifact: Path):
+    store = tmp_path / "store"
+    message = _refused("--artifact", str(minilm_artifact), "--artifact-store", str(store),
+                       "--traffic-file", str(tmp_path / "traffic.json"))
+    assert "--traffic-file records one artifact's traffic" in message and "with 2 artifacts" in message
+    assert "--retune needs --artifact-store" in _refused("--artifact", str(minilm_artifact), "--retune")

@@ -9,18 +9,20 @@ from pathlib import Path
 
 from dietserve.runtime.traffic import Traffic
 from dietserve.runtime.versions import VersionStore
-from dietserve.server.metrics import ServerMetrics
-from dietserve.server.retune import EXIT_NOT_FASTER, RetunePolicy, RetuneSettings
+from dietserve.server.metrics import ModelMetrics, ServerMetrics
+from dietserve.server.retune import EXIT_NOT_FASTER, JobSlot, RetunePolicy, RetuneSettings
 from dietserve.server.swap import HotSwap
 from dietserve.server.traffic_log import TrafficLog
 
 EDGES = [8, 16, 32, 64, 128, 256, 512]
 
 
-def _policy(tmp_path: Path, exit_code: int, publish: bool = False, body: str = "",
-            **settings) -> tuple[RetunePolicy, ServerMetrics, list[str]]:
+def _policy(tmp_path: Path, exit_code: int, publish: bool = False, body: str = "", slot: JobSlot | None = None,
+            metrics: ServerMetrics | None = None, model: str = "m",
+            **settings) -> tuple[RetunePolicy, ModelMetrics, list[str]]:
+    tmp_path = tmp_path / model
     artifact = tmp_path / "artifact"
-    artifact.mkdir()
+    artifact.mkdir(parents=True)
     (artifact / "manifest.json").write_text(json.dumps({}))
     short = Traffic(3600.0, time.time())
     for length in (3, 5, 7):
@@ -28,7 +30,7 @@ def _policy(tmp_path: Path, exit_code: int, publish: bool = False, body: str = "
     short.save(tmp_path / "short.json")
     store = VersionStore(tmp_path / "store")
     version = store.publish(artifact, tuned_for=tmp_path / "short.json")
-    metrics, said = ServerMetrics(), []
+    metrics, said = (metrics or ServerMetrics()).for_model(model), []
 
     def command(store_root: Path, traffic: Path) -> list[str]:
         assert Traffic.load(traffic).weights  # the job gets a snapshot of the traffic
@@ -39,7 +41,7 @@ def _policy(tmp_path: Path, exit_code: int, publish: bool = False, body: str = "
         return [sys.executable, "-c", f"{publishing}{body}import sys; sys.exit({exit_code})"]
 
     policy = RetunePolicy(RetuneSettings(command=command, **settings), HotSwap(store, version, lambda p: None),
-                          TrafficLog(None, 3600.0, metrics), EDGES, 512, metrics, said.append)
+                          TrafficLog(None, 3600.0, metrics), EDGES, 512, metrics, said.append, slot)
     return policy, metrics, said
 
 
@@ -157,6 +159,32 @@ def test_a_failed_job_is_retried_on_the_same_traffic(tmp_path):
     assert failing.process is not None
     _finish(failing)
     assert metrics.retune_runs.labels("failed")._value.get() == 2
+
+
+def test_one_job_at_a_time_across_models_and_the_waiting_one_starts_after(tmp_path):
+    """Two models served from two stores drift at once: the second model's job waits for the
+    first's to end, then starts; each model's outcome is counted under its own label."""
+    slot, metrics = JobSlot(), ServerMetrics()
+    first, first_metrics, _ = _policy(tmp_path, 0, slot=slot, metrics=metrics, model="embedder",
+                                      drift_threshold=0.5, min_rows=1, min_interval_seconds=0,
+                                      body="import time; time.sleep(1); ")
+    second, second_metrics, said = _policy(tmp_path, EXIT_NOT_FASTER, slot=slot, metrics=metrics, model="reranker",
+                                           drift_threshold=0.5, min_rows=1, min_interval_seconds=0)
+    _record(first, 400, 10)
+    _record(second, 400, 10)
+    first.step()
+    second.step()
+    second.step()
+    assert first.process is not None and second.process is None
+    assert sum("waits: another model's job is running" in line for line in said) == 1
+    _finish(first)
+    second.step()
+    assert second.process is not None
+    _finish(second)
+    assert first_metrics.retune_runs.labels("published")._value.get() == 1
+    assert second_metrics.retune_runs.labels("not-faster")._value.get() == 1
+    assert second_metrics.retune_runs.labels("published")._value.get() == 0
+    assert slot.holder is None
 
 
 def test_stopping_kills_the_job_and_the_processes_it_started(tmp_path):

@@ -31,7 +31,7 @@ class SleepingEngine:
 
 
 def _traffic(shapes: dict[tuple[int, int], int]) -> TrafficLog:
-    log = TrafficLog(None, 3600.0, ServerMetrics())
+    log = TrafficLog(None, 3600.0, ServerMetrics().for_model("m"))
     for (rows, length), count in shapes.items():
         for _ in range(count):
             log.traffic.record(rows, length, now=log.traffic.as_of)

@@ -20,7 +20,7 @@ from dietserve.server.config import ServerConfig
 
 
 class FaultyServer(Server):
-    def batch_recorder(self):
+    def batch_recorder(self, served):
         def record(run):
             raise RuntimeError("injected fault: recording the batch failed")
 
