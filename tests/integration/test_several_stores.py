@@ -4,10 +4,13 @@ embedder: a wrong embedder version is refused without touching the reranker; rer
 that drifts from what the reranker was tuned for runs a re-tuning job for the reranker alone,
 which builds the reranker from its manifest (the server's build flags name another model), and
 its version is swapped in under the reranker only. Every answer meanwhile is right, and the
-metrics say which model each swap, refusal and job belongs to."""
+metrics say which model each swap, refusal and job belongs to. Last, the same job asked for a
+gain its plans do not predict publishes nothing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from dietserve.runtime.traffic import Traffic
 from dietserve.runtime.versions import VersionStore
 
 from .scrape import metrics, total, wait_for
-from .server_process import ServerProcess
+from .server_process import REPO_ROOT, ServerProcess
 from .test_hot_swap import SteadyClient, tampered_copy
 from .test_rerank import DOCUMENTS, QUERY, cross_encoder_scores
 from .test_several_models import EMBEDDER, RERANKER, SCORE_ATOL, _rerank_scores
@@ -93,3 +96,12 @@ def test_each_store_is_swapped_and_retuned_on_its_own(tmp_path: Path, cache_dir:
     assert total(samples, "dietserve_artifact_version_info", model=EMBEDDER, version="1") == 1
     assert total(samples, "dietserve_batch_size_count", model=EMBEDDER) > 20
     assert total(samples, "dietserve_traffic_drift", model=EMBEDDER) < 0.5
+
+    # The job asked for a gain no plan predicts: it tunes (from the records), compiles, publishes nothing.
+    snapshot = sorted((reranker_store.root / "retune").glob("traffic-*.json"))[-1]
+    refused = subprocess.run([sys.executable, "-m", "dietserve", "retune", "--store", str(reranker_store.root),
+                              "--traffic", str(snapshot), "--trials", "1", "--min-gain", "1000",
+                              "--cache-dir", str(cache_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert "not published: predicted gain" in refused.stdout and reranker_store.versions() == [1, 2]
