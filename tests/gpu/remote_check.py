@@ -358,24 +358,18 @@ def _bootstrap(bundle: Path) -> None:
     """Install the runtime under /tmp/dietserve-rt and re-execute with it (once)."""
     if os.environ.get("REMOTE_CHECK_READY") == "1":
         return
-    site = Path("/tmp/dietserve-rt")
-    shutil.rmtree(site, ignore_errors=True)
-    site.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--target", str(site), *map(str, sorted((bundle / "whl").glob("*.whl")))],
-                   check=True)
-    with tarfile.open(bundle / "tvm-runtime.tgz") as archive:
-        archive.extractall(site, filter="data")
+    sys.path.insert(0, str(REPO))
+    from tuner.measure.bundle_device import install_runtime
+
+    runtime_env = install_runtime(bundle, Path("/tmp/dietserve-rt"))
     expanded = Path("/tmp/dietserve-remote-check/bundle")
     shutil.rmtree(expanded.parent, ignore_errors=True)
     expanded.mkdir(parents=True)
     with tarfile.open(bundle / "compiled.tgz") as archive:
         archive.extractall(expanded, filter="data")
     (expanded / "model").symlink_to(bundle / "model")
-    # TVM_FFI_DISABLE_TORCH_C_DLPACK: else tvm_ffi JIT-builds a torch extension at import (minutes).
-    env = dict(os.environ, REMOTE_CHECK_READY="1", REMOTE_CHECK_BUNDLE=str(expanded), TVM_USE_RUNTIME_LIB="1",
-               TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
-               PYTHONPATH=os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(runtime_env, REMOTE_CHECK_READY="1", REMOTE_CHECK_BUNDLE=str(expanded),
+               PYTHONPATH=os.pathsep.join([runtime_env["PYTHONPATH"], str(REPO)]))
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 

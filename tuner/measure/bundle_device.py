@@ -32,20 +32,27 @@ CHECK_TOLERANCE = 1e-3  # a job's own, where the bundle gives one (reduced-preci
 RESULTS = "results.jsonl"
 
 
+def install_runtime(package: Path, site: Path) -> dict:
+    """Installs the runtime-only TVM package (``whl/`` and ``tvm-runtime.tgz``, as
+    ``dietserve/host/tvm_runtime_only.py`` writes it) into ``site``; returns the environment a
+    process needs to import it. Shared with ``tests/gpu/remote_check.py``."""
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir(parents=True)
+    wheels = sorted(str(w) for w in (package / "whl").glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--target", str(site), *wheels], check=True)
+    with tarfile.open(package / "tvm-runtime.tgz") as archive:
+        archive.extractall(site, filter="data")
+    # TVM_FFI_DISABLE_TORCH_C_DLPACK: else tvm_ffi builds a torch extension at import where torch is installed.
+    return dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_FFI_DISABLE_TORCH_C_DLPACK="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+
+
 def bootstrap(bundle: Path) -> None:
     """Installs the bundle's TVM runtime under /tmp and re-executes with it, once."""
     if os.environ.get(READY) == "1":
         return
-    shutil.rmtree(RUNTIME_SITE, ignore_errors=True)
-    RUNTIME_SITE.mkdir(parents=True)
-    wheels = sorted(str(w) for w in (bundle / "whl").glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", str(RUNTIME_SITE), *wheels], check=True)
-    with tarfile.open(bundle / "tvm-runtime.tgz") as archive:
-        archive.extractall(RUNTIME_SITE, filter="data")
-    # TVM_FFI_DISABLE_TORCH_C_DLPACK: tvm_ffi would build a torch extension at import where torch is installed.
-    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_FFI_DISABLE_TORCH_C_DLPACK="1", **{READY: "1"},
-               PYTHONPATH=os.pathsep.join(filter(None, [str(RUNTIME_SITE), os.environ.get("PYTHONPATH")])))
+    env = dict(install_runtime(bundle, RUNTIME_SITE), **{READY: "1"})
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
