@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..runtime.manifest import ArtifactError, Manifest
-from ..runtime.versions import PLANS_DIR, VersionStore
+from ..runtime.versions import PUBLISH_LOCK, VersionStore
 
 # What the tuning job needs beyond the server's own packages (the ``tune`` extra).
 TUNER_MODULES = ("xgboost", "scipy")
@@ -61,7 +61,14 @@ def version_to_serve(store: VersionStore, target: dict, compile_untuned: Callabl
                      say: Callable[[str], None]) -> tuple[int, str | None]:
     """(the version to serve, why the host is to be tuned; None: that version is tuned for it).
     The store's own choice if it fits the host, else its newest fitting version, else the
-    untuned artifact compiled and published."""
+    untuned artifact compiled and published. Replicas sharing the store take turns (its publish
+    lock): the first publishes, the others find that version and serve it."""
+    with store.lock(PUBLISH_LOCK):
+        return _version_to_serve(store, target, compile_untuned, say)
+
+
+def _version_to_serve(store: VersionStore, target: dict, compile_untuned: Callable[[], Path],
+                      say: Callable[[str], None]) -> tuple[int, str | None]:
     tvm_version = metadata.version("apache-tvm")  # as tvm.__version__ says it, without importing TVM
     try:
         preferred = [store.to_serve()]
@@ -74,8 +81,7 @@ def version_to_serve(store: VersionStore, target: dict, compile_untuned: Callabl
         except ArtifactError as err:
             reason = str(err)
         if reason is None:
-            tuned = (store.path(version) / PLANS_DIR).is_dir()
-            return version, None if tuned else NOT_TUNED
+            return version, None if store.tuned(version) else NOT_TUNED
         say(f"version {version} of {store.root} does not fit this host: {reason}")
         # Rejected, so that the hot swap never takes it for a newer version (a store serves one host).
         store.reject(version, f"does not fit the host that opened the store: {reason}")

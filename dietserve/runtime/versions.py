@@ -6,6 +6,8 @@
     STORE/versions/000002/plans/, retune.json   its kernel plans, the re-tune's prediction (optional)
     STORE/versions/000003/REJECTED   present: a server refused it (the file says why)
     STORE/current               the number of the version a server verified and serves
+    STORE/publish.lock, STORE/retune.lock   held while a server publishes its first version, while
+                                a re-tuning job runs (``StoreLock``: servers sharing the store)
 
 A version appears whole or not at all: it is copied into a hidden temporary directory of the
 store and renamed to the next number. ``current`` is replaced atomically. A server serves
@@ -16,6 +18,7 @@ and rejects the versions after it. The newest ``keep`` versions are kept.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -32,6 +35,46 @@ TUNED_FOR_FILE = "tuned_for.json"  # the traffic (runtime/traffic.py) a version'
 PLANS_DIR = "plans"  # the kernel plans linked into it, when it came from tuning
 RETUNE_FILE = "retune.json"  # what the re-tuning job that made it predicted: {"predicted_gain": x, ...}
 DEFAULT_KEEP = 5
+PUBLISH_LOCK = "publish.lock"  # a server compiling and publishing the store's first version for its host
+RETUNE_LOCK = "retune.lock"  # a server's re-tuning job is running on this store
+
+
+class StoreLock:
+    """An exclusive lock on a store, between the servers (replicas on several nodes) sharing it:
+    POSIX record locks on a file in the store, which NFS and the other shared volumes honour, and
+    which the kernel drops when the holder dies. Held by a process: two holders in one process
+    do not exclude each other (a server's own models share a ``retune.JobSlot`` instead)."""
+
+    def __init__(self, path: Path):
+        self.path, self._fd = Path(path), None
+
+    def acquire(self, wait: bool) -> bool:
+        """Takes the lock; False if another process holds it and ``wait`` is off."""
+        if self._fd is not None:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            if wait:
+                raise
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the process's locks on the file
+            self._fd = None
+
+    def __enter__(self) -> StoreLock:
+        self.acquire(wait=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class VersionStore:
@@ -41,6 +84,14 @@ class VersionStore:
 
     def path(self, version: int) -> Path:
         return self.versions_dir / f"{version:06d}"
+
+    def lock(self, name: str) -> StoreLock:
+        """``PUBLISH_LOCK`` or ``RETUNE_LOCK``: see ``StoreLock``."""
+        return StoreLock(self.root / name)
+
+    def tuned(self, version: int) -> bool:
+        """Whether the version came from tuning (its kernel plans are kept beside it)."""
+        return (self.path(version) / PLANS_DIR).is_dir()
 
     def versions(self) -> list[int]:
         """Every complete version, oldest first (temporary directories are not versions)."""

@@ -21,7 +21,10 @@ tuned for. A run that failed (a crash, a kill past its budget) is retried after 
 A server serving several version stores has a policy for each, and one job runs at a time
 (``JobSlot``): a job uses every core it may, so two at once would each take twice as long while
 the requests pay for both. A policy whose job would start waits, and starts it once the slot is
-free.
+free. Servers sharing a store (replicas on a shared volume) take turns the same way through the
+store's lock: one job tunes for them all, and each server's hot swap checks what it publishes.
+A job waiting to tune the host at start (``start_reason``) is dropped once the served version
+is a tuned one: another server's job got there first.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.traffic import Traffic, TrafficError, mix_distance
+from ..runtime.versions import RETUNE_LOCK
 from .metrics import ModelMetrics
 from .swap import HotSwap
 from .traffic_log import TrafficLog
@@ -99,6 +103,7 @@ class RetunePolicy:
         self.settings, self.hot_swap, self.traffic = settings, hot_swap, traffic
         self.edges, self.max_seq_len, self.metrics, self.say = edges, max_seq_len, metrics, say
         self.slot = slot or JobSlot()
+        self._store_lock = hot_swap.store.lock(RETUNE_LOCK)  # other servers' jobs on this store
         self._waiting_said = False  # that a job waits for the slot, once per wait
         self.process: subprocess.Popen | None = None
         self._started = float("-inf")
@@ -151,6 +156,9 @@ class RetunePolicy:
             if self.hot_swap.version <= self._job[0]:  # (not a later version: refused)
                 self._tried_without_change("its version was not swapped in")
         observed = self.traffic.traffic.row_weights()
+        if self._start_reason is not None and self.hot_swap.store.tuned(self.hot_swap.version):
+            self._start_reason = None
+            self.say(f"not tuning at start: version {self.hot_swap.version} is tuned (another server's job)")
         if self._start_reason is not None:
             if self.start(self._start_reason, observed):
                 self._start_reason = None
@@ -179,23 +187,32 @@ class RetunePolicy:
 
     def start(self, reason: str, observed: dict[int, float]) -> bool:
         """Runs the job on a snapshot of the traffic, whose mix is ``observed``, unless another
-        model's job holds the slot (False: the next checks try again)."""
+        model's job holds the slot or another server's the store (False: the next checks try
+        again)."""
+        busy = None
         if self.slot.holder is not None and self.slot.holder is not self:
+            busy = "another model's job is running"
+        elif not self._store_lock.acquire(wait=False):
+            busy = f"another server's job on {self.hot_swap.store.root} is running"
+        if busy is not None:
             if not self._waiting_said:
                 self._waiting_said = True
-                self.say(f"re-tuning ({reason}) waits: another model's job is running")
+                self.say(f"re-tuning ({reason}) waits: {busy}")
             return False
         self._waiting_said = False
         folder = self.hot_swap.store.root / RETUNE_DIR
-        folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        snapshot = folder / f"traffic-{stamp}.json"
-        self.traffic.traffic.save(snapshot)
-        self._job = (self.hot_swap.version, observed)
-        log_path = self._log_path = folder / f"job-{stamp}.log"
-        with log_path.open("w") as job_log:
-            self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
-                                            stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        snapshot, log_path = folder / f"traffic-{stamp}.json", folder / f"job-{stamp}.log"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.traffic.traffic.save(snapshot)
+            with log_path.open("w") as job_log:
+                self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
+                                                stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            self._store_lock.release()  # no job: the other servers may run theirs
+            raise
+        self._job, self._log_path = (self.hot_swap.version, observed), log_path
         self.slot.holder = self
         # Before the job has started any thread or process of its own (Python takes longer to start).
         os.setpriority(os.PRIO_PROCESS, self.process.pid, self.settings.nice)
@@ -227,6 +244,7 @@ class RetunePolicy:
         self.say(f"re-tuning job {self.process.pid} {outcome} (exit {code}) after {elapsed:.0f} s")
         self.process = None
         self.slot.holder = None
+        self._store_lock.release()
         if outcome == "not-faster":
             self._tried_without_change("no faster plans")
         elif outcome == "published":
@@ -251,6 +269,7 @@ class RetunePolicy:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self._kill()
+        self._store_lock.release()
 
     def _kill(self) -> None:
         """The job and the worker processes it started: its own process group (``start``). Its

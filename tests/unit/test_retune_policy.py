@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,6 +186,48 @@ def test_one_job_at_a_time_across_models_and_the_waiting_one_starts_after(tmp_pa
     assert second_metrics.retune_runs.labels("not-faster")._value.get() == 1
     assert second_metrics.retune_runs.labels("published")._value.get() == 0
     assert slot.holder is None
+
+
+_HOLD_LOCK = """
+import sys, time
+from dietserve.runtime.versions import RETUNE_LOCK, VersionStore
+lock = VersionStore(sys.argv[1]).lock(RETUNE_LOCK)
+assert lock.acquire(wait=False)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_job_waits_while_another_server_runs_one_on_the_same_store(tmp_path):
+    """Replicas sharing a store: another process (a server on another node) holds the store's
+    re-tuning lock, so this server's job waits; once that process is gone it starts."""
+    policy, metrics, said = _policy(tmp_path, 0, drift_threshold=0.5, min_rows=1, min_interval_seconds=0)
+    other = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(policy.hot_swap.store.root)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        _record(policy, 400, 10)
+        policy.step()
+        policy.step()
+        assert policy.process is None
+        assert sum(f"waits: another server's job on {policy.hot_swap.store.root}" in line for line in said) == 1
+    finally:
+        other.kill()
+        other.wait()
+    policy.step()  # the kernel dropped the dead holder's lock
+    assert policy.process is not None
+    _finish(policy)
+    assert metrics.retune_runs.labels("published")._value.get() == 1
+
+
+def test_tuning_at_start_is_dropped_once_another_servers_job_tuned_the_served_version(tmp_path):
+    policy, _metrics, said = _policy(tmp_path, 0, publish=True, start_reason="no tuned version for this host",
+                                     drift_threshold=0.5, min_rows=1, min_interval_seconds=0)
+    store = policy.hot_swap.store
+    (store.path(policy.hot_swap.version) / "plans").mkdir()  # as another server's job left it, swapped in
+    policy.step()
+    assert policy.process is None
+    assert any("not tuning at start: version 1 is tuned (another server's job)" in line for line in said)
 
 
 def test_stopping_kills_the_job_and_the_processes_it_started(tmp_path):
