@@ -28,6 +28,7 @@ import threading
 import time
 
 import numpy as np
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotations here
 
 DIMENSIONS = 384
 BODY = json.dumps({"model": "m", "input": ["A man is eating food while reading the news."],
@@ -60,7 +61,7 @@ async def start_aiohttp() -> tuple[int, object]:
 
 
 def _fastapi_app(call_core):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
     app = FastAPI()
