@@ -1,18 +1,23 @@
 """``serve`` tunes its host by itself (``--auto-tune``, the default on a CPU), with a tiny budget:
-a first start serves the untuned kernels at once and tunes in the background; the version it
-publishes is checked and swapped in while requests flow, every answer right (transformers-exact
-to 1e-4, as the untuned engine answers); a restart serves the tuned version and tunes nothing;
-a version built for another CPU is not served."""
+two replicas started together on one empty store (a volume several servers mount) serve the
+untuned kernels at once, one publishing them while the other waits; one tunes in the background
+while the other's job waits; both check and swap in the version it publishes while requests
+flow, every answer right (to 1e-4, as the untuned engine answers); a restart serves the tuned
+version and tunes nothing; a version built for another CPU is not served. The small generated
+reranker is the model: its tunes take seconds."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from dietserve.commands.auto_tune import unfit_for_host
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.engine import Engine
 from dietserve.runtime.manifest import MANIFEST_FILE, Manifest
 from dietserve.runtime.versions import PLANS_DIR, VersionStore
 
@@ -25,43 +30,57 @@ pytestmark = pytest.mark.slow
 MODEL = "auto"
 
 
-def _flags(store: Path, records: Path, cache_dir: Path) -> tuple[str, ...]:
+def _flags(store: Path, records: Path, cache_dir: Path, model: Path) -> tuple[str, ...]:
     return ("--artifact-store", str(store), "--watch-seconds", "0.5", "--swap-min-gain", "0",
             "--retune-trials", "2", "--retune-check-seconds", "1", "--retune-db", str(records),
-            "--model", "default", "--max-batch", str(MAX_BATCH), "--cache-dir", str(cache_dir))
+            "--model", str(model), "--max-batch", str(MAX_BATCH), "--cache-dir", str(cache_dir))
 
 
 def _job_log(store: Path) -> str:
     return "\n".join(path.read_text()[-3000:] for path in sorted((store / "retune").glob("job-*.log")))
 
 
-def test_first_start_tunes_in_the_background_and_a_restart_serves_the_tuned_version(
-        tmp_path: Path, cache_dir: Path, minilm_artifact: Path, minilm_engine) -> None:
+def test_replicas_tune_their_host_once_and_a_restart_serves_the_tuned_version(
+        tmp_path: Path, cache_dir: Path, reranker_artifact) -> None:
     store_dir, records = tmp_path / "store", tmp_path / "records.jsonl"
     store = VersionStore(store_dir)
-    server = ServerProcess(None, *_flags(store_dir, records, cache_dir), model_name=MODEL)
-    client = SteadyClient(server, minilm_engine, MODEL)
+    flags = _flags(store_dir, records, cache_dir, reranker_artifact[0])
+    engine = Engine(load_artifact(reranker_artifact[1]))
+    # Two replicas sharing the store, started together (a volume several servers mount).
+    with ThreadPoolExecutor(2) as pool:
+        replicas = list(pool.map(lambda _: ServerProcess(None, *flags, model_name=MODEL), range(2)))
+    clients = [SteadyClient(server, engine, MODEL, "logits") for server in replicas]
     try:
-        assert store.current() == 1 and not (store.path(1) / PLANS_DIR).exists()  # untuned, served at once
+        assert store.versions() == [1] and not (store.path(1) / PLANS_DIR).exists()  # untuned, served at once
         deadline = time.monotonic() + 1200
-        while total(metrics(server), "dietserve_swaps_total") < 1:
-            assert time.monotonic() < deadline, "no swap:\n" + server.log()[-3000:]
-            assert server.process.poll() is None and store.rejected(2) is None, server.log()[-3000:]
-            assert "failed (exit" not in server.log(), _job_log(store_dir)
-            time.sleep(2)
-        time.sleep(3)  # requests on the tuned version
+        while min(total(metrics(server), "dietserve_swaps_total") for server in replicas) < 1:
+            assert time.monotonic() < deadline, "no swap:\n" + "\n\n".join(s.log()[-2000:] for s in replicas)
+            for server in replicas:
+                assert server.process.poll() is None and store.rejected(2) is None, server.log()[-3000:]
+                assert "failed (exit" not in server.log(), _job_log(store_dir)
+            time.sleep(1)
+        time.sleep(2)  # requests on the tuned version
     finally:
-        client.stop()
-        server.stop()
-    log = server.log()
-    assert client.failures == [] and client.answers > 10, client.failures[:5]
-    assert "re-tuning (no tuned version for this host)" in log and "published (exit 0)" in log, log[-3000:]
-    assert store.current() == 2 and (store.path(2) / PLANS_DIR).is_dir()
+        for client in clients:
+            client.stop()
+        for server in replicas:
+            server.stop()
+    logs = [server.log() for server in replicas]
+    for client in clients:
+        assert client.failures == [] and client.answers > 10, client.failures[:5]
+    assert store.versions() == [1, 2] and store.current() == 2 and store.tuned(2), logs
+    # One published the untuned version while the other waited for it; one job ran while the
+    # other server's waited, and both swapped in what it published.
+    assert sum("published the untuned artifact as version 1" in log for log in logs) == 1, logs
+    assert sum(log.count("re-tuning (no tuned version for this host): pid") for log in logs) == 1, logs
+    assert any("waits: another server's job on" in log for log in logs), logs
+    assert all("published (exit 0)" in log or "checked against the served version and swapped in" in log
+               for log in logs), logs
 
-    restarted = ServerProcess(None, *_flags(store_dir, records, cache_dir), model_name=MODEL)
+    restarted = ServerProcess(None, *flags, model_name=MODEL)
     try:
         time.sleep(3)  # the policy checks at once: a job would have started
-        again = SteadyClient(restarted, minilm_engine, MODEL)
+        again = SteadyClient(restarted, engine, MODEL, "logits")
         time.sleep(2)
         again.stop()
     finally:
@@ -73,8 +92,7 @@ def test_first_start_tunes_in_the_background_and_a_restart_serves_the_tuned_vers
     manifest = json.loads((store.path(2) / MANIFEST_FILE).read_text())
     manifest["target"]["mcpu"] = "skylake-avx512"
     (store.path(2) / MANIFEST_FILE).write_text(json.dumps(manifest))
-    third = ServerProcess(None, *_flags(store_dir, records, cache_dir), "--retune-time-budget", "1",
-                          model_name=MODEL)
+    third = ServerProcess(None, *flags, "--retune-time-budget", "1", model_name=MODEL)
     third.stop()
     assert "version 2 of" in third.log() and "does not fit this host: built for mcpu skylake-avx512" in third.log()
     assert "serving version 1 of" in third.log() and "no tuned version for this host" in third.log()

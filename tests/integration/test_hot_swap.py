@@ -52,13 +52,14 @@ def _cli(*args: str) -> str:
 
 
 class SteadyClient:
-    """Sends requests of varied lengths back to back and checks every answer."""
+    """Sends requests of varied lengths back to back and checks every answer (``output``, as
+    ``engine`` answers)."""
 
-    def __init__(self, server: ServerProcess, engine, model: str = MODEL):
-        self.model = model
+    def __init__(self, server: ServerProcess, engine, model: str = MODEL, output: str = "sentence_embedding"):
+        self.model, self.output = model, output
         rng = np.random.default_rng(11)
         self.cases = [rng.integers(1000, 5000, size=(1, int(n))) for n in rng.integers(4, 120, size=12)]
-        self.expected = [engine.run(ids).sentence_embedding for ids in self.cases]
+        self.expected = [engine.run(ids).named()[output] for ids in self.cases]
         self.url, self.answers, self.failures = server.grpc_url, 0, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
@@ -72,7 +73,7 @@ class SteadyClient:
                 tensor = triton.InferInput("input_ids", list(ids.shape), "INT64")
                 tensor.set_data_from_numpy(ids)
                 try:
-                    got = client.infer(self.model, [tensor], client_timeout=60).as_numpy("sentence_embedding")
+                    got = client.infer(self.model, [tensor], client_timeout=60).as_numpy(self.output)
                     if not np.allclose(got, self.expected[index % len(self.cases)], atol=ATOL):
                         self.failures.append(f"wrong answer for case {index % len(self.cases)}")
                 except triton.InferenceServerException as err:

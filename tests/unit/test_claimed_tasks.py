@@ -11,13 +11,14 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from dietserve.host.cpu import configure_cpu_threads, target_cores
-from dietserve.kernels.apply import apply_kernel, apply_variant
+from dietserve.kernels.apply import apply_variant
 from dietserve.kernels.cpu_packed.claimed_tasks import claimed_tasks
 from dietserve.kernels.cpu_packed.packing import pack_array
 from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.tir.build import build
 from tuner.ops import dense, random_inputs
 
+from .kernel_builds import build_each
 from .test_packed_kernels import SHAPES, fitting_space
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -91,14 +92,13 @@ def test_every_packed_kernel_with_claimed_tasks_matches_numpy(workers: int) -> N
     blocked = MicroKernel(tile=(("i", (4,)), ("j", (24, 1, 2)), ("k", (32,))), vector=8, pack=24)
     kernels.append(blocked)
     where = tvm.target.Target({"kind": "llvm", "num-cores": workers})  # its cores: the workers
-    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, where).with_attr(
-        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    functions = build_each(spec.func, kernels, TARGET, where)
     for index, kernel in enumerate(kernels):
         for length in SHAPES:
             inputs = random_inputs(spec, {"T": length}, seed=length)
             arguments = [pack_array(x, kernel.pack) if i == 1 else x for i, x in enumerate(inputs)]
             out = tvm.runtime.tensor(np.full(spec.output_shape({"T": length}), np.nan, "float32"))
-            functions[f"k{index}"](*[tvm.runtime.tensor(x) for x in arguments], out)
+            functions[index](*[tvm.runtime.tensor(x) for x in arguments], out)
             np.testing.assert_allclose(out.numpy(), spec.reference(*inputs), rtol=1e-4, atol=1e-4,
                                        err_msg=f"{kernel} T={length} workers={workers}")
 

@@ -23,6 +23,7 @@ from tuner.ops import attention_context, attention_scores, dense, random_inputs
 from tuner.space import task_space
 from tuner.space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
 
+from .kernel_builds import build_each
 from .test_packed_kernels import fma_loops
 
 SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
@@ -33,8 +34,7 @@ AVX2 = CPU_PRESETS["avx2"]
 def _check_every_kernel(spec) -> None:
     kernels = task_space(cpu_space(AVX2) + packed_cpu_space(AVX2) + clamped_cpu_space(AVX2), spec.func)
     assert kernels and all(is_clamped(k) for k in kernels)
-    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
-        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    functions = build_each(spec.func, kernels, TARGET)
     for length in SHAPES:
         shape = {"T": length}
         inputs = random_inputs(spec, shape, seed=length)
@@ -42,7 +42,7 @@ def _check_every_kernel(spec) -> None:
         arguments = [tvm.runtime.tensor(x) for x in inputs]
         for index, kernel in enumerate(kernels):
             out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
-            functions[f"k{index}"](*arguments, out)
+            functions[index](*arguments, out)
             np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=f"{kernel} T={length}")
 
 
@@ -186,8 +186,7 @@ def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_produc
     spec = spec_from_prim_func(*found[0])
     kernels = task_space(clamped_cpu_space(AVX2), spec.func)
     assert kernels and all(is_clamped(k) for k in kernels)
-    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
-        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    functions = build_each(spec.func, kernels, TARGET)
     rng = np.random.default_rng(0)
     for batch, length in ((1, 1), (2, 7), (1, 129)):
         shape = {"batch": batch, "seq_len": length}
@@ -195,5 +194,5 @@ def test_every_clamped_kernel_compiles_and_matches_for_the_models_context_produc
         expected = spec.expected(shape, inputs)
         for index, kernel in enumerate(kernels):
             out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
-            functions[f"k{index}"](*[tvm.runtime.tensor(x) for x in inputs], out)
+            functions[index](*[tvm.runtime.tensor(x) for x in inputs], out)
             np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=f"{kernel} {shape}")

@@ -25,6 +25,8 @@ from tuner.ops import attention_scores, dense, random_inputs
 from tuner.space import task_space
 from tuner.space.cpu import WHOLE_TASK_L2_SHARE, cpu_space, packed_cpu_space
 
+from .kernel_builds import build_each
+
 SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 AVX2 = CPU_PRESETS["avx2"]
@@ -49,11 +51,10 @@ def test_every_packed_kernel_matches_numpy_at_every_length() -> None:
     kernels = fitting_space(spec)
     assert kernels and all(k.pack for k in kernels)
     assert {packed_tile(k)[0] for k in kernels} == {1, 2, 3, 4, 5, 6}  # every register-tile height
-    functions = build(tvm.IRModule({f"k{i}": apply_kernel(spec.func, k, "llvm").with_attr(
-        "global_symbol", f"k{i}") for i, k in enumerate(kernels)}), TARGET)
+    functions = build_each(spec.func, kernels, TARGET)
     for index, kernel in enumerate(kernels):
         for length in SHAPES:
-            got, expected = run(functions[f"k{index}"], spec, kernel, length)
+            got, expected = run(functions[index], spec, kernel, length)
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{kernel} T={length}")
 
 
