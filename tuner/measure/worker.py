@@ -62,7 +62,7 @@ def _freeze(value):
     return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
 
 
-class _Session:
+class _Connection:
     """Where the compiled candidate runs: this process's device, or a remote one over TVM RPC."""
 
     def __init__(self, config: dict, target_kind: str, threads: int | None):
@@ -100,8 +100,8 @@ class _Session:
         return tvm.runtime.tensor(array, device=self.device)
 
 
-# One session per device for the worker's life, so an RPC session is requested once, not per job.
-_SESSIONS: dict[tuple, _Session] = {}
+# One connection per device for the worker's life, so an RPC connection is requested once, not per job.
+_CONNECTIONS: dict[tuple, _Connection] = {}
 # Candidates built and checked, the most recently used ``WorkerJob.builds_kept``: a kernel is
 # symbolic in the shape, so one build serves every shape it is timed on.
 _BUILDS: OrderedDict[str, object] = OrderedDict()
@@ -112,12 +112,12 @@ def _failure(err: Exception) -> MeasureResult:
 
 
 def measure(work: WorkerJob) -> MeasureResult:
-    """Build, check and time one candidate; never raises. A job that raised forgets the sessions and
+    """Build, check and time one candidate; never raises. A job that raised forgets the connections and
     builds: the remote end may be what failed."""
     try:
         return _measure(work, time.perf_counter())
     except Exception as err:  # noqa: BLE001 - a failing candidate is a result, not a crash
-        _SESSIONS.clear()
+        _CONNECTIONS.clear()
         _BUILDS.clear()
         return _failure(err)
 
@@ -156,7 +156,7 @@ def compiled(work: WorkerJob, spec):
     return build(scheduled, target)
 
 
-def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, kernel):
+def _built_and_checked(work: WorkerJob, spec, recipe: tuple, connection: _Connection, kernel):
     """(the candidate compiled, loaded and checked on the sample shape, whether it was kept from
     before); or the error message of a wrong one (not kept)."""
     import tvm
@@ -166,13 +166,13 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, session: _Session, 
         _BUILDS.move_to_end(key)
         return _BUILDS[key], True
     # ``work.library``: compiled by a builder worker (``compile_only``; local only)
-    module = tvm.runtime.load_module(work.library) if work.library else session.load(compiled(work, spec))
+    module = tvm.runtime.load_module(work.library) if work.library else connection.load(compiled(work, spec))
     check_key = tuple(sorted(work.job.check_shape.items()))
     pack, mma = (0, False) if kernel is None else (kernel.pack, bool(kernel.mma))
     expected = _expected(recipe, check_key, mma)
     tolerance = (MMA_CHECK_TOLERANCE,) * 2 if mma else (CHECK_RTOL, CHECK_ATOL)
-    output = session.tensor(np.full(expected.shape, np.nan, "float32"))
-    inputs = [session.tensor(x) for x in _kernel_inputs(recipe, check_key, pack)]
+    output = connection.tensor(np.full(expected.shape, np.nan, "float32"))
+    inputs = [connection.tensor(x) for x in _kernel_inputs(recipe, check_key, pack)]
     module["main"](*spec.call_arguments(dict(check_key), inputs, output))
     got = output.numpy()
     if not np.allclose(got, expected, rtol=tolerance[0], atol=tolerance[1]):
@@ -191,12 +191,12 @@ def _measure(work: WorkerJob, started: float) -> MeasureResult:
     job, recipe = work.job, _freeze(work.job.recipe)
     spec = _spec(recipe)
     key = (tuple(sorted(work.device.items())), job.target["kind"], target_cores(job.target))
-    if key not in _SESSIONS:
-        _SESSIONS[key] = _Session(dict(work.device), job.target["kind"], key[2])
-    session = _SESSIONS[key]
+    if key not in _CONNECTIONS:
+        _CONNECTIONS[key] = _Connection(dict(work.device), job.target["kind"], key[2])
+    connection = _CONNECTIONS[key]
     kernel = None if job.kernel is None else MicroKernel.from_json(job.kernel)
     pack = 0 if kernel is None else kernel.pack
-    outcome = _built_and_checked(work, spec, recipe, session, kernel)
+    outcome = _built_and_checked(work, spec, recipe, connection, kernel)
     if isinstance(outcome, str):  # a wrong result
         return MeasureResult.failed(outcome)
     (module, reused), build_seconds = outcome, time.perf_counter() - started
@@ -204,11 +204,11 @@ def _measure(work: WorkerJob, started: float) -> MeasureResult:
         return MeasureResult(build_seconds=build_seconds, build_reused=reused)
     latencies = []
     for shape in job.shapes:
-        arrays = [session.tensor(x) for x in _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)]
-        output = session.tensor(np.empty(spec.output_shape(dict(shape)), "float32"))
+        arrays = [connection.tensor(x) for x in _kernel_inputs(recipe, tuple(sorted(shape.items())), pack)]
+        output = connection.tensor(np.empty(spec.output_shape(dict(shape)), "float32"))
         arguments = spec.call_arguments(dict(shape), arrays, output)
-        latencies.append(work.timing.time(module, session.device, arguments, job.abandon_above_s,
-                                          local=session.remote is None))
+        latencies.append(work.timing.time(module, connection.device, arguments, job.abandon_above_s,
+                                          local=connection.remote is None))
     return MeasureResult(latencies=tuple(latencies), build_seconds=build_seconds, build_reused=reused)
 
 
