@@ -21,11 +21,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.config import config_from_args
 
     logging.basicConfig(level=logging.INFO, format="[dietserve] %(levelname)s %(name)s: %(message)s")
-    given, stores = _given_artifacts(args), _given_stores(args)
+    given, stores = _given_sources(args)
     config = config_from_args(args, given[0] if given else None)  # checks the flags before a long compile
-    _check_sources(args, given, stores)
+    auto_tune = _auto_tune(args, stores)
+    _check_sources(args, given, stores, auto_tune)
     start_reason = None
-    if _auto_tune(args, stores):
+    if auto_tune:
         store, version, start_reason = _open_auto_tuned_store(args, stores)
         served_stores = [(store, version)]
     else:
@@ -46,11 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hot_swaps = [None] * len(given) + [HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
                                        for store, version in served_stores]
     sources = _model_sources(names, directories, hot_swaps, load_engine)
-    retune = None
-    if args.retune or start_reason:
-        if not served_stores:
-            raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
-        retune = retune_settings(args, start_reason)
+    retune = retune_settings(args, start_reason) if args.retune or start_reason else None
     return asyncio.run(serve(config, sources, say, retune=retune))
 
 
@@ -69,8 +66,8 @@ def _model_sources(names: list[str], directories: list[Path], hot_swaps: list, l
     where it comes from a version store; a name two artifacts would share is refused here, before
     anything loads."""
     from ..model.tokenizer import TextTokenizer
-    from ..server.app import ModelSource
     from ..server.model import served_names
+    from ..server.served_artifact import ModelSource
 
     try:
         served_names(names)
@@ -89,39 +86,30 @@ def _model_sources(names: list[str], directories: list[Path], hot_swaps: list, l
             for name, directory, hot_swap in zip(names, directories, hot_swaps, strict=True)]
 
 
-def _repository(args: argparse.Namespace) -> list[Path]:
-    """``--model-repository``'s subfolders: artifacts and version stores, by name."""
-    repository = args.model_repository
-    if repository is None:
-        return []
-    if not repository.is_dir():
-        raise SystemExit(f"error: --model-repository {repository} is not a directory")
-    return sorted(path for path in repository.iterdir() if path.is_dir())
-
-
-def _given_artifacts(args: argparse.Namespace) -> list[Path]:
-    """The ``--artifact`` directories, then each subfolder of ``--model-repository`` holding an
-    artifact (by name, as Triton's model repository)."""
-    return list(args.artifact or []) + [path for path in _repository(args) if (path / "manifest.json").is_file()]
-
-
-def _given_stores(args: argparse.Namespace) -> list[Path]:
-    """The ``--artifact-store`` directories, then each version store in ``--model-repository``
-    (a subfolder with ``versions/``, as `dietserve publish` writes). A repository with neither
-    artifacts nor stores is refused."""
+def _given_sources(args: argparse.Namespace) -> tuple[list[Path], list[Path]]:
+    """(artifacts, version stores): the ``--artifact`` and ``--artifact-store`` directories, then
+    each subfolder of ``--model-repository`` by name (as Triton's model repository) holding an
+    artifact (``manifest.json``, as `dietserve compile` writes) or a store (``versions/``, as
+    `dietserve publish` writes). A repository with neither is refused."""
     from ..runtime.versions import VERSIONS_DIR
 
-    found = _repository(args)
-    stores = [path for path in found if (path / VERSIONS_DIR).is_dir()]
-    if args.model_repository is not None and not any((path / "manifest.json").is_file() for path in found) \
-            and not stores:
-        raise SystemExit(f"error: --model-repository {args.model_repository} has no artifact (a subfolder with a "
+    artifacts, stores = list(args.artifact or []), list(args.artifact_store or [])
+    repository = args.model_repository
+    if repository is None:
+        return artifacts, stores
+    if not repository.is_dir():
+        raise SystemExit(f"error: --model-repository {repository} is not a directory")
+    found = sorted(path for path in repository.iterdir() if path.is_dir())
+    in_artifacts = [path for path in found if (path / "manifest.json").is_file()]
+    in_stores = [path for path in found if (path / VERSIONS_DIR).is_dir()]
+    if not in_artifacts and not in_stores:
+        raise SystemExit(f"error: --model-repository {repository} has no artifact (a subfolder with a "
                          "manifest.json, as `dietserve compile` writes) and no version store (a subfolder with "
                          "versions/, as `dietserve publish` writes)")
-    return list(args.artifact_store or []) + stores
+    return artifacts + in_artifacts, stores + in_stores
 
 
-def _check_sources(args: argparse.Namespace, given: list[Path], stores: list[Path]) -> None:
+def _check_sources(args: argparse.Namespace, given: list[Path], stores: list[Path], auto_tune: bool) -> None:
     """Refuses flag combinations that cannot hold, before anything is compiled or loaded."""
     if args.swap_min_gain < 0:
         raise SystemExit(f"error: --swap-min-gain must be 0 or more, got {args.swap_min_gain}")
@@ -132,28 +120,24 @@ def _check_sources(args: argparse.Namespace, given: list[Path], stores: list[Pat
     if served > 1 and args.traffic_file is not None:
         raise SystemExit("error: --traffic-file records one artifact's traffic (for re-tuning it); it cannot be "
                          f"used with {served} artifacts (each store's job gets its model's traffic)")
-    if args.retune and not stores and (given or not _auto_tune_asked(args, stores)):
+    if args.retune and not stores and not auto_tune:
         raise SystemExit("error: --retune needs --artifact-store (new versions are published there)")
 
 
 def _auto_tune(args: argparse.Namespace, stores: list[Path]) -> bool:
-    """Whether this server tunes its host (``auto_tune.py``): asked, on a CPU, not serving a
-    given artifact, and with the tuner's packages installed (else said why not)."""
+    """Whether this server tunes its host (``auto_tune.py``): asked, on a CPU, serving one model
+    (the default model's store, or the one store given), and with the tuner's packages installed
+    (else said why not)."""
     from .auto_tune import tuner_installed
 
-    if not _auto_tune_asked(args, stores):
+    if not (args.auto_tune and args.target == "llvm" and args.artifact is None and args.model_repository is None
+            and len(stores) <= 1):
         return False
     if not tuner_installed():
         say("not tuning for this host: the tuner's packages are not installed (pip install 'dietserve[tune]', "
             "as make serve does); serving the untuned kernels")
         return False
     return True
-
-
-def _auto_tune_asked(args: argparse.Namespace, stores: list[Path]) -> bool:
-    """Serving one model of this CPU: the default model's store, or the one store given."""
-    return (args.auto_tune and args.target == "llvm" and args.artifact is None and args.model_repository is None
-            and len(stores) <= 1)
 
 
 def _open_store(root: Path):

@@ -22,25 +22,22 @@ import logging
 import signal
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from ..model.tokenizer import TextTokenizer
 from ..runtime.batcher import BatchRun, DynamicBatcher, bucket_edges
-from ..runtime.engine import Engine
-from ..runtime.memory import resident_bytes
 from . import grpc_server
 from .batch_metrics import BatchRecorder
 from .config import ServerConfig
 from .grpc_server import SERVICE_NAME
 from .http_server import HttpServer
 from .inference import Inference, ServingState
-from .metrics import ModelMetrics, ServerMetrics
+from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
 from .retune import JobSlot, RetunePolicy, RetuneSettings
-from .swap import HotSwap, MeasuredGain, Swapper
+from .served_artifact import ModelSource, ServedArtifact, warm_up
+from .swap import MeasuredGain, Swapper
 from .traffic_log import TrafficLog
 
 log = logging.getLogger("dietserve.server")
@@ -50,51 +47,6 @@ log = logging.getLogger("dietserve.server")
 MEMORY_SLACK = 0.05
 RETUNE_BUCKET_RATIO = 1.5  # length buckets over which traffic drift is measured
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def warm_up(engine: Engine, rows: int) -> int:
-    """Runs a small shape and the largest batch the server forms (``rows``) at the longest
-    sequence: first touch of the weights and of the planned buffers, thread pool start. Returns
-    the resident bytes afterwards: what the server needs for any batch it forms. A single request
-    with more rows (up to the artifact's bound) needs more while it runs; the pool is released
-    after it (``runtime/memory.py``). Warming up at the artifact's own bound instead would keep
-    its worst case resident for good."""
-    import numpy as np
-
-    for batch, seq in ((1, 8), (min(rows, engine.max_batch), engine.max_seq_len)):
-        ids = np.ones((batch, min(seq, engine.max_seq_len)), np.int64)
-        engine.execute(ids, np.ones_like(ids), np.zeros_like(ids))
-    return resident_bytes()
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """An artifact to serve: the name of its ids model (its text model is ``name-text``), how to
-    load it (on a worker thread), and, served from a version store, its hot swap (the version
-    loaded, the store it watches)."""
-
-    name: str
-    load: Callable[[], tuple[Engine, TextTokenizer]]
-    hot_swap: HotSwap | None = None
-
-
-@dataclass
-class ServedArtifact:
-    """One source's parts in the server; engine, tokenizer and batcher once loaded."""
-
-    source: ModelSource
-    metrics: ModelMetrics
-    traffic: TrafficLog
-    gain: MeasuredGain
-    say: Callable[[str], None]  # the server's, naming the model when there are several
-    engine: Engine | None = None
-    tokenizer: TextTokenizer | None = None
-    batcher: DynamicBatcher | None = None
-    models: dict[str, ServedModel] = field(default_factory=dict)  # its ids and text models
-
-    @property
-    def name(self) -> str:
-        return self.source.name
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -257,7 +209,7 @@ class Server:
         process, whichever engine runs) at what they all hold after warming up."""
         loop = asyncio.get_running_loop()
         for served in self.artifacts.values():
-            served.engine, served.tokenizer = await loop.run_in_executor(None, served.source.load)
+            served.loaded, served.tokenizer = await loop.run_in_executor(None, served.source.load)
             self._settled_bytes = await loop.run_in_executor(None, warm_up, served.engine, self.config.max_batch_size)
         first, *others = (served.engine for served in self.artifacts.values())
         first.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))

@@ -131,7 +131,7 @@ VARIANTS = {"aiohttp (same loop)": start_aiohttp, "fastapi+uvicorn (same loop)":
             "fastapi+uvicorn (own thread)": start_uvicorn_thread}
 
 
-def _client(port: int, seconds: float, latencies: list, stop_at: float) -> None:
+def _client(port: int, latencies: list, stop_at: float) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"Content-Type": "application/json"}
     while time.perf_counter() < stop_at:
@@ -149,10 +149,10 @@ def _client(port: int, seconds: float, latencies: list, stop_at: float) -> None:
 def drive(port: int, clients: int, seconds: float) -> list[float]:
     """In a client process: ``clients`` closed-loop threads for ``seconds`` after a 1 s warm-up."""
     warm: list[float] = []
-    _client(port, 1.0, warm, time.perf_counter() + 1.0)
+    _client(port, warm, time.perf_counter() + 1.0)
     per_thread: list[list[float]] = [[] for _ in range(clients)]
     stop_at = time.perf_counter() + seconds
-    threads = [threading.Thread(target=_client, args=(port, seconds, per_thread[i], stop_at)) for i in range(clients)]
+    threads = [threading.Thread(target=_client, args=(port, per_thread[i], stop_at)) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:

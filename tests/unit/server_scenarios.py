@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from dietserve.runtime.engine import EncoderOutput
-from dietserve.server.app import ModelSource, Server
+from dietserve.server.app import Server
 from dietserve.server.config import ServerConfig
+from dietserve.server.served_artifact import ModelSource
 
 
 class Engine:

@@ -15,8 +15,9 @@ from pathlib import Path
 from dietserve.model.tokenizer import TextTokenizer
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.server.app import ModelSource, Server
+from dietserve.server.app import Server
 from dietserve.server.config import ServerConfig
+from dietserve.server.served_artifact import ModelSource
 
 
 class FaultyServer(Server):
