@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .commands.common import DEFAULT_CACHE, add_build_flags, compile_request, say
+from .commands.common import DEFAULT_CACHE, add_build_flags, add_plans_flag, compile_request, say
 from .commands.serve import add_serve_command
 from .commands.store import add_store_commands
 
@@ -121,8 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_flags(compile_parser)
     compile_parser.add_argument("--out", type=Path, default=None,
                                 help="artifact directory to write (default: a cache entry named by content hash)")
-    compile_parser.add_argument("--plans", type=Path, action="append",
-                                help="kernel plan file or directory to link in (repeatable; from `tune`)")
+    add_plans_flag(compile_parser, files=True)
     compile_parser.set_defaults(run=cmd_compile)
 
     tune_parser = commands.add_parser(

@@ -21,6 +21,7 @@ from dietserve.host.cpu import target_cores
 from dietserve.host.hardware import GPU_PRESETS, last_level_cache_bytes
 from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError, plan_path
 from dietserve.kernels.plan.task_file import TaskFile
+from dietserve.kernels.space import task_space
 
 from .database.records import RecordDatabase
 from .extract import spec_from_prim_func
@@ -30,7 +31,6 @@ from .measure.runner import LocalRunner, MeasureOptions, RPCRunner
 from .measure.timing import TimingPolicy
 from .ops import EPILOGUES, attention_context, attention_scores, dense
 from .planning.weight_stream import DramRates
-from .space import task_space
 from .targets import resolve_target
 from .task import ShapeVar, TuningTask
 from .tune import TUNER_VERSION, TuneOptions, Tuner

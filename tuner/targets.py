@@ -9,9 +9,8 @@ import tvm
 
 from dietserve.host.hardware import GPU_PRESETS, CpuHardware, GpuHardware, detect_cpu
 from dietserve.kernels.plan.microkernel import MicroKernel
-
-from .space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
-from .space.gpu import gpu_space
+from dietserve.kernels.space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
+from dietserve.kernels.space.gpu import gpu_space
 
 
 @dataclass(frozen=True)

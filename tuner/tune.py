@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from dietserve.host.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space import task_space
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
@@ -30,7 +31,6 @@ from .planning import make_plan
 from .planning.weight_stream import DramRates
 from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
-from .space import task_space
 from .task import TuningTask
 
 TUNER_VERSION = 49  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned

@@ -3,11 +3,12 @@
 The versions live in a store (``--artifact-store``, else one per model and host under the cache).
 At start the server serves the version that fits this host: compiled for its CPU (the LLVM name
 and core count a build here would target) by this TVM. None fits (a first start, a new host, a new
-TVM): the untuned artifact is compiled (or taken from the cache) and published, and served at once.
-A version without kernel plans was not tuned: the re-tuning job then starts at once, for every
-length alike, and the hot swap checks and swaps in what it publishes. A restart finds the tuned
-version current and tunes nothing. A store serves one kind of host: versions that do not fit the
-host that opens it are rejected there.
+TVM): the cold-start artifact is compiled (or taken from the cache) and published, and served at
+once: its kernels planned from the hardware model (``--plans analytic``), or the default rule's
+(``--plans none``). A version whose manifest does not say its plans were measured was not tuned:
+the re-tuning job then starts at once, for every length alike, and the hot swap checks and swaps
+in what it publishes. A restart finds the tuned version current and tunes nothing. A store serves
+one kind of host: versions that do not fit the host that opens it are rejected there.
 """
 
 from __future__ import annotations
@@ -57,17 +58,17 @@ def unfit_for_host(manifest: Manifest, target: dict, tvm_version: str) -> str | 
     return None
 
 
-def version_to_serve(store: VersionStore, target: dict, compile_untuned: Callable[[], Path],
+def version_to_serve(store: VersionStore, target: dict, compile_cold: Callable[[], Path],
                      say: Callable[[str], None]) -> tuple[int, str | None]:
     """(the version to serve, why the host is to be tuned; None: that version is tuned for it).
     The store's own choice if it fits the host, else its newest fitting version, else the
-    untuned artifact compiled and published. Replicas sharing the store take turns (its publish
+    cold-start artifact compiled and published. Replicas sharing the store take turns (its publish
     lock): the first publishes, the others find that version and serve it."""
     with store.lock(PUBLISH_LOCK):
-        return _version_to_serve(store, target, compile_untuned, say)
+        return _version_to_serve(store, target, compile_cold, say)
 
 
-def _version_to_serve(store: VersionStore, target: dict, compile_untuned: Callable[[], Path],
+def _version_to_serve(store: VersionStore, target: dict, compile_cold: Callable[[], Path],
                       say: Callable[[str], None]) -> tuple[int, str | None]:
     tvm_version = metadata.version("apache-tvm")  # as tvm.__version__ says it, without importing TVM
     try:
@@ -85,7 +86,7 @@ def _version_to_serve(store: VersionStore, target: dict, compile_untuned: Callab
         say(f"version {version} of {store.root} does not fit this host: {reason}")
         # Rejected, so that the hot swap never takes it for a newer version (a store serves one host).
         store.reject(version, f"does not fit the host that opened the store: {reason}")
-    version = store.publish(compile_untuned())
+    version = store.publish(compile_cold())
     store.set_current(version)
-    say(f"published the untuned artifact as version {version} of {store.root}")
+    say(f"published the cold-start artifact as version {version} of {store.root}")
     return version, NOT_TUNED

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..runtime.manifest import PLAN_MODES, PLANS_ANALYTIC
+
 DEFAULT_CACHE = Path.home() / ".cache" / "dietserve"
 
 
@@ -47,9 +49,29 @@ def compile_request(args: argparse.Namespace):
     from ..compile.target import TargetSpec
 
     spec = TargetSpec(kind=args.target, mcpu=args.mcpu, num_cores=args.num_cores, arch=args.arch)
-    plans = tuple(getattr(args, "plans", None) or ())
+    given = list(getattr(args, "plans", None) or [PLANS_ANALYTIC])
+    modes = [plan for plan in given if plan in PLAN_MODES]
+    if modes and len(given) > 1:
+        raise SystemExit(f"--plans {' '.join(given)}: give either {' or '.join(PLAN_MODES)} once, or plan files "
+                         f"and folders")
+    plans = () if modes else tuple(Path(plan) for plan in given)
     return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
-                          pooling=args.pooling)
+                          analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling)
+
+
+def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:
+    """``--plans``: what chooses the dynamic operators' kernels in a model compiled here."""
+    choices = " or ".join(PLAN_MODES) + (", or plan files and folders (repeatable; from `tune`)" if files else "")
+    parser.add_argument("--plans", action="append", metavar="analytic|none" + ("|PATH" if files else ""),
+                        type=str if files else _plan_mode,
+                        help=f"{choices}. analytic (the default): planned from this CPU's hardware model, "
+                             f"measuring nothing; none: the default schedule rule")
+
+
+def _plan_mode(text: str) -> str:
+    if text not in PLAN_MODES:
+        raise argparse.ArgumentTypeError(f"{text!r}: give {' or '.join(PLAN_MODES)}")
+    return text
 
 
 def build_argv(args: argparse.Namespace) -> list[str]:

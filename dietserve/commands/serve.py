@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from .common import add_build_flags, build_argv, compile_request, say
+from .common import add_build_flags, add_plans_flag, build_argv, compile_request, say
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -135,7 +135,7 @@ def _auto_tune(args: argparse.Namespace, stores: list[Path]) -> bool:
         return False
     if not tuner_installed():
         say("not tuning for this host: the tuner's packages are not installed (pip install 'dietserve[tune]', "
-            "as make serve does); serving the untuned kernels")
+            "as make serve does); serving the cold-start kernels")
         return False
     return True
 
@@ -193,6 +193,7 @@ def add_serve_command(commands) -> None:
     serve_parser = commands.add_parser(
         "serve", help="serve the model over the KServe v2 / Triton gRPC protocol (compiles on first use)")
     add_build_flags(serve_parser)
+    add_plans_flag(serve_parser, files=False)
     serve_parser.add_argument("--artifact", type=Path, action="append", default=None,
                               help="serve this compiled artifact directory; repeat it to serve several (an embedder "
                                    "and a reranker), each under its manifest's model name")
@@ -212,7 +213,7 @@ def add_serve_command(commands) -> None:
     serve_parser.add_argument("--auto-tune", action=argparse.BooleanOptionalAction, default=True,
                               help="on a CPU without --artifact: serve from a version store (--artifact-store, "
                                    "default one per model and host under --cache-dir) and, when no version there "
-                                   "was tuned for this host, serve the untuned kernels at once and tune them in "
+                                   "was tuned for this host, serve the cold start (--plans) at once and tune in "
                                    "the background (the re-tuning job: --retune-* flags), then swap them in "
                                    "(default on; needs the tuner's packages)")
     retune_group = serve_parser.add_argument_group("re-tuning (with --artifact-store)")

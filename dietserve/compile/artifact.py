@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from ..host.cpu import target_cpu_flags
 from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
+from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.heads import parse_pooling_modes
@@ -27,7 +28,10 @@ from ..runtime.manifest import (
     LIBRARY_FILE,
     MANIFEST_FILE,
     PARAMS_FILE,
+    PLANS_ANALYTIC,
     PLANS_DIR,
+    PLANS_NONE,
+    PLANS_TUNED,
     ArtifactError,
     Manifest,
     sha256_file,
@@ -49,6 +53,9 @@ class CompileRequest:
     max_batch: int = 64
     seed: int = 0  # for the random-weight presets
     plans: tuple[Path, ...] = ()  # kernel plan files or directories (python -m dietserve tune)
+    # Without plans: plan every dynamic operator from the target's hardware model (the cold
+    # start, ``cold_start.py``), not leave them to the default rule.
+    analytic: bool = False
     # Pooling modes in place of the checkpoint's own (--pooling), concatenated in this order.
     pooling: tuple[str, ...] | None = None
 
@@ -144,6 +151,10 @@ def compile_artifact(
     progress(f"hashing weights in {checkpoint.weights_file}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(request.plans)
+    if not plans and request.analytic:
+        from .cold_start import analytic_plans
+
+        plans = analytic_plans(request, cache_dir, progress)
     for plan in plans:  # stale plans are refused before any work
         plan.check_target(link_target_fields(target), tvm_version())
     key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans)
@@ -175,7 +186,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     mod, parameters = export_relax(model, request.max_batch)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
-    tuned = f" with {len(plans)} tuned kernel plan(s)" if plans else ""
+    tuned = f" with {len(plans)} {plan_source(plans)} kernel plan(s)" if plans else ""
     progress(f"compiling {name} for {json.dumps(target_description(target))}{tuned} (this takes a minute)")
     operators: dict[str, dict] = {}
     functions: set[str] = set()
@@ -229,8 +240,18 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         dispatch=dispatch_table(operators, plans),
         transform_params=transform_params if transform_params in functions else None,
         build=request.build_record(),
+        kernel_plans=plan_source(plans),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
+
+
+def plan_source(plans: list[KernelPlan]) -> str:
+    """What the artifact's kernels were chosen by (``Manifest.kernel_plans``): ``tuned`` where
+    any plan came from measurements, ``analytic`` where all came from the hardware model,
+    ``none`` without plans (the default rule everywhere)."""
+    if not plans:
+        return PLANS_NONE
+    return PLANS_ANALYTIC if all(plan.provenance.get("source") == ANALYTIC_SOURCE for plan in plans) else PLANS_TUNED
 
 
 def dispatch_table(operators: dict[str, dict], plans: list[KernelPlan]) -> dict:

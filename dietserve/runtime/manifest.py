@@ -15,6 +15,8 @@ MANIFEST_FILE = "manifest.json"
 LIBRARY_FILE = "model.so"
 PARAMS_FILE = "params.safetensors"
 PLANS_DIR = "plans"  # the kernel plans linked into a tuned artifact
+PLANS_TUNED, PLANS_ANALYTIC, PLANS_NONE = "tuned", "analytic", "none"  # Manifest.kernel_plans
+PLAN_MODES = (PLANS_ANALYTIC, PLANS_NONE)  # what --plans takes besides plan files
 # 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights;
 # 4: the head (pooling recipe or classifier) and each output's shape
 FORMAT_VERSION = 4
@@ -57,6 +59,9 @@ class Manifest:
     # How it was built (compile/artifact.py CompileRequest.build_record): model, target, bounds.
     # A re-tuning job builds the served model from it. None: an artifact from before it was kept.
     build: dict | None = None
+    # What chose its kernels: PLANS_TUNED (measured on a host), PLANS_ANALYTIC (the hardware
+    # model, a cold start), PLANS_NONE (the default rule). None: from before it was kept.
+    kernel_plans: str | None = None
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 

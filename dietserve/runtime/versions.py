@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ..host.atomic_io import write_text_atomic
-from .manifest import MANIFEST_FILE, ArtifactError
+from .manifest import MANIFEST_FILE, PLANS_TUNED, ArtifactError, Manifest
 
 VERSIONS_DIR = "versions"
 CURRENT_FILE = "current"
@@ -90,8 +90,13 @@ class VersionStore:
         return StoreLock(self.root / name)
 
     def tuned(self, version: int) -> bool:
-        """Whether the version came from tuning (its kernel plans are kept beside it)."""
-        return (self.path(version) / PLANS_DIR).is_dir()
+        """Whether the version came from tuning: its manifest says its plans were measured (a
+        cold start's were not); one from before manifests said keeps plans only when tuned."""
+        try:
+            source = Manifest.read(self.path(version)).kernel_plans
+        except ArtifactError:
+            return False
+        return source == PLANS_TUNED if source is not None else (self.path(version) / PLANS_DIR).is_dir()
 
     def versions(self) -> list[int]:
         """Every complete version, oldest first (temporary directories are not versions)."""

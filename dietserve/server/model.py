@@ -157,6 +157,7 @@ class ServedModel:
             "target": manifest.target.get("kind", ""),
             "dynamic_operators": ",".join(self.engine.dispatch.operators),
             "cache_key": manifest.cache_key,
+            "kernel_plans": manifest.kernel_plans or "",
             "artifact_version": self.version,
         }
         for key, value in parameters.items():

@@ -12,13 +12,17 @@ and nothing for the rest of the model.
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
 
+Beside the untuned artifact (the default rule) every run measures the cold start's (``cold``:
+plans from the hardware model, ``--plans analytic``, nothing measured).
+
 With ``--tuned`` each model is first tuned with ``python -m dietserve tune`` (a real tuner
 process, records kept in the cache folder and reused by later runs) and its tuned artifact is
 measured beside the untuned one. Prints a table per model and batch, the variants per operator,
 the tuning time, a per-operator profile at one length, and a last line
 
     RESULT geomean_tuned_vs_untuned=X min_tuned_vs_untuned=Y geomean_vs_ort=Z geomean_vs_openvino=V
-           geomean_vs_torch=W geomean_vs_best=B min_vs_best=M
+           geomean_vs_torch=W geomean_vs_best=B min_vs_best=M geomean_cold_vs_tuned=C
+           min_cold_vs_tuned=D geomean_cold_vs_best=E
 
 (one line) where ratios above 1 mean ours is faster; "ours" is the tuned artifact with
 ``--tuned``, else the untuned one; "best" is the faster of ONNX Runtime and OpenVINO at each
@@ -150,7 +154,9 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
     max_batch = max(args.batches)
     untuned = Engine(load_artifact(compile_artifact(CompileRequest(model=model, max_batch=max_batch),
                                                     args.cache_dir, progress=say)), threads=args.threads)
-    engines = {"untuned": untuned}
+    cold = Engine(load_artifact(compile_artifact(CompileRequest(model=model, max_batch=max_batch, analytic=True),
+                                                 args.cache_dir, progress=say)), threads=args.threads)
+    engines = {"untuned": untuned, "cold": cold}
     if args.tuned:
         artifact, seconds = tune(model, args, max_batch)
         engines["tuned"] = Engine(load_artifact(artifact), threads=args.threads)
@@ -220,6 +226,9 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
             point = {"tuned_vs_untuned": times["untuned"] / times[ours], "vs_ort": times["ort"] / times[ours],
                      "vs_openvino": times["openvino"] / times[ours], "vs_best": best / times[ours],
                      "vs_torch": times["torch"] / times[ours]}
+            point["cold_vs_best"] = best / times["cold"]
+            if args.tuned:
+                point["cold_vs_tuned"] = times["tuned"] / times["cold"]
             for key, value in point.items():
                 ratios[key].append(value)
             paired = paired_ratio(samples[batch, seq], ours, ("ort", "openvino"))
@@ -260,14 +269,16 @@ def main() -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     ratios: dict[str, list[float]] = {key: [] for key in (
         "tuned_vs_untuned", "vs_ort", "vs_openvino", "vs_best", "vs_torch", "floor_vs_ours", "floor_vs_best",
-        "paired_vs_best")}
+        "paired_vs_best", "cold_vs_best", "cold_vs_tuned")}
     for model in args.models.split(","):
         bench_model(model, args, ratios)
     print(f"RESULT geomean_tuned_vs_untuned={geomean(ratios['tuned_vs_untuned']):.3f} "
           f"min_tuned_vs_untuned={min(ratios['tuned_vs_untuned']):.3f} "
           f"geomean_vs_ort={geomean(ratios['vs_ort']):.3f} geomean_vs_openvino={geomean(ratios['vs_openvino']):.3f} "
           f"geomean_vs_torch={geomean(ratios['vs_torch']):.3f} geomean_vs_best={geomean(ratios['vs_best']):.3f} "
-          f"min_vs_best={min(ratios['vs_best']):.3f}")
+          f"min_vs_best={min(ratios['vs_best']):.3f} geomean_cold_vs_tuned={geomean(ratios['cold_vs_tuned']):.3f} "
+          f"min_cold_vs_tuned={min(ratios['cold_vs_tuned'], default=float('nan')):.3f} "
+          f"geomean_cold_vs_best={geomean(ratios['cold_vs_best']):.3f}")
     print(f"PAIRED geomean_vs_best={geomean(ratios['paired_vs_best']):.3f} "
           f"min_vs_best={min(ratios['paired_vs_best']):.3f} (each point: the median over rounds of that round's "
           f"best/ours)")

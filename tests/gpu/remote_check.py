@@ -192,9 +192,9 @@ def _kernel_cases(quick: bool) -> list[dict]:
 
     from dietserve.host.hardware import GPU_PRESETS
     from dietserve.kernels.plan.microkernel import MicroKernel
+    from dietserve.kernels.space.gpu import gpu_space, shared_memory_bytes
+    from dietserve.kernels.space.gpu_tensor_core import tensor_core_space
     from tuner.ops import attention_context, attention_scores, dense
-    from tuner.space.gpu import gpu_space, shared_memory_bytes
-    from tuner.space.gpu_tensor_core import tensor_core_space
 
     h100, t4 = ([k for k in gpu_space(GPU_PRESETS[name]) if not k.mma] for name in ("h100", "t4"))
     named = {  # the kernels of test_tuner_cuda_gpu.py
@@ -236,7 +236,7 @@ def _tensor_core_kernels() -> dict:
     """The tensor-core kernels of test_tuner_cuda_gpu.py (fp16 operands: checked against numpy on
     fp16-rounded operands, within ``TENSOR_CORE_TOLERANCE``)."""
     from dietserve.host.hardware import GPU_PRESETS
-    from tuner.space.gpu_tensor_core import (
+    from dietserve.kernels.space.gpu_tensor_core import (
         registers_per_thread,
         shared_memory_bytes,
         tensor_core_kernel,

@@ -13,8 +13,8 @@ import pytest
 from dietserve.host.hardware import GPU_PRESETS
 from dietserve.kernels.cuda.kernel import apply_cuda
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.gpu import gpu_space, shared_memory_bytes
 from tuner.ops import OperatorSpec, attention_context, attention_scores, dense, random_inputs
-from tuner.space.gpu import gpu_space, shared_memory_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -84,8 +84,8 @@ def test_scheduled_kernel_matches_numpy_for_every_length(op: str, kernel_name: s
 # -- tensor-core kernels (sm_80+): fp16 operands, fp32 accumulation ---------------------------
 
 def _tensor_core_kernels() -> dict[str, MicroKernel]:
-    from tuner.space.gpu_tensor_core import registers_per_thread, tensor_core_kernel, tensor_core_space
-    from tuner.space.gpu_tensor_core import shared_memory_bytes as tc_shared
+    from dietserve.kernels.space.gpu_tensor_core import registers_per_thread, tensor_core_kernel, tensor_core_space
+    from dietserve.kernels.space.gpu_tensor_core import shared_memory_bytes as tc_shared
 
     space = tensor_core_space(GPU_PRESETS["a100"])
     return {"tc_typical": tensor_core_kernel(2, 2, 2, 2, 2), "tc_largest_shared": max(space, key=tc_shared),

@@ -1,8 +1,9 @@
 """``serve`` tunes its host by itself (``--auto-tune``, the default on a CPU), with a tiny budget:
 two replicas started together on one empty store (a volume several servers mount) serve the
-untuned kernels at once, one publishing them while the other waits; one tunes in the background
-while the other's job waits; both check and swap in the version it publishes while requests
-flow, every answer right (to 1e-4, as the untuned engine answers); a restart serves the tuned
+cold-start kernels (planned from the hardware model) at once, one publishing them while the other
+waits; one tunes in the background while the other's job waits; both check and swap in the
+version it publishes while requests flow, every answer right (to 1e-4, as the untuned engine
+answers); a restart serves the tuned
 version and tunes nothing; a version built for another CPU is not served. The small generated
 reranker is the model: its tunes take seconds."""
 
@@ -18,8 +19,8 @@ import pytest
 from dietserve.commands.auto_tune import unfit_for_host
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.runtime.manifest import MANIFEST_FILE, Manifest
-from dietserve.runtime.versions import PLANS_DIR, VersionStore
+from dietserve.runtime.manifest import MANIFEST_FILE, PLANS_ANALYTIC, Manifest
+from dietserve.runtime.versions import VersionStore
 
 from .conftest import MAX_BATCH
 from .scrape import metrics, total
@@ -51,7 +52,9 @@ def test_replicas_tune_their_host_once_and_a_restart_serves_the_tuned_version(
         replicas = list(pool.map(lambda _: ServerProcess(None, *flags, model_name=MODEL), range(2)))
     clients = [SteadyClient(server, engine, MODEL, "logits") for server in replicas]
     try:
-        assert store.versions() == [1] and not (store.path(1) / PLANS_DIR).exists()  # untuned, served at once
+        # the cold start, served at once: planned from the hardware model, so not tuned
+        assert store.versions() == [1] and not store.tuned(1)
+        assert Manifest.read(store.path(1)).kernel_plans == PLANS_ANALYTIC
         deadline = time.monotonic() + 1200
         while min(total(metrics(server), "dietserve_swaps_total") for server in replicas) < 1:
             assert time.monotonic() < deadline, "no swap:\n" + "\n\n".join(s.log()[-2000:] for s in replicas)
@@ -69,9 +72,9 @@ def test_replicas_tune_their_host_once_and_a_restart_serves_the_tuned_version(
     for client in clients:
         assert client.failures == [] and client.answers > 10, client.failures[:5]
     assert store.versions() == [1, 2] and store.current() == 2 and store.tuned(2), logs
-    # One published the untuned version while the other waited for it; one job ran while the
+    # One published the cold-start version while the other waited for it; one job ran while the
     # other server's waited, and both swapped in what it published.
-    assert sum("published the untuned artifact as version 1" in log for log in logs) == 1, logs
+    assert sum("published the cold-start artifact as version 1" in log for log in logs) == 1, logs
     assert sum(log.count("re-tuning (no tuned version for this host): pid") for log in logs) == 1, logs
     assert any("waits: another server's job on" in log for log in logs), logs
     assert all("published (exit 0)" in log or "checked against the served version and swapped in" in log
@@ -88,7 +91,7 @@ def test_replicas_tune_their_host_once_and_a_restart_serves_the_tuned_version(
     assert again.failures == [] and again.answers > 0
     assert "tuned for this host" in restarted.log() and "re-tuning (" not in restarted.log()
 
-    # The tuned version as if built on another CPU: not served; the untuned one fits and is tuned.
+    # The tuned version as if built on another CPU: not served; the cold-start one fits and is tuned.
     manifest = json.loads((store.path(2) / MANIFEST_FILE).read_text())
     manifest["target"]["mcpu"] = "skylake-avx512"
     (store.path(2) / MANIFEST_FILE).write_text(json.dumps(manifest))

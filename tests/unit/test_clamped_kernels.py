@@ -17,11 +17,11 @@ from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
 from dietserve.kernels.cpu_clamped.settings import ClampedSettings
 from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.settings import KernelSettings
+from dietserve.kernels.space import task_space
+from dietserve.kernels.space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
 from dietserve.kernels.tir.build import build
 from tuner.extract import spec_from_prim_func
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
-from tuner.space import task_space
-from tuner.space.cpu import clamped_cpu_space, cpu_space, packed_cpu_space
 
 from .kernel_builds import build_each
 from .test_packed_kernels import fma_loops

@@ -19,11 +19,11 @@ from dietserve.kernels.cpu_packed.settings import STREAM_AHEAD_BYTES, PackedSett
 from dietserve.kernels.cpu_packed.tile import PackedOperator, Tile
 from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.settings import KernelSettings
+from dietserve.kernels.space import task_space
+from dietserve.kernels.space.cpu import WHOLE_TASK_L2_SHARE, cpu_space, packed_cpu_space
 from dietserve.kernels.tir.build import build
 from dietserve.kernels.tir.matching import ScheduleMismatch
 from tuner.ops import attention_scores, dense, random_inputs
-from tuner.space import task_space
-from tuner.space.cpu import WHOLE_TASK_L2_SHARE, cpu_space, packed_cpu_space
 
 from .kernel_builds import build_each
 

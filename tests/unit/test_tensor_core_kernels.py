@@ -23,10 +23,8 @@ from dietserve.kernels.cuda.source import cuda_source, inner_loop_has_bound_chec
 from dietserve.kernels.cuda.tensor_core import apply_tensor_core
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError
 from dietserve.kernels.plan.microkernel import MicroKernel
-from dietserve.kernels.tir.matching import ScheduleMismatch
-from tuner.ops import OperatorSpec, attention_context, attention_scores, dense
-from tuner.space.gpu import STATIC_SHARED_MEMORY_BYTES, gpu_space
-from tuner.space.gpu_tensor_core import (
+from dietserve.kernels.space.gpu import STATIC_SHARED_MEMORY_BYTES, gpu_space
+from dietserve.kernels.space.gpu_tensor_core import (
     VECTOR,
     operand_bytes,
     registers_per_thread,
@@ -35,6 +33,8 @@ from tuner.space.gpu_tensor_core import (
     tensor_core_space,
     warps,
 )
+from dietserve.kernels.tir.matching import ScheduleMismatch
+from tuner.ops import OperatorSpec, attention_context, attention_scores, dense
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 

@@ -14,9 +14,9 @@ from dietserve.kernels.decision_tree_func import dispatched_prim_func
 from dietserve.kernels.plan.decision_tree import choose, interval_tree
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.cpu import cpu_space
 from dietserve.kernels.tir.build import build
 from tuner.ops import attention_context, attention_scores, dense, random_inputs
-from tuner.space.cpu import cpu_space
 
 SHAPES = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})

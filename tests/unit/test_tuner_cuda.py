@@ -15,9 +15,15 @@ from dietserve.host.hardware import GPU_PRESETS
 from dietserve.kernels.cuda.kernel import ScheduleMismatch, apply_cuda
 from dietserve.kernels.cuda.source import cuda_source, inner_loop_has_bound_checks
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.gpu import (
+    STATIC_SHARED_MEMORY_BYTES,
+    gpu_space,
+    registers_per_thread,
+    shared_memory_bytes,
+    threads,
+)
 from dietserve.kernels.tir.matching import find_matmul
 from tuner.ops import OperatorSpec, attention_context, attention_scores, dense
-from tuner.space.gpu import STATIC_SHARED_MEMORY_BYTES, gpu_space, registers_per_thread, shared_memory_bytes, threads
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 

@@ -15,6 +15,7 @@ from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.cpu_clamped.kernel import CLAMPED
 from dietserve.kernels.cpu_packed.kernel import computed_extent
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.cost_model.features import register_tile
 from tuner.database.records import RecordDatabase
 from tuner.measurements import shape_key
@@ -25,7 +26,6 @@ from tuner.phases.verify import SMALL_REGIME_KERNELS, small_regime_probes
 from tuner.planning import estimates
 from tuner.planning.estimates import CARRY_PENALTY, FLOOR_MARGIN, nearest_measured_estimates
 from tuner.planning.layouts import LAYOUT_TIE, SINGLE_PASS_ROWS, SMALL_REGIME_GAIN, plan_layouts
-from tuner.space.cpu import clamped_cpu_space, packed_cpu_space
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TuneOptions, Tuner
 

@@ -10,11 +10,11 @@ import pytest
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.plan.decision_tree import interval_tree
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.cpu import cpu_space
 from tuner.cost_model.model import CostModel, adapt
 from tuner.ops import dense
 from tuner.planning.layouts import choose_variants
 from tuner.search.evolution import EvolutionarySearch
-from tuner.space.cpu import cpu_space
 from tuner.task import ShapeVar, TuningTask
 
 SPACE = cpu_space(CPU_PRESETS["avx2"])

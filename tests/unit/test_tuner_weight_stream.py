@@ -11,6 +11,7 @@ import pytest
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.cpu_packed.kernel import reduces_in_blocks, with_whole_reduction
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.kernels.space.cpu import packed_cpu_space
 from tuner.cli import _dram_rates
 from tuner.database.records import RecordDatabase
 from tuner.measure.dram import dram_read_rate
@@ -30,7 +31,6 @@ from tuner.planning.weight_stream import (
     served_over_rates,
     weight_bytes,
 )
-from tuner.space.cpu import packed_cpu_space
 from tuner.targets import resolve_target
 from tuner.task import ShapeVar, TuningTask
 from tuner.tune import TuneOptions, Tuner

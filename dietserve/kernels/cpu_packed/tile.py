@@ -30,7 +30,7 @@ def remainder_heights(mr: int) -> list[int]:
 def register_footprint(rows: int, vectors: int) -> int:
     """Vector registers an ``rows x vectors`` register tile holds: its accumulators, the B
     vectors a row reuses (one when a single row uses each once), one broadcast (the space's
-    rule, ``tuner/space/cpu.py``)."""
+    rule, ``dietserve/kernels/space/cpu.py``)."""
     return rows * vectors + (vectors if rows > 1 else 1) + 1
 
 

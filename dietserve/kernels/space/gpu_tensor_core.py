@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from itertools import product
 
-from dietserve.host.hardware import GpuHardware
-from dietserve.kernels.plan.microkernel import MMA_FRAGMENT, MicroKernel
-
+from ...host.hardware import GpuHardware
+from ..plan.microkernel import MMA_FRAGMENT, MicroKernel
 from .gpu import STATIC_SHARED_MEMORY_BYTES
 
 MIN_COMPUTE_CAPABILITY = 80

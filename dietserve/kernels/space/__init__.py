@@ -1,11 +1,10 @@
 """Micro-kernel search space: built from hardware limits, not from any one shape."""
 
-from dietserve.host.hardware import CpuHardware, GpuHardware
-from dietserve.kernels.cpu_clamped.kernel import clamped_fits, is_clamped
-from dietserve.kernels.cpu_packed.kernel import packed_tile
-from dietserve.kernels.cpu_packed.packing import weight_param
-from dietserve.kernels.plan.microkernel import MicroKernel
-
+from ...host.hardware import CpuHardware, GpuHardware
+from ..cpu_clamped.kernel import clamped_fits, is_clamped
+from ..cpu_packed.kernel import packed_tile
+from ..cpu_packed.packing import weight_param
+from ..plan.microkernel import MicroKernel
 from .cpu import whole_task_fits_l2
 
 

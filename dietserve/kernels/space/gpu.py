@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from itertools import product
 
-from dietserve.host.hardware import GpuHardware
-from dietserve.kernels.plan.microkernel import MicroKernel
+from ...host.hardware import GpuHardware
+from ..plan.microkernel import MicroKernel
 
 STATIC_SHARED_MEMORY_BYTES = 48 * 1024  # CUDA's limit for statically sized __shared__ arrays
 REGISTER_OVERHEAD = 16  # addresses, loop counters, the thread's indices

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 
-from dietserve.host.hardware import CpuHardware
-from dietserve.kernels.cpu_clamped.kernel import CLAMPED, PANEL
-from dietserve.kernels.cpu_packed.kernel import packed_tile
-from dietserve.kernels.cpu_packed.tile import register_footprint
-from dietserve.kernels.plan.microkernel import MicroKernel
+from ...host.hardware import CpuHardware
+from ..cpu_clamped.kernel import CLAMPED, PANEL
+from ..cpu_packed.kernel import packed_tile
+from ..cpu_packed.tile import register_footprint
+from ..plan.microkernel import MicroKernel
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for

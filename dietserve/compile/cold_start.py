@@ -1,0 +1,48 @@
+"""The cold start's plans (``--plans analytic``): every dynamic operator of the model planned from
+the target's hardware model (``kernels/space/analytic.py``), without measuring anything, so that a
+model never tuned on its host is built from register tiles sized for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import tvm
+
+from ..host.cpu import target_cores, target_cpu_flags
+from ..host.hardware import CpuHardware, detect_cpu
+from ..kernels.plan.kernel_plan import KernelPlan
+from ..kernels.space.analytic import analytic_plan
+from .passes.link_kernels import target_fields
+from .target import build_target, tvm_version
+
+
+def target_hardware(target: tvm.target.Target) -> CpuHardware:
+    """The limits of the CPU an llvm ``target`` names: its instruction sets (vector width and
+    registers), this machine's caches, the target's cores."""
+    hardware = detect_cpu(target_cpu_flags(target))
+    cores = target_cores(target)
+    return hardware.with_overrides(cores=cores) if cores else hardware
+
+
+def analytic_plans(request, cache_dir: Path, progress: Callable[[str], None] = lambda _m: None) -> list[KernelPlan]:
+    """One plan per dynamic operator of ``request``'s model that the CPU kernels fit; none on a
+    GPU target (its cold start is the default rule)."""
+    from .tuning import tuning_tasks  # tuning compiles artifacts itself: imported here, not at the top
+
+    target = build_target(request.target)
+    if target.kind.name != "llvm":
+        progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
+        return []
+    hardware = target_hardware(target)
+    tasks = tuning_tasks(request, cache_dir)
+    plans = []
+    for task in tasks.tasks:
+        plan = analytic_plan(tvm.ir.load_json(task.func), task.operator, task.vary, task.fixed, task.weights,
+                             target_fields(target), tvm_version(), hardware)
+        if plan is not None:
+            plans.append(plan)
+    progress(f"planned {len(plans)} of {len(tasks.tasks)} dynamic operators from the hardware model "
+             f"({hardware.vector_bits}-bit vectors, {hardware.vector_registers} registers, "
+             f"L2 {hardware.l2_bytes // 1024} KiB, {hardware.cores} cores)")
+    return plans
