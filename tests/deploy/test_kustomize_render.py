@@ -115,14 +115,23 @@ def test_gpu_overlay_includes_distributed_tuning() -> None:
     assert sorted(gpu_requests(resources)) == ["DaemonSet/dietserve-rpc-server", "Deployment/dietserve-server"]
 
 
-def test_cpu_overlay_runs_without_gpus_or_tuning() -> None:
+def test_cpu_overlay_compiles_and_tunes_for_its_node_without_gpus_or_a_tuning_cluster() -> None:
     resources = rendered("overlay-cpu")
     container = server_container(resources)
     assert gpu_requests(resources) == []
     assert not [r for r in resources if r["kind"] in {"DaemonSet", "CronJob"}]
     assert "nodeSelector" not in find(resources, "Deployment", "dietserve-server")["spec"]["template"]["spec"]
     assert container["image"] == "registry.example.com/dietserve-server-cpu:0.1.0"
-    assert env_value(container, "DIETSERVE_ARTIFACT") == "/data/artifacts/llvm-x86-64-v3/current"
+    # The model is compiled here, for as many cores as the pod gets, with its versions on the
+    # shared volume (written, so mounted writable); no prebuilt artifact is named.
+    args = container["args"]
+    assert args[0] == "serve" and "--artifact" not in args and "--no-auto-tune" not in args
+    assert args[args.index("--model") + 1] == "$(DIETSERVE_MODEL)" and env_value(container, "DIETSERVE_MODEL")
+    assert args[args.index("--cache-dir") + 1].startswith("/data/")
+    assert args[args.index("--num-cores") + 1] == args[args.index("--threads") + 1] == "$(DIETSERVE_THREADS)"
+    assert "DIETSERVE_ARTIFACT" not in {v["name"] for v in container["env"]}
+    data = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+    assert not data.get("readOnly", False)
     # More CPU than the base, as a Guaranteed pod in whole CPUs (exclusive cores under the static policy).
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert int(container["resources"]["limits"]["cpu"]) > int(server_container(rendered("base"))["resources"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.runtime.manifest import ArtifactError
+from dietserve.runtime.manifest import PLANS_ANALYTIC, PLANS_DIR, PLANS_NONE, PLANS_TUNED, ArtifactError, Manifest
 from dietserve.runtime.versions import VersionStore
 
 
@@ -57,3 +57,23 @@ def test_pruning_keeps_the_newest_and_the_current(tmp_path):
     for tag in "bcdef":
         store.publish(_artifact(tmp_path / tag, tag), keep=3)
     assert store.versions() == [1, 4, 5, 6]
+
+
+def _manifest_artifact(folder: Path, kernel_plans: str | None, with_plans: bool) -> Path:
+    manifest = Manifest(model_name="m", model_config={}, normalize_embeddings=True, target={"kind": "llvm"},
+                        tvm_version="0.27", cache_key="k", bounds={"batch": 1, "seq_len": 8}, parameters=[],
+                        files={}, kernel_plans=kernel_plans)
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(manifest.to_json())
+    if with_plans:
+        (folder / PLANS_DIR).mkdir()
+    return folder
+
+
+@pytest.mark.parametrize(("kernel_plans", "with_plans", "tuned"), [
+    (PLANS_TUNED, True, True), (PLANS_ANALYTIC, True, False), (PLANS_NONE, False, False),
+    (None, True, True), (None, False, False)])  # None: a manifest from before it said
+def test_a_version_is_tuned_only_when_its_plans_were_measured(tmp_path, kernel_plans, with_plans, tuned):
+    store = VersionStore(tmp_path / "store")
+    version = store.publish(_manifest_artifact(tmp_path / "a", kernel_plans, with_plans))
+    assert store.tuned(version) is tuned
