@@ -181,7 +181,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dietserve-first-start-") as folder:
         work = Path(folder)
         tuned, tuning_s = reference(args, texts, work)
-        series, ready_s, swap_s, errors, _log = first_start(args, texts, work)
+        series, ready_s, swap_s, errors, log = first_start(args, texts, work)
     swap_window = int(swap_s // args.window) if swap_s >= 0 else len(series)
     cold = [v for i, v in enumerate(series) if ready_s // args.window < i < swap_window]
     after = series[swap_window + 1:] if swap_s >= 0 else []
@@ -192,6 +192,11 @@ def main() -> int:
         mark += " swap" if index == swap_window else ""
         print(f"{index * args.window:8.0f} {value:8.1f}{mark}")
     plot(args.png, series, args.window, tuned, ready_s, swap_s)
+    # What the server said of its versions: the cold start published, the job's outcome, the
+    # swap's side-by-side timing (or why it refused the tuned version).
+    for line in log.splitlines():
+        if any(word in line for word in ("version", "re-tuning", "retune", "swap", "published")):
+            print(f"# server: {line[:300]}")
     cold_ratio = statistics.median(cold) / tuned if cold else float("nan")
     after_ratio = statistics.median(after) / tuned if after else float("nan")
     print(f"RESULT ready_s={ready_s:.1f} swap_s={swap_s:.1f} cold_vs_tuned={cold_ratio:.3f} "
