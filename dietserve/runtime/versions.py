@@ -91,11 +91,12 @@ class VersionStore:
 
     def tuned(self, version: int) -> bool:
         """Whether the version came from tuning: its manifest says its plans were measured (a
-        cold start's were not); one from before manifests said keeps plans only when tuned."""
+        cold start's were not); one whose manifest does not say (from before manifests said, or
+        unreadable here) keeps plans only when tuned."""
         try:
             source = Manifest.read(self.path(version)).kernel_plans
         except ArtifactError:
-            return False
+            source = None
         return source == PLANS_TUNED if source is not None else (self.path(version) / PLANS_DIR).is_dir()
 
     def versions(self) -> list[int]:
