@@ -247,7 +247,7 @@ class RPCRunner(LocalRunner):
 
     def __init__(self, tracker: str, key: str, options: MeasureOptions = MeasureOptions(),
                  priority: int = 1, session_timeout_s: int = 120):
-        # One worker: each holds its own session, and a second would wait for the device the first holds.
+        # One worker: each holds its own RPC connection, and a second would wait for the device the first holds.
         super().__init__(replace(options, workers=1))
         host, _, port = tracker.rpartition(":")
         if not host or not port.isdigit():
