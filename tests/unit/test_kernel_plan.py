@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dietserve.kernels.plan.decision_tree import segment
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
 from dietserve.kernels.plan.microkernel import MicroKernel
-from tuner.planning.layouts import segment
 
 KERNEL = MicroKernel(tile=(("i", (4, 2)), ("j", (16, 1)), ("k", (1,))), vector=8).to_dict()
 TREE = {"var": "batch * seq_len", "le": 64, "then": {"variant": "v0"}, "else": {"variant": DEFAULT_VARIANT}}

@@ -6,7 +6,8 @@
 ``var`` is shape-expression text over the operator's symbolic vars (names, integers and
 + - * // %). The link pass compiles a tree into nested ``IfThenElse`` inside the operator's
 PrimFunc; the server walks the same tree to label the variant each execution ran. No TVM here:
-the server imports it.
+the server imports it. ``segment`` chooses a tree's intervals from per-shape costs, for the
+tuner's plans and the cold start's alike.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import ast
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
+
+import numpy as np
 
 MAX_DEPTH = 64
 
@@ -135,3 +138,40 @@ def interval_tree(var: str, values: Iterable[int], labels: Iterable[str]) -> dic
         return {"var": var, "le": runs[mid][0], "then": build(lo, mid), "else": build(mid + 1, hi)}
 
     return build(0, len(runs) - 1)
+
+
+def segment(cost: np.ndarray, max_segments: int) -> list[int]:
+    """Label each of ``n`` ordered shapes with one of ``V`` variants so that the labels form at
+    most ``max_segments`` intervals and the summed ``cost[v, s]`` is least (dynamic programming).
+
+    Bounds the tree (and the code: every leaf is a scheduled copy) however noisy the per-shape
+    winners alternate. ``inf`` marks a variant forbidden on a shape; some variant must be
+    allowed everywhere.
+    """
+    variants, n = cost.shape
+    # Forbidden entries count as 0 in the sums (a huge stand-in would swamp every later sum's
+    # precision); the ``forbidden`` counts exclude the intervals holding them.
+    prefix = np.concatenate([np.zeros((variants, 1)), np.cumsum(np.where(np.isinf(cost), 0.0, cost), axis=1)], 1)
+    forbidden = np.concatenate([np.zeros((variants, 1)), np.cumsum(np.isinf(cost), axis=1)], axis=1)
+    best = np.full((max_segments + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    choice = np.zeros((max_segments + 1, n + 1, 2), dtype=np.int64)  # (segment start, variant)
+    for end in range(1, n + 1):
+        # cost of shapes [start, end) under each variant, inf where a shape forbids it: the same
+        # for every segment count, so all counts are taken at once
+        run = prefix[:, end][:, None] - prefix[:, :end]
+        run = np.where(forbidden[:, end][:, None] - forbidden[:, :end] > 0, np.inf, run)
+        total = (best[:max_segments, :end][:, None, :] + run[None, :, :]).reshape(max_segments, -1)
+        pick = np.argmin(total, axis=1)  # per count: the first (variant, start) of the least
+        best[1:, end] = total[np.arange(max_segments), pick]
+        choice[1:, end, 1], choice[1:, end, 0] = np.divmod(pick, end)
+    count = int(np.argmin(best[:, n]))
+    if not np.isfinite(best[count, n]):
+        raise ValueError("no variant is allowed on every shape of some interval")
+    labels = [0] * n
+    end = n
+    while end > 0:
+        start, v = choice[count, end]
+        labels[start:end] = [int(v)] * (end - start)
+        end, count = int(start), count - 1
+    return labels

@@ -24,6 +24,7 @@ programming over the priced shapes. Tuning on the host replaces these plans with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -36,10 +37,10 @@ from ..cpu_clamped.kernel import PANEL, clamped_fits, tile_at
 from ..cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
 from ..cpu_packed.packing import weight_param
 from ..cpu_packed.tile import register_footprint
-from ..plan.decision_tree import interval_tree
+from ..plan.decision_tree import interval_tree, segment
 from ..plan.kernel_plan import KernelPlan
 from ..plan.microkernel import MicroKernel
-from ..tir.matching import evaluate, matmul_axes, matmul_extents, workload_key
+from ..tir.matching import evaluate, matmul_axes, matmul_extents, symbolic_vars, workload_key
 from . import task_space
 from .cpu import DTYPE_BYTES, clamped_cpu_space, packed_cpu_space, whole_task_fits_l2
 
@@ -180,51 +181,21 @@ def analytic_plan(func: tirx.PrimFunc, operator: str, vary: Mapping, fixed: Mapp
     axes = matmul_axes(func)
     dispatch_values = [extent[1] for extent in extents]  # the rows: what the tree branches on
     return KernelPlan(
-        workload=workload_key(func), operator=operator, shape_vars=sorted(_vars(func)), axes=axes,
+        workload=workload_key(func), operator=operator, shape_vars=sorted(symbolic_vars(func)), axes=axes,
         target=dict(target), tvm_version=tvm_version,
         variants={names[index]: kernels[index].to_dict() for index in used},
         tree=interval_tree(axes["i"], dispatch_values, [names[index] for index in labels]),
         tuned_range={"var": axes["i"], "min": min(dispatch_values), "max": max(dispatch_values)},
         shapes=[{"shape": shape, "value": value, "variant": names[index], "predicted_s": float(costs[index, n])}
                 for n, (shape, value, index) in enumerate(zip(shapes, dispatch_values, labels, strict=True))],
-        provenance={"source": ANALYTIC_SOURCE, "hardware": _hardware_record(hw), "fixed": dict(fixed)})
-
-
-def _vars(func: tirx.PrimFunc) -> set[str]:
-    return {var.name for extent in matmul_extents(func) for var in tirx.analysis.undefined_vars(extent)}
-
-
-def _hardware_record(hw: CpuHardware) -> dict:
-    return {"name": hw.name, "vector_bits": hw.vector_bits, "vector_registers": hw.vector_registers,
-            "l1_bytes": hw.l1_bytes, "l2_bytes": hw.l2_bytes, "cores": hw.cores}
+        provenance={"source": ANALYTIC_SOURCE, "hardware": dataclasses.asdict(hw), "fixed": dict(fixed)})
 
 
 def cheapest_runs(costs: np.ndarray, most: int) -> tuple[float, list[int]]:
     """Split the shapes (columns, in dispatch order) into at most ``most`` runs, one kernel (row)
-    each, at the least total cost: (that cost, the kernel of each shape)."""
-    # Only kernels among the three cheapest on some shape can be worth a run of their own.
+    each, at the least total cost (``segment``): (that cost, the kernel of each shape). Only
+    kernels among the three cheapest on some shape can be worth a run, so the rest are left out
+    of the search."""
     keep = np.unique(np.argsort(costs, axis=0)[:3].ravel())
-    kept = costs[keep]
-    count = costs.shape[1]
-    prefix = np.concatenate([np.zeros((len(keep), 1)), np.cumsum(kept, axis=1)], axis=1)
-    # span[s][e], kernel[s][e]: the cheapest one kernel for shapes s..e-1, and which.
-    span, kernel = np.full((count + 1, count + 1), np.inf), np.zeros((count + 1, count + 1), dtype=int)
-    for end in range(1, count + 1):
-        spans = prefix[:, end][:, None] - prefix[:, :end]  # kernel x start
-        kernel[:end, end] = np.argmin(spans, axis=0)
-        span[:end, end] = spans[kernel[:end, end], np.arange(end)]
-    # best[r][e]: the least cost of the first e shapes in r runs, its last run starting at start[r][e].
-    best = np.full((most + 1, count + 1), np.inf)
-    best[0, 0] = 0.0
-    start = np.zeros((most + 1, count + 1), dtype=int)
-    for runs in range(1, most + 1):
-        totals = best[runs - 1][:, None] + span  # start x end
-        start[runs] = np.argmin(totals, axis=0)
-        best[runs] = totals[start[runs], np.arange(count + 1)]
-    runs = int(np.argmin(best[:, count]))
-    labels, end = [0] * count, count
-    while end > 0:
-        first = int(start[runs, end])
-        labels[first:end] = [int(keep[kernel[first, end]])] * (end - first)
-        end, runs = first, runs - 1
-    return float(best[:, count].min()), labels
+    labels = [int(keep[label]) for label in segment(costs[keep], most)]
+    return float(costs[labels, np.arange(costs.shape[1])].sum()), labels
