@@ -4,6 +4,7 @@ and reused when its cache key (everything that determines the build) is unchange
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from safetensors.numpy import save_file
 
 from ..host.cpu import target_cpu_flags
+from ..host.hardware import CpuHardware
 from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import SHAPE_VARS, export_relax
@@ -108,10 +110,13 @@ def required_cpu_flags(target) -> list[str]:
 
 
 def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch: int,
-              plans: list[KernelPlan] = ()) -> str:
-    """``weights_sha``: the digests of ``checkpoint.weight_files``, in order."""
+              plans: list[KernelPlan] = (), analytic_for: CpuHardware | None = None) -> str:
+    """``weights_sha``: the digests of ``checkpoint.weight_files``, in order; ``analytic_for``: the
+    hardware model a build without plans plans its operators for (the plans follow from it, the
+    model and the compiler's code, so a cached build is found without planning again)."""
     inputs = {
         "plans": sorted(plan.digest() for plan in plans),
+        "analytic_for": dataclasses.asdict(analytic_for) if analytic_for is not None else None,
         "config": checkpoint.config.to_dict(),
         "head": checkpoint.head_description(),
         "weights": weights_sha,
@@ -151,13 +156,16 @@ def compile_artifact(
     progress(f"hashing weights in {checkpoint.weights_file}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(request.plans)
-    if not plans and request.analytic:
-        from .cold_start import analytic_plans
-
-        plans = analytic_plans(request, cache_dir, progress)
     for plan in plans:  # stale plans are refused before any work
         plan.check_target(link_target_fields(target), tvm_version())
-    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans)
+    hardware = None
+    if not plans and request.analytic:
+        from .cold_start import target_hardware
+
+        hardware = target_hardware(target)
+        if hardware is None:
+            progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware)
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
@@ -165,6 +173,10 @@ def compile_artifact(
         progress(f"artifact {out_dir} is up to date (cache key {key[:16]})")
         return out_dir
 
+    if hardware is not None:
+        from .cold_start import analytic_plans
+
+        plans = analytic_plans(request, cache_dir, target, hardware, progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:

@@ -14,27 +14,26 @@ from ..host.hardware import CpuHardware, detect_cpu
 from ..kernels.plan.kernel_plan import KernelPlan
 from ..kernels.space.analytic import analytic_plan
 from .passes.link_kernels import target_fields
-from .target import build_target, tvm_version
+from .target import tvm_version
 
 
-def target_hardware(target: tvm.target.Target) -> CpuHardware:
+def target_hardware(target: tvm.target.Target) -> CpuHardware | None:
     """The limits of the CPU an llvm ``target`` names: its instruction sets (vector width and
-    registers), this machine's caches, the target's cores."""
+    registers), this machine's caches, the target's cores. None for a GPU target: its cold start
+    is the default rule."""
+    if target.kind.name != "llvm":
+        return None
     hardware = detect_cpu(target_cpu_flags(target))
     cores = target_cores(target)
     return hardware.with_overrides(cores=cores) if cores else hardware
 
 
-def analytic_plans(request, cache_dir: Path, progress: Callable[[str], None] = lambda _m: None) -> list[KernelPlan]:
-    """One plan per dynamic operator of ``request``'s model that the CPU kernels fit; none on a
-    GPU target (its cold start is the default rule)."""
+def analytic_plans(request, cache_dir: Path, target: tvm.target.Target, hardware: CpuHardware,
+                   progress: Callable[[str], None] = lambda _m: None) -> list[KernelPlan]:
+    """One plan per dynamic operator of ``request``'s model (for ``target``, an llvm one) that
+    the CPU kernels fit, priced for ``hardware`` (``target_hardware``)."""
     from .tuning import tuning_tasks  # tuning compiles artifacts itself: imported here, not at the top
 
-    target = build_target(request.target)
-    if target.kind.name != "llvm":
-        progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
-        return []
-    hardware = target_hardware(target)
     tasks = tuning_tasks(request, cache_dir)
     plans = []
     for task in tasks.tasks:
