@@ -53,11 +53,8 @@ def _split_shapes(artifact) -> list[tuple[int, int]]:
     points = {(1, 1), (3, 13), (8, 64), (1, 512)}
     for entry in Manifest.read(artifact).dispatch.values():
         for var, le in thresholds(entry["tree"]):
-            for rows in (le, le + 1):
-                if var == "seq_len" and rows <= 512:
-                    points.add((1, rows))
-                elif var == "batch * seq_len" and rows <= 512:
-                    points.add((1, rows))
+            # at batch 1 both the dense layers' rows and attention's length are seq_len
+            points.update((1, rows) for rows in (le, le + 1) if var in ("seq_len", "batch * seq_len") and rows <= 512)
     return sorted(points)
 
 
