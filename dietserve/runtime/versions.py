@@ -5,6 +5,8 @@
     STORE/versions/000002/tuned_for.json   the traffic its kernels were tuned for (optional)
     STORE/versions/000002/plans/, retune.json   its kernel plans, the re-tune's prediction (optional)
     STORE/versions/000003/REJECTED   present: a server refused it (the file says why)
+    STORE/versions/000001/KEPT       present: a job that tuned this host found nothing faster than
+                                this version (the file says why), so it counts as tuned
     STORE/current               the number of the version a server verified and serves
     STORE/publish.lock, STORE/retune.lock   held while a server publishes its first version, while
                                 a re-tuning job runs (``StoreLock``: servers sharing the store)
@@ -31,6 +33,7 @@ from .manifest import MANIFEST_FILE, PLANS_TUNED, ArtifactError, Manifest
 VERSIONS_DIR = "versions"
 CURRENT_FILE = "current"
 REJECTED_FILE = "REJECTED"
+KEPT_FILE = "KEPT"
 TUNED_FOR_FILE = "tuned_for.json"  # the traffic (runtime/traffic.py) a version's kernels were tuned for
 PLANS_DIR = "plans"  # the kernel plans linked into it, when it came from tuning
 RETUNE_FILE = "retune.json"  # what the re-tuning job that made it predicted: {"predicted_gain": x, ...}
@@ -92,7 +95,10 @@ class VersionStore:
     def tuned(self, version: int) -> bool:
         """Whether the version came from tuning: its manifest says its plans were measured (a
         cold start's were not); one whose manifest does not say (from before manifests said, or
-        unreadable here) keeps plans only when tuned."""
+        unreadable here) keeps plans only when tuned. A version a tuning job could not beat
+        (``keep_as_tuned``) counts too: tuning the host again at each start would find the same."""
+        if (self.path(version) / KEPT_FILE).is_file():
+            return True
         try:
             source = Manifest.read(self.path(version)).kernel_plans
         except ArtifactError:
@@ -139,6 +145,9 @@ class VersionStore:
     def reject(self, version: int, reason: str) -> None:
         write_text_atomic(self.path(version) / REJECTED_FILE, reason.rstrip() + "\n")
 
+    def keep_as_tuned(self, version: int, reason: str) -> None:
+        write_text_atomic(self.path(version) / KEPT_FILE, reason.rstrip() + "\n")
+
     def tuned_for(self, version: int) -> Path | None:
         path = self.path(version) / TUNED_FOR_FILE
         return path if path.is_file() else None
@@ -162,6 +171,7 @@ class VersionStore:
         try:
             shutil.copytree(artifact, staging, dirs_exist_ok=True)
             (staging / REJECTED_FILE).unlink(missing_ok=True)
+            (staging / KEPT_FILE).unlink(missing_ok=True)
             if tuned_for is not None:
                 shutil.copyfile(tuned_for, staging / TUNED_FOR_FILE)
             if plans is not None:

@@ -24,7 +24,9 @@ the requests pay for both. A policy whose job would start waits, and starts it o
 free. Servers sharing a store (replicas on a shared volume) take turns the same way through the
 store's lock: one job tunes for them all, and each server's hot swap checks what it publishes.
 A job waiting to tune the host at start (``start_reason``) is dropped once the served version
-is a tuned one: another server's job got there first.
+is a tuned one: another server's job got there first. A host tune that changes nothing served
+marks the served version as kept (``VersionStore.keep_as_tuned``): a restart then serves it
+without tuning again, as it would a tuned version.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class RetunePolicy:
         # (served version, traffic mix) when the running (or last) job started: the mix is what its
         # snapshot holds
         self._job: tuple[int, dict[int, float]] | None = None
+        self._job_tunes_host = False  # the job was started by ``start_reason``
         self._awaiting_swap = False  # the last job published; the hot swap has not decided yet
         # ``_job`` of the last job that changed nothing served; it holds while that version is
         # served (another version, a rollback's say, is worth a run on any mix)
@@ -161,7 +164,7 @@ class RetunePolicy:
             self.say(f"not tuning at start: version {self.hot_swap.version} is tuned (another server's job)")
         if self._start_reason is not None:
             if self.start(self._start_reason, observed):
-                self._start_reason = None
+                self._start_reason, self._job_tunes_host = None, True
             return
         drift = self.drift(observed)
         self.metrics.traffic_drift.set(drift)
@@ -174,7 +177,7 @@ class RetunePolicy:
             moved = None if tried is None else mix_distance(observed, tried, self.edges)
             if moved is None or moved >= threshold:
                 if self.start(f"drift {drift:.2f} >= {threshold}", observed):
-                    self._tried = None
+                    self._tried, self._job_tunes_host = None, False
             elif not self._held_back:
                 self._held_back = True
                 self.say(f"not re-tuning: drift {drift:.2f} from the served version, but {moved:.2f} (< {threshold})"
@@ -182,6 +185,8 @@ class RetunePolicy:
 
     def _tried_without_change(self, why: str) -> None:
         self._tried, self._held_back = self._job, False
+        if self._job_tunes_host:
+            self.hot_swap.store.keep_as_tuned(self._job[0], f"a job tuning this host changed nothing served ({why})")
         self.say(f"the re-tuning job changed nothing served ({why}): the next one waits until the traffic "
                  f"drifts {self.settings.drift_threshold} from the mix it tuned for")
 

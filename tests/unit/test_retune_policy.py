@@ -139,6 +139,24 @@ def test_a_published_version_the_swap_refused_holds_back_a_run_on_the_same_traff
     _finish(policy)
 
 
+def test_a_host_tune_that_changes_nothing_keeps_the_served_version_as_tuned(tmp_path):
+    """So a restart serves it without tuning the host again; a drift job's refusal marks nothing."""
+    for start_reason, kept in (("no tuned version for this host", True), (None, False)):
+        folder = tmp_path / str(kept)
+        policy, _metrics, said = _policy(folder, 0, publish=True, start_reason=start_reason,
+                                         drift_threshold=0.5, min_rows=1, min_interval_seconds=0)
+        store = policy.hot_swap.store
+        assert not store.tuned(1)
+        _record(policy, 400, 10)
+        policy.step()
+        _finish(policy)
+        store.reject(2, "timed at 0.84x the served version's speed")  # the swap's refusal
+        policy.step()
+        assert policy.process is None and store.tuned(1) is kept, said
+        if kept:
+            assert "its version was not swapped in" in store.path(1).joinpath("KEPT").read_text()
+
+
 def test_a_swapped_in_version_is_the_reference(tmp_path):
     policy, metrics, said = _policy(tmp_path, 0, publish=True, drift_threshold=0.5, min_rows=1,
                                     min_interval_seconds=0)
