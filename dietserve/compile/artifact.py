@@ -21,14 +21,18 @@ from ..host.cpu import target_cpu_flags
 from ..host.hardware import CpuHardware
 from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
-from ..model.bert import SHAPE_VARS, export_relax
+from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.heads import parse_pooling_modes
 from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
+    LAYOUT_PACKED,
+    LAYOUT_PADDED,
+    LAYOUTS,
     LIBRARY_FILE,
     MANIFEST_FILE,
+    PACKED_INPUTS,
     PARAMS_FILE,
     PLANS_ANALYTIC,
     PLANS_DIR,
@@ -60,10 +64,16 @@ class CompileRequest:
     analytic: bool = False
     # Pooling modes in place of the checkpoint's own (--pooling), concatenated in this order.
     pooling: tuple[str, ...] | None = None
+    # LAYOUT_PACKED: the encoder on the requests' tokens packed, no padded work (CPU targets).
+    layout: str = LAYOUT_PADDED
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == LAYOUT_PACKED and self.target.kind != "llvm":
+            raise ValueError(f"the packed layout has kernels for CPU (llvm) targets only, not {self.target.kind}")
         if self.pooling is not None:
             parse_pooling_modes(",".join(self.pooling))
 
@@ -73,7 +83,7 @@ class CompileRequest:
         model = self.model if self.model in PRESET_DISPLAY_NAMES else str(Path(self.model).resolve())
         spec = self.target
         return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
-                "pooling": list(self.pooling) if self.pooling is not None else None,
+                "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
                 "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
 
     @classmethod
@@ -83,7 +93,8 @@ class CompileRequest:
             pooling = record.get("pooling")
             return cls(model=str(record["model"]), target=TargetSpec(**record["target"]),
                        max_batch=int(record["max_batch"]), seed=int(record["seed"]),
-                       pooling=tuple(pooling) if pooling is not None else None)
+                       pooling=tuple(pooling) if pooling is not None else None,
+                       layout=str(record.get("layout", LAYOUT_PADDED)))
         except (KeyError, TypeError) as err:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
@@ -110,7 +121,8 @@ def required_cpu_flags(target) -> list[str]:
 
 
 def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch: int,
-              plans: list[KernelPlan] = (), analytic_for: CpuHardware | None = None) -> str:
+              plans: list[KernelPlan] = (), analytic_for: CpuHardware | None = None,
+              layout: str = LAYOUT_PADDED) -> str:
     """``weights_sha``: the digests of ``checkpoint.weight_files``, in order; ``analytic_for``: the
     hardware model a build without plans plans its operators for (the plans follow from it, the
     model and the compiler's code, so a cached build is found without planning again)."""
@@ -124,6 +136,7 @@ def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch:
         "tvm": tvm_version(),
         "compiler": compiler_source_hash(),
         "max_batch": max_batch,
+        "layout": layout,
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -165,7 +178,7 @@ def compile_artifact(
         hardware = target_hardware(target)
         if hardware is None:
             progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
-    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware)
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout)
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
@@ -195,7 +208,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     from .pipeline import compile_module
 
     model = checkpoint.model()
-    mod, parameters = export_relax(model, request.max_batch)
+    mod, parameters = export_model(model, request, target)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
     tuned = f" with {len(plans)} {plan_source(plans)} kernel plan(s)" if plans else ""
@@ -253,8 +266,24 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         transform_params=transform_params if transform_params in functions else None,
         build=request.build_record(),
         kernel_plans=plan_source(plans),
+        layout=request.layout,
+        **({"inputs": PACKED_INPUTS} if request.layout == LAYOUT_PACKED else {}),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
+
+
+def export_model(model, request: CompileRequest, target) -> tuple:
+    """``export_relax`` of the request's layout: the packed one with the attention kernel built
+    for the target's registers and vectors."""
+    if request.layout != LAYOUT_PACKED:
+        return export_relax(model, request.max_batch)
+    from ..kernels.cpu_varlen.attention import tile_for, varlen_attention
+    from .cold_start import target_hardware
+
+    config = model.config
+    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_position_embeddings,
+                              tile_for(target_hardware(target)))
+    return export_relax(model, request.max_batch, kernel)
 
 
 def plan_source(plans: list[KernelPlan]) -> str:
@@ -273,7 +302,7 @@ def dispatch_table(operators: dict[str, dict], plans: list[KernelPlan]) -> dict:
     table = {}
     for name, linked in operators.items():
         plan = by_digest.get(linked["plan"]) if linked["plan"] else None
-        entry = {**linked, "shape_vars": list(SHAPE_VARS)}
+        entry = {**linked, "shape_vars": list(SHAPE_VARS + PACKED_VARS)}
         if plan is None:
             entry.update(variants=[DEFAULT_VARIANT], tree={"variant": DEFAULT_VARIANT})
         else:

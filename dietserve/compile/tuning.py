@@ -23,10 +23,10 @@ from ..kernels.plan.decision_tree import names_in
 from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
 from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
-from ..model.bert import SHAPE_VARS, export_relax
+from ..model.bert import PACKED_VARS, SHAPE_VARS
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths
-from .artifact import CompileRequest, compile_artifact, model_display_name, open_checkpoint
+from .artifact import CompileRequest, compile_artifact, export_model, model_display_name, open_checkpoint
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
@@ -90,13 +90,14 @@ POOLING_TUNE_LENGTH = 128
 def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int] = ()) -> TaskFile:
     """One task per distinct dynamic matmul-like workload of the model, varying ``seq_len`` over
     1..max length at batch 1 (dense layers see ``batch * seq_len`` rows, so batches reuse the
-    plan), weighted by ``lengths`` where given; operators whose rows are ``batch`` alone vary
-    the batch instead. On CPU an operator the link pass fuses with its softmax (attention's
-    scores) is marked so, and the tuner times it with the softmax, as it is served."""
+    plan; a packed model's see the tokens of a run, varied the same way), weighted by
+    ``lengths`` where given; operators whose rows are ``batch`` alone vary the batch instead.
+    On CPU an operator the link pass fuses with its softmax (attention's scores) is marked so,
+    and the tuner times it with the softmax, as it is served."""
     checkpoint = open_checkpoint(request, cache_dir)
     folder = checkpoint.folder
     target = build_target(request.target)
-    mod, _ = export_relax(checkpoint.model(), request.max_batch)
+    mod, _ = export_model(checkpoint.model(), request, target)
     with target:
         legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
     calls = call_counts(legalized)
@@ -115,7 +116,10 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
                                              softmax=tasks[key].softmax and gvar.name_hint in softmaxed)
             continue
         batch, seq_len = SHAPE_VARS
-        if seq_len in names_in(matmul_axes(func)["i"]):
+        rows = names_in(matmul_axes(func)["i"])
+        if PACKED_VARS[0] in rows:  # a packed model's: its rows are the tokens of every sequence run
+            vary, fixed, task_weights = {"var": PACKED_VARS[0], "values": values}, {}, weights
+        elif seq_len in rows:
             vary, fixed, task_weights = {"var": seq_len, "values": values}, {batch: 1}, weights
         else:
             vary = {"var": batch, "values": list(range(1, request.max_batch + 1))}

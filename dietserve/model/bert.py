@@ -87,13 +87,57 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
-        batch, seq = input_ids.shape
+        """``[batch, seq]`` ids with ``[seq]`` positions (they broadcast over the batch without
+        materialising it), or packed ``[T]`` ids and positions; ``[rows, hidden]`` out."""
         words = self.word_embeddings(input_ids)
-        # position_ids is [seq]; it broadcasts over the batch without materialising it.
         positions = self.position_embeddings(position_ids)
         types = self.token_type_embeddings(token_type_ids)
         summed = words + types + positions
+        if len(input_ids.shape) == 1:
+            return self.LayerNorm(summed)
+        batch, seq = input_ids.shape
         return self.LayerNorm(op.reshape(summed, (batch * seq, summed.shape[-1])))
+
+
+class PaddedAttention:
+    """Attention over ``[batch, seq]`` rows, padding masked out by an additive bias
+    (``[batch, 1, 1, seq]``): two batch matmuls and a softmax, the dynamic operators the tuner
+    plans."""
+
+    def __init__(self, mask_bias: nn.Tensor):
+        self.mask_bias = mask_bias
+
+    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
+        batch, _, _, seq = self.mask_bias.shape
+        width = heads * head_dim
+        # [b, s, 3 * heads, d]: the queries', keys' and values' heads side by side (a free view)
+        projected = op.reshape(qkv, (batch, seq, 3 * heads, head_dim))
+
+        def part(index: int) -> nn.Tensor:
+            # its heads: a slice that fuses with the permute after it into one copy
+            begin, end = index * heads, (index + 1) * heads
+            return nn.op.wrap_nested(relax.op.strided_slice(projected._expr, [2], [begin], [end]), "qkv_part")
+
+        q = op.permute_dims(part(0), [0, 2, 1, 3])  # b h s d
+        k = op.permute_dims(part(1), [0, 2, 3, 1])  # b h d s
+        v = op.permute_dims(part(2), [0, 2, 1, 3])  # b h s d
+        scores = op.matmul(q, k) * (1.0 / math.sqrt(head_dim)) + self.mask_bias
+        probs = op.softmax(scores, axis=-1)
+        context = op.matmul(probs, v)  # b h s d
+        return op.reshape(op.permute_dims(context, [0, 2, 1, 3]), (batch * seq, width))
+
+
+class PackedAttention:
+    """Attention over packed sequences (``[T]`` rows, ``starts``: where each sequence begins, the
+    last entry T): each attends to itself over its own length, no mask and no padded work, in
+    one kernel (``kernel``: ``kernels/cpu_varlen/attention.py``, built for the target)."""
+
+    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc):
+        self.starts, self.kernel = starts, kernel
+
+    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
+        out = nn.Tensor.placeholder((qkv.shape[0], heads * head_dim), "float32")
+        return op.tensor_ir_op(self.kernel, "varlen_attention", [qkv, self.starts], out)
 
 
 class BertSelfAttention(nn.Module):
@@ -102,24 +146,8 @@ class BertSelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv = TransposedLinear(cfg.hidden_size, 3 * cfg.hidden_size, parts=("query", "key", "value"))
 
-    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
-        batch, _, _, seq = mask_bias.shape
-        width = hidden.shape[-1]
-        # [b, s, 3 * heads, d]: the queries', keys' and values' heads side by side (a free view)
-        projected = op.reshape(self.qkv(hidden), (batch, seq, 3 * self.num_heads, self.head_dim))
-
-        def part(index: int) -> nn.Tensor:
-            # its heads: a slice that fuses with the permute after it into one copy
-            begin, end = index * self.num_heads, (index + 1) * self.num_heads
-            return nn.op.wrap_nested(relax.op.strided_slice(projected._expr, [2], [begin], [end]), "qkv_part")
-
-        q = op.permute_dims(part(0), [0, 2, 1, 3])  # b h s d
-        k = op.permute_dims(part(1), [0, 2, 3, 1])  # b h d s
-        v = op.permute_dims(part(2), [0, 2, 1, 3])  # b h s d
-        scores = op.matmul(q, k) * (1.0 / math.sqrt(self.head_dim)) + mask_bias
-        probs = op.softmax(scores, axis=-1)
-        context = op.matmul(probs, v)  # b h s d
-        return op.reshape(op.permute_dims(context, [0, 2, 1, 3]), (batch * seq, width))
+    def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
+        return attention(self.qkv(hidden), self.num_heads, self.head_dim)
 
 
 class BertSelfOutput(nn.Module):
@@ -136,8 +164,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertSelfOutput(cfg)
 
-    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
-        return self.output(self.self(hidden, mask_bias), hidden)
+    def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
+        return self.output(self.self(hidden, attention), hidden)
 
 
 class BertIntermediate(nn.Module):
@@ -164,8 +192,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertOutput(cfg)
 
-    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
-        attended = self.attention(hidden, mask_bias)
+    def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
+        attended = self.attention(hidden, attention)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -173,9 +201,9 @@ class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.layer = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
 
-    def forward(self, hidden: nn.Tensor, mask_bias: nn.Tensor) -> nn.Tensor:
+    def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
         for layer in self.layer:
-            hidden = layer(hidden, mask_bias)
+            hidden = layer(hidden, attention)
         return hidden
 
 
@@ -230,8 +258,35 @@ class BertModel(nn.Module):
         mask = op.astype(attention_mask, "float32")
         mask_bias = op.reshape((1.0 - mask) * MASK_FILL, (batch, 1, 1, seq))
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
-        hidden = self.encoder(hidden, mask_bias)
-        hidden = op.reshape(hidden, (batch, seq, hidden.shape[-1]))
+        hidden = self.encoder(hidden, PaddedAttention(mask_bias))
+        return self._heads(op.reshape(hidden, (batch, seq, hidden.shape[-1])), mask, position_ids)
+
+    def forward_packed(
+        self,
+        input_ids: nn.Tensor,
+        token_type_ids: nn.Tensor,
+        position_ids: nn.Tensor,
+        starts: nn.Tensor,
+        unpack: nn.Tensor,
+        attention_mask: nn.Tensor,
+        padded_positions: nn.Tensor,
+    ) -> tuple[nn.Tensor, nn.Tensor]:
+        """The encoder on packed sequences: ``input_ids``, ``token_type_ids``, ``position_ids``
+        ``[T]``, every sequence's tokens one after another, ``starts`` ``[B + 1]`` where each
+        begins (the last entry T). The hidden state then goes back to the request's ``[B, S]``
+        layout, ``unpack[b, s]`` naming the packed row of each slot (T: padding, a zero row), and
+        the heads read it with ``attention_mask`` and ``padded_positions`` as ``forward``'s do."""
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids)
+        hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention))
+        batch, seq = unpack.shape
+        width = hidden.shape[-1]
+        with_zero_row = op.concat([hidden, op.zeros((1, width), "float32")], dim=0)
+        rows = nn.op.wrap_nested(relax.op.take(with_zero_row._expr, op.reshape(unpack, (-1,))._expr, axis=0,
+                                               mode="clip"), "unpack")
+        padded = op.reshape(rows, (batch, seq, width))
+        return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions)
+
+    def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
         if self.classifier_options is not None:
             return hidden, self.classifier(self.pooler(hidden))
         return hidden, self.sentence(hidden, mask, op.astype(position_ids, "float32"))
@@ -240,6 +295,8 @@ class BertModel(nn.Module):
 # The symbolic dims every dynamic operator's shapes are expressions of.
 SHAPE_VARS = ("batch", "seq_len")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+# A packed model's besides: its tokens (the dense layers' rows) and its sequences' offsets (B + 1).
+PACKED_VARS = ("tokens", "segments")
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
 CLASSIFIER_OUTPUT_NAMES = ("last_hidden_state", "logits")
 
@@ -266,25 +323,34 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return sources
 
 
-def export_relax(model: BertModel, max_batch: int) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...]]]]:
-    """Export ``model`` to an IRModule whose ``forward`` is symbolic in batch and seq_len.
+def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.PrimFunc | None = None,
+                 ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...]]]]:
+    """Export ``model`` to an IRModule whose ``forward`` is symbolic in batch and seq_len; with
+    ``packed_attention`` (the target's kernel, ``kernels/cpu_varlen``) ``forward`` is
+    ``BertModel.forward_packed``, symbolic in the tokens and sequences as well (``PACKED_INPUTS``).
 
     Returns ``(irmodule, parameters)`` with ``parameters`` as ``(name, shape)`` in argument
-    order; they follow the four inputs as function arguments, so weights stay out of the
-    compiled library. The symbolic upper bounds let memory planning allocate statically.
+    order; they follow the inputs as function arguments, so weights stay out of the compiled
+    library. The symbolic upper bounds let memory planning allocate statically.
     """
-    ids = nn.spec.Tensor(list(SHAPE_VARS), "int64")
-    spec = {
-        "forward": {
-            "input_ids": ids,
-            "attention_mask": ids,
-            "token_type_ids": ids,
-            "position_ids": nn.spec.Tensor([SHAPE_VARS[1]], "int64"),
-            "$": {"param_mode": "plain", "effect_mode": "none"},
-        }
-    }
-    mod, params = model.export_tvm(spec=spec)
-    bounds = {SHAPE_VARS[0]: max_batch, SHAPE_VARS[1]: model.config.max_position_embeddings}
-    mod["forward"] = mod["forward"].with_attr("tir_var_upper_bound", bounds)
+    max_len = model.config.max_position_embeddings
+    bounds = {SHAPE_VARS[0]: max_batch, SHAPE_VARS[1]: max_len}
+    padded = nn.spec.Tensor(list(SHAPE_VARS), "int64")
+    if packed_attention is None:
+        inputs = {"input_ids": padded, "attention_mask": padded, "token_type_ids": padded,
+                  "position_ids": nn.spec.Tensor([SHAPE_VARS[1]], "int64")}
+        method = "forward"
+    else:
+        model.packed_attention = packed_attention  # (read by forward_packed as it is traced)
+        tokens = nn.spec.Tensor([PACKED_VARS[0]], "int64")
+        inputs = {"input_ids": tokens, "token_type_ids": tokens, "position_ids": tokens,
+                  "starts": nn.spec.Tensor([PACKED_VARS[1]], "int64"), "unpack": padded, "attention_mask": padded,
+                  "padded_positions": nn.spec.Tensor([SHAPE_VARS[1]], "int64")}
+        method = "forward_packed"
+        bounds.update({PACKED_VARS[0]: max_batch * max_len, PACKED_VARS[1]: max_batch + 1})
+    mod, params = model.export_tvm(spec={method: {**inputs, "$": {"param_mode": "plain", "effect_mode": "none"}}})
+    functions = {gvar: func for gvar, func in mod.functions_items() if gvar.name_hint != method}
+    forward = mod[method].with_attr("tir_var_upper_bound", bounds).with_attr("global_symbol", "forward")
+    mod = tvm.IRModule({**functions, tvm.ir.GlobalVar("forward"): forward}, attrs=mod.attrs)
     parameters = [(name, tuple(int(d) for d in param.shape)) for name, param in params]
     return mod, parameters

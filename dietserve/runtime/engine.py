@@ -15,7 +15,7 @@ import tvm
 from ..host.cpu import configure_cpu_threads, target_cores
 from .artifact import LoadedArtifact
 from .errors import InputError
-from .manifest import CLASSIFICATION_TASK
+from .manifest import CLASSIFICATION_TASK, LAYOUT_PACKED
 from .memory import PoolBound
 from .variant_by_shape import KernelDispatch
 
@@ -73,6 +73,25 @@ def _as_ids(name: str, value: object, shape: tuple[int, int] | None) -> np.ndarr
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
+def packed_inputs(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, positions: np.ndarray) -> tuple:
+    """A packed artifact's inputs (``Manifest.inputs``) for a ``[batch, seq]`` request: the
+    attended tokens of each row one after another, with their own positions, so a mask of any
+    pattern (right or left padding) runs as the padded model does, on the attended tokens
+    alone. A request with none at all runs one padding token, whose outputs nothing reads."""
+    batch, seq = ids.shape
+    keep = mask.astype(bool)
+    rows, columns = np.nonzero(keep)  # row-major: each row's tokens in order
+    tokens = len(rows)
+    starts = np.zeros(batch + 1, np.int64)
+    np.cumsum(keep.sum(axis=1), out=starts[1:])
+    unpack = np.full((batch, seq), max(tokens, 1), np.int64)  # past the tokens: the zero row
+    unpack[rows, columns] = np.arange(tokens)
+    if tokens == 0:  # one more sequence, of one padding token: the kernels see no empty input
+        rows, columns = np.zeros(1, np.intp), np.zeros(1, np.intp)
+        starts = np.append(starts, 1)
+    return (ids[rows, columns], types[rows, columns], positions[columns].copy(), starts, unpack, mask, positions)
+
+
 class Engine:
     """``threads``: CPU threads for an llvm artifact's kernels (default: every CPU this
     process may use)."""
@@ -101,6 +120,7 @@ class Engine:
         self._describe_outputs(manifest)
         self.dispatch = KernelDispatch(manifest.dispatch)
         self._forward = artifact.vm["forward"]
+        self.packed = manifest.layout == LAYOUT_PACKED
         self._positions = np.arange(self.max_seq_len, dtype=np.int64)
         # Inputs in and outputs out: on the host through DLPack, else copies to and from the device.
         if on_cpu:
@@ -180,7 +200,9 @@ class Engine:
         if self.threads is not None and not getattr(self._configured, "done", False):
             configure_cpu_threads(self.threads)
             self._configured.done = True
-        inputs = [self._to_device(array) for array in (ids, mask, types, self._positions[: ids.shape[1]])]
+        positions = self._positions[: ids.shape[1]]
+        arrays = packed_inputs(ids, mask, types, positions) if self.packed else (ids, mask, types, positions)
+        inputs = [self._to_device(array) for array in arrays]
         with self._lock:
             hidden, head = self._forward(*inputs, *self.artifact.params)
             if self.task == CLASSIFICATION_TASK:

@@ -17,6 +17,12 @@ PARAMS_FILE = "params.safetensors"
 PLANS_DIR = "plans"  # the kernel plans linked into a tuned artifact
 PLANS_TUNED, PLANS_ANALYTIC, PLANS_NONE = "tuned", "analytic", "none"  # Manifest.kernel_plans
 PLAN_MODES = (PLANS_ANALYTIC, PLANS_NONE)  # what --plans takes besides plan files
+# Manifest.layout: the encoder on [batch, seq] rows, padding masked; or on the requests' tokens
+# packed one sequence after another (model/bert.py forward_packed), no padded work.
+LAYOUT_PADDED, LAYOUT_PACKED = "padded", "packed"
+LAYOUTS = (LAYOUT_PADDED, LAYOUT_PACKED)
+PACKED_INPUTS = ["input_ids", "token_type_ids", "position_ids", "starts", "unpack", "attention_mask",
+                 "padded_positions"]
 # 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights;
 # 4: the head (pooling recipe or classifier) and each output's shape
 FORMAT_VERSION = 4
@@ -62,6 +68,7 @@ class Manifest:
     # What chose its kernels: PLANS_TUNED (measured on a host), PLANS_ANALYTIC (the hardware
     # model, a cold start), PLANS_NONE (the default rule). None: from before it was kept.
     kernel_plans: str | None = None
+    layout: str = LAYOUT_PADDED  # one of LAYOUTS; ``inputs`` are the compiled function's
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 
@@ -92,9 +99,12 @@ class Manifest:
                 "Recompile the artifact."
             )
         try:
-            return cls(**raw)
+            manifest = cls(**raw)
         except TypeError as err:
             raise ArtifactError(f"{path} does not describe an artifact: {err}") from err
+        if manifest.layout not in LAYOUTS:
+            raise ArtifactError(f"{path}: layout {manifest.layout!r} is not one of {', '.join(LAYOUTS)}")
+        return manifest
 
 
 def folder_bytes(path: Path) -> int:

@@ -1,0 +1,200 @@
+"""Attention over packed sequences on a CPU: each sequence attends to itself alone, over its own
+length, with no mask and no padded work.
+
+The encoder runs on all the sequences' tokens as one ``[T, ...]`` block (T the sum of their
+lengths); ``starts`` (``cu_seqlens``: ``B + 1`` offsets, the last one T) says where each begins.
+The input is the fused QKV projection, ``[T, 3 * heads * head_dim]``, queries', keys' and values'
+heads side by side; the output the context, ``[T, heads * head_dim]``, heads side by side, as the
+output projection reads it.
+
+    tasks over (head, sequence), head-major: an even split hands every core whole heads of
+    every sequence, so one long sequence among short ones does not land on one core
+        K^T copied once per task, in [head_dim, nr] panels, zero up to whole panels
+        for each tile of mr queries (the last starts mr before the end: clamped, no padding)
+            Q tile [mr, head_dim], scaled by 1 / sqrt(head_dim)
+            scores [mr, L] in mr x nr register tiles: Q broadcast, K^T vectors
+            each row's max kept as the scores are stored; then exp(score - max) and its sum
+            in one pass (the model's own fast_exp)
+            context [mr, head_dim] in mr x nc register tiles: exp broadcast, V rows vectors,
+            divided by the sum as it is stored for the tile's rows
+
+The scores kernel is the dense micro-kernel's shape (broadcast x vector FMAs into ``mr x nr``
+accumulators); the context reads V copied once per task, a row of head_dim floats each.
+Sequences shorter than ``mr`` run the same code on a zero-filled Q tile and store only their
+rows. The tile sizes are the kernel's parameters, chosen from the register file as the dense
+kernels' are (``VarlenTile``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from ...host.hardware import CpuHardware
+from ..tir.build import with_exact_buffers
+from ..tir.computed_once import computed_once
+from ..tir.fast_exp import fast_exp
+from ..tir.row_softmax import LOWEST
+
+VARLEN_ATTENTION = "dietserve.varlen_attention"  # the PrimFunc attribute naming its (heads, head_dim)
+
+
+@dataclass(frozen=True)
+class VarlenTile:
+    """Register tiles: ``mr`` queries at a time; scores ``mr x nr`` (keys), context ``mr x nc``
+    (head_dim columns). ``lanes``: the vector width in float32s."""
+
+    mr: int = 4
+    nr: int = 16
+    nc: int = 16
+    lanes: int = 8
+
+    def __post_init__(self) -> None:
+        if self.mr < 1 or self.nr % self.lanes or self.nc % self.lanes or min(self.nr, self.nc) < self.lanes:
+            raise ValueError(f"tiles {self} are not whole {self.lanes}-lane vectors")
+
+    def describe(self) -> str:
+        return f"varlen:{self.mr}x{self.nr},{self.nc}/{self.lanes}"
+
+
+def tile_for(hardware: CpuHardware) -> VarlenTile:
+    """Two vectors of keys (scores) and of head_dim columns (context) a tile: 8 accumulators of
+    4 rows in 16 vector registers (AVX2), 12 of 6 rows in 32 (AVX-512), the rest for the
+    operands, as the dense kernels' 4 x 16 and 6 x 32 tiles."""
+    lanes = hardware.lanes()
+    return VarlenTile(mr=6 if hardware.vector_registers >= 32 else 4, nr=2 * lanes, nc=2 * lanes, lanes=lanes)
+
+
+def varlen_attention(heads: int, head_dim: int, max_len: int, tile: VarlenTile = VarlenTile(),
+                     parallel: bool = True) -> tirx.PrimFunc:
+    """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
+    head_dim])``; ``max_len`` bounds a sequence's length (the position table's size)."""
+    if head_dim % tile.nc:
+        raise ValueError(f"head_dim {head_dim} is not a whole number of {tile.nc}-column context tiles")
+    width = heads * head_dim
+    key_columns = -(-max_len // tile.nr) * tile.nr
+    tokens, segments = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64")
+    with IRBuilder() as builder:
+        with T.prim_func():
+            qkv = T.arg("qkv", T.Buffer((tokens, 3 * width), "float32"))
+            starts = T.arg("starts", T.Buffer((segments,), "int64"))
+            out = T.arg("out", T.Buffer((tokens, width), "float32"))
+            # scheduled as written: the default rules leave it alone
+            T.func_attr({VARLEN_ATTENTION: [heads, head_dim], "tirx.is_scheduled": True})
+            sequences = segments - 1
+            loop = T.parallel if parallel else T.serial
+            with loop(0, heads * sequences) as task:
+                h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
+                start, length = computed_once(starts[b], starts[b + 1] - starts[b])
+                _sequence(qkv, out, (h, start, length), heads, head_dim, key_columns, tile)
+    return with_exact_buffers(builder.get(), own_storage=True)
+
+
+def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -> None:
+    """One head of one sequence."""
+    h, start, length = where
+    mr, nr, nc, lanes = tile.mr, tile.nr, tile.nc, tile.lanes
+    zero, lowest = tirx.const(0, "float32"), tirx.const(LOWEST, "float32")
+    scale = tirx.const(1 / math.sqrt(head_dim), "float32")
+    q_column, k_column, v_column = h * head_dim, (heads + h) * head_dim, (2 * heads + h) * head_dim
+    key_tiles = (length + nr - 1) // nr
+    # (scope "global": stack arrays, allocated once per task; "local" ones this size would go
+    # through the runtime's workspace calls wherever they are declared)
+    # K^T in nr-column panels, each contiguous: a [head_dim, L] array's rows would alias in L1
+    # when L is a power of two, as the reduction walks down them. V rows copied contiguous too:
+    # in the QKV block they lie 3 * heads * head_dim floats apart, a page or more each.
+    keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
+    values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
+    scores = T.alloc_buffer((mr, key_columns), "float32", scope="global")
+    queries = T.alloc_buffer((mr, head_dim), "float32", scope="global")
+    row_max = T.alloc_buffer((mr, lanes), "float32", scope="global")
+    row_sum = T.alloc_buffer((mr, lanes), "float32", scope="global")
+    with T.serial(0, length) as j:
+        with T.serial(0, head_dim) as d:
+            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
+        with T.vectorized(0, head_dim) as d:
+            T.buffer_store(values, qkv[start + j, v_column + d], [j, d])
+    with T.serial(0, key_tiles * nr - length) as j:  # zeros up to whole panels: their scores are not read
+        with T.serial(0, head_dim) as d:
+            T.buffer_store(keys, zero, [(length + j) // nr, d, (length + j) % nr])
+    with T.serial(0, (length + mr - 1) // mr) as t:
+        i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
+        rows = tirx.min(length, mr)
+        with T.unroll(0, mr) as ii:
+            with T.vectorized(0, head_dim) as d:
+                T.buffer_store(queries, tirx.Select(ii < rows, qkv[start + i0 + tirx.min(ii, rows - 1), q_column + d]
+                                                    * scale, zero), [ii, d])
+            with T.vectorized(0, lanes) as lane:
+                T.buffer_store(row_max, lowest, [ii, lane])
+                T.buffer_store(row_sum, zero, [ii, lane])
+        # scores, and each row's running max over its real columns (lane by lane)
+        with T.serial(0, key_tiles) as jo:
+            acc = T.alloc_buffer((mr, nr), "float32", scope="global")
+            _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(acc, zero, [ii, jv * lanes + lane]))
+            with T.serial(0, head_dim) as d:
+                _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(
+                    acc, acc[ii, jv * lanes + lane] + queries[ii, d] * keys[jo, d, jv * lanes + lane],
+                    [ii, jv * lanes + lane]))
+
+            def store(ii, jv, lane):
+                column = jo * nr + jv * lanes + lane
+                T.buffer_store(scores, acc[ii, jv * lanes + lane], [ii, column])
+                T.buffer_store(row_max, tirx.max(row_max[ii, lane], tirx.Select(
+                    column < length, acc[ii, jv * lanes + lane], lowest)), [ii, lane])
+
+            _tile_loop(mr, nr, lanes, store)
+        # exp(score - max), summed: whole vectors, then the last part vector (0 past the real
+        # columns, within the panels)
+        with T.unroll(0, mr) as ii:
+            peak = _lane_reduce(row_max, ii, lanes, tirx.max)
+
+            def exponentials(v, real) -> None:
+                with T.vectorized(0, lanes) as lane:
+                    column = v * lanes + lane
+                    e = fast_exp(scores[ii, column] - peak)
+                    T.buffer_store(scores, e if real is None else tirx.Select(real(column), e, zero), [ii, column])
+                    T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
+
+            with T.serial(0, length // lanes) as v:
+                exponentials(v, None)
+            with T.If(length % lanes > 0):
+                with T.Then():
+                    exponentials(length // lanes, lambda column: column < length)
+        # context = (e @ V) / sum, the division folded into the store
+        with T.unroll(0, head_dim // nc) as co:
+            context = T.alloc_buffer((mr, nc), "float32", scope="global")
+            _tile_loop(mr, nc, lanes, lambda ii, cv, lane: T.buffer_store(context, zero, [ii, cv * lanes + lane]))
+            with T.serial(0, length) as j:
+                _tile_loop(mr, nc, lanes, lambda ii, cv, lane: T.buffer_store(
+                    context, context[ii, cv * lanes + lane] + scores[ii, j] * values[j, co * nc + cv * lanes + lane],
+                    [ii, cv * lanes + lane]))
+            with T.unroll(0, mr) as ii:
+                with T.If(ii < rows):
+                    with T.Then():
+                        inverse = tirx.const(1, "float32") / _lane_reduce(row_sum, ii, lanes, tirx.Add)
+                        with T.vectorized(0, nc) as cc:
+                            T.buffer_store(out, context[ii, cc] * inverse, [start + i0 + ii, q_column + co * nc + cc])
+
+
+def _lane_reduce(lanes_buffer, row, lanes: int, combine) -> tirx.Expr:
+    """The ``lanes`` values of ``lanes_buffer[row]`` combined (``tirx.max`` or ``tirx.Add``)."""
+    value = lanes_buffer[row, 0]
+    for lane in range(1, lanes):
+        value = combine(value, lanes_buffer[row, lane])
+    return value
+
+
+def _tile_loop(rows: int, columns: int, lanes: int, store) -> None:
+    """``store(ii, jv, lane)`` over a register tile: rows unrolled, columns as unrolled whole
+    vectors (column ``jv * lanes + lane``)."""
+    with T.unroll(0, rows) as ii:
+        with T.unroll(0, columns // lanes) as jv:
+            with T.vectorized(0, lanes) as lane:
+                store(ii, jv, lane)
+
+
+__all__ = ["VARLEN_ATTENTION", "VarlenTile", "tile_for", "varlen_attention"]
