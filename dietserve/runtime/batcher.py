@@ -11,6 +11,11 @@ first come first served. Buckets grow
 geometrically, so a batch's padding is under ``1 - 1/ratio`` of its tokens. With batching off
 every request runs alone, in arrival order.
 
+A packed engine (``Engine.packed``) runs any mix of lengths with no padded work, so it has no
+buckets: one queue, first come first served, and a batch takes requests while their tokens stay
+within ``max_batch_tokens`` (and their rows within ``max_batch_size``), as TEI's token budget
+does. A request is never split: one over the budget runs alone.
+
 A request whose caller has gone (cancelled) leaves the queue; one whose deadline passes while it
 waits is answered with :class:`Expired` and not run. A failure while running a batch is given to
 that batch's callers; a failure of the scheduler itself fails everything queued, refuses new
@@ -54,6 +59,7 @@ class Job:
     bucket: int
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # the request's attended tokens (the token budget's unit)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class DynamicBatcher:
         max_queue_delay_s: float,
         bucket_ratio: float,
         max_queue_rows: int,
+        max_batch_tokens: int = 2048,
         on_queue_change: Callable[[int], None] | None = None,
         on_batch: Callable[[BatchRun], None] | None = None,
         on_stopped: Callable[[BaseException], None] | None = None,
@@ -118,6 +125,7 @@ class DynamicBatcher:
         self.max_batch_size = min(max_batch_size, engine.max_batch) if batching else 1
         self.max_queue_delay_s = max_queue_delay_s if batching else 0.0
         self.max_queue_rows = max_queue_rows
+        self.max_batch_tokens = max_batch_tokens
         self.edges = bucket_edges(engine.max_seq_len, bucket_ratio) if batching else [engine.max_seq_len]
         self.withdrawn = 0  # requests whose caller went away while they were queued
         self.expired = 0  # requests whose deadline passed in the queue
@@ -143,7 +151,13 @@ class DynamicBatcher:
         return self._queued_rows
 
     def bucket_of(self, seq_len: int) -> int:
+        if self.engine.packed:  # (read per request: a hot swap may change the layout)
+            return self.edges[-1]
         return self.edges[bisect.bisect_left(self.edges, seq_len)]
+
+    def _fits(self, rows: int, tokens: int) -> bool:
+        """Whether a batch of ``rows`` rows and ``tokens`` attended tokens is within the limits."""
+        return rows <= self.max_batch_size and (not self.engine.packed or tokens <= self.max_batch_tokens)
 
     async def submit(self, request: EncoderRequest) -> JobResult:
         if self.stopped is not None:
@@ -154,7 +168,8 @@ class DynamicBatcher:
             raise Overloaded(
                 f"queue full: {self._queued_rows} rows are waiting (limit {self.max_queue_rows}); retry later"
             )
-        job = Job(request, self.bucket_of(request.seq_len), asyncio.get_running_loop().create_future())
+        job = Job(request, self.bucket_of(request.seq_len), asyncio.get_running_loop().create_future(),
+                  tokens=request.tokens)
         self._queues.setdefault(job.bucket, deque()).append(job)
         self._count(job, +1)
         self._wakeup.set()
@@ -196,15 +211,19 @@ class DynamicBatcher:
         heads = [(queue[0].enqueued, bucket) for bucket, queue in self._queues.items() if queue]
         return min(heads)[1] if heads else None
 
-    def _rows_in(self, bucket: int) -> int:
-        return sum(job.request.rows for job in self._queues[bucket])
+    def _full(self, bucket: int) -> bool:
+        """Whether ``bucket``'s queue holds a whole batch already."""
+        rows = sum(job.request.rows for job in self._queues[bucket])
+        tokens = sum(job.tokens for job in self._queues[bucket])
+        return not self._fits(rows + 1, tokens + 1)
 
     def _take(self, bucket: int) -> list[Job]:
-        """Up to ``max_batch_size`` rows of ``bucket`` in arrival order (always at least one job,
-        even if it alone is larger), without the jobs whose deadline has passed."""
+        """Up to ``max_batch_size`` rows (and, packed, ``max_batch_tokens`` tokens) of ``bucket``
+        in arrival order (always at least one job, even if it alone is larger), without the jobs
+        whose deadline has passed."""
         queue, now = self._queues[bucket], time.monotonic()
-        jobs, rows = [], 0
-        while queue and (not jobs or rows + queue[0].request.rows <= self.max_batch_size):
+        jobs, rows, tokens = [], 0, 0
+        while queue and (not jobs or self._fits(rows + queue[0].request.rows, tokens + queue[0].tokens)):
             job = queue.popleft()
             self._count(job, -1)
             if job.request.deadline is not None and now > job.request.deadline:
@@ -215,6 +234,7 @@ class DynamicBatcher:
                 continue
             jobs.append(job)
             rows += job.request.rows
+            tokens += job.tokens
         return jobs
 
     # ------------------------------------------------------------------ the scheduler
@@ -285,8 +305,7 @@ class DynamicBatcher:
         just_ran = time.monotonic() - self._last_batch_end <= self.max_queue_delay_s
         expected = self._last_batch_jobs if just_ran else 1
         deadline = self._queues[bucket][0].enqueued + self.max_queue_delay_s
-        while (not self._closing and self._queued_jobs < expected
-               and self._rows_in(bucket) < self.max_batch_size):
+        while not self._closing and self._queued_jobs < expected and not self._full(bucket):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -313,7 +332,7 @@ class DynamicBatcher:
             seq_len=seq_len,
             real_tokens=sum(row_lengths),
             compute_seconds=compute,
-            variants=engine.dispatch.variants(ids.shape[0], seq_len),
+            variants=engine.dispatch.variants(ids.shape[0], seq_len, sum(row_lengths) if engine.packed else None),
             row_lengths=row_lengths,
         )
         results, start = [], 0

@@ -33,8 +33,9 @@ class KernelDispatch:
         return list(self._entries)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - one instance per loaded artifact
-    def variants(self, batch: int, seq_len: int) -> tuple[tuple[str, str, int], ...]:
+    def variants(self, batch: int, seq_len: int, tokens: int | None = None) -> tuple[tuple[str, str, int], ...]:
         """((operator, variant, executions), ...) for one run of ``batch`` rows of ``seq_len``
-        tokens: each operator runs once per call site (layer)."""
-        shape = {"batch": batch, "seq_len": seq_len}
+        tokens (a packed artifact's: ``tokens`` attended ones in all, its dense layers' rows):
+        each operator runs once per call site (layer)."""
+        shape = {"batch": batch, "seq_len": seq_len, "tokens": batch * seq_len if tokens is None else tokens}
         return tuple((operator, choose(tree, shape), calls) for operator, (tree, calls) in self._entries.items())

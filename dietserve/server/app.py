@@ -232,6 +232,7 @@ class Server:
                 max_queue_delay_s=config.max_queue_delay_ms / 1000,
                 bucket_ratio=config.bucket_ratio,
                 max_queue_rows=config.max_queue_rows,
+                max_batch_tokens=config.max_batch_tokens,
                 on_queue_change=served.metrics.queued_rows.set,
                 on_batch=self.batch_recorder(served),
                 on_stopped=self._execution_stopped,

@@ -23,6 +23,7 @@ class ServerConfig:
     metrics_port: int = 8002  # 0 picks a free port
     batching: bool = True
     max_batch_size: int = 8  # rows per model execution when batching
+    max_batch_tokens: int = 2048  # a packed artifact's token budget per execution (attended tokens)
     max_queue_delay_ms: float = 2.0  # how long the oldest request waits for batch-mates
     bucket_ratio: float = 1.5  # sequence-length buckets grow by this factor: bounds padding waste
     max_queue_rows: int = 256  # rows waiting to run; beyond this requests get RESOURCE_EXHAUSTED
@@ -49,6 +50,7 @@ class ServerConfig:
             (0 <= self.metrics_port <= 65535, f"--metrics-port {self.metrics_port} is not a TCP port"),
             (self.http_port is None or 0 <= self.http_port <= 65535, f"--http-port {self.http_port} is not a TCP port"),
             (self.max_batch_size >= 1, f"--max-batch-size must be at least 1, got {self.max_batch_size}"),
+            (self.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}"),
             (self.max_queue_delay_ms >= 0, f"--max-queue-delay-ms must be >= 0, got {self.max_queue_delay_ms}"),
             (self.bucket_ratio > 1.0, f"--bucket-ratio must be above 1, got {self.bucket_ratio}"),
             (self.max_queue_rows >= 1, f"--max-queue-rows must be at least 1, got {self.max_queue_rows}"),
@@ -122,6 +124,10 @@ def _add_batching_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) 
                        help="run every request alone (default: dynamic batching)")
     group.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                        help=f"most rows one model execution takes when batching (default {defaults.max_batch_size})")
+    group.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
+                       help="a packed artifact's (--layout packed) batches: most attended tokens one execution "
+                            "takes, any mix of lengths, no padding; a longer request runs alone "
+                            f"(default {defaults.max_batch_tokens})")
     group.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms,
                        help=f"longest a request waits for batch-mates (default {defaults.max_queue_delay_ms})")
     group.add_argument("--bucket-ratio", type=float, default=defaults.bucket_ratio,

@@ -158,6 +158,7 @@ class ServedModel:
             "dynamic_operators": ",".join(self.engine.dispatch.operators),
             "cache_key": manifest.cache_key,
             "kernel_plans": manifest.kernel_plans or "",
+            "layout": manifest.layout,
             "artifact_version": self.version,
         }
         for key, value in parameters.items():

@@ -27,6 +27,7 @@ class Engine:
     """What starting and stopping a server needs of an engine: bounds, execution, a manifest."""
 
     max_batch, max_seq_len, hidden_size = 4, 32, 2
+    packed = False
     pool_bound = None
 
     def __init__(self):

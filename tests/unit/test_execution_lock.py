@@ -21,6 +21,7 @@ class _Engine:
     gate, each execution waits until the test opens it."""
 
     max_batch, max_seq_len = 8, 64
+    packed = False
 
     def __init__(self, name: str, log: list, gate: threading.Event | None = None):
         self.name, self.log, self.gate = name, log, gate

@@ -186,6 +186,7 @@ class _RecordingEngine:
     each row's ids as its hidden state so the batcher's splitting can be checked exactly."""
 
     max_batch, max_seq_len = 8, 64
+    packed = False
 
     def __init__(self):
         self.calls = []
@@ -306,6 +307,49 @@ def test_requests_arriving_while_busy_batch_by_bucket():
     assert engine.calls == [(1, 30), (3, 7), (1, 60)]  # 3, 5, 7 share a bucket; 60 has its own
     for n, result in zip((3, 5, 7, 60), results[1:], strict=True):
         np.testing.assert_array_equal(result.output.sentence_embedding[:, 0], [n * n])
+
+
+def _packed_batcher(engine, max_batch_tokens: int) -> DynamicBatcher:
+    engine.packed = True
+    return DynamicBatcher(engine, batching=True, max_batch_size=8, max_queue_delay_s=0.05, bucket_ratio=1.25,
+                          max_queue_rows=64, max_batch_tokens=max_batch_tokens)
+
+
+def _run_while_busy(engine, batcher, waiting: list[tuple[int, int]]) -> list:
+    """One request holds the engine while ``waiting`` ((rows, seq) each, value = seq) queue up."""
+    async def scenario():
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(_request(1, 30)))
+        await _until(engine.running.is_set)
+        queued = [asyncio.ensure_future(batcher.submit(_request(rows, n, n))) for rows, n in waiting]
+        await _until(lambda: batcher.queued_rows == sum(rows for rows, _ in waiting))
+        engine.gate.set()
+        results = await asyncio.gather(first, *queued)
+        await batcher.close()
+        return results[1:]
+
+    return asyncio.run(scenario())
+
+
+def test_a_packed_engine_batches_any_lengths_in_arrival_order_within_the_token_budget():
+    """No buckets: 3, 60 and 5 tokens run together; the budget (70) closes the batch before the
+    next request (7 + 60 + 5 + 7 > 70), which then heads the next one: first come, first served."""
+    engine = _GatedEngine()
+    waiting = [(1, 3), (1, 60), (1, 5), (1, 7), (1, 9)]
+    results = _run_while_busy(engine, _packed_batcher(engine, max_batch_tokens=70), waiting)
+    assert engine.calls == [(1, 30), (3, 60), (2, 9)]
+    for (_, n), result in zip(waiting, results, strict=True):
+        np.testing.assert_array_equal(result.output.sentence_embedding[:, 0], [n * n])
+        assert result.output.last_hidden_state.shape == (1, n, 2)
+
+
+def test_a_request_over_the_token_budget_runs_alone_and_is_never_split():
+    engine = _GatedEngine()
+    waiting = [(4, 50), (1, 3), (2, 8)]  # 200 tokens, over the budget of 100
+    results = _run_while_busy(engine, _packed_batcher(engine, max_batch_tokens=100), waiting)
+    assert engine.calls == [(1, 30), (4, 50), (3, 8)]
+    np.testing.assert_array_equal(results[0].output.sentence_embedding[:, 0], [2500] * 4)
+    assert results[0].run.real_tokens == 200 and results[2].run.real_tokens == 19
 
 
 def test_a_cancelled_request_leaves_the_queue_and_is_not_computed():

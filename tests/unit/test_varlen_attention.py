@@ -1,0 +1,86 @@
+"""The packed encoder's attention kernel (``kernels/cpu_varlen``) against numpy: each sequence's
+softmax attention over itself alone, for mixes of lengths and the register tiles it is built with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from dietserve.host.cpu import configure_cpu_threads
+from dietserve.host.hardware import CPU_PRESETS
+from dietserve.kernels.cpu_varlen.attention import VarlenTile, tile_for, varlen_attention
+from dietserve.kernels.tir.build import build
+
+TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+MAX_LEN = 512
+
+
+def built(heads: int, head_dim: int, tile: VarlenTile):
+    """The kernel alone, as a callable (in a model it is a ``call_tir`` of the forward function)."""
+    func = varlen_attention(heads, head_dim, MAX_LEN, tile).with_attr("global_symbol", "main")
+    return build(tvm.IRModule({"main": func}), TARGET)["main"]
+
+
+def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Per sequence and head: softmax(q k^T / sqrt(d)) v, in float64."""
+    width = heads * head_dim
+    out = np.zeros((qkv.shape[0], width))
+    for first, end in zip(starts[:-1], starts[1:], strict=True):
+        block = qkv[first:end].astype(np.float64)
+        for h in range(heads):
+            q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
+            scores = q @ k.T / np.sqrt(head_dim)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[first:end, h * head_dim:(h + 1) * head_dim] = (weights / weights.sum(axis=1, keepdims=True)) @ v
+    return out
+
+
+def run(function, qkv: np.ndarray, lengths: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = tvm.runtime.tensor(np.full((qkv.shape[0], width), np.nan, np.float32))
+    function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), out)
+    return out.numpy(), starts
+
+
+MIXES = [[1], [2], [3, 1], [7, 1, 13], [MAX_LEN], [31, 2, 97, 5, 1], [128, 64, 61], [1, MAX_LEN, 17]]
+
+
+@pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=6, nr=16, nc=16), VarlenTile(mr=1, nr=8, nc=8),
+                                  VarlenTile(mr=3, nr=24, nc=32)], ids=lambda t: t.describe())
+def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
+    configure_cpu_threads(2)
+    heads, head_dim = 2, 64
+    function = built(heads, head_dim, tile)
+    rng = np.random.default_rng(0)
+    for lengths in MIXES:
+        # scores far apart (scaled inputs): a softmax that ignored the row max would overflow
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim)
+        expected = reference(qkv, starts, heads, head_dim)
+        error = np.abs(out - expected).max() / np.abs(expected).max()  # (float32 sums of up to 512 terms)
+        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+def test_every_length_up_to_the_maximum() -> None:
+    """One sequence of each sampled length from 1 to 512, in one packed run, on the host's tile."""
+    configure_cpu_threads(2)
+    heads, head_dim = 1, 64
+    tile = tile_for(CPU_PRESETS["avx2"])
+    function = built(heads, head_dim, tile)
+    lengths = list(range(1, 40)) + list(range(41, MAX_LEN + 1, 29)) + [MAX_LEN]
+    qkv = np.random.default_rng(1).standard_normal((sum(lengths), 3 * heads * head_dim)).astype(np.float32)
+    out, starts = run(function, qkv, lengths, heads * head_dim)
+    error = np.abs(out - reference(qkv, starts, heads, head_dim)).max(axis=1)
+    worst = int(np.argmax(error))
+    assert error.max() < 2e-5, f"row {worst} (sequence of {lengths[np.searchsorted(starts, worst, 'right') - 1]})"
+
+
+def test_tiles_are_chosen_from_the_register_file() -> None:
+    avx2, avx512 = tile_for(CPU_PRESETS["avx2"]), tile_for(CPU_PRESETS["avx512"])
+    assert (avx2.lanes, avx512.lanes) == (8, 16)
+    for tile, registers in ((avx2, 16), (avx512, 32)):
+        accumulators = tile.mr * tile.nr // tile.lanes
+        assert accumulators + tile.nr // tile.lanes + 1 <= registers  # accumulators, operands, broadcast
+    with pytest.raises(ValueError, match="whole 8-lane vectors"):
+        VarlenTile(nr=12)
