@@ -11,6 +11,7 @@ and nothing for the rest of the model.
 
     python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
+    python tests/benchmarks/bench_bert.py --mixed [--mixed-batches 8,32]  # packed vs padded, real text
 
 Beside the untuned artifact (the default rule) every run measures the cold start's (``cold``:
 plans from the hardware model, ``--plans analytic``, nothing measured).
@@ -33,6 +34,20 @@ next, the per-backend medians can come from different rounds.
 Then ``FLOOR geomean_floor_vs_ours=.. geomean_floor_vs_best=..``
 (1.0: at the floor) and what a backend at the floor at every point would be against the best:
 more than any fp32 backend can reach on this machine.
+
+``--mixed`` measures instead what indexing documents is: batches of 8 and 32 texts of real
+prose (``bench_serve.real_passages``, the model's tokenizer, padded to the batch's longest as
+users run the peers), the packed artifact (``--layout packed``: no padded work) beside the
+padded one (both cold starts, ``--plans analytic``), ONNX Runtime and OpenVINO, rounds rotated.
+Beside each batch, the same texts run one at a time on each of our layouts (what a lone request
+costs). Last line
+
+    RESULT mixed_packed_vs_padded=A min_mixed_packed_vs_padded=B mixed_packed_vs_best=C
+           min_mixed_packed_vs_best=D token_cost_b8_vs_b1=E lone_packed_vs_padded=F
+
+(geomeans over the batches; token_cost_b8_vs_b1: the packed artifact's seconds per token for a
+batch of 8 over the same texts run one at a time; lone_packed_vs_padded: those single texts,
+padded layout's time over packed's.)
 """
 
 from __future__ import annotations
@@ -249,6 +264,70 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
             print(f"#   {symbol:<40} {seconds * 1e3:8.3f} ms {100 * seconds / total:5.1f}%  x{calls}")
 
 
+def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
+    """Batches of real texts: packed vs padded vs ONNX Runtime and OpenVINO (see ``--mixed``)."""
+    import torch
+    from bench_serve import real_passages
+    from transformers import BertModel
+
+    from dietserve.model.tokenizer import TextTokenizer
+    from dietserve.runtime.manifest import LAYOUT_PACKED
+
+    sizes = args.mixed_batches
+    artifacts = {layout: compile_artifact(CompileRequest(model=model, max_batch=max(sizes), analytic=True,
+                                                         layout=layout), args.cache_dir, progress=say)
+                 for layout in (LAYOUT_PACKED, "padded")}
+    engines = {layout: Engine(load_artifact(path), threads=args.threads) for layout, path in artifacts.items()}
+    torch.set_num_threads(args.threads)
+    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
+    reference.eval()
+    with tempfile.TemporaryDirectory() as scratch:
+        onnx_path = Path(scratch) / "bert.onnx"
+        bert_baselines.export_onnx(reference, onnx_path)
+        backends = {**{layout: engine.run for layout, engine in engines.items()},
+                    "ort": bert_baselines.onnx_runtime(onnx_path, args.threads),
+                    "openvino": bert_baselines.openvino(onnx_path, args.threads)}
+    tokenizer = TextTokenizer.from_folder(artifacts["padded"], engines["padded"].max_seq_len)
+    passages = iter(real_passages(sum(sizes) * args.mixed_sets, seed=0))
+    batches = []  # (size, encoded): each batch its own texts
+    for size in sizes:
+        for _ in range(args.mixed_sets):
+            encoded = tokenizer.encode([next(passages) for _ in range(size)])
+            batches.append((size, (encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)))
+
+    def one_at_a_time(engine):
+        def run(ids, mask, types):
+            for row in range(ids.shape[0]):
+                length = int(mask[row].sum())
+                engine.run(ids[row:row + 1, :length], mask[row:row + 1, :length], types[row:row + 1, :length])
+        return run
+
+    singles = {f"{layout} x1": one_at_a_time(engine) for layout, engine in engines.items()}
+    samples = [{name: [] for name in (*backends, *singles)} for _ in batches]
+    for round_index in range(args.rounds):
+        say(f"{model} mixed: round {round_index + 1} of {args.rounds} over {len(batches)} batches")
+        for index, (_size, inputs) in enumerate(batches):
+            for name, fn in rotated([*backends.items(), *singles.items()], round_index):
+                samples[index][name].append(median_latency(fn, inputs, args.repeats))
+    print(f"# model={model} threads={args.threads} mixed batches of real text (median ms over {args.rounds} rounds); "
+          f"x1: the batch's texts one at a time")
+    names = [*backends, *singles]
+    print(f"{'texts':>5} {'tokens':>6} {'padded':>6} " + " ".join(f"{name:>10}" for name in names)
+          + f" {'pk/pad':>7} {'pk/best':>7} {'tok b/1':>7}")
+    for (size, (ids, mask, _)), point in zip(batches, samples, strict=True):
+        times = {name: statistics.median(values) for name, values in point.items()}
+        best = min(times["ort"], times["openvino"])
+        vs_padded, vs_best = times["padded"] / times[LAYOUT_PACKED], best / times[LAYOUT_PACKED]
+        token_cost = times[LAYOUT_PACKED] / times[f"{LAYOUT_PACKED} x1"]  # the same tokens either way
+        ratios["mixed_packed_vs_padded"].append(vs_padded)
+        ratios["mixed_packed_vs_best"].append(vs_best)
+        ratios["lone_packed_vs_padded"].append(times["padded x1"] / times[f"{LAYOUT_PACKED} x1"])
+        if size == 8:
+            ratios["token_cost_b8_vs_b1"].append(token_cost)
+        print(f"{size:>5} {int(mask.sum()):>6} {ids.size:>6} " + " ".join(f"{times[n] * 1e3:>10.2f}" for n in names)
+              + f" {vs_padded:>7.2f} {vs_best:>7.2f} {token_cost:>7.2f}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default", help="comma-separated: bert-base, default, DIR")
@@ -265,8 +344,25 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=32, help="with --tuned: measurements per operator")
     parser.add_argument("--profile-seq", type=int, default=128, help="sequence length of the per-operator profile")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "dietserve")
+    parser.add_argument("--mixed", action="store_true",
+                        help="batches of real texts: the packed artifact vs the padded one and the peers")
+    parser.add_argument("--mixed-batches", default="8,32", help="with --mixed: texts per batch (default 8,32)")
+    parser.add_argument("--mixed-sets", type=int, default=3, help="with --mixed: batches of each size (default 3)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.mixed_batches = [int(b) for b in args.mixed_batches.split(",")]
+    if args.mixed:
+        mixed: dict[str, list[float]] = {key: [] for key in (
+            "mixed_packed_vs_padded", "mixed_packed_vs_best", "token_cost_b8_vs_b1", "lone_packed_vs_padded")}
+        for model in args.models.split(","):
+            bench_mixed(model, args, mixed)
+        print(f"RESULT mixed_packed_vs_padded={geomean(mixed['mixed_packed_vs_padded']):.3f} "
+              f"min_mixed_packed_vs_padded={min(mixed['mixed_packed_vs_padded']):.3f} "
+              f"mixed_packed_vs_best={geomean(mixed['mixed_packed_vs_best']):.3f} "
+              f"min_mixed_packed_vs_best={min(mixed['mixed_packed_vs_best']):.3f} "
+              f"token_cost_b8_vs_b1={geomean(mixed['token_cost_b8_vs_b1']):.3f} "
+              f"lone_packed_vs_padded={geomean(mixed['lone_packed_vs_padded']):.3f}")
+        return 0
     ratios: dict[str, list[float]] = {key: [] for key in (
         "tuned_vs_untuned", "vs_ort", "vs_openvino", "vs_best", "vs_torch", "floor_vs_ours", "floor_vs_best",
         "paired_vs_best", "cold_vs_best", "cold_vs_tuned")}

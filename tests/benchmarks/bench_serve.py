@@ -21,7 +21,14 @@ difference against gRPC. Then:
 - Triton's perf_analyzer (tests/benchmarks/perf_analyzer.py) against the ids model at
   concurrency 1, 4 and 16 with the same real passages as its input data, its summary quoted.
 
-Last line:
+With ``--texts-per-request 16`` it measures instead what indexing documents is: each request
+carries 16 texts (padded to its longest, with their attention mask), beside requests of one text
+each, at each concurrency, batching on, for the packed artifact (``--layout packed``) and the
+padded one; texts/s and p50/p99 per request. Last line ``RESULT multi_text_ratio_packed=..
+multi_text_ratio_padded=.. packed_vs_padded_multi=..`` (texts/s with 16 a request over texts/s
+with one, at the highest concurrency; and the two layouts' texts/s with 16 a request).
+
+Otherwise the last line:
 
     RESULT throughput_rps=X p50_ms=Y p99_ms=Z overhead_p50_us=W empty_rpc_p50_us=E batching_gain_8=G
            lone_request_ratio=L [http_throughput_ratio=R http_p50_extra_us=D]
@@ -93,12 +100,55 @@ def real_passages(count: int, seed: int) -> list[str]:
     return passages
 
 
-def request_for(ids: np.ndarray, model: str = MODEL) -> service_pb2.ModelInferRequest:
+def request_for(ids: np.ndarray, model: str = MODEL, mask: np.ndarray | None = None) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=model)
-    request.inputs.add(name="input_ids", datatype="INT64", shape=ids.shape)
-    request.raw_input_contents.append(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    for name, array in (("input_ids", ids), ("attention_mask", mask)):
+        if array is not None:
+            request.inputs.add(name=name, datatype="INT64", shape=array.shape)
+            request.raw_input_contents.append(np.ascontiguousarray(array, dtype="<i8").tobytes())
     request.outputs.add(name="sentence_embedding")
     return request
+
+
+def multi_text_runs(args: argparse.Namespace) -> int:
+    """Requests of ``--texts-per-request`` texts beside requests of one, packed and padded layouts."""
+    per_request = args.texts_per_request
+    passages = real_passages(args.requests, seed=0)
+    rows, texts_per_s = [], {}
+    for layout in ("packed", "padded"):
+        artifact = compile_artifact(CompileRequest(model=args.model, max_batch=max(per_request, args.max_batch_size),
+                                                   analytic=True, layout=layout), args.cache_dir,
+                                    progress=lambda m: print(f"# {m}", file=sys.stderr))
+        tokenizer = TextTokenizer.from_folder(artifact, Engine(load_artifact(artifact)).max_seq_len)
+        single = [request_for(tokenizer.encode([p]).input_ids) for p in passages]
+        groups = [passages[i:i + per_request] for i in range(0, len(passages) - per_request + 1, per_request)]
+        multi = []
+        for group in groups:
+            encoded = tokenizer.encode(group)
+            multi.append(request_for(encoded.input_ids, mask=encoded.attention_mask))
+        flags = ["--max-batch-size", str(args.max_batch_size), "--max-queue-delay-ms", str(args.max_queue_delay_ms),
+                 "--max-queue-rows", str(4 * per_request * max(args.concurrency))]
+        server = ServerProcess(artifact, *flags, model_name=MODEL)
+        try:
+            for concurrency in args.concurrency:
+                for texts, requests in ((1, single), (per_request, multi)):
+                    closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
+                    rps, latencies = closed_loop(server.grpc_url, requests, concurrency, args.seconds)
+                    texts_per_s[layout, texts, concurrency] = rps * texts
+                    rows.append((layout, texts, concurrency, rps * texts, percentile(latencies, 50) * 1e3,
+                                 percentile(latencies, 99) * 1e3, len(latencies)))
+                    time.sleep(0.5)
+        finally:
+            server.stop()
+    print(f"\n{'layout':>7} {'texts/req':>9} {'clients':>7} {'texts/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
+    for layout, texts, concurrency, rate, p50, p99, count in rows:
+        print(f"{layout:>7} {texts:>9} {concurrency:>7} {rate:8.1f} {p50:8.2f} {p99:8.2f} {count:8d}")
+    top = max(args.concurrency)
+    multi = {layout: texts_per_s[layout, per_request, top] for layout in ("packed", "padded")}
+    ratio = {layout: multi[layout] / texts_per_s[layout, 1, top] for layout in multi}
+    print(f"RESULT multi_text_ratio_packed={ratio['packed']:.2f} multi_text_ratio_padded={ratio['padded']:.2f} "
+          f"packed_vs_padded_multi={multi['packed'] / multi['padded']:.2f}")
+    return 0
 
 
 def _run_clients(client, concurrency: int, latencies: list[float], errors: list[str]) -> tuple[float, list[float]]:
@@ -267,7 +317,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="distinct requests in the rotation")
     parser.add_argument("--skip-perf-analyzer", action="store_true")
     parser.add_argument("--skip-http", action="store_true", help="gRPC only")
+    parser.add_argument("--texts-per-request", type=int, default=1,
+                        help="above 1: requests of this many texts beside requests of one, packed and padded layouts")
     args = parser.parse_args()
+    if args.texts_per_request > 1:
+        return multi_text_runs(args)
 
     artifact = compile_artifact(CompileRequest(model=args.model, max_batch=max(16, args.max_batch_size)),
                                 args.cache_dir, progress=lambda m: print(f"# {m}", file=sys.stderr))

@@ -4,16 +4,20 @@ our own run of it alone; the request's padded shape comes back, zeros at padding
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
 from dietserve.runtime.manifest import LAYOUT_PACKED, PACKED_INPUTS, Manifest
 
-from .conftest import MAX_BATCH
 from .reference import reference_hidden
+from .server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 TO_TRANSFORMERS = 1e-4
@@ -23,12 +27,17 @@ MIXES = [[1], [512], [7, 1, 13], [31, 2, 97, 5, 1], [1, 512, 17], [11, 3, 61, 29
 
 
 @pytest.fixture(scope="module")
-def packed_engine(cache_dir) -> Engine:
-    artifact = compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, analytic=True,
-                                               layout=LAYOUT_PACKED), cache_dir)
+def packed_artifact(cache_dir) -> Path:
+    artifact = compile_artifact(CompileRequest(model="default", max_batch=16, analytic=True, layout=LAYOUT_PACKED),
+                                cache_dir)
     manifest = Manifest.read(artifact)
     assert manifest.layout == LAYOUT_PACKED and manifest.inputs == PACKED_INPUTS
-    return Engine(load_artifact(artifact))
+    return artifact
+
+
+@pytest.fixture(scope="module")
+def packed_engine(packed_artifact) -> Engine:
+    return Engine(load_artifact(packed_artifact))
 
 
 def _batch(rng: np.random.Generator, lengths: list[int], vocab: int, left: bool = False):
@@ -85,3 +94,33 @@ def test_rows_without_tokens_leave_the_others_unchanged(packed_engine) -> None:
     assert not out.sentence_embedding[2].any() and not out.last_hidden_state[2].any()
     nothing = packed_engine.run(ids, np.zeros_like(mask), types)
     assert not nothing.sentence_embedding.any() and not nothing.last_hidden_state.any()
+
+
+TEXTS = ["A man is eating food.", "Hi", "The new movie is awesome and everyone should see it twice.",
+         "Packed batches run every text at its own length.", "x", "A cat sat on the mat, and then it slept.",
+         "Where is the nearest train station?", "ok", "Indexing documents is the commonest embedding workload.",
+         "Sequence lengths change with every request.", "Two texts", "A", "The quick brown fox jumps over it.",
+         "Dynamic shapes, tuned kernels.", "Padding is wasted work.", "the last one of sixteen texts"]
+
+
+def _embeddings(client: triton_grpc.InferenceServerClient, texts: list[str]) -> np.ndarray:
+    tensor = triton_grpc.InferInput("text", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    result = client.infer("packed-text", [tensor], outputs=[triton_grpc.InferRequestedOutput("sentence_embedding")])
+    return result.as_numpy("sentence_embedding")
+
+
+def test_a_request_of_sixteen_texts_returns_what_sixteen_single_requests_return(packed_artifact) -> None:
+    """Through a real server: one request of 16 texts (one execution, no padded work), and the
+    same texts as 16 requests sent at once (merged by the token budget, two executions of it)."""
+    server = ServerProcess(packed_artifact, "--max-batch-tokens", "64", "--max-queue-delay-ms", "20",
+                           model_name="packed")
+    try:
+        with triton_grpc.InferenceServerClient(server.grpc_url) as client:
+            together = _embeddings(client, TEXTS)
+            with ThreadPoolExecutor(len(TEXTS)) as pool:
+                alone = np.vstack(list(pool.map(lambda text: _embeddings(client, [text]), TEXTS)))
+    finally:
+        server.stop()
+    assert together.shape == (len(TEXTS), 384)
+    assert float(np.abs(together - alone).max()) <= TO_OURS_ALONE
