@@ -32,18 +32,19 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .compile.tuning import TuneRequest, read_lengths, tune_model
+    from .compile.tuning import TuneRequest, read_lengths, read_tokens, tune_model
 
     lengths = read_lengths(args.lengths) if args.lengths else ()
+    tokens = read_tokens(args.lengths) if args.lengths else ()
     if args.tasks_only:  # for a tuner that measures elsewhere (python -m tuner bundle)
         from .compile.tuning import TASKS_FILE, tuning_tasks
 
         args.out.mkdir(parents=True, exist_ok=True)
-        print(tuning_tasks(compile_request(args), args.cache_dir, lengths).write(args.out / TASKS_FILE))
+        print(tuning_tasks(compile_request(args), args.cache_dir, lengths, tokens).write(args.out / TASKS_FILE))
         return 0
     request = TuneRequest(compile=compile_request(args), db=args.db, out=args.out, trials=args.trials,
-                          time_budget_s=args.time_budget, lengths=lengths, rpc_tracker=args.rpc_tracker,
-                          rpc_key=args.rpc_key)
+                          time_budget_s=args.time_budget, lengths=lengths, tokens=tokens,
+                          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     print(tune_model(request, args.cache_dir, progress=say))
     return 0
 

@@ -12,7 +12,7 @@ from .common import add_build_flags, compile_request, say
 def cmd_retune(args: argparse.Namespace) -> int:
     import time
 
-    from ..compile.tuning import PLANS_DIR, TuneRequest, read_lengths, tune_model
+    from ..compile.tuning import PLANS_DIR, TuneRequest, read_lengths, read_tokens, tune_model
     from ..runtime.versions import VersionStore
     from ..server.retune import EXIT_NOT_FASTER
 
@@ -20,7 +20,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
     out = args.work or args.store / "retune" / "work"
     request = TuneRequest(compile=_served_build(args), db=args.db or args.store / "records.jsonl", out=out,
                           trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
-                          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+                          tokens=read_tokens(args.traffic), rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     started = time.monotonic()
     artifact = tune_model(request, args.cache_dir, progress=say)
     store = VersionStore(args.store)

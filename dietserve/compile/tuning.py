@@ -25,7 +25,7 @@ from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import PACKED_VARS, SHAPE_VARS
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
-from ..runtime.traffic import Traffic, TrafficError, observed_lengths
+from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
 from .artifact import CompileRequest, compile_artifact, export_model, model_display_name, open_checkpoint
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
@@ -46,6 +46,7 @@ class TuneRequest:
     trials: int = 64  # measurements per operator
     time_budget_s: float | None = None  # for all operators together
     lengths: tuple[int, ...] = ()  # observed sequence lengths (weights); empty: uniform over 1..max
+    tokens: tuple[int, ...] = ()  # a packed model's observed tokens per execution; empty: as ``lengths``
     rpc_tracker: str | None = None  # host:port of a TVM RPC tracker: measure on its devices
     rpc_key: str = "local"  # the device key registered with the tracker
 
@@ -54,6 +55,15 @@ class TuneRequest:
             raise ValueError(f"trials must be at least 1, got {self.trials}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
+
+
+def read_tokens(path: Path) -> tuple[int, ...]:
+    """The tokens per packed execution a server's traffic file holds (``observed_tokens``); none
+    from any other lengths file."""
+    try:
+        return observed_tokens(Traffic.load(path))
+    except TrafficError:
+        return ()
 
 
 def read_lengths(path: Path) -> tuple[int, ...]:
@@ -87,11 +97,13 @@ def read_lengths(path: Path) -> tuple[int, ...]:
 POOLING_TUNE_LENGTH = 128
 
 
-def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int] = ()) -> TaskFile:
+def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int] = (),
+                 tokens: Sequence[int] = ()) -> TaskFile:
     """One task per distinct dynamic matmul-like workload of the model, varying ``seq_len`` over
     1..max length at batch 1 (dense layers see ``batch * seq_len`` rows, so batches reuse the
-    plan; a packed model's see the tokens of a run, varied the same way), weighted by
-    ``lengths`` where given; operators whose rows are ``batch`` alone vary the batch instead.
+    plan; a packed model's see the tokens of a run, varied the same way and weighted by
+    ``tokens``, the tokens per execution, where given), weighted by ``lengths`` where given;
+    operators whose rows are ``batch`` alone vary the batch instead.
     On CPU an operator the link pass fuses with its softmax (attention's scores) is marked so,
     and the tuner times it with the softmax, as it is served."""
     checkpoint = open_checkpoint(request, cache_dir)
@@ -104,8 +116,8 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     softmaxed = softmaxed_operators(legalized) if target.kind.name == "llvm" else set()
     max_len = checkpoint.config.max_position_embeddings
     values = list(range(1, max_len + 1))
-    observed = Counter(min(length, max_len) for length in lengths)
-    weights = [float(observed.get(v, 0)) for v in values] if observed else []
+    weights = _weights(lengths, values)
+    token_weights = _weights(tokens, values) if tokens else weights
     tasks: dict[str, TaskDescription] = {}
     for gvar, func in legalized.functions_items():
         if not is_dynamic_matmul(func):
@@ -118,7 +130,7 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
         batch, seq_len = SHAPE_VARS
         rows = names_in(matmul_axes(func)["i"])
         if PACKED_VARS[0] in rows:  # a packed model's: its rows are the tokens of every sequence run
-            vary, fixed, task_weights = {"var": PACKED_VARS[0], "values": values}, {}, weights
+            vary, fixed, task_weights = {"var": PACKED_VARS[0], "values": values}, {}, token_weights
         elif seq_len in rows:
             vary, fixed, task_weights = {"var": seq_len, "values": values}, {batch: 1}, weights
         else:
@@ -130,6 +142,13 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
             softmax=gvar.name_hint in softmaxed)
     model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
     return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
+
+
+def _weights(observations: Sequence[int], values: list[int]) -> list[float]:
+    """How often each of ``values`` was observed (one past the last counts as the last: the last
+    interval's kernel runs it); empty where nothing was: every value alike."""
+    observed = Counter(min(value, values[-1]) for value in observations)
+    return [float(observed.get(v, 0)) for v in values] if observed else []
 
 
 def tuner_command(task_file: Path, request: TuneRequest, plans: Path) -> list[str]:
@@ -161,7 +180,7 @@ def tune_model(request: TuneRequest, cache_dir: Path, progress: Progress = lambd
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     progress("extracting the model's dynamic operators")
-    tasks = tuning_tasks(request.compile, cache_dir, request.lengths)
+    tasks = tuning_tasks(request.compile, cache_dir, request.lengths, request.tokens)
     task_file = tasks.write(out / TASKS_FILE)
     total_calls = sum(task.calls for task in tasks.tasks)
     progress(f"{len(tasks.tasks)} distinct operators ({total_calls} call sites) -> {task_file}")

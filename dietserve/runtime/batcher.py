@@ -72,6 +72,7 @@ class BatchRun:
     compute_seconds: float
     variants: tuple[tuple[str, str, int], ...]
     row_lengths: tuple[int, ...]  # unpadded tokens of each row
+    packed: bool = False  # run by a packed engine: no padded work, each row at its own length
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,7 @@ class DynamicBatcher:
             compute_seconds=compute,
             variants=engine.dispatch.variants(ids.shape[0], seq_len, sum(row_lengths) if engine.packed else None),
             row_lengths=row_lengths,
+            packed=engine.packed,
         )
         results, start = [], 0
         for job in jobs:

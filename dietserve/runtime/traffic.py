@@ -1,14 +1,17 @@
 """The shapes a server really executes, decayed over time: what the tuner re-weights shapes by.
 
-Each model execution adds 1 to the weight of its shape (batch rows, sequence length); all
-weights halve every ``half_life_seconds``, so the mix follows the traffic. The file (JSON,
+Each model execution adds 1 to the weight of its shape (batch rows, sequence length; a packed
+execution, whose sequences each run at their own length, adds one row at each); all weights
+halve every ``half_life_seconds``, so the mix follows the traffic. A packed execution also adds 1
+to the weight of its token count, the rows its dense layers ran (``tokens``). The file (JSON,
 written whole or not at all) is the one format for this concept: the server writes it, and
-``dietserve tune --lengths FILE`` reads it through :func:`observed_lengths`.
+``dietserve tune --lengths FILE`` reads it through :func:`observed_lengths` and
+:func:`observed_tokens`.
 
     {"format": "dietserve.traffic", "version": 1, "half_life_seconds": 3600.0,
-     "as_of": 1763860000.0, "shapes": [[rows, seq_len, weight], ...]}
+     "as_of": 1763860000.0, "shapes": [[rows, seq_len, weight], ...], "tokens": [[tokens, weight], ...]}
 
-``weight`` is decayed to ``as_of`` (Unix seconds).
+``weight`` is decayed to ``as_of`` (Unix seconds); ``tokens`` may be absent (no packed execution).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class TrafficError(ValueError):
 class Traffic:
     """``weights``: shape -> executions, decayed to the latest time recorded or decayed to."""
 
-    def __init__(self, half_life_seconds: float, as_of: float, weights: dict[tuple[int, int], float] | None = None):
+    def __init__(self, half_life_seconds: float, as_of: float, weights: dict[tuple[int, int], float] | None = None,
+                 tokens: dict[int, float] | None = None):
         if not half_life_seconds > 0:
             raise TrafficError(f"half-life must be positive, got {half_life_seconds}")
         self.half_life_seconds = half_life_seconds
@@ -42,11 +46,18 @@ class Traffic:
         # Kept as of ``as_of``: an execution at a later time t counts 2^((t - as_of) / half-life)
         # there, so recording is O(1) and only reads decay the whole table.
         self._weights = dict(weights or {})
+        self._tokens = dict(tokens or {})
 
     @property
     def weights(self) -> dict[tuple[int, int], float]:
         self.decay_to(self._latest)
         return self._weights
+
+    @property
+    def token_weights(self) -> dict[int, float]:
+        """Tokens a packed execution ran -> decayed executions."""
+        self.decay_to(self._latest)
+        return self._tokens
 
     def decay_to(self, now: float) -> None:
         self._latest = max(self._latest, now)
@@ -54,14 +65,29 @@ class Traffic:
             return
         factor = 0.5 ** ((now - self.as_of) / self.half_life_seconds)
         self._weights = {shape: w * factor for shape, w in self._weights.items() if w * factor >= NEGLIGIBLE_WEIGHT}
+        self._tokens = {tokens: w * factor for tokens, w in self._tokens.items() if w * factor >= NEGLIGIBLE_WEIGHT}
         self.as_of = now
 
     def record(self, rows: int, seq_len: int, now: float) -> None:
+        scale = self._scale(now)
+        self._weights[(rows, seq_len)] = self._weights.get((rows, seq_len), 0.0) + scale
+
+    def record_packed(self, row_lengths: tuple[int, ...], now: float) -> None:
+        """A packed execution: each sequence a row at its own length, and its token count."""
+        scale = self._scale(now)
+        for length in row_lengths:
+            if length > 0:  # (a row without tokens runs nothing)
+                self._weights[(1, length)] = self._weights.get((1, length), 0.0) + scale
+        tokens = sum(row_lengths)
+        if tokens > 0:
+            self._tokens[tokens] = self._tokens.get(tokens, 0.0) + scale
+
+    def _scale(self, now: float) -> float:
+        """What an execution at ``now`` counts as of ``as_of``."""
         if now - self.as_of > 32 * self.half_life_seconds:  # keep the scale factor far from overflow
             self.decay_to(now)
         self._latest = max(self._latest, now)
-        scale = 2.0 ** ((now - self.as_of) / self.half_life_seconds)
-        self._weights[(rows, seq_len)] = self._weights.get((rows, seq_len), 0.0) + scale
+        return 2.0 ** ((now - self.as_of) / self.half_life_seconds)
 
     def row_weights(self) -> dict[int, float]:
         """Sequence length -> decayed rows executed at that length."""
@@ -72,8 +98,9 @@ class Traffic:
 
     def to_json(self) -> str:
         shapes = [[rows, seq, round(w, 6)] for (rows, seq), w in sorted(self.weights.items())]
+        tokens = [[count, round(w, 6)] for count, w in sorted(self.token_weights.items())]
         return json.dumps({"format": FORMAT, "version": VERSION, "half_life_seconds": self.half_life_seconds,
-                           "as_of": self.as_of, "shapes": shapes})
+                           "as_of": self.as_of, "shapes": shapes, "tokens": tokens})
 
     def save(self, path: Path) -> None:
         write_text_atomic(Path(path), self.to_json())
@@ -100,23 +127,37 @@ class Traffic:
                 if int(rows) < 1 or int(seq) < 1 or not (math.isfinite(float(weight)) and float(weight) >= 0):
                     raise ValueError(f"bad shape entry {[rows, seq, weight]}")
                 weights[(int(rows), int(seq))] = float(weight)
+            tokens = {}
+            for count, weight in data.get("tokens", []):
+                if int(count) < 1 or not (math.isfinite(float(weight)) and float(weight) >= 0):
+                    raise ValueError(f"bad tokens entry {[count, weight]}")
+                tokens[int(count)] = float(weight)
         except (KeyError, TypeError, ValueError) as err:
             raise TrafficError(f"{where} is malformed: {err}") from None
         if not math.isfinite(as_of):
             raise TrafficError(f"{where} is malformed: as_of {as_of}")
-        return cls(half_life, as_of, weights)
+        return cls(half_life, as_of, weights, tokens)
 
 
 def observed_lengths(traffic: Traffic, total: int = OBSERVATIONS_FOR_TUNING) -> tuple[int, ...]:
     """The mix as the tuner takes it (one sequence length per observed row): each length
     repeated in proportion to its decayed rows, ``total`` in all (lengths too rare to round to one
     observation are dropped)."""
-    by_length = traffic.row_weights()
-    scale = total / sum(by_length.values()) if by_length else 0.0
-    lengths = []
-    for seq_len, weight in sorted(by_length.items()):
-        lengths.extend([seq_len] * round(weight * scale))
-    return tuple(lengths)
+    return _observations(traffic.row_weights(), total)
+
+
+def observed_tokens(traffic: Traffic, total: int = OBSERVATIONS_FOR_TUNING) -> tuple[int, ...]:
+    """The packed executions' token counts as the tuner takes them (one per execution, in
+    proportion to their decayed weights, as ``observed_lengths``); empty: none recorded."""
+    return _observations(traffic.token_weights, total)
+
+
+def _observations(weights: dict[int, float], total: int) -> tuple[int, ...]:
+    scale = total / sum(weights.values()) if weights else 0.0
+    values = []
+    for value, weight in sorted(weights.items()):
+        values.extend([value] * round(weight * scale))
+    return tuple(values)
 
 
 def mix_distance(observed: dict[int, float], reference: dict[int, float], edges: list[int]) -> float:

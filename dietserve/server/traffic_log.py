@@ -43,7 +43,10 @@ class TrafficLog:
         return traffic
 
     def record(self, run: BatchRun) -> None:
-        self.traffic.record(run.rows, run.seq_len, time.time())
+        if run.packed:
+            self.traffic.record_packed(run.row_lengths, time.time())
+        else:
+            self.traffic.record(run.rows, run.seq_len, time.time())
 
     def publish(self) -> None:
         """Decayed rows at or below each length bucket (cumulative, as a histogram's buckets)."""

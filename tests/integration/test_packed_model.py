@@ -12,6 +12,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.compile.tuning import tuning_tasks
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
 from dietserve.runtime.manifest import LAYOUT_PACKED, PACKED_INPUTS, Manifest
@@ -124,3 +125,17 @@ def test_a_request_of_sixteen_texts_returns_what_sixteen_single_requests_return(
         server.stop()
     assert together.shape == (len(TEXTS), 384)
     assert float(np.abs(together - alone).max()) <= TO_OURS_ALONE
+
+
+def test_the_dense_layers_are_tuned_over_the_tokens_of_an_execution(cache_dir) -> None:
+    """A packed model's dense tasks vary its tokens, weighted by the tokens per execution the
+    traffic recorded (an execution past the longest length counts as the last interval's);
+    its sequence lengths weigh nothing there."""
+    request = CompileRequest(model="default", max_batch=16, layout=LAYOUT_PACKED)
+    tasks = tuning_tasks(request, cache_dir, lengths=(3, 3, 7), tokens=(40, 40, 900)).tasks
+    dense = [task for task in tasks if task.vary["var"] == "tokens"]
+    assert len(dense) == 4 and all(not task.fixed for task in dense)  # qkv, attention out, intermediate, out
+    for task in dense:
+        weights = dict(zip(task.vary["values"], task.weights, strict=True))
+        assert weights[40] == 2 and weights[512] == 1 and sum(weights.values()) == 3
+    assert not any(task.vary["var"] == "seq_len" for task in tasks)  # attention is one kernel, not tuned here

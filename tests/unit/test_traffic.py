@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dietserve.compile.tuning import read_lengths
-from dietserve.runtime.traffic import Traffic, TrafficError, mix_distance, observed_lengths
+from dietserve.compile.tuning import read_lengths, read_tokens
+from dietserve.runtime.traffic import Traffic, TrafficError, mix_distance, observed_lengths, observed_tokens
 
 
 def test_weights_halve_every_half_life_and_tiny_ones_are_forgotten():
@@ -43,6 +43,27 @@ def test_the_file_round_trips_and_is_what_tune_reads(tmp_path):
         read_lengths(tmp_path / "empty.txt")
 
 
+def test_a_packed_execution_counts_each_row_at_its_length_and_its_tokens(tmp_path):
+    traffic = Traffic(half_life_seconds=60.0, as_of=0.0)
+    for _ in range(3):
+        traffic.record_packed((5, 40, 0, 5), now=0.0)  # (a row without tokens counts nowhere)
+    traffic.record_packed((100,), now=60.0)  # one half-life later: the earlier ones weigh half
+    assert traffic.weights == {(1, 5): 3.0, (1, 40): 1.5, (1, 100): 1.0}
+    assert traffic.token_weights == {50: 1.5, 100: 1.0}
+    path = tmp_path / "traffic.json"
+    traffic.save(path)
+    again = Traffic.load(path)
+    assert again.weights == traffic.weights and again.token_weights == traffic.token_weights
+    tokens = read_tokens(path)
+    assert len(tokens) == 10_000 and tokens.count(50) == 6_000 and tokens.count(100) == 4_000
+    plain = Traffic(60.0, 0.0)
+    plain.record(2, 16, now=0.0)
+    plain.save(path)  # a padded server's file: no token counts, the tuner weighs by lengths alone
+    assert read_tokens(path) == () and observed_tokens(plain) == ()
+    path.write_text("7 9 11")  # a lengths file the user wrote
+    assert read_tokens(path) == ()
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "unreadable"),
     (json.dumps({"format": "something else"}), "not a dietserve traffic file"),
@@ -52,6 +73,8 @@ def test_the_file_round_trips_and_is_what_tune_reads(tmp_path):
     (json.dumps({"format": "dietserve.traffic", "version": 1, "as_of": 0, "shapes": []}), "malformed"),
     (json.dumps({"format": "dietserve.traffic", "version": 1, "half_life_seconds": 5, "as_of": 0,
                  "shapes": [[1, 5, "NaN"]]}), "bad shape entry"),
+    (json.dumps({"format": "dietserve.traffic", "version": 1, "half_life_seconds": 5, "as_of": 0,
+                 "shapes": [], "tokens": [[0, 1.0]]}), "bad tokens entry"),
 ])
 def test_unreadable_files_name_the_problem(tmp_path, content, message):
     path = tmp_path / "traffic.json"
