@@ -55,7 +55,8 @@ def explain_rows(directory: Path, batch: int, seq_len: int) -> list[ExplainRow]:
         bound = manifest.bounds.get(name)
         if value < 1 or (bound is not None and value > int(bound)):
             raise ValueError(f"{name}={value} is outside this artifact's range 1..{bound}")
-    shape = {"batch": batch, "seq_len": seq_len}
+    # (a packed artifact's dense layers dispatch on the tokens: here every row at seq_len)
+    shape = {"batch": batch, "seq_len": seq_len, "tokens": batch * seq_len}
     return [_row(name, entry, plan, note, shape) for name, entry, plan, note in _linked(Path(directory), manifest)]
 
 
@@ -319,7 +320,7 @@ def _shade_variants(ax, plan: KernelPlan, rows: list[dict], lo_edge: float, hi_e
 def _seq_axis(ax, quantity: str, batch: int, logarithmic: bool) -> None:
     """A top axis in seq_len at ``batch`` where the quantity is linear in seq_len (it is for the
     row counts dispatch keys on: seq_len, batch * seq_len)."""
-    at = [_evaluate(quantity, {"batch": batch, "seq_len": s}) for s in (1, 2, 3)]
+    at = [_evaluate(quantity, {"batch": batch, "seq_len": s, "tokens": batch * s}) for s in (1, 2, 3)]
     if None in at:
         return
     slope, offset = at[1] - at[0], 2 * at[0] - at[1]

@@ -13,6 +13,10 @@ Three layout choices differ from the checkpoint, all for the matmul kernels:
   side, ``[hidden, 3 * hidden]``, concatenated at load time): one pass over the input and one
   kernel streaming 7 MB of weights instead of three streaming 2.4 MB (the weight stream bounds
   short sequences).
+
+``forward`` runs ``[batch, seq]`` rows, padding masked (``PaddedAttention``); ``forward_packed``
+runs the attended tokens of every row one after another, ``[T, hidden]`` with no padded work,
+each sequence attending to itself in one kernel (``PackedAttention``); the layers are the same.
 """
 
 from __future__ import annotations
