@@ -13,8 +13,9 @@ micro-kernel on a concrete shape is a closed form (``seconds``):
   narrower tiles) and the idle cores of a last wave of tasks;
 - a dense layer's weight streamed from DRAM once per call (a served model's weights outgrow any
   cache), overlapped with the FMAs, at ``DRAM_BYTES_PER_CORE_S`` per working core;
-- what a task re-reads from L2 (the activations, a copied B panel) and what waking the thread
-  pool costs, which a serial kernel does not pay.
+- what a task re-reads from L2 (the activations, overlapped with the FMAs as the weight's
+  stream is; a copied B panel) and what waking the thread pool costs, which a serial kernel
+  does not pay.
 
 The constants are nominal for a current x86 server core, not measured here: the choice between
 kernels depends on their ratios, not on the clock. A plan keeps at most ``MAX_INTERVALS``
@@ -74,7 +75,8 @@ def packed_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: Cp
                     if groups % w == 0 and register_footprint(height, w * vectors) <= budget)
         cycles += step_cycles(height, width * vectors) / width
     passes = full + (1 if left else 0)
-    task_cycles = cycles * depth * groups + rows * depth * DTYPE_BYTES / L2_BYTES_PER_CYCLE
+    # the task's activations come from L2 while the FMAs run (prefetched ahead of the tile)
+    task_cycles = max(cycles * depth * groups, rows * depth * DTYPE_BYTES / L2_BYTES_PER_CYCLE)
     kc = kernel.tile_sizes("k")[0]
     if 1 < kc < depth:  # the accumulators stored and reloaded between blocks
         task_cycles += (depth // kc - 1) * passes * groups * 2 * mr * vectors / LOAD_PORTS
