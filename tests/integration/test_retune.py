@@ -105,7 +105,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
 
     probe = np.full((1, LONG), 2000, np.int64)
     try:
-        before = _latency(server.grpc_url, probe)
+        before = _latency(server.grpc_url, probe, repeats=15)
         traffic = threading.Thread(target=long_traffic)
         traffic.start()
         deadline = time.monotonic() + 1500
@@ -122,7 +122,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
                or store.newer_candidate(store.current()) is not None):
             assert time.monotonic() < deadline, "a re-tuning job still running:\n" + server.log()[-3000:]
             time.sleep(2)
-        after = _latency(server.grpc_url, probe)
+        after = _latency(server.grpc_url, probe, repeats=15)
         time.sleep(1)
         samples = metrics(server)
     finally:
