@@ -32,10 +32,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .compile.tuning import TuneRequest, read_lengths, read_tokens, tune_model
+    from .compile.tuning import TuneRequest, read_observations, tune_model
 
-    lengths = read_lengths(args.lengths) if args.lengths else ()
-    tokens = read_tokens(args.lengths) if args.lengths else ()
+    lengths, tokens = read_observations(args.lengths) if args.lengths else ((), ())
     if args.tasks_only:  # for a tuner that measures elsewhere (python -m tuner bundle)
         from .compile.tuning import TASKS_FILE, tuning_tasks
 

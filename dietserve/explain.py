@@ -15,6 +15,7 @@ from .kernels.plan.decision_tree import TreeError, choose, evaluate_text
 from .kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, read_plans
 from .kernels.plan.microkernel import MicroKernel
 from .runtime.manifest import PLANS_DIR, Manifest
+from .runtime.variant_by_shape import dispatch_shape
 
 DEFAULT_KERNEL_TEXT = "default rule"
 _SHADES = ("C2", "C1", "C4", "C8", "C9", "C5", "C6", "C7")  # C0 and C3 draw the curves
@@ -55,8 +56,7 @@ def explain_rows(directory: Path, batch: int, seq_len: int) -> list[ExplainRow]:
         bound = manifest.bounds.get(name)
         if value < 1 or (bound is not None and value > int(bound)):
             raise ValueError(f"{name}={value} is outside this artifact's range 1..{bound}")
-    # (a packed artifact's dense layers dispatch on the tokens: here every row at seq_len)
-    shape = {"batch": batch, "seq_len": seq_len, "tokens": batch * seq_len}
+    shape = dispatch_shape(batch, seq_len)
     return [_row(name, entry, plan, note, shape) for name, entry, plan, note in _linked(Path(directory), manifest)]
 
 
@@ -320,7 +320,7 @@ def _shade_variants(ax, plan: KernelPlan, rows: list[dict], lo_edge: float, hi_e
 def _seq_axis(ax, quantity: str, batch: int, logarithmic: bool) -> None:
     """A top axis in seq_len at ``batch`` where the quantity is linear in seq_len (it is for the
     row counts dispatch keys on: seq_len, batch * seq_len)."""
-    at = [_evaluate(quantity, {"batch": batch, "seq_len": s, "tokens": batch * s}) for s in (1, 2, 3)]
+    at = [_evaluate(quantity, dispatch_shape(batch, s)) for s in (1, 2, 3)]
     if None in at:
         return
     slope, offset = at[1] - at[0], 2 * at[0] - at[1]

@@ -12,15 +12,15 @@ from .common import add_build_flags, compile_request, say
 def cmd_retune(args: argparse.Namespace) -> int:
     import time
 
-    from ..compile.tuning import PLANS_DIR, TuneRequest, read_lengths, read_tokens, tune_model
+    from ..compile.tuning import PLANS_DIR, TuneRequest, read_observations, tune_model
     from ..runtime.versions import VersionStore
     from ..server.retune import EXIT_NOT_FASTER
 
-    lengths = read_lengths(args.traffic)
+    lengths, tokens = read_observations(args.traffic)
     out = args.work or args.store / "retune" / "work"
     request = TuneRequest(compile=_served_build(args), db=args.db or args.store / "records.jsonl", out=out,
                           trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
-                          tokens=read_tokens(args.traffic), rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+                          tokens=tokens, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     started = time.monotonic()
     artifact = tune_model(request, args.cache_dir, progress=say)
     store = VersionStore(args.store)

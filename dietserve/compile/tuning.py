@@ -57,29 +57,23 @@ class TuneRequest:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
 
 
-def read_tokens(path: Path) -> tuple[int, ...]:
-    """The tokens per packed execution a server's traffic file holds (``observed_tokens``); none
-    from any other lengths file."""
-    try:
-        return observed_tokens(Traffic.load(path))
-    except TrafficError:
-        return ()
-
-
-def read_lengths(path: Path) -> tuple[int, ...]:
-    """Observed sequence lengths: whitespace-separated integers, JSON ``{"length": count}``, or a
-    server's traffic file (``runtime/traffic.py``: decayed rows per executed shape). A traffic
-    file without rows (a server tuning before its first request) gives none: every length alike."""
+def read_observations(path: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(observed sequence lengths, a packed model's tokens per execution) from one file:
+    whitespace-separated lengths, JSON ``{"length": count}``, or a server's traffic file
+    (``runtime/traffic.py``: decayed rows per executed shape, and tokens per packed execution).
+    Only a traffic file has token counts. A traffic file without rows (a server tuning before its
+    first request) gives no lengths: every length alike."""
     text = Path(path).read_text()
     try:
         if text.lstrip().startswith("{"):
             counts = json.loads(text)
             if isinstance(counts, dict) and counts.get("format") == TRAFFIC_FORMAT:
-                lengths = list(observed_lengths(Traffic.from_dict(counts, str(path))))
+                traffic = Traffic.from_dict(counts, str(path))
+                lengths = observed_lengths(traffic)
                 if not lengths:
-                    return ()
-            else:
-                lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
+                    return (), ()
+                return _positive(lengths, path), observed_tokens(traffic)
+            lengths = [int(length) for length, count in counts.items() for _ in range(int(count))]
         else:
             lengths = [int(token) for token in text.split()]
     except TrafficError:
@@ -87,6 +81,10 @@ def read_lengths(path: Path) -> tuple[int, ...]:
     except (ValueError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: lengths must be integers, one per observation, or JSON {{length: count}}: "
                          f"{err}") from err
+    return _positive(lengths, path), ()
+
+
+def _positive(lengths, path: Path) -> tuple[int, ...]:
     if not lengths or min(lengths) < 1:
         raise ValueError(f"{path} holds no positive sequence lengths")
     return tuple(lengths)

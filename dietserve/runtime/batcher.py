@@ -328,12 +328,13 @@ class DynamicBatcher:
         output = engine.execute(ids, mask, types)
         compute = time.monotonic() - started
         row_lengths = tuple(int(n) for n in mask.sum(axis=1))
+        real_tokens = sum(row_lengths)
         run = BatchRun(
             rows=ids.shape[0],
             seq_len=seq_len,
-            real_tokens=sum(row_lengths),
+            real_tokens=real_tokens,
             compute_seconds=compute,
-            variants=engine.dispatch.variants(ids.shape[0], seq_len, sum(row_lengths) if engine.packed else None),
+            variants=engine.dispatch.variants(ids.shape[0], seq_len, real_tokens if engine.packed else None),
             row_lengths=row_lengths,
             packed=engine.packed,
         )

@@ -89,7 +89,7 @@ def packed_inputs(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, position
     if tokens == 0:  # one more sequence, of one padding token: the kernels see no empty input
         rows, columns = np.zeros(1, np.intp), np.zeros(1, np.intp)
         starts = np.append(starts, 1)
-    return (ids[rows, columns], types[rows, columns], positions[columns].copy(), starts, unpack, mask, positions)
+    return (ids[rows, columns], types[rows, columns], positions[columns], starts, unpack, mask, positions)
 
 
 class Engine:

@@ -15,6 +15,13 @@ from ..kernels.plan.decision_tree import TreeError, check_tree, choose
 from .manifest import ArtifactError
 
 
+def dispatch_shape(batch: int, seq_len: int, tokens: int | None = None) -> dict[str, int]:
+    """The values a dispatch tree's expressions read for one execution: a padded artifact's
+    ``batch`` and ``seq_len``, a packed one's ``tokens`` (its dense layers' rows; every row
+    full where not given)."""
+    return {"batch": batch, "seq_len": seq_len, "tokens": batch * seq_len if tokens is None else tokens}
+
+
 class KernelDispatch:
     def __init__(self, table: dict):
         for operator, entry in table.items():
@@ -37,5 +44,5 @@ class KernelDispatch:
         """((operator, variant, executions), ...) for one run of ``batch`` rows of ``seq_len``
         tokens (a packed artifact's: ``tokens`` attended ones in all, its dense layers' rows):
         each operator runs once per call site (layer)."""
-        shape = {"batch": batch, "seq_len": seq_len, "tokens": batch * seq_len if tokens is None else tokens}
+        shape = dispatch_shape(batch, seq_len, tokens)
         return tuple((operator, choose(tree, shape), calls) for operator, (tree, calls) in self._entries.items())

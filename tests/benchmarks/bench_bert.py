@@ -164,9 +164,24 @@ def geomean(values: list[float]) -> float:
     return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
 
 
-def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
+def peers(model: str, args: argparse.Namespace, with_torch: bool) -> dict:
+    """The baselines on the model's checkpoint, same thread count: ONNX Runtime and OpenVINO on one
+    ONNX export, and PyTorch eager where asked."""
     import torch
     from transformers import BertModel
+
+    torch.set_num_threads(args.threads)
+    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
+    reference.eval()
+    with tempfile.TemporaryDirectory() as scratch:
+        onnx_path = Path(scratch) / "bert.onnx"
+        bert_baselines.export_onnx(reference, onnx_path)
+        runs = {"torch": bert_baselines.torch_eager(reference)} if with_torch else {}
+        return {**runs, "ort": bert_baselines.onnx_runtime(onnx_path, args.threads),
+                "openvino": bert_baselines.openvino(onnx_path, args.threads)}
+
+
+def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
 
     max_batch = max(args.batches)
     untuned = Engine(load_artifact(compile_artifact(CompileRequest(model=model, max_batch=max_batch),
@@ -182,16 +197,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
         engines["tuned"] = Engine(load_artifact(artifact), threads=args.threads)
         print(f"# {model}: tuning {seconds:.0f} s ({args.trials} trials per operator); variants per operator: "
               f"{variants_per_operator(artifact)}")
-    torch.set_num_threads(args.threads)
-    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
-    reference.eval()
-    with tempfile.TemporaryDirectory() as scratch:
-        onnx_path = Path(scratch) / "bert.onnx"
-        bert_baselines.export_onnx(reference, onnx_path)
-        backends = {**{name: engine.run for name, engine in engines.items()},
-                    "torch": bert_baselines.torch_eager(reference),
-                    "ort": bert_baselines.onnx_runtime(onnx_path, args.threads),
-                    "openvino": bert_baselines.openvino(onnx_path, args.threads)}
+    backends = {**{name: engine.run for name, engine in engines.items()}, **peers(model, args, with_torch=True)}
     ours = "tuned" if args.tuned else "untuned"
     rng = np.random.default_rng(0)
     points = {}
@@ -272,9 +278,7 @@ def bench_model(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
 
 def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
     """Batches of real texts: packed vs padded vs ONNX Runtime and OpenVINO (see ``--mixed``)."""
-    import torch
     from bench_serve import real_passages
-    from transformers import BertModel
 
     from dietserve.model.tokenizer import TextTokenizer
     from dietserve.runtime.manifest import LAYOUT_PACKED
@@ -284,15 +288,7 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
                                                          layout=layout), args.cache_dir, progress=say)
                  for layout in (LAYOUT_PACKED, "padded")}
     engines = {layout: Engine(load_artifact(path), threads=args.threads) for layout, path in artifacts.items()}
-    torch.set_num_threads(args.threads)
-    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
-    reference.eval()
-    with tempfile.TemporaryDirectory() as scratch:
-        onnx_path = Path(scratch) / "bert.onnx"
-        bert_baselines.export_onnx(reference, onnx_path)
-        backends = {**{layout: engine.run for layout, engine in engines.items()},
-                    "ort": bert_baselines.onnx_runtime(onnx_path, args.threads),
-                    "openvino": bert_baselines.openvino(onnx_path, args.threads)}
+    backends = {**{layout: engine.run for layout, engine in engines.items()}, **peers(model, args, with_torch=False)}
     tokenizer = TextTokenizer.from_folder(artifacts["padded"], engines["padded"].max_seq_len)
     passages = iter(real_passages(sum(sizes) * args.mixed_sets, seed=0))
     batches = []  # (size, encoded): each batch its own texts

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dietserve.compile.tuning import read_lengths, read_tokens
+from dietserve.compile.tuning import read_observations
 from dietserve.runtime.traffic import Traffic, TrafficError, mix_distance, observed_lengths, observed_tokens
 
 
@@ -31,16 +31,16 @@ def test_the_file_round_trips_and_is_what_tune_reads(tmp_path):
     traffic.save(path)
     again = Traffic.load(path)
     assert again.weights == traffic.weights and again.half_life_seconds == 60.0
-    lengths = read_lengths(path)
+    lengths = read_observations(path)[0]
     assert len(lengths) == 10_000
     assert lengths.count(16) == pytest.approx(10_000 * 30 / 44, abs=1)
     assert lengths.count(128) == pytest.approx(10_000 * 14 / 44, abs=1)
     assert observed_lengths(Traffic(1.0, 0.0)) == ()
     Traffic(60.0, 0.0).save(path)  # a server that tunes before its first request: every length alike
-    assert read_lengths(path) == ()
+    assert read_observations(path)[0] == ()
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="no positive sequence lengths"):  # a lengths file the user wrote
-        read_lengths(tmp_path / "empty.txt")
+        read_observations(tmp_path / "empty.txt")
 
 
 def test_a_packed_execution_counts_each_row_at_its_length_and_its_tokens(tmp_path):
@@ -54,14 +54,14 @@ def test_a_packed_execution_counts_each_row_at_its_length_and_its_tokens(tmp_pat
     traffic.save(path)
     again = Traffic.load(path)
     assert again.weights == traffic.weights and again.token_weights == traffic.token_weights
-    tokens = read_tokens(path)
+    tokens = read_observations(path)[1]
     assert len(tokens) == 10_000 and tokens.count(50) == 6_000 and tokens.count(100) == 4_000
     plain = Traffic(60.0, 0.0)
     plain.record(2, 16, now=0.0)
     plain.save(path)  # a padded server's file: no token counts, the tuner weighs by lengths alone
-    assert read_tokens(path) == () and observed_tokens(plain) == ()
+    assert read_observations(path)[1] == () and observed_tokens(plain) == ()
     path.write_text("7 9 11")  # a lengths file the user wrote
-    assert read_tokens(path) == ()
+    assert read_observations(path)[1] == ()
 
 
 @pytest.mark.parametrize("content, message", [
