@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..runtime.manifest import LAYOUT_PADDED, LAYOUTS, PLAN_MODES, PLANS_ANALYTIC
+from ..runtime.manifest import LAYOUTS, PLAN_MODES, PLANS_ANALYTIC
 
 DEFAULT_CACHE = Path.home() / ".cache" / "dietserve"
 
@@ -31,9 +31,9 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
                         help="sentence-embedding pooling in place of the checkpoint's own (1_Pooling): "
                              "cls, max, mean, mean_sqrt_len_tokens, weightedmean or lasttoken; several "
                              "separated by commas are concatenated in that order")
-    parser.add_argument("--layout", choices=LAYOUTS, default=LAYOUT_PADDED,
-                        help="padded: a request's texts padded to its longest, padding masked (default); packed: "
-                             "their tokens packed one sequence after another, no padded work (llvm only)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=None,
+                        help="packed: a request's tokens packed one sequence after another, no padded work (llvm "
+                             "only; its default); padded: texts padded to the longest, padding masked (cuda's)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
                         help=f"where compiled artifacts and generated models are kept (default {DEFAULT_CACHE})")
 
@@ -60,7 +60,7 @@ def compile_request(args: argparse.Namespace):
     plans = () if modes else tuple(Path(plan) for plan in given)
     return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
                           analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling,
-                          layout=getattr(args, "layout", LAYOUT_PADDED))
+                          layout=getattr(args, "layout", None))
 
 
 def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:

@@ -40,6 +40,7 @@ from ..runtime.manifest import (
     PLANS_TUNED,
     ArtifactError,
     Manifest,
+    default_layout,
     sha256_file,
     write_text_atomic,
 )
@@ -64,12 +65,15 @@ class CompileRequest:
     analytic: bool = False
     # Pooling modes in place of the checkpoint's own (--pooling), concatenated in this order.
     pooling: tuple[str, ...] | None = None
-    # LAYOUT_PACKED: the encoder on the requests' tokens packed, no padded work (CPU targets).
-    layout: str = LAYOUT_PADDED
+    # LAYOUT_PACKED: the encoder on the requests' tokens packed, no padded work (CPU targets);
+    # None: the target's default (``default_layout``).
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.layout is None:
+            object.__setattr__(self, "layout", default_layout(self.target.kind))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.layout == LAYOUT_PACKED and self.target.kind != "llvm":

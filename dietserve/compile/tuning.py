@@ -26,6 +26,7 @@ from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import PACKED_VARS, SHAPE_VARS
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
+from ..runtime.variant_by_shape import dispatch_shape
 from .artifact import CompileRequest, compile_artifact, export_model, model_display_name, open_checkpoint
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
@@ -206,8 +207,7 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
     for plan in tuned:
         if plan.workload not in old or _timed_with_softmax(old[plan.workload]) != _timed_with_softmax(plan):
             continue
-        for (rows, seq_len), weight in traffic.weights.items():
-            shape = {"batch": rows, "seq_len": seq_len}
+        for shape, weight in _priced_shapes(plan, traffic):
             before, after = predicted_latency(old[plan.workload], shape), predicted_latency(plan, shape)
             if before is None or after is None:
                 continue
@@ -215,6 +215,15 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
             totals[1] += weight * calls.get(plan.operator, 1) * after
     return totals[0] / totals[1] if totals[1] > 0 else None
 
+
+
+def _priced_shapes(plan: KernelPlan, traffic: Traffic) -> list[tuple[dict[str, int], float]]:
+    """(dispatch shape, weight) pairs the traffic prices ``plan`` at: a packed model's dense
+    layers by the tokens of each execution where the traffic counted them, everything else by
+    the executions' (rows, seq_len)."""
+    if plan.tuned_range.get("var") == "tokens" and traffic.token_weights:
+        return [(dispatch_shape(1, tokens, tokens), weight) for tokens, weight in traffic.token_weights.items()]
+    return [(dispatch_shape(rows, seq_len), weight) for (rows, seq_len), weight in traffic.weights.items()]
 
 
 def _timed_with_softmax(plan: KernelPlan) -> bool:

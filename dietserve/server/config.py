@@ -125,14 +125,14 @@ def _add_batching_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) 
     group.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
                        help=f"most rows one model execution takes when batching (default {defaults.max_batch_size})")
     group.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
-                       help="a packed artifact's (--layout packed) batches: most attended tokens one execution "
+                       help="a packed artifact's (the CPU default) batches: most attended tokens one execution "
                             "takes, any mix of lengths, no padding; a longer request runs alone "
                             f"(default {defaults.max_batch_tokens})")
     group.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms,
                        help=f"longest a request waits for batch-mates (default {defaults.max_queue_delay_ms})")
     group.add_argument("--bucket-ratio", type=float, default=defaults.bucket_ratio,
-                       help="sequence-length buckets grow by this factor; only lengths in one bucket are "
-                            "batched together, so padding is under 1 - 1/ratio of the tokens "
+                       help="a padded artifact's sequence-length buckets grow by this factor; only lengths in one "
+                            "bucket are batched together, so padding is under 1 - 1/ratio of the tokens "
                             f"(default {defaults.bucket_ratio})")
     group.add_argument("--max-queue-rows", type=int, default=defaults.max_queue_rows,
                        help=f"rows allowed to wait; more get RESOURCE_EXHAUSTED (default {defaults.max_queue_rows})")

@@ -13,6 +13,7 @@ from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.model.presets import resolve_model
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
+from dietserve.runtime.manifest import LAYOUT_PADDED
 
 from .reference import reference_model
 
@@ -43,13 +44,19 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dietserve-cache")
 
 
-def _artifact(model: str, cache_dir: Path) -> Path:
-    return compile_artifact(CompileRequest(model=model, max_batch=MAX_BATCH), cache_dir)
+def _artifact(model: str, cache_dir: Path, layout: str | None = None) -> Path:
+    return compile_artifact(CompileRequest(model=model, max_batch=MAX_BATCH, layout=layout), cache_dir)
 
 
 @pytest.fixture(scope="session")
 def minilm_artifact(cache_dir: Path) -> Path:
     return _artifact("default", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm_padded_engine(cache_dir: Path) -> Engine:
+    """MiniLM in the padded layout: the graph CUDA builds, verified here on the CPU."""
+    return Engine(load_artifact(_artifact("default", cache_dir, LAYOUT_PADDED)))
 
 
 @pytest.fixture(scope="session")

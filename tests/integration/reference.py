@@ -40,3 +40,10 @@ def reference_hidden(model, ids, mask, types) -> np.ndarray:
             token_type_ids=torch.from_numpy(types),
         )
     return out.last_hidden_state.numpy()
+
+
+def as_layout_answers(engine, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """transformers' hidden states as ``engine``'s layout answers them: the packed layout (the
+    CPU default) computes nothing at padding and answers zeros there; the padded one computes
+    every position."""
+    return hidden * mask[..., None] if engine.packed else hidden

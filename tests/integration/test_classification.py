@@ -15,6 +15,8 @@ from dietserve.model.presets import TOKENIZER_FILES, default_model_folder
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
 
+from .reference import as_layout_answers
+
 PAIRS = [
     ("How many people live in Berlin?", "Berlin has a population of 3,520,031 registered inhabitants."),
     ("How many people live in Berlin?", "New York City is famous for the Metropolitan Museum of Art."),
@@ -71,7 +73,8 @@ def test_logits_match_transformers(classifier) -> None:
     assert output.sentence_embedding is None
     assert np.abs(output.logits).max() > 0.1  # logits far from zero, so the tolerance below is tight
     np.testing.assert_allclose(output.logits, expected.logits.numpy(), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(output.last_hidden_state, expected.hidden_states[-1].numpy(), rtol=0, atol=1e-4)
+    hidden = as_layout_answers(engine, expected.hidden_states[-1].numpy(), encoded["attention_mask"])
+    np.testing.assert_allclose(output.last_hidden_state, hidden, rtol=0, atol=1e-4)
 
 
 def test_scores_match_cross_encoder(classifier) -> None:

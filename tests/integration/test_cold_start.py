@@ -24,7 +24,7 @@ from dietserve.runtime.engine import Engine
 from dietserve.runtime.manifest import PLANS_ANALYTIC, PLANS_DIR, Manifest
 
 from .conftest import MAX_BATCH
-from .reference import padded_batch, reference_hidden
+from .reference import as_layout_answers, padded_batch, reference_hidden
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4
@@ -53,8 +53,9 @@ def _split_shapes(artifact) -> list[tuple[int, int]]:
     points = {(1, 1), (3, 13), (8, 64), (1, 512)}
     for entry in Manifest.read(artifact).dispatch.values():
         for var, le in thresholds(entry["tree"]):
-            # at batch 1 both the dense layers' rows and attention's length are seq_len
-            points.update((1, rows) for rows in (le, le + 1) if var in ("seq_len", "batch * seq_len") and rows <= 512)
+            # at batch 1 the dense layers' rows (a packed model's tokens) and attention's length are seq_len
+            points.update((1, rows) for rows in (le, le + 1)
+                          if var in ("seq_len", "batch * seq_len", "tokens") and rows <= 512)
     return sorted(points)
 
 
@@ -63,7 +64,8 @@ def test_the_cold_model_matches_transformers_on_both_sides_of_each_split(cold_ar
     for batch, seq in _split_shapes(cold_artifact):
         ids, mask, types = padded_batch(np.random.default_rng(batch * 1000 + seq), batch, seq, engine.vocab_size)
         hidden = engine.run(ids, mask, types).last_hidden_state
-        error = float(np.abs(hidden - reference_hidden(minilm_reference, ids, mask, types)).max())
+        expected = as_layout_answers(engine, reference_hidden(minilm_reference, ids, mask, types), mask)
+        error = float(np.abs(hidden - expected).max())
         assert error <= TOLERANCE, f"batch={batch} seq={seq}: max abs error {error:.2e}"
 
 

@@ -53,8 +53,13 @@ def test_kernel_clamps_ids_that_bypass_validation(minilm_engine) -> None:
     """Defense in depth: the compiled lookup never reads outside the embedding table."""
     import tvm
 
+    from dietserve.runtime.engine import packed_inputs
+
     ids = np.array([[101, 10**6, -5, 102]], dtype=np.int64)
-    inputs = [tvm.runtime.tensor(a) for a in (ids, np.ones_like(ids), np.zeros_like(ids), np.arange(4))]
+    arrays = (ids, np.ones_like(ids), np.zeros_like(ids), np.arange(4))
+    if minilm_engine.packed:
+        arrays = packed_inputs(*arrays)
+    inputs = [tvm.runtime.tensor(a) for a in arrays]
     hidden, _ = minilm_engine.artifact.vm["forward"](*inputs, *minilm_engine.artifact.params)
     clamped = np.clip(ids, 0, minilm_engine.vocab_size - 1)
     expected = minilm_engine.run(clamped).last_hidden_state

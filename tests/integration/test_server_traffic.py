@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
+from dietserve.runtime.manifest import LAYOUT_PACKED, Manifest
 from dietserve.runtime.traffic import Traffic
 
 from .scrape import metrics, total, wait_for
@@ -47,8 +48,10 @@ def test_traffic_is_recorded_saved_and_survives_a_restart(minilm_artifact: Path,
         assert _rows_up_to(server, 64) == pytest.approx(3, rel=1e-3)
         assert _rows_up_to(server, 128) == pytest.approx(5, rel=1e-3)
         saved = Traffic.load(path)  # written while serving
+        assert Manifest.read(minilm_artifact).layout == LAYOUT_PACKED  # each row at its own length
         assert saved.weights[(1, 37)] == pytest.approx(3, rel=1e-3)
-        assert saved.weights[(2, 100)] == pytest.approx(1, rel=1e-3)
+        assert saved.weights[(1, 100)] == pytest.approx(2, rel=1e-3)
+        assert saved.token_weights == pytest.approx({37: 3, 200: 1}, rel=1e-3)  # the executions' tokens
     finally:
         server.stop()
     aside = list(tmp_path.glob("traffic.json.unreadable-*"))

@@ -1,6 +1,8 @@
 """Tuned kernels in the served model: `dietserve tune` end to end, plans linked into BERT and
 checked against transformers, the compiled decision tree against the server's mirror, bad plans
-refused, and a server reporting more than one variant."""
+refused, and a server reporting more than one variant. Most tests build the padded layout (the
+graph CUDA builds), whose attention products take linked kernels too; the packed layout, the CPU
+default, links plans over its tokens (``test_linked_variants_in_the_packed_layout_...``)."""
 
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ from dietserve.kernels.decision_tree_func import lower_tree
 from dietserve.kernels.plan.decision_tree import choose, interval_tree, thresholds
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path
 from dietserve.kernels.plan.microkernel import MicroKernel
+from dietserve.model.bert import PACKED_VARS, SHAPE_VARS
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
-from dietserve.runtime.manifest import Manifest
+from dietserve.runtime.manifest import LAYOUT_PACKED, LAYOUT_PADDED, Manifest
 from dietserve.runtime.variant_by_shape import KernelDispatch
 
 from .conftest import MAX_BATCH, resident_growth_of_load
-from .reference import padded_batch, reference_hidden
+from .reference import as_layout_answers, padded_batch, reference_hidden
 from .scrape import metrics_after_batches
 from .server_process import ServerProcess
 
@@ -59,7 +62,7 @@ CLAMPED_VARIANTS = {"v0": clamped(1, 1, 1, False), "v1": clamped(4, 8, 3, True),
 SPLITS = [(3, "v0"), (40, "v1"), (200, DEFAULT_VARIANT), (4096, "v2")]
 
 
-def handmade_plan(task, target: dict) -> KernelPlan:
+def handmade_plan(task, target: dict, shape_vars=SHAPE_VARS) -> KernelPlan:
     """A plan as the tuner writes one, with several variants, for one of the model's operators."""
     from dietserve.kernels.cpu_clamped.kernel import clamped_fits
     from dietserve.kernels.cpu_packed.packing import weight_param
@@ -70,7 +73,7 @@ def handmade_plan(task, target: dict) -> KernelPlan:
     values = [value for value, _ in SPLITS]
     attention = weight_param(func) is None and all(
         clamped_fits(func, MicroKernel.from_dict(k)) for k in CLAMPED_VARIANTS.values() if k)
-    return KernelPlan(workload=task.workload, operator=task.operator, shape_vars=["batch", "seq_len"], axes=axes,
+    return KernelPlan(workload=task.workload, operator=task.operator, shape_vars=list(shape_vars), axes=axes,
                       target=target, tvm_version=str(tvm.__version__),
                       variants=CLAMPED_VARIANTS if attention else VARIANTS,
                       tree=interval_tree(axes["i"], values, [name for _, name in SPLITS]),
@@ -79,7 +82,7 @@ def handmade_plan(task, target: dict) -> KernelPlan:
 
 @pytest.fixture(scope="module")
 def minilm_tasks(cache_dir: Path):
-    return tuning_tasks(CompileRequest(model="default", max_batch=MAX_BATCH), cache_dir)
+    return tuning_tasks(CompileRequest(model="default", max_batch=MAX_BATCH, layout=LAYOUT_PADDED), cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,8 @@ def handmade_plans(minilm_tasks, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def linked_artifact(handmade_plans: Path, cache_dir: Path) -> Path:
-    return compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(handmade_plans,)), cache_dir)
+    return compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(handmade_plans,),
+                                           layout=LAYOUT_PADDED), cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +106,8 @@ def linked_engine(linked_artifact: Path) -> Engine:
 
 def _check(engine: Engine, reference, batch: int, seq: int) -> None:
     ids, mask, types = padded_batch(np.random.default_rng(batch * 1000 + seq), batch, seq, engine.vocab_size)
-    error = float(np.abs(engine.run(ids, mask, types).last_hidden_state - reference_hidden(reference, ids, mask,
-                                                                                           types)).max())
+    expected = as_layout_answers(engine, reference_hidden(reference, ids, mask, types), mask)
+    error = float(np.abs(engine.run(ids, mask, types).last_hidden_state - expected).max())
     assert error <= TOLERANCE, f"batch={batch} seq={seq}: max abs error {error:.2e}"
 
 
@@ -111,6 +115,29 @@ def _check(engine: Engine, reference, batch: int, seq: int) -> None:
                                         (1, 300), (8, 64)])
 def test_linked_variants_match_transformers_on_both_sides_of_each_split(linked_engine, minilm_reference, batch, seq):
     _check(linked_engine, minilm_reference, batch, seq)
+
+
+@pytest.fixture(scope="module")
+def linked_packed_engine(cache_dir: Path, tmp_path_factory) -> Engine:
+    """MiniLM in the packed layout with the handmade plans over its tokens."""
+    request = CompileRequest(model="default", max_batch=MAX_BATCH, layout=LAYOUT_PACKED)
+    tasks = tuning_tasks(request, cache_dir)
+    assert sum(task.vary["var"] == "tokens" for task in tasks.tasks) == 4  # the dense layers (and the pooling)
+    folder = tmp_path_factory.mktemp("packed-layout-plans")
+    for task in tasks.tasks:
+        handmade_plan(task, tasks.target, (*SHAPE_VARS, *PACKED_VARS)).write(plan_path(folder, task.workload))
+    artifact = compile_artifact(dataclasses.replace(request, plans=(folder,)), cache_dir)
+    dense = [entry for entry in Manifest.read(artifact).dispatch.values() if entry["tree"].get("var") == "tokens"]
+    assert len(dense) == 4 and all(sorted(entry["variants"]) == sorted(VARIANTS) for entry in dense)
+    return Engine(load_artifact(artifact))
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (1, 3), (1, 4), (3, 13), (1, 41), (2, 100), (1, 201), (8, 64)])
+def test_linked_variants_in_the_packed_layout_match_transformers(linked_packed_engine, minilm_reference, batch,
+                                                                 seq) -> None:
+    """The trees dispatch on the batch's attended tokens: a padded batch's T falls on either side
+    of the splits at 3, 40 and 200 as its mask has it."""
+    _check(linked_packed_engine, minilm_reference, batch, seq)
 
 
 def test_odd_sized_bert_with_linked_variants_matches_transformers(tmp_path: Path, cache_dir: Path) -> None:
@@ -123,7 +150,7 @@ def test_odd_sized_bert_with_linked_variants_matches_transformers(tmp_path: Path
     config = BertConfig(vocab_size=500, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=80, hidden_act="gelu", max_position_embeddings=256, type_vocab_size=2)
     folder = materialize_random_bert(config, tmp_path / "odd-bert", seed=5, std=0.3)
-    request = CompileRequest(model=str(folder), max_batch=4)
+    request = CompileRequest(model=str(folder), max_batch=4, layout=LAYOUT_PADDED)
     tasks = tuning_tasks(request, cache_dir)
     for task in tasks.tasks:
         handmade_plan(task, tasks.target).write(plan_path(tmp_path / "plans", task.workload))
@@ -162,7 +189,8 @@ def packed_artifact(minilm_tasks, tmp_path_factory, cache_dir: Path) -> Path:
                    tree=interval_tree(axes["i"], [v for v, _ in PACKED_SPLITS], [n for _, n in PACKED_SPLITS]),
                    tuned_range={"var": axes["i"], "min": 1, "max": 512},
                    provenance={"model": {"name": "test"}}).write(plan_path(folder, task.workload))
-    return compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(folder,)), cache_dir)
+    return compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(folder,), layout=LAYOUT_PADDED),
+                            cache_dir)
 
 
 def test_packed_weight_kernels_match_transformers_and_pack_once_at_load(packed_artifact: Path,
@@ -273,14 +301,15 @@ def test_stale_and_foreign_plans_are_refused(change, message, minilm_tasks, tmp_
     plan = dataclasses.replace(handmade_plan(minilm_tasks.tasks[0], minilm_tasks.target), **change)
     plan.write(tmp_path / "bad.plan.json")
     with pytest.raises(PlanError, match=message):
-        compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(tmp_path,)), cache_dir)
+        compile_artifact(CompileRequest(model="default", max_batch=MAX_BATCH, plans=(tmp_path,), layout=LAYOUT_PADDED),
+                         cache_dir)
 
 
 def test_tune_command_tunes_links_and_is_a_cache_hit_the_second_time(tmp_path: Path, cache_dir: Path,
                                                                      minilm_reference) -> None:
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("5 9 9 17 33 33 33 64 120")
-    command = [sys.executable, "-m", "dietserve", "tune", "--model", "default", "--trials", "3",
+    command = [sys.executable, "-m", "dietserve", "tune", "--model", "default", "--layout", "padded", "--trials", "3",
                "--max-batch", str(MAX_BATCH), "--lengths", str(lengths), "--db", str(tmp_path / "records.jsonl"),
                "--out", str(tmp_path / "out"), "--cache-dir", str(cache_dir)]
     first = subprocess.run(command, capture_output=True, text=True, timeout=900)

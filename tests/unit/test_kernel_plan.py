@@ -156,3 +156,18 @@ def test_predicted_gain_weighs_the_plans_by_the_traffic_and_the_call_sites() -> 
     # Timed with the fused softmax, the new plan's latencies are not the old one's kind: not compared.
     fused = dataclasses.replace(tuned, provenance={**tuned.provenance, "softmax": True})
     assert predicted_gain([served], [fused], traffic, {"fused_matmul_add": 6}) is None
+
+
+def test_predicted_gain_prices_a_packed_models_dense_layers_at_each_executions_tokens() -> None:
+    """Four texts of 16 tokens run as one packed execution: its dense layers ran 64 rows, not
+    16 four times, and the plans are compared there."""
+    from dietserve.compile.tuning import predicted_gain
+    from dietserve.runtime.traffic import Traffic
+
+    traffic = Traffic(60.0, 0.0)
+    traffic.record_packed((16, 16, 16, 16), now=0.0)
+    packed = dict(shape_vars=["batch", "seq_len", "tokens", "segments"],
+                  axes={"b": "1", "i": "tokens", "j": "384", "k": "384"},
+                  tuned_range={"var": "tokens", "min": 1, "max": 512})
+    served, tuned = _timed({16: 1e-4, 64: 4e-3}, **packed), _timed({16: 1e-4, 64: 1e-3}, **packed)
+    assert predicted_gain([served], [tuned], traffic, {}) == pytest.approx(4.0)

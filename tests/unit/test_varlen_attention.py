@@ -9,7 +9,7 @@ import tvm
 
 from dietserve.host.cpu import configure_cpu_threads
 from dietserve.host.hardware import CPU_PRESETS
-from dietserve.kernels.cpu_varlen.attention import VarlenTile, tile_for, varlen_attention
+from dietserve.kernels.cpu_varlen.attention import VarlenTile, context_tile, tile_for, varlen_attention
 from dietserve.kernels.tir.build import build
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -60,6 +60,23 @@ def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
         expected = reference(qkv, starts, heads, head_dim)
         error = np.abs(out - expected).max() / np.abs(expected).max()  # (float32 sums of up to 512 terms)
         assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("head_dim", [12, 7, 40])
+def test_heads_of_any_width(head_dim: int) -> None:
+    """Heads that are no whole number of the tile's vectors (a small BERT's 12, an odd 7) run on
+    narrower context tiles."""
+    configure_cpu_threads(2)
+    heads, tile = 3, tile_for(CPU_PRESETS["avx2"])
+    columns, lanes = context_tile(head_dim, tile)
+    assert head_dim % columns == 0 and columns % lanes == 0 and tile.lanes % lanes == 0
+    function = built(heads, head_dim, tile)
+    rng = np.random.default_rng(head_dim)
+    for lengths in ([1], [7, 1, 13], [31, 2, 97]):
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim)
+        expected = reference(qkv, starts, heads, head_dim)
+        assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5, f"lengths {lengths}"
 
 
 def test_every_length_up_to_the_maximum() -> None:

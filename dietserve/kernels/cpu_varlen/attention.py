@@ -69,12 +69,18 @@ def tile_for(hardware: CpuHardware) -> VarlenTile:
     return VarlenTile(mr=6 if hardware.vector_registers >= 32 else 4, nr=2 * lanes, nc=2 * lanes, lanes=lanes)
 
 
+def context_tile(head_dim: int, tile: VarlenTile) -> tuple[int, int]:
+    """(columns, vector lanes) of the context's register tiles: the tile's own where they divide
+    head_dim; otherwise the widest vectors and tiles that do (head_dim 12 on AVX2: one tile of
+    12 columns in 4-lane vectors), so any model's heads run without a partial tile."""
+    lanes = math.gcd(head_dim, tile.lanes)
+    return max(c for c in range(lanes, max(tile.nc, lanes) + 1, lanes) if head_dim % c == 0), lanes
+
+
 def varlen_attention(heads: int, head_dim: int, max_len: int, tile: VarlenTile = VarlenTile(),
                      parallel: bool = True) -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
     head_dim])``; ``max_len`` bounds a sequence's length (the position table's size)."""
-    if head_dim % tile.nc:
-        raise ValueError(f"head_dim {head_dim} is not a whole number of {tile.nc}-column context tiles")
     width = heads * head_dim
     key_columns = -(-max_len // tile.nr) * tile.nr
     tokens, segments = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64")
@@ -97,7 +103,8 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tile: VarlenTile =
 def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -> None:
     """One head of one sequence."""
     h, start, length = where
-    mr, nr, nc, lanes = tile.mr, tile.nr, tile.nc, tile.lanes
+    mr, nr, lanes = tile.mr, tile.nr, tile.lanes
+    nc, context_lanes = context_tile(head_dim, tile)
     zero, lowest = tirx.const(0, "float32"), tirx.const(LOWEST, "float32")
     scale = tirx.const(1 / math.sqrt(head_dim), "float32")
     q_column, k_column, v_column = h * head_dim, (heads + h) * head_dim, (2 * heads + h) * head_dim
@@ -167,11 +174,12 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -
         # context = (e @ V) / sum, the division folded into the store
         with T.unroll(0, head_dim // nc) as co:
             context = T.alloc_buffer((mr, nc), "float32", scope="global")
-            _tile_loop(mr, nc, lanes, lambda ii, cv, lane: T.buffer_store(context, zero, [ii, cv * lanes + lane]))
+            _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
+                context, zero, [ii, cv * context_lanes + lane]))
             with T.serial(0, length) as j:
-                _tile_loop(mr, nc, lanes, lambda ii, cv, lane: T.buffer_store(
-                    context, context[ii, cv * lanes + lane] + scores[ii, j] * values[j, co * nc + cv * lanes + lane],
-                    [ii, cv * lanes + lane]))
+                _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
+                    context, context[ii, cv * context_lanes + lane]
+                    + scores[ii, j] * values[j, co * nc + cv * context_lanes + lane], [ii, cv * context_lanes + lane]))
             with T.unroll(0, mr) as ii:
                 with T.If(ii < rows):
                     with T.Then():
@@ -197,4 +205,4 @@ def _tile_loop(rows: int, columns: int, lanes: int, store) -> None:
                 store(ii, jv, lane)
 
 
-__all__ = ["VARLEN_ATTENTION", "VarlenTile", "tile_for", "varlen_attention"]
+__all__ = ["VARLEN_ATTENTION", "VarlenTile", "context_tile", "tile_for", "varlen_attention"]
