@@ -23,8 +23,9 @@ difference against gRPC. Then:
 
 With ``--texts-per-request 16`` it measures instead what indexing documents is: each request
 carries 16 texts (padded to its longest, with their attention mask), beside requests of one text
-each, at each concurrency, batching on, for the packed artifact (``--layout packed``) and the
-padded one; texts/s and p50/p99 per request. Last line ``RESULT multi_text_ratio_packed=..
+each, at each concurrency, batching on, for the packed artifact (the CPU default) and the
+padded one; ``--rounds`` rounds alternate the two kinds of request; texts/s (the median over
+rounds, and each round's) and p50/p99 per request over all rounds. Last line ``RESULT multi_text_ratio_packed=..
 multi_text_ratio_padded=.. packed_vs_padded_multi=..`` (texts/s with 16 a request over texts/s
 with one, at the highest concurrency; and the two layouts' texts/s with 16 a request).
 
@@ -131,18 +132,29 @@ def multi_text_runs(args: argparse.Namespace) -> int:
         server = ServerProcess(artifact, *flags, model_name=MODEL)
         try:
             for concurrency in args.concurrency:
-                for texts, requests in ((1, single), (per_request, multi)):
-                    closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
-                    rps, latencies = closed_loop(server.grpc_url, requests, concurrency, args.seconds)
-                    texts_per_s[layout, texts, concurrency] = rps * texts
-                    rows.append((layout, texts, concurrency, rps * texts, percentile(latencies, 50) * 1e3,
-                                 percentile(latencies, 99) * 1e3, len(latencies)))
-                    time.sleep(0.5)
+                # Rounds alternating the two kinds of request, the order swapped each round: this
+                # host's speed drifts by 10% within minutes, which one run of each would read as
+                # a difference between them.
+                rates, latencies = {1: [], per_request: []}, {1: [], per_request: []}
+                kinds = [(1, single), (per_request, multi)]
+                for round_index in range(args.rounds):
+                    for texts, requests in kinds if round_index % 2 == 0 else reversed(kinds):
+                        closed_loop(server.grpc_url, requests, concurrency, 1.5)  # warm-up
+                        rps, answered = closed_loop(server.grpc_url, requests, concurrency, args.seconds)
+                        rates[texts].append(rps * texts)
+                        latencies[texts].extend(answered)
+                        time.sleep(0.5)
+                for texts in rates:
+                    texts_per_s[layout, texts, concurrency] = statistics.median(rates[texts])
+                    rows.append((layout, texts, concurrency, rates[texts], percentile(latencies[texts], 50) * 1e3,
+                                 percentile(latencies[texts], 99) * 1e3, len(latencies[texts])))
         finally:
             server.stop()
-    print(f"\n{'layout':>7} {'texts/req':>9} {'clients':>7} {'texts/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}")
-    for layout, texts, concurrency, rate, p50, p99, count in rows:
-        print(f"{layout:>7} {texts:>9} {concurrency:>7} {rate:8.1f} {p50:8.2f} {p99:8.2f} {count:8d}")
+    print(f"\n{'layout':>7} {'texts/req':>9} {'clients':>7} {'texts/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'requests':>8}"
+          f"  texts/s per round")
+    for layout, texts, concurrency, rates, p50, p99, count in rows:
+        print(f"{layout:>7} {texts:>9} {concurrency:>7} {statistics.median(rates):8.1f} {p50:8.2f} {p99:8.2f} "
+              f"{count:8d}  {', '.join(f'{rate:.1f}' for rate in rates)}")
     top = max(args.concurrency)
     multi = {layout: texts_per_s[layout, per_request, top] for layout in ("packed", "padded")}
     ratio = {layout: multi[layout] / texts_per_s[layout, 1, top] for layout in multi}
@@ -317,6 +329,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="distinct requests in the rotation")
     parser.add_argument("--skip-perf-analyzer", action="store_true")
     parser.add_argument("--skip-http", action="store_true", help="gRPC only")
+    parser.add_argument("--rounds", type=int, default=3, help="--texts-per-request: rounds of each kind of request")
     parser.add_argument("--texts-per-request", type=int, default=1,
                         help="above 1: requests of this many texts beside requests of one, packed and padded layouts")
     args = parser.parse_args()
