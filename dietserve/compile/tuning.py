@@ -216,7 +216,6 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
     return totals[0] / totals[1] if totals[1] > 0 else None
 
 
-
 def _priced_shapes(plan: KernelPlan, traffic: Traffic) -> list[tuple[dict[str, int], float]]:
     """(dispatch shape, weight) pairs the traffic prices ``plan`` at: a packed model's dense
     layers by the tokens of each execution where the traffic counted them, everything else by
