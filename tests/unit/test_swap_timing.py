@@ -39,7 +39,7 @@ def _traffic(shapes: dict[tuple[int, int], int]) -> TrafficLog:
 
 
 def test_the_traffics_heaviest_shapes_are_timed_within_the_engines_bounds() -> None:
-    engine = SimpleNamespace(max_batch=8, max_seq_len=128, vocab_size=30522)
+    engine = SimpleNamespace(max_batch=8, max_seq_len=128, vocab_size=30522, packed=False)
     # rows x length x executions: (1, 300) clamps to (1, 128) = 128 x 5 = 640, then 16 x 20 = 320,
     # 8 x 64 x 1 = 512 (rows clamped from 32); (1, 8) x 30 = 240 is the lightest, left out.
     traffic = _traffic({(1, 300): 5, (1, 16): 20, (32, 64): 1, (1, 8): 30})
@@ -48,6 +48,23 @@ def test_the_traffics_heaviest_shapes_are_timed_within_the_engines_bounds() -> N
     assert all(ids.dtype == np.int64 and ids.min() >= 1000 for ids, _ in inputs)
     without = swap.timed_inputs(engine, _traffic({}))
     assert [ids.shape for ids, _ in without] == [(1, 16), (4, 64)] and {w for _, w in without} == {1.0}
+
+
+def test_a_packed_engine_is_timed_at_the_batches_it_ran() -> None:
+    """A packed server records each row at its own length and each execution's tokens: 10
+    executions of 8 rows of 30-40 tokens are timed as 8 full rows of 35 tokens, not as single
+    rows; without packing the same record times its rows."""
+    log = TrafficLog(None, 3600.0, ServerMetrics().for_model("m"))
+    for _ in range(10):
+        log.traffic.record_packed((30, 32, 34, 36, 36, 38, 38, 36), now=log.traffic.as_of)  # 280 tokens
+    for _ in range(5):
+        log.traffic.record_packed((12,), now=log.traffic.as_of)  # a lone short text
+    packed = SimpleNamespace(max_batch=16, max_seq_len=128, vocab_size=30522, packed=True)
+    inputs = swap.timed_inputs(packed, log)
+    # the rows' mean length: (80 rows x 35 + 5 x 12) / 85 = 33.6 -> 34: 280 tokens are 8 rows of 35
+    assert [(ids.shape, round(w, 3)) for ids, w in inputs] == [((8, 35), 10.0), ((1, 12), 5.0)]
+    padded = SimpleNamespace(max_batch=16, max_seq_len=128, vocab_size=30522, packed=False)
+    assert all(ids.shape[0] == 1 for ids, _ in swap.timed_inputs(padded, log))
 
 
 def test_the_speed_is_the_weighted_sum_of_median_times_served_over_candidate() -> None:
