@@ -207,22 +207,14 @@ def predicted_gain(served: list[KernelPlan], tuned: list[KernelPlan], traffic: T
     for plan in tuned:
         if plan.workload not in old or _timed_with_softmax(old[plan.workload]) != _timed_with_softmax(plan):
             continue
-        for shape, weight in _priced_shapes(plan, traffic):
+        for (rows, seq_len), weight in traffic.execution_shapes():
+            shape = dispatch_shape(rows, seq_len)
             before, after = predicted_latency(old[plan.workload], shape), predicted_latency(plan, shape)
             if before is None or after is None:
                 continue
             totals[0] += weight * calls.get(plan.operator, 1) * before
             totals[1] += weight * calls.get(plan.operator, 1) * after
     return totals[0] / totals[1] if totals[1] > 0 else None
-
-
-def _priced_shapes(plan: KernelPlan, traffic: Traffic) -> list[tuple[dict[str, int], float]]:
-    """(dispatch shape, weight) pairs the traffic prices ``plan`` at: a packed model's dense
-    layers by the tokens of each execution where the traffic counted them, everything else by
-    the executions' (rows, seq_len)."""
-    if plan.tuned_range.get("var") == "tokens" and traffic.token_weights:
-        return [(dispatch_shape(1, tokens, tokens), weight) for tokens, weight in traffic.token_weights.items()]
-    return [(dispatch_shape(rows, seq_len), weight) for (rows, seq_len), weight in traffic.weights.items()]
 
 
 def _timed_with_softmax(plan: KernelPlan) -> bool:

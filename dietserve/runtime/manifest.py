@@ -21,20 +21,19 @@ PLAN_MODES = (PLANS_ANALYTIC, PLANS_NONE)  # what --plans takes besides plan fil
 # packed one sequence after another (model/bert.py forward_packed), no padded work.
 LAYOUT_PADDED, LAYOUT_PACKED = "padded", "packed"
 LAYOUTS = (LAYOUT_PADDED, LAYOUT_PACKED)
-
-
-def default_layout(target_kind: str) -> str:
-    """A build's layout where none is asked for: packed where its kernels exist (CPU targets),
-    padded on CUDA. Packed is never slower than padded on a CPU and much faster on mixed lengths
-    (docs/goals.md), so padded stays there only as the CUDA graph's CPU twin."""
-    return LAYOUT_PACKED if target_kind == "llvm" else LAYOUT_PADDED
-
 PACKED_INPUTS = ["input_ids", "token_type_ids", "position_ids", "starts", "unpack", "attention_mask",
                  "padded_positions"]
 # 2: dispatch entries per matmul operator with workload, plan, calls; 3: packed weights;
 # 4: the head (pooling recipe or classifier) and each output's shape
 FORMAT_VERSION = 4
 EMBEDDING_TASK, CLASSIFICATION_TASK = "embedding", "classification"
+
+
+def default_layout(target_kind: str) -> str:
+    """A build's layout where none is asked for: packed where its attention kernel exists (CPU
+    targets), padded on CUDA, which has none yet. On a CPU the padded layout is kept as the CUDA
+    graph's twin (docs/measurements/goals.md: packed against padded)."""
+    return LAYOUT_PACKED if target_kind == "llvm" else LAYOUT_PADDED
 
 
 class ArtifactError(RuntimeError):

@@ -96,6 +96,25 @@ class Traffic:
             by_length[seq_len] = by_length.get(seq_len, 0.0) + rows * weight
         return by_length
 
+    def execution_shapes(self) -> list[tuple[tuple[int, int], float]]:
+        """The executions as (rows, length) shapes with their decayed weights, what to time or
+        price a version at. A packed record holds each row at its own length and each
+        execution's tokens: an execution of T tokens reads as full rows about the rows' mean
+        length, as many as make T (its dense layers cost its tokens, attention each row's
+        length), not as the single rows it recorded."""
+        if not self.token_weights:
+            return list(self.weights.items())
+        by_length = self.row_weights()
+        rows = sum(by_length.values())
+        if rows <= 0:
+            return []
+        mean = max(1, round(sum(length * weight for length, weight in by_length.items()) / rows))
+        shapes = []
+        for tokens, weight in self.token_weights.items():
+            count = max(1, round(tokens / mean))
+            shapes.append(((count, max(1, round(tokens / count))), weight))
+        return shapes
+
     def to_json(self) -> str:
         shapes = [[rows, seq, round(w, 6)] for (rows, seq), w in sorted(self.weights.items())]
         tokens = [[count, round(w, 6)] for count, w in sorted(self.token_weights.items())]

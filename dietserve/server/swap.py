@@ -82,32 +82,12 @@ def _within(engine: Engine, rows: int, length: int) -> tuple[int, int]:
     return min(rows, engine.max_batch), min(length, engine.max_seq_len)
 
 
-def _executions(engine: Engine, traffic: TrafficLog) -> list[tuple[tuple[int, int], float]]:
-    """The recorded executions as (rows, length) with their weights. A packed engine's record
-    holds each row at its own length and each execution's tokens, and the server runs batches:
-    an execution of T tokens is timed as full rows about the rows' mean length, as many as make
-    T (its dense layers cost its tokens, attention each row's length). Timed as single rows, a
-    version slower at the batches the server runs would pass the check."""
-    recorded = traffic.traffic
-    if not engine.packed or not recorded.token_weights:
-        return list(recorded.weights.items())
-    total_rows = sum(count * weight for (count, _), weight in recorded.weights.items())
-    if total_rows <= 0:
-        return []
-    mean = max(1, round(sum(count * length * weight for (count, length), weight in recorded.weights.items())
-                        / total_rows))
-    shapes = []
-    for tokens, weight in recorded.token_weights.items():
-        rows = max(1, round(tokens / mean))
-        shapes.append(((rows, max(1, round(tokens / rows))), weight))
-    return shapes
-
-
 def _heaviest(engine: Engine, traffic: TrafficLog, count: int) -> list[tuple[tuple[int, int], float]]:
     """The recorded traffic's ``count`` heaviest shapes (rows x length x executions), within the
     engine's bounds, with their executions."""
     weights: dict[tuple[int, int], float] = {}
-    for (rows, length), weight in _executions(engine, traffic):
+    recorded = traffic.traffic
+    for (rows, length), weight in recorded.execution_shapes() if engine.packed else recorded.weights.items():
         shape = _within(engine, rows, length)
         weights[shape] = weights.get(shape, 0.0) + weight
     return sorted(weights.items(), key=lambda item: -item[0][0] * item[0][1] * item[1])[:count]
