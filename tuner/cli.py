@@ -19,10 +19,12 @@ import tvm
 
 from dietserve.host.cpu import target_cores
 from dietserve.host.hardware import GPU_PRESETS, last_level_cache_bytes
+from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path
 from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError, plan_path
-from dietserve.kernels.plan.task_file import TaskFile
+from dietserve.kernels.plan.task_file import AttentionTask, TaskFile
 from dietserve.kernels.space import task_space
 
+from .attention import tune_attention, weights_digest
 from .database.records import RecordDatabase
 from .extract import spec_from_prim_func
 from .measure.bundle import BundleRunner, import_results, write_bundle
@@ -89,9 +91,11 @@ def _weights(path: str | None, variable: ShapeVar) -> list[float] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    spec = _spec(args)
     variable = ShapeVar.parse("T", args.t)
     where = resolve_target(args.target, args.gpu, args.cores, args.mcpu, args.sm_count)
+    if args.op == "varlen_attention":
+        return _tune_attention_op(args, variable, where)
+    spec = _spec(args)
     task = TuningTask.create(spec, where.target, variable, _weights(args.weights, variable))
     dram = _dram_rates(args, where)
     runner = _runner(args)
@@ -105,6 +109,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
          f"{len(result.plan.variants)} variants; plan written to {written}")
     for name in result.plan.variants:
         _say(f"  {name}: {result.plan.kernel(name)}")
+    return 0
+
+
+def _tune_attention_op(args: argparse.Namespace, variable: ShapeVar, where) -> int:
+    """``tune --op varlen_attention``: the packed attention kernel over sequence lengths 1..max(T),
+    weighted by ``--weights`` (lengths ``--t`` does not list weigh nothing)."""
+    if where.target["kind"] != "llvm":
+        raise ValueError("the packed attention kernel is a CPU (llvm) kernel")
+    max_len = max(variable.values)
+    weights = _weights(args.weights, variable) or [1.0] * len(variable.values)
+    by_length = dict(zip(variable.values, weights, strict=True))
+    task = AttentionTask(args.heads, args.head_dim, max_len, [by_length.get(n, 0.0) for n in range(1, max_len + 1)])
+    out = Path(args.plan) if args.plan else attention_plan_path(Path(args.db).parent, args.heads, args.head_dim)
+    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
+    plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
+                          TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
+    _say(f"attention plan written to {plan.write(out)}: {', '.join(plan.tiles)}")
     return 0
 
 
@@ -180,8 +201,37 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             chosen = ", ".join(f"{name}={plan.kernel(name) or 'default rule'}" for name in plan.variants)
             _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in "
                  f"{result.wall_s:.1f} s -> {out.name}: {chosen}")
+    if tasks.attention is not None and where.target["kind"] == "llvm":
+        _tune_attention_task(tasks.attention, where, args)
     _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace) -> None:
+    """The packed attention kernel's tiles, re-timed unless a current plan was timed for the
+    same length weights."""
+    out = attention_plan_path(Path(args.plans), task.heads, task.head_dim)
+    try:
+        plan = AttentionPlan.read(out) if out.exists() else None
+        if plan is not None:
+            plan.check_target(where.target, str(tvm.__version__))
+    except PlanError as err:
+        _say(f"re-tuning the attention kernel: {err}")
+        plan = None
+    if plan is not None and plan.provenance.get("tuner") == TUNER_VERSION \
+            and plan.provenance.get("weights_digest") == weights_digest(task):
+        _say(f"attention: plan {out} is up to date")
+        return
+    _say(f"attention ({task.heads} heads of {task.head_dim}): timing its register tiles over the "
+         f"{'observed' if task.weights else 'uniform'} sequence lengths 1..{task.max_len}")
+    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
+    try:
+        plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
+                              TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
+    except (RuntimeError, PlanError) as err:  # the model still builds, on the hardware's tile
+        _say(f"attention: not tuned: {err}")
+        return
+    _say(f"attention: {plan.provenance['seconds']} s -> {plan.write(out).name}")
 
 
 def cmd_bundle_export(args: argparse.Namespace) -> int:
@@ -241,7 +291,8 @@ def _add_tune_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_tune_parser(commands) -> None:
     tune = commands.add_parser("tune", help="tune one dynamic-shape operator for all its shapes")
-    tune.add_argument("--op", choices=("dense", "attention_scores", "attention_context"), required=True)
+    tune.add_argument("--op", choices=("dense", "attention_scores", "attention_context", "varlen_attention"),
+                      required=True, help="varlen_attention: the packed attention kernel over sequence lengths")
     tune.add_argument("--k", type=int, help="dense: reduction size K")
     tune.add_argument("--n", type=int, help="dense: output features N")
     tune.add_argument("--epilogue", choices=EPILOGUES, default="bias", help="dense: fused epilogue (default bias)")
@@ -259,7 +310,8 @@ def _add_tune_parser(commands) -> None:
     tune.add_argument("--time-budget", type=float, help="stop after this many seconds")
     tune.add_argument("--loop-partition", action="store_true", help="also partition boundary loops")
     tune.add_argument("--db", default="records.jsonl", help="records database (JSON lines, appended)")
-    tune.add_argument("--plan", help="where to write the dispatch plan (default: DB with .plan.json)")
+    tune.add_argument("--plan", help="where to write the dispatch plan (default: DB with .plan.json; varlen_attention: "
+                                     "varlen_attention[H=..,d=..].attention.json beside DB)")
     _add_tune_flags(tune)
     tune.set_defaults(run=cmd_tune)
 

@@ -19,7 +19,8 @@ from safetensors.numpy import save_file
 
 from ..host.cpu import target_cpu_flags
 from ..host.hardware import CpuHardware
-from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path, read_plans
+from ..kernels.plan.attention_plan import AttentionPlan, attention_plan_path, is_attention_plan, read_attention_plans
+from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
@@ -126,7 +127,7 @@ def required_cpu_flags(target) -> list[str]:
 
 def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch: int,
               plans: list[KernelPlan] = (), analytic_for: CpuHardware | None = None,
-              layout: str = LAYOUT_PADDED) -> str:
+              layout: str = LAYOUT_PADDED, attention: AttentionPlan | None = None) -> str:
     """``weights_sha``: the digests of ``checkpoint.weight_files``, in order; ``analytic_for``: the
     hardware model a build without plans plans its operators for (the plans follow from it, the
     model and the compiler's code, so a cached build is found without planning again)."""
@@ -141,6 +142,7 @@ def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch:
         "compiler": compiler_source_hash(),
         "max_batch": max_batch,
         "layout": layout,
+        **({"attention": attention.digest()} if attention is not None else {}),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -172,8 +174,9 @@ def compile_artifact(
     target = build_target(request.target)
     progress(f"hashing weights in {checkpoint.weights_file}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
-    plans = read_plans(request.plans)
-    for plan in plans:  # stale plans are refused before any work
+    plans = read_plans(path for path in request.plans if not is_attention_plan(path))
+    attention = _attention_plan(request, checkpoint.config)
+    for plan in [*plans, *([attention] if attention else [])]:  # stale plans are refused before any work
         plan.check_target(link_target_fields(target), tvm_version())
     hardware = None
     if not plans and request.analytic:
@@ -182,7 +185,7 @@ def compile_artifact(
         hardware = target_hardware(target)
         if hardware is None:
             progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
-    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout)
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout, attention)
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
@@ -197,7 +200,7 @@ def compile_artifact(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        _build_into(staging, checkpoint, target, request, name, key, plans, progress)
+        _build_into(staging, checkpoint, target, request, name, key, (plans, attention), progress)
         _replace_dir(staging, out_dir)
         mark_used(out_dir)
     except BaseException:
@@ -207,12 +210,25 @@ def compile_artifact(
     return out_dir
 
 
+def _attention_plan(request: CompileRequest, config) -> AttentionPlan | None:
+    """The attention plan among the request's plans, for a packed build; None: the hardware's tile."""
+    found = read_attention_plans(request.plans)
+    if not found or request.layout != LAYOUT_PACKED:
+        return None
+    (plan, *others) = found
+    if others or (plan.heads, plan.head_dim) != (config.num_attention_heads, config.head_dim):
+        raise PlanError(f"attention plans {[p.workload for p in found]} are not for this model's "
+                        f"{config.num_attention_heads} heads of {config.head_dim}")
+    return plan
+
+
 def _build_into(staging, checkpoint, target, request, name, key, plans, progress) -> None:
     from .passes import foreign_plans, link_tuned_kernels, linked_operators
     from .pipeline import compile_module
 
+    plans, attention = plans
     model = checkpoint.model()
-    mod, parameters = export_model(model, request, target)
+    mod, parameters = export_model(model, request, target, attention)
     params = load_parameters(checkpoint, model, parameters)
     started = time.perf_counter()
     tuned = f" with {len(plans)} {plan_source(plans)} kernel plan(s)" if plans else ""
@@ -248,6 +264,8 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
             shutil.copy(source, staging / file_name)
     for plan in plans:  # what was linked in, for `explain` and for re-linking
         plan.write(plan_path(staging / PLANS_DIR, plan.workload))
+    if attention is not None:
+        attention.write(attention_plan_path(staging / PLANS_DIR, attention.heads, attention.head_dim))
     files = {path.relative_to(staging).as_posix(): sha256_file(path)
              for path in sorted(staging.rglob("*")) if path.is_file()}
     manifest = Manifest(
@@ -276,17 +294,19 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())
 
 
-def export_model(model, request: CompileRequest, target) -> tuple:
+def export_model(model, request: CompileRequest, target, attention: AttentionPlan | None = None) -> tuple:
     """``export_relax`` of the request's layout: the packed one with the attention kernel built
-    for the target's registers and vectors."""
+    from ``attention``'s tiles and tree, else the target's registers and vectors' tile."""
     if request.layout != LAYOUT_PACKED:
         return export_relax(model, request.max_batch)
-    from ..kernels.cpu_varlen.attention import tile_for, varlen_attention
+    from ..kernels.cpu_varlen.attention import varlen_attention
+    from ..kernels.cpu_varlen.tile import tile_for
     from .cold_start import target_hardware
 
     config = model.config
-    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_position_embeddings,
-                              tile_for(target_hardware(target)))
+    tiles, tree = (attention.varlen_tiles(), attention.tree) if attention else (tile_for(target_hardware(target)), None)
+    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_position_embeddings, tiles,
+                              tree)
     return export_relax(model, request.max_batch, kernel)
 
 

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import tvm
 
+from ..kernels.plan.attention_plan import attention_plan_path
 from ..kernels.plan.decision_tree import names_in
 from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
-from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
+from ..kernels.plan.task_file import AttentionTask, TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import PACKED_VARS, SHAPE_VARS
+from ..runtime.manifest import LAYOUT_PACKED
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
 from ..runtime.variant_by_shape import dispatch_shape
@@ -104,7 +106,8 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     ``tokens``, the tokens per execution, where given), weighted by ``lengths`` where given;
     operators whose rows are ``batch`` alone vary the batch instead.
     On CPU an operator the link pass fuses with its softmax (attention's scores) is marked so,
-    and the tuner times it with the softmax, as it is served."""
+    and the tuner times it with the softmax, as it is served. A packed model's attention kernel
+    is a task of its own, over sequence lengths weighted by ``lengths``."""
     checkpoint = open_checkpoint(request, cache_dir)
     folder = checkpoint.folder
     target = build_target(request.target)
@@ -140,7 +143,11 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
             func=tvm.ir.save_json(func), vary=vary, fixed=fixed, weights=task_weights,
             softmax=gvar.name_hint in softmaxed)
     model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
-    return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()))
+    attention = None
+    if request.layout == LAYOUT_PACKED and target.kind.name == "llvm":
+        config = checkpoint.config
+        attention = AttentionTask(config.num_attention_heads, config.head_dim, max_len, weights)
+    return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()), attention=attention)
 
 
 def _weights(observations: Sequence[int], values: list[int]) -> list[float]:
@@ -189,6 +196,12 @@ def tune_model(request: TuneRequest, cache_dir: Path, progress: Progress = lambd
     # (or of the kernels' code) names a workload the model no longer has, and would be refused.
     current = [plan_path(plans, task.workload) for task in tasks.tasks]
     stale = sorted(set(plans.glob(f"*{PLAN_SUFFIX}")) - set(current))
+    if tasks.attention is not None:
+        attention = attention_plan_path(plans, tasks.attention.heads, tasks.attention.head_dim)
+        if attention.exists():
+            current.append(attention)
+        else:
+            progress(f"no attention plan came back ({attention.name}): attention keeps the hardware's tile")
     if stale:
         progress(f"not linking {len(stale)} plan(s) in {plans} for operators this model no longer has: "
                  f"{', '.join(path.name for path in stale)}")

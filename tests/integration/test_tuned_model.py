@@ -23,7 +23,9 @@ from dietserve.compile.passes.fuse_softmax import FUSED_SUFFIX
 from dietserve.compile.tuning import tuning_tasks
 from dietserve.host.cpu import cpu_flags
 from dietserve.host.hardware import detect_cpu
+from dietserve.kernels.cpu_varlen.tile import VarlenTile
 from dietserve.kernels.decision_tree_func import lower_tree
+from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path
 from dietserve.kernels.plan.decision_tree import choose, interval_tree, thresholds
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path
 from dietserve.kernels.plan.microkernel import MicroKernel
@@ -117,18 +119,31 @@ def test_linked_variants_match_transformers_on_both_sides_of_each_split(linked_e
     _check(linked_engine, minilm_reference, batch, seq)
 
 
+# The attention kernel's tiles, split at sequence lengths 3 | 60 (a one-row tile for the shortest).
+ATTENTION_TILES = {"row": VarlenTile(mr=1, nr=LANES, nc=LANES, lanes=LANES),
+                   "mid": VarlenTile(mr=3, nr=2 * LANES, nc=LANES, lanes=LANES),
+                   "long": VarlenTile(mr=4, nr=2 * LANES, nc=2 * LANES, lanes=LANES)}
+
+
 @pytest.fixture(scope="module")
 def linked_packed_engine(cache_dir: Path, tmp_path_factory) -> Engine:
-    """MiniLM in the packed layout with the handmade plans over its tokens."""
+    """MiniLM in the packed layout with the handmade plans over its tokens, and an attention plan
+    whose tree picks a tile by each sequence's length."""
     request = CompileRequest(model="default", max_batch=MAX_BATCH, layout=LAYOUT_PACKED)
     tasks = tuning_tasks(request, cache_dir)
     assert sum(task.vary["var"] == "tokens" for task in tasks.tasks) == 4  # the dense layers (and the pooling)
+    assert (tasks.attention.heads, tasks.attention.head_dim, tasks.attention.max_len) == (12, 32, 512)
     folder = tmp_path_factory.mktemp("packed-layout-plans")
     for task in tasks.tasks:
         handmade_plan(task, tasks.target, (*SHAPE_VARS, *PACKED_VARS)).write(plan_path(folder, task.workload))
+    attention = AttentionPlan(heads=12, head_dim=32, target=tasks.target, tvm_version=str(tvm.__version__),
+                              tiles={name: tile.to_dict() for name, tile in ATTENTION_TILES.items()},
+                              tree=interval_tree("length", [3, 60, 512], ["row", "mid", "long"]))
+    attention.write(attention_plan_path(folder, 12, 32))
     artifact = compile_artifact(dataclasses.replace(request, plans=(folder,)), cache_dir)
     dense = [entry for entry in Manifest.read(artifact).dispatch.values() if entry["tree"].get("var") == "tokens"]
     assert len(dense) == 4 and all(sorted(entry["variants"]) == sorted(VARIANTS) for entry in dense)
+    assert AttentionPlan.read(attention_plan_path(artifact / "plans", 12, 32)) == attention
     return Engine(load_artifact(artifact))
 
 
@@ -136,7 +151,8 @@ def linked_packed_engine(cache_dir: Path, tmp_path_factory) -> Engine:
 def test_linked_variants_in_the_packed_layout_match_transformers(linked_packed_engine, minilm_reference, batch,
                                                                  seq) -> None:
     """The trees dispatch on the batch's attended tokens: a padded batch's T falls on either side
-    of the splits at 3, 40 and 200 as its mask has it."""
+    of the splits at 3, 40 and 200 as its mask has it; its sequences on either side of the
+    attention tree's splits at 3 and 60."""
     _check(linked_packed_engine, minilm_reference, batch, seq)
 
 

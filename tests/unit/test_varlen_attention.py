@@ -9,16 +9,17 @@ import tvm
 
 from dietserve.host.cpu import configure_cpu_threads
 from dietserve.host.hardware import CPU_PRESETS
-from dietserve.kernels.cpu_varlen.attention import VarlenTile, context_tile, tile_for, varlen_attention
+from dietserve.kernels.cpu_varlen.attention import varlen_attention
+from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles, context_tile, same_code, tile_for
 from dietserve.kernels.tir.build import build
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 MAX_LEN = 512
 
 
-def built(heads: int, head_dim: int, tile: VarlenTile):
+def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None = None):
     """The kernel alone, as a callable (in a model it is a ``call_tir`` of the forward function)."""
-    func = varlen_attention(heads, head_dim, MAX_LEN, tile).with_attr("global_symbol", "main")
+    func = varlen_attention(heads, head_dim, MAX_LEN, tile, tree).with_attr("global_symbol", "main")
     return build(tvm.IRModule({"main": func}), TARGET)["main"]
 
 
@@ -101,3 +102,37 @@ def test_tiles_are_chosen_from_the_register_file() -> None:
         assert accumulators + tile.nr // tile.lanes + 1 <= registers  # accumulators, operands, broadcast
     with pytest.raises(ValueError, match="whole 8-lane vectors"):
         VarlenTile(nr=12)
+
+
+def test_a_length_tree_runs_each_sequence_on_its_own_tile() -> None:
+    """A tuned kernel holds several tiles and a tree over each sequence's length: sequences on
+    both sides of every threshold, in one packed run, each on the tile its length picks."""
+    configure_cpu_threads(2)
+    heads, head_dim = 2, 32
+    tiles = {"short": VarlenTile(mr=1, nr=8, nc=32), "mid": VarlenTile(mr=6, nr=16, nc=8),
+             "long": VarlenTile(mr=3, nr=32, nc=16)}
+    tree = {"var": "length", "le": 5, "then": {"variant": "short"},
+            "else": {"var": "length", "le": 100, "then": {"variant": "mid"}, "else": {"variant": "long"}}}
+    function = built(heads, head_dim, tiles, tree)
+    lengths = [1, 5, 6, 2, 100, 101, 13, MAX_LEN, 7, 99]
+    qkv = (np.random.default_rng(2).standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+    out, starts = run(function, qkv, lengths, heads * head_dim)
+    expected = reference(qkv, starts, heads, head_dim)
+    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
+    with pytest.raises(ValueError, match="unknown variant"):
+        varlen_attention(heads, head_dim, MAX_LEN, tiles, {"variant": "other"})
+    with pytest.raises(ValueError, match="branches on 'length' alone"):
+        varlen_attention(heads, head_dim, MAX_LEN, tiles, {**tree, "var": "length + 1"})
+
+
+@pytest.mark.parametrize("preset", ["avx2", "avx512"])
+def test_the_tuned_space_fits_the_register_file(preset: str) -> None:
+    """The tiles tuning times: each fits the registers in both products, none repeats another's
+    code for these heads, and the hardware default is among them."""
+    hardware = CPU_PRESETS[preset]
+    tiles = attention_tiles(hardware, 64)
+    assert same_code(tile_for(hardware), 64) in {same_code(tile, 64) for tile in tiles}
+    for tile in tiles:
+        for vectors in (tile.nr // tile.lanes, tile.nc // tile.lanes):
+            assert tile.mr * vectors + vectors + 1 <= hardware.vector_registers, tile
+    assert len({same_code(tile, 64) for tile in tiles}) == len(tiles)

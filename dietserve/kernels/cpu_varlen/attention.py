@@ -21,68 +21,47 @@ output projection reads it.
 The scores kernel is the dense micro-kernel's shape (broadcast x vector FMAs into ``mr x nr``
 accumulators); the context reads V copied once per task, a row of head_dim floats each.
 Sequences shorter than ``mr`` run the same code on a zero-filled Q tile and store only their
-rows. The tile sizes are the kernel's parameters, chosen from the register file as the dense
-kernels' are (``VarlenTile``).
+rows. The tile sizes are the kernel's parameters (``tile.py``): one tile chosen from the register
+file, or tuned tiles behind a tree over each sequence's length, compiled in.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ...host.hardware import CpuHardware
+from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
 from ..tir.fast_exp import fast_exp
 from ..tir.row_softmax import LOWEST
+from .tile import LENGTH_VAR, VarlenTile, context_tile
 
 VARLEN_ATTENTION = "dietserve.varlen_attention"  # the PrimFunc attribute naming its (heads, head_dim)
 
 
-@dataclass(frozen=True)
-class VarlenTile:
-    """Register tiles: ``mr`` queries at a time; scores ``mr x nr`` (keys), context ``mr x nc``
-    (head_dim columns). ``lanes``: the vector width in float32s."""
-
-    mr: int = 4
-    nr: int = 16
-    nc: int = 16
-    lanes: int = 8
-
-    def __post_init__(self) -> None:
-        if self.mr < 1 or self.nr % self.lanes or self.nc % self.lanes or min(self.nr, self.nc) < self.lanes:
-            raise ValueError(f"tiles {self} are not whole {self.lanes}-lane vectors")
-
-    def describe(self) -> str:
-        return f"varlen:{self.mr}x{self.nr},{self.nc}/{self.lanes}"
+Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 
-def tile_for(hardware: CpuHardware) -> VarlenTile:
-    """Two vectors of keys (scores) and of head_dim columns (context) a tile: 8 accumulators of
-    4 rows in 16 vector registers (AVX2), 12 of 6 rows in 32 (AVX-512), the rest for the
-    operands, as the dense kernels' 4 x 16 and 6 x 32 tiles."""
-    lanes = hardware.lanes()
-    return VarlenTile(mr=6 if hardware.vector_registers >= 32 else 4, nr=2 * lanes, nc=2 * lanes, lanes=lanes)
-
-
-def context_tile(head_dim: int, tile: VarlenTile) -> tuple[int, int]:
-    """(columns, vector lanes) of the context's register tiles: the tile's own where they divide
-    head_dim; otherwise the widest vectors and tiles that do (head_dim 12 on AVX2: one tile of
-    12 columns in 4-lane vectors), so any model's heads run without a partial tile."""
-    lanes = math.gcd(head_dim, tile.lanes)
-    return max(c for c in range(lanes, max(tile.nc, lanes) + 1, lanes) if head_dim % c == 0), lanes
-
-
-def varlen_attention(heads: int, head_dim: int, max_len: int, tile: VarlenTile = VarlenTile(),
+def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
                      parallel: bool = True) -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
-    head_dim])``; ``max_len`` bounds a sequence's length (the position table's size)."""
+    head_dim])``; ``max_len`` bounds a sequence's length (the position table's size).
+
+    ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
+    (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
+    tile its sequence's length picks, its stack arrays sized for the lengths that reach it."""
+    if tiles is None or isinstance(tiles, VarlenTile):
+        tiles, tree = {"tile": tiles or VarlenTile()}, {"variant": "tile"}
+    try:
+        check_tree(tree, tiles, [LENGTH_VAR])
+    except TreeError as err:
+        raise ValueError(f"attention tiles {sorted(tiles)}: {err}") from err
     width = heads * head_dim
-    key_columns = -(-max_len // tile.nr) * tile.nr
     tokens, segments = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64")
     with IRBuilder() as builder:
         with T.prim_func():
@@ -96,8 +75,24 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tile: VarlenTile =
             with loop(0, heads * sequences) as task:
                 h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _sequence(qkv, out, (h, start, length), heads, head_dim, key_columns, tile)
+                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim), tiles, max_len)
     return with_exact_buffers(builder.get(), own_storage=True)
+
+
+def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int) -> None:
+    """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see."""
+    if "variant" in node:
+        tile = tiles[node["variant"]]
+        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile)
+        return
+    if node["var"] != LENGTH_VAR:
+        raise ValueError(f"an attention tree branches on {LENGTH_VAR!r} alone, not {node['var']!r}")
+    length = call[2][2]
+    with T.If(length <= node["le"]):
+        with T.Then():
+            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)))
+        with T.Else():
+            _dispatch(node["else"], call, tiles, longest)
 
 
 def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -> None:
@@ -205,4 +200,4 @@ def _tile_loop(rows: int, columns: int, lanes: int, store) -> None:
                 store(ii, jv, lane)
 
 
-__all__ = ["VARLEN_ATTENTION", "VarlenTile", "context_tile", "tile_for", "varlen_attention"]
+__all__ = ["VARLEN_ATTENTION", "varlen_attention"]

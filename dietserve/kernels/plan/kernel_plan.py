@@ -130,24 +130,33 @@ class KernelPlan:
 
     @classmethod
     def read(cls, path: Path) -> KernelPlan:
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except OSError as err:
-            raise PlanError(f"cannot read plan {path}: {err}") from err
-        except json.JSONDecodeError as err:
-            raise PlanError(f"plan {path} is not valid JSON: {err}") from err
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_json(path), str(path))
 
     def check_target(self, target: Mapping, tvm_version: str) -> None:
         """Refuse a plan tuned with another TVM or for another target/ISA (stale)."""
-        if self.tvm_version != tvm_version:
-            raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned with TVM {self.tvm_version}; "
-                            f"this is TVM {tvm_version}: re-tune")
-        for key in MATCHED_TARGET_KEYS:
-            if self.target.get(key) != target.get(key):
-                raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned for {key}="
-                                f"{self.target.get(key)!r}; compiling for {key}={target.get(key)!r}: re-tune")
+        check_tuned_for(f"plan of {self.operator} ({self.workload})", self.target, self.tvm_version, target,
+                        tvm_version)
+
+
+def read_json(path: Path) -> object:
+    """A plan file's JSON, or a ``PlanError`` naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except OSError as err:
+        raise PlanError(f"cannot read plan {path}: {err}") from err
+    except json.JSONDecodeError as err:
+        raise PlanError(f"plan {path} is not valid JSON: {err}") from err
+
+
+def check_tuned_for(what: str, tuned_target: Mapping, tuned_tvm: str, target: Mapping, tvm_version: str) -> None:
+    """Refuse what was tuned with another TVM or for another target/ISA (stale)."""
+    if tuned_tvm != tvm_version:
+        raise PlanError(f"{what} was tuned with TVM {tuned_tvm}; this is TVM {tvm_version}: re-tune")
+    for key in MATCHED_TARGET_KEYS:
+        if tuned_target.get(key) != target.get(key):
+            raise PlanError(f"{what} was tuned for {key}={tuned_target.get(key)!r}; compiling for "
+                            f"{key}={target.get(key)!r}: re-tune")
 
 
 def plan_path(directory: Path, workload: str) -> Path:

@@ -10,8 +10,11 @@ One JSON file lists the model's dynamic matmul-like operators, one entry per dis
                         vary: {var, values}, fixed: {var: value}, weights: [one per value],
                         softmax: whether the model softmaxes the result's rows right after it
                         (CPU: served as one kernel, so tuned as one; absent = false)}]
+    attention         a packed model's attention kernel, or absent: {heads, head_dim, max_len,
+                      weights: one per sequence length 1..max_len; empty = uniform}
 
-The tuner reads it, tunes, and answers with one kernel plan per task (``kernel_plan.py``).
+The tuner reads it, tunes, and answers with one kernel plan per task (``kernel_plan.py``) and an
+attention plan for the attention task (``attention_plan.py``).
 """
 
 from __future__ import annotations
@@ -58,10 +61,29 @@ class TaskDescription:
 
 
 @dataclass(frozen=True)
+class AttentionTask:
+    """A packed model's attention kernel: its heads, the longest sequence, and how often each
+    length 1..max_len is seen (empty: every length alike)."""
+
+    heads: int
+    head_dim: int
+    max_len: int
+    weights: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if any(type(v) is not int or v < 1 for v in (self.heads, self.head_dim, self.max_len)):
+            raise TaskFileError(f"attention task: heads, head_dim and max_len must be positive integers, got "
+                                f"{self.heads!r}, {self.head_dim!r}, {self.max_len!r}")
+        if self.weights and (len(self.weights) != self.max_len or min(self.weights) < 0 or sum(self.weights) <= 0):
+            raise TaskFileError("attention task: weights must be non-negative, one per length 1..max_len, not all zero")
+
+
+@dataclass(frozen=True)
 class TaskFile:
     model: dict
     target: dict
     tasks: list  # of TaskDescription
+    attention: AttentionTask | None = None
     format: str = TASKS_FORMAT
     version: int = TASKS_VERSION
 
@@ -86,6 +108,7 @@ class TaskFile:
             raise TaskFileError(f"{path} has version {raw.get('version')}; this reads version {TASKS_VERSION}")
         try:
             tasks = [TaskDescription(**task) for task in raw["tasks"]]
-            return cls(raw["model"], raw["target"], tasks)
+            attention = AttentionTask(**raw["attention"]) if raw.get("attention") is not None else None
+            return cls(raw["model"], raw["target"], tasks, attention)
         except (KeyError, TypeError) as err:
             raise TaskFileError(f"{path} is incomplete: {err}") from err

@@ -1,0 +1,121 @@
+"""Tuning the packed attention kernel: the plan format (``kernels/plan/attention_plan.py``), the
+length groups that weight it, and a real tune in a measurement process whose plan builds a kernel
+that matches numpy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+
+from dietserve.host.cpu import configure_cpu_threads, cpu_flags
+from dietserve.host.hardware import detect_cpu
+from dietserve.kernels.cpu_varlen.attention import varlen_attention
+from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles
+from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path, read_attention_plans
+from dietserve.kernels.plan.decision_tree import choose
+from dietserve.kernels.plan.kernel_plan import PlanError
+from dietserve.kernels.plan.task_file import AttentionTask, TaskFileError
+from dietserve.kernels.tir.build import build
+from tuner.attention import length_groups, tune_attention
+from tuner.measure.timing import TimingPolicy
+
+TARGET = {"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 2}
+TILES = {"a": VarlenTile().to_dict(), "b": VarlenTile(mr=2).to_dict()}
+TREE = {"var": "length", "le": 16, "then": {"variant": "a"}, "else": {"variant": "b"}}
+
+
+def plan(**changes) -> AttentionPlan:
+    return AttentionPlan(**{"heads": 2, "head_dim": 16, "target": TARGET, "tvm_version": "0.27", "tiles": TILES,
+                            "tree": TREE, **changes})
+
+
+def test_a_plan_round_trips_and_is_found_among_kernel_plans(tmp_path) -> None:
+    written = plan().write(attention_plan_path(tmp_path, 2, 16))
+    (tmp_path / "other.plan.json").write_text("{}")  # a kernel plan beside it is not read here
+    assert AttentionPlan.read(written) == plan()
+    assert read_attention_plans([tmp_path]) == [plan()] and read_attention_plans([written]) == [plan()]
+    assert read_attention_plans([tmp_path / "other.plan.json"]) == []
+    assert written.name == "varlen_attention[H=2,d=16].attention.json"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tiles": {"a": {"mr": 4, "nr": 12, "nc": 16, "lanes": 8}, "b": TILES["b"]}}, "tile 'a' is not a register tile"),
+    ({"tree": {"variant": "c"}}, "unknown variant 'c'"),
+    ({"tree": {**TREE, "var": "tokens"}}, "names 'tokens', not one of"),
+    ({"tree": {**TREE, "var": "length + 1"}}, r"branches on 'length \+ 1', not 'length'"),
+    ({"tree": {"variant": "a"}}, r"tiles \['b'\] are reached by no leaf"),
+    ({"heads": 0}, "positive integers"),
+    ({"format": "dietserve.kernel-plan"}, "not an attention plan"),
+])
+def test_a_malformed_plan_is_refused_naming_what_is_wrong(changes: dict, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        plan(**changes)
+
+
+def test_a_plan_for_another_cpu_or_tvm_is_stale(tmp_path) -> None:
+    with pytest.raises(PlanError, match="tuned with TVM 0.27; this is TVM 0.28"):
+        plan().check_target(TARGET, "0.28")
+    with pytest.raises(PlanError, match="tuned for mcpu='x86-64-v3'; compiling for mcpu='znver4'"):
+        plan().check_target({**TARGET, "mcpu": "znver4"}, "0.27")
+    path = tmp_path / "x.attention.json"
+    path.write_text(json.dumps({**json.loads(plan().to_json()), "extra": 1}))
+    with pytest.raises(PlanError, match=r"unknown fields \['extra'\]"):
+        AttentionPlan.read(path)
+
+
+def test_length_groups_split_the_weight_evenly() -> None:
+    uniform = length_groups(AttentionTask(2, 16, 512))
+    assert [last for last, _, _ in uniform] == list(range(64, 513, 64))
+    assert all(last - 63 <= timed <= last for last, timed, _ in uniform)
+    weights = [0.0] * 128
+    for length, count in ((5, 1), (20, 1), (40, 5), (120, 1)):
+        weights[length - 1] = count
+    observed = length_groups(AttentionTask(2, 16, 128, weights))
+    assert [(last, timed) for last, timed, _ in observed] == [(5, 5), (20, 20), (40, 40), (128, 120)]
+    assert [share for _, _, share in observed] == pytest.approx([1 / 8, 1 / 8, 5 / 8, 1 / 8])
+    with pytest.raises(TaskFileError, match="one per length"):
+        AttentionTask(2, 16, 128, [1.0] * 3)
+
+
+def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    out = np.zeros((qkv.shape[0], heads * head_dim))
+    for first, end in zip(starts[:-1], starts[1:], strict=True):
+        block = qkv[first:end].astype(np.float64)
+        for h in range(heads):
+            q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
+            scores = np.exp(q @ k.T / np.sqrt(head_dim))
+            out[first:end, h * head_dim:(h + 1) * head_dim] = (scores / scores.sum(axis=1, keepdims=True)) @ v
+    return out
+
+
+def test_a_tune_times_every_tile_and_its_plan_builds_a_correct_kernel() -> None:
+    """A real tune (measurement process, this CPU, a quick timing): every tile of the space timed
+    at each group's length, the plan no slower over the weighted lengths than the hardware's own
+    tile by its own readings, and the kernel it describes right on lengths across its splits."""
+    hardware = detect_cpu(cpu_flags() or set()).with_overrides(cores=2)
+    weights = [1.0 if length in (3, 9, 30, 64) else 0.0 for length in range(1, 65)]
+    task = AttentionTask(heads=2, head_dim=16, max_len=64, weights=weights)
+    target = {"kind": "llvm", "mcpu": "native", "num-cores": 2}
+    said: list[str] = []
+    tuned = tune_attention(task, target, hardware, 2, TimingPolicy(number=1, repeat=1, min_repeat_ms=1),
+                           str(tvm.__version__), 7, timeout_s=600, say=said.append)
+    assert tuned.provenance["tiles_timed"] == len(attention_tiles(hardware, 16))
+    assert tuned.provenance["tiles_failed"] == 0
+    assert [entry["length"] for entry in tuned.lengths] == [3, 9, 30, 64]
+    chosen = sum(e["weight"] * e["latency_s"] for e in tuned.lengths)
+    assert chosen <= sum(e["weight"] * e["default_latency_s"] for e in tuned.lengths) * (1 + 1e-9)
+    assert all(choose(tuned.tree, {"length": e["length"]}) == e["tile"] for e in tuned.lengths)
+    assert any("chosen" in line for line in said)
+    configure_cpu_threads(2)
+    func = varlen_attention(2, 16, 64, tuned.varlen_tiles(), tuned.tree).with_attr("global_symbol", "main")
+    kernel = build(tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "num-cores": 2}))["main"]
+    lengths = [1, 3, 4, 9, 10, 30, 31, 64, 2]
+    qkv = np.random.default_rng(3).standard_normal((sum(lengths), 96)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = tvm.runtime.tensor(np.full((sum(lengths), 32), np.nan, np.float32))
+    kernel(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), out)
+    expected = reference(qkv, starts, 2, 16)
+    assert np.abs(out.numpy() - expected).max() / np.abs(expected).max() < 1e-5
