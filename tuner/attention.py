@@ -11,6 +11,7 @@ group does best, at most ``MAX_TILES`` tiles in one kernel, chosen to least weig
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -76,7 +77,7 @@ def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cor
     job = {"heads": task.heads, "head_dim": task.head_dim, "max_len": task.max_len, "target": target,
            "threads": cores, "tiles": [tile.to_dict() for tile in tiles],
            "lengths": [timed for _, timed, _ in groups],
-           "timing": {"number": timing.number, "repeat": timing.repeat, "min_repeat_ms": timing.min_repeat_ms}}
+           "timing": dataclasses.asdict(timing)}
     results = measure_tiles(job, timeout_s)
     timed = [(tile, result["latencies"]) for tile, result in zip(tiles, results, strict=True) if "latencies" in result]
     for tile, result in zip(tiles, results, strict=True):

@@ -51,9 +51,13 @@ def _spec(args: argparse.Namespace):
     return builder(args.heads, args.head_dim, args.batch)
 
 
+def _timing(args: argparse.Namespace) -> TimingPolicy:
+    return TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms,
+                        cpu_turns=args.cpu_turns)
+
+
 def _measure_options(args: argparse.Namespace) -> MeasureOptions:
-    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
-    return MeasureOptions(timing=timing, timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
+    return MeasureOptions(timing=_timing(args), timeout_s=args.timeout, workers=args.workers).for_trials(args.trials)
 
 
 def _runner(args: argparse.Namespace) -> LocalRunner:
@@ -122,7 +126,7 @@ def _tune_attention_op(args: argparse.Namespace, variable: ShapeVar, where) -> i
     by_length = dict(zip(variable.values, weights, strict=True))
     task = AttentionTask(args.heads, args.head_dim, max_len, [by_length.get(n, 0.0) for n in range(1, max_len + 1)])
     out = Path(args.plan) if args.plan else attention_plan_path(Path(args.db).parent, args.heads, args.head_dim)
-    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
+    timing = _timing(args)
     plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
                           TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
     _say(f"attention plan written to {plan.write(out)}: {', '.join(plan.tiles)}")
@@ -224,7 +228,7 @@ def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace) -
         return
     _say(f"attention ({task.heads} heads of {task.head_dim}): timing its register tiles over the "
          f"{'observed' if task.weights else 'uniform'} sequence lengths 1..{task.max_len}")
-    timing = TimingPolicy(number=args.number, repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
+    timing = _timing(args)
     try:
         plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
                               TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
@@ -285,6 +289,9 @@ def _add_tune_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes building candidates in parallel (default: one per core, at most 4; "
                              "timings run one at a time)")
+    parser.add_argument("--cpu-turns", metavar="LOCK_FILE",
+                        help="time each candidate in a turn of the CPUs shared with a server through this lock file "
+                             "(its batches and the timings alternate; the server's re-tuning job passes it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each failed candidate")
 

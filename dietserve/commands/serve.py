@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .common import add_build_flags, add_plans_flag, build_argv, compile_request, say
@@ -178,13 +180,18 @@ def retune_settings(args: argparse.Namespace, start_reason: str | None = None):
                 *build_argv(args)]
         if args.retune_rpc_tracker:  # measure on a dedicated device, not beside serving
             argv += ["--rpc-tracker", args.retune_rpc_tracker, "--rpc-key", args.retune_rpc_key]
+        else:
+            argv += ["--cpu-turns", str(cpu_turns)]
         return argv
+
+    # This server's own (flock is per machine: replicas on a shared store must not take turns)
+    cpu_turns = None if args.retune_rpc_tracker else Path(tempfile.gettempdir()) / f"dietserve-{os.getpid()}.cpu-turns"
 
     cpus = frozenset(int(c) for c in args.retune_cpus.split(",")) if args.retune_cpus else frozenset()
     return RetuneSettings(command=command, drift_threshold=args.retune_drift if args.retune else math.inf,
                           min_rows=args.retune_min_rows, min_interval_seconds=args.retune_min_interval,
                           check_seconds=args.retune_check_seconds, time_budget_seconds=args.retune_time_budget,
-                          cpus=cpus, nice=args.retune_nice, start_reason=start_reason)
+                          cpus=cpus, nice=args.retune_nice, start_reason=start_reason, cpu_turns=cpu_turns)
 
 
 def add_serve_command(commands) -> None:

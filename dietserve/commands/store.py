@@ -20,7 +20,8 @@ def cmd_retune(args: argparse.Namespace) -> int:
     out = args.work or args.store / "retune" / "work"
     request = TuneRequest(compile=_served_build(args), db=args.db or args.store / "records.jsonl", out=out,
                           trials=args.trials, time_budget_s=args.time_budget, lengths=lengths,
-                          tokens=tokens, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+                          tokens=tokens, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key,
+                          cpu_turns=args.cpu_turns)
     started = time.monotonic()
     artifact = tune_model(request, args.cache_dir, progress=say)
     store = VersionStore(args.store)
@@ -118,6 +119,9 @@ def add_store_commands(commands) -> None:
                                     "nothing. A run with nothing to compare against always publishes")
     retune_parser.add_argument("--rpc-tracker", default=None, help="host:port of a TVM RPC tracker to measure on")
     retune_parser.add_argument("--rpc-key", default="local", help="device key registered with the tracker")
+    retune_parser.add_argument("--cpu-turns", type=Path, metavar="LOCK_FILE",
+                               help="time candidates in turns with a server's batches through this lock file "
+                                    "(the server that runs the job passes it)")
     retune_parser.add_argument("--work", type=Path, default=None,
                                help="folder for tasks and plans (default STORE/retune/work)")
     retune_parser.set_defaults(run=cmd_retune)

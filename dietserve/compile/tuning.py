@@ -52,6 +52,9 @@ class TuneRequest:
     tokens: tuple[int, ...] = ()  # a packed model's observed tokens per execution; empty: as ``lengths``
     rpc_tracker: str | None = None  # host:port of a TVM RPC tracker: measure on its devices
     rpc_key: str = "local"  # the device key registered with the tracker
+    # A lock file shared with a server on this machine: the tuner times in turns with its batches
+    # (``host/cpu_turns.py``); None: timings take the CPUs as they find them.
+    cpu_turns: Path | None = None
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -165,6 +168,8 @@ def tuner_command(task_file: Path, request: TuneRequest, plans: Path) -> list[st
         command += ["--time-budget", str(request.time_budget_s)]
     if request.rpc_tracker:
         command += ["--rpc-tracker", request.rpc_tracker, "--rpc-key", request.rpc_key]
+    elif request.cpu_turns is not None:
+        command += ["--cpu-turns", str(request.cpu_turns)]
     return command
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..host.cpu_turns import CpuTurns
 from .engine import EncoderOutput, Engine
 from .errors import Expired, NotReady, Overloaded
 from .request import EncoderRequest
@@ -117,8 +118,11 @@ class DynamicBatcher:
         on_batch: Callable[[BatchRun], None] | None = None,
         on_stopped: Callable[[BaseException], None] | None = None,
         execution_lock: asyncio.Lock | None = None,
+        cpu_turns: CpuTurns | None = None,
     ):
         self.engine = engine
+        # Given, each execution takes a turn of the CPUs, shared with a tuning job's timings.
+        self.cpu_turns = cpu_turns
         # Shared by every model of a server: asyncio's lock is fair (the longest waiter gets it
         # next), so batches of different models run in the order they became ready.
         self.execution_lock = execution_lock or asyncio.Lock()
@@ -184,7 +188,13 @@ class DynamicBatcher:
         """Runs ``function(*args)`` on the execution thread between two batches (a hot swap's
         checks: one model run at a time, so no request waits behind more than one)."""
         async with self.execution_lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._in_turn, function, *args)
+
+    def _in_turn(self, function, *args):
+        if self.cpu_turns is None:
+            return function(*args)
+        with self.cpu_turns.turn():
+            return function(*args)
 
     async def close(self) -> None:
         """Runs what is queued, then stops."""
@@ -276,7 +286,7 @@ class DynamicBatcher:
                 return True
             loop = asyncio.get_running_loop()
             try:
-                run = await loop.run_in_executor(self._executor, self._execute, jobs, loop)
+                run = await loop.run_in_executor(self._executor, self._in_turn, self._execute, jobs, loop)
             except Exception as err:  # noqa: BLE001 - delivered to each waiting request
                 for job in jobs:
                     if not job.future.done():

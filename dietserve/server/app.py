@@ -26,6 +26,7 @@ from contextlib import AsyncExitStack
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from ..host.cpu_turns import CpuTurns
 from ..runtime.batcher import BatchRun, DynamicBatcher, bucket_edges
 from . import grpc_server
 from .batch_metrics import BatchRecorder
@@ -224,6 +225,8 @@ class Server:
         """One batcher per artifact, sharing one execution lock: the kernels of one execution
         already use every core, so two at once would only thrash."""
         config, lock = self.config, asyncio.Lock()
+        # While a re-tuning job times candidates on these CPUs, batches and timings take turns.
+        turns = CpuTurns(self.retune.cpu_turns) if self.retune is not None and self.retune.cpu_turns else None
         for name, served in self.artifacts.items():
             batcher = served.batcher = DynamicBatcher(
                 served.engine,
@@ -237,6 +240,7 @@ class Server:
                 on_batch=self.batch_recorder(served),
                 on_stopped=self._execution_stopped,
                 execution_lock=lock,
+                cpu_turns=turns,
             )
             batcher.start()
             self._parts.push_async_callback(batcher.close)  # runs what is queued

@@ -69,6 +69,9 @@ class RetuneSettings:
     # served version was not tuned for this host), saying this as its reason.
     start_reason: str | None = None
     progress_seconds: float = 60.0  # how often a running job's progress is said
+    # A lock file on this machine through which the server's batches and the job's timings take
+    # turns on the CPUs (``host/cpu_turns.py``); None: the job measures elsewhere (RPC).
+    cpu_turns: Path | None = None
 
 
 _OPERATOR_LINE = re.compile(rb"\[(\d+)/(\d+)\] ")

@@ -124,6 +124,22 @@ def test_tune_hands_the_tuner_its_budget_and_rpc_tracker() -> None:
     assert command[1:3] == ["-m", "tuner"]
     args = build_parser().parse_args(command[3:])  # the tuner's real parser accepts every flag
     assert (args.trials, args.time_budget, args.rpc_tracker, args.rpc_key) == (7, 60.0, "tracker:9190", "gpu")
+    assert args.cpu_turns is None  # measured elsewhere: no turns with this machine's server
+    local = tuner_command(Path("tasks.json"), TuneRequest(compile=CompileRequest(), db=Path("r.jsonl"), out=Path("o"),
+                                                          cpu_turns=Path("/tmp/s.cpu-turns")), Path("plans"))
+    assert build_parser().parse_args(local[3:]).cpu_turns == "/tmp/s.cpu-turns"
+
+
+def test_the_server_s_job_takes_turns_with_its_batches_unless_it_measures_elsewhere() -> None:
+    from dietserve.__main__ import build_parser as dietserve_parser
+    from dietserve.commands.serve import retune_settings
+
+    for extra, turns in (([], True), (["--retune-rpc-tracker", "t:9190"], False)):
+        args = dietserve_parser().parse_args(["serve", *extra])
+        settings = retune_settings(args)
+        argv = settings.command(Path("/store"), Path("/store/traffic.json"))
+        job = dietserve_parser().parse_args(argv[3:])  # the job's own parser accepts every flag
+        assert (settings.cpu_turns is not None) == turns and (job.cpu_turns == settings.cpu_turns)
 
 
 def _timed(latencies: dict[int, float], **changes) -> KernelPlan:

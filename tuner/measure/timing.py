@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dietserve.host.cpu_turns import cpu_turn
+
 ABANDON_FACTOR = 4.0  # a candidate this much slower than its shape's best is timed once
 
 
@@ -23,6 +25,9 @@ class TimingPolicy:
     number: int = 2  # calls per timed repeat, at least
     repeat: int = 3  # timed repeats; the median is kept
     min_repeat_ms: int = 10  # a repeat lasts at least this long
+    # Given, a lock file shared with a server on this machine: each candidate is timed in a turn
+    # of the CPUs between its batches (``dietserve/host/cpu_turns.py``).
+    cpu_turns: str | None = None
 
     def __post_init__(self) -> None:
         if self.number < 1 or self.repeat < 1 or self.min_repeat_ms < 0:
@@ -30,7 +35,12 @@ class TimingPolicy:
 
     def time(self, module, device, arguments: Sequence, abandon_above_s: float | None, local: bool) -> float:
         """Median seconds per call of ``module["main"](*arguments)`` by TVM's evaluator (the
-        device's clock for a GPU or over RPC); on this machine (``local``) after a warm call."""
+        device's clock for a GPU or over RPC); on this machine (``local``) after a warm call,
+        in a turn of the CPUs where they are shared with a server."""
+        with cpu_turn(self.cpu_turns if local else None):
+            return self._time(module, device, arguments, abandon_above_s, local)
+
+    def _time(self, module, device, arguments: Sequence, abandon_above_s: float | None, local: bool) -> float:
         if local:
             function = module["main"]
             function(*arguments)  # warm-up: caches, page faults, the thread pool
