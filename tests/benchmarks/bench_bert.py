@@ -50,7 +50,9 @@ costs). Last line
 
 (geomeans over the batches; token_cost_b8_vs_b1: the packed artifact's seconds per token for a
 batch of 8 over the same texts run one at a time; lone_packed_vs_padded: those single texts,
-padded layout's time over packed's.)
+padded layout's time over packed's.) Beside each batch, ``%peak``: its matrix products' FLOPs at
+this machine's FMA peak (measured each round) over the packed artifact's time, for the batch and
+for its texts one at a time: how much a batch could still save per token.
 """
 
 from __future__ import annotations
@@ -306,8 +308,10 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
 
     singles = {f"{layout} x1": one_at_a_time(engine) for layout, engine in engines.items()}
     samples = [{name: [] for name in (*backends, *singles)} for _ in batches]
+    floor = WeightFloor(resolve_model(model, args.cache_dir), args.threads)  # (its FMA peak, each round)
     for round_index in range(args.rounds):
         say(f"{model} mixed: round {round_index + 1} of {args.rounds} over {len(batches)} batches")
+        floor.start_round()
         for index, (_size, inputs) in enumerate(batches):
             for name, fn in rotated([*backends.items(), *singles.items()], round_index):
                 samples[index][name].append(median_latency(fn, inputs, args.repeats))
@@ -315,7 +319,8 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
           f"x1: the batch's texts one at a time")
     names = [*backends, *singles]
     print(f"{'texts':>5} {'tokens':>6} {'padded':>6} " + " ".join(f"{name:>10}" for name in names)
-          + f" {'pk/pad':>7} {'pk/best':>7} {'tok b/1':>7}")
+          + f" {'pk/pad':>7} {'pk/best':>7} {'tok b/1':>7} {'%peak':>6} {'%pk x1':>6}")
+    peak = statistics.median(floor.fma_peak) * 1e9
     for (size, (ids, mask, _)), point in zip(batches, samples, strict=True):
         times = {name: statistics.median(values) for name, values in point.items()}
         best = min(times["ort"], times["openvino"])
@@ -326,8 +331,16 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
         ratios["lone_packed_vs_padded"].append(times["padded x1"] / times[f"{LAYOUT_PACKED} x1"])
         if size == 8:
             ratios["token_cost_b8_vs_b1"].append(token_cost)
+        # the matrix products' FLOPs (dense layers, attention's two per sequence) at the FMA peak
+        lengths = mask.sum(axis=1).astype(np.int64)
+        flops = 2 * floor.params * int(lengths.sum()) + floor.layers * 4 * floor.hidden * int((lengths ** 2).sum())
+        at_peak = flops / peak
         print(f"{size:>5} {int(mask.sum()):>6} {ids.size:>6} " + " ".join(f"{times[n] * 1e3:>10.2f}" for n in names)
-              + f" {vs_padded:>7.2f} {vs_best:>7.2f} {token_cost:>7.2f}", flush=True)
+              + f" {vs_padded:>7.2f} {vs_best:>7.2f} {token_cost:>7.2f} {100 * at_peak / times[LAYOUT_PACKED]:>6.1f}"
+              + f" {100 * at_peak / times[f'{LAYOUT_PACKED} x1']:>6.1f}", flush=True)
+    print(f"# %peak: the matrix products' FLOPs at the FMA peak over the packed batch's time (x1: the texts one at "
+          f"a time); {floor.params / 1e6:.1f} M dense weights, FMA peak {min(floor.fma_peak):.1f}-"
+          f"{max(floor.fma_peak):.1f} GFLOP/s over the rounds")
 
 
 def main() -> int:
