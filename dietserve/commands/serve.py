@@ -11,7 +11,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..host.cpu_turns import CpuTurns
 from .common import add_build_flags, add_plans_flag, build_argv, compile_request, say
+
+# TVM's pool threads spin 300000 yields after each parallel kernel by default: a re-tuning job's
+# timing, in its turn right after a batch (``host/cpu_turns.py``), would share a core with them.
+# A few thousand still bridge the gaps between one execution's kernels and between batches under
+# load (docs/design/serving.md).
+SHORT_SPIN = "3000"
+
+
+def short_pool_spin(args: argparse.Namespace, auto_tune: bool, environ) -> None:
+    """Where a re-tuning job may time on these CPUs, TVM's pool spins briefly (unless set)."""
+    if (args.retune or auto_tune) and not args.retune_rpc_tracker:
+        environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", SHORT_SPIN)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -27,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args, given[0] if given else None)  # checks the flags before a long compile
     auto_tune = _auto_tune(args, stores)
     _check_sources(args, given, stores, auto_tune)
+    short_pool_spin(args, auto_tune, os.environ)  # before any kernel starts TVM's pool
     start_reason = None
     if auto_tune:
         store, version, start_reason = _open_auto_tuned_store(args, stores)
@@ -50,7 +64,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                        for store, version in served_stores]
     sources = _model_sources(names, directories, hot_swaps, load_engine)
     retune = retune_settings(args, start_reason) if args.retune or start_reason else None
-    return asyncio.run(serve(config, sources, say, retune=retune))
+    try:
+        return asyncio.run(serve(config, sources, say, retune=retune))
+    finally:
+        if retune is not None and retune.cpu_turns is not None:
+            CpuTurns(retune.cpu_turns).remove()
 
 
 def _engine_loader(threads: int | None):

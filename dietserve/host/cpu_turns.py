@@ -44,6 +44,12 @@ class CpuTurns:
         finally:
             fcntl.flock(turn, fcntl.LOCK_UN)
 
+    def remove(self) -> None:
+        """Closes and deletes the lock files (the server that made them, as it stops)."""
+        self.close()
+        for path in (self.path, self.path.with_name(self.path.name + ".turnstile")):
+            path.unlink(missing_ok=True)
+
     def close(self) -> None:
         if self._files is not None:
             for descriptor in self._files:

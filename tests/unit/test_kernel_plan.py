@@ -132,7 +132,7 @@ def test_tune_hands_the_tuner_its_budget_and_rpc_tracker() -> None:
 
 def test_the_server_s_job_takes_turns_with_its_batches_unless_it_measures_elsewhere() -> None:
     from dietserve.__main__ import build_parser as dietserve_parser
-    from dietserve.commands.serve import retune_settings
+    from dietserve.commands.serve import SHORT_SPIN, retune_settings, short_pool_spin
 
     for extra, turns in (([], True), (["--retune-rpc-tracker", "t:9190"], False)):
         args = dietserve_parser().parse_args(["serve", *extra])
@@ -140,6 +140,12 @@ def test_the_server_s_job_takes_turns_with_its_batches_unless_it_measures_elsewh
         argv = settings.command(Path("/store"), Path("/store/traffic.json"))
         job = dietserve_parser().parse_args(argv[3:])  # the job's own parser accepts every flag
         assert (settings.cpu_turns is not None) == turns and (job.cpu_turns == settings.cpu_turns)
+        environ: dict[str, str] = {}
+        short_pool_spin(args, True, environ)  # (TVM's pool threads would spin through the job's turn)
+        assert environ == ({"TVM_THREAD_POOL_SPIN_COUNT": SHORT_SPIN} if turns else {})
+    environ = {"TVM_THREAD_POOL_SPIN_COUNT": "7"}  # the user's own setting stays
+    short_pool_spin(dietserve_parser().parse_args(["serve"]), True, environ)
+    assert environ == {"TVM_THREAD_POOL_SPIN_COUNT": "7"}
 
 
 def _timed(latencies: dict[int, float], **changes) -> KernelPlan:
