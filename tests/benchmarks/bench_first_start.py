@@ -5,7 +5,8 @@ default), under real text from the first second, beside an artifact tuned by han
                                                  [--window 15] [--trials 64] [--png first_start.png]
 
 1. The reference: ``dietserve tune --trials T`` (timed), its artifact served, the same clients for
-   ``--reference-seconds``; its throughput is the median of its windows.
+   half of ``--reference-seconds`` before the first start and half after it; its throughput is the
+   median of all its windows.
 2. The first start: a fresh ``--cache-dir`` (the model's compile included), ``serve`` with its
    defaults; ``--concurrency`` clients send passages of real text (1-3 sentences of the standard
    library's docstrings) to the text model over gRPC, one request after another, from the moment
@@ -14,11 +15,14 @@ default), under real text from the first second, beside an artifact tuned by han
 
 Last line:
 
-    RESULT ready_s=.. swap_s=.. cold_vs_tuned=.. after_swap_vs_tuned=.. errors=..
+    RESULT ready_s=.. swap_s=.. cold_vs_tuned=.. after_swap_vs_tuned=.. settled_s=.. after_job_vs_tuned=..
+           errors=..
 
 (ready_s: process start to ready; swap_s: to the tuned version's swap (-1: none); cold_vs_tuned:
 the median window between ready and the swap over the reference; after_swap_vs_tuned: the median
-window from one window after the swap.)
+window from one window after the swap; settled_s: to the job's outcome, its version swapped in
+or refused, or nothing published (-1: none yet); after_job_vs_tuned: the median window from one
+window after that, what the server serves once its job is done, whichever version it is.)
 """
 
 from __future__ import annotations
@@ -94,25 +98,32 @@ def windows(done: list[float], start: float, end: float, width: float) -> list[f
     return [float(edges[i + 1] - edges[i]) / width for i in range(count)]
 
 
-def reference(args, texts: list[str], work: Path) -> tuple[float, float]:
-    """(the hand-tuned artifact's throughput, its tuning seconds)."""
-    build = ["--model", args.model, "--cache-dir", str(work / "reference-cache")]
+def tune_reference(args, work: Path) -> float:
+    """Tunes the hand-tuned artifact (``work/tuned/artifact``); returns its tuning seconds."""
     started = time.monotonic()
-    tuned = subprocess.run([sys.executable, "-m", "dietserve", "tune", *build, "--trials", str(args.trials),
-                            "--db", str(work / "records.jsonl"), "--out", str(work / "tuned")],
+    tuned = subprocess.run([sys.executable, "-m", "dietserve", "tune", *reference_build(args, work), "--trials",
+                            str(args.trials), "--db", str(work / "records.jsonl"), "--out", str(work / "tuned")],
                            cwd=REPO_ROOT, capture_output=True, text=True)
     if tuned.returncode != 0:
         raise SystemExit(f"tune failed:\n{tuned.stderr[-3000:]}")
-    tuning_s = time.monotonic() - started
-    server = ServerProcess(work / "tuned" / "artifact", *build, model_name=MODEL)
+    return time.monotonic() - started
+
+
+def reference_build(args, work: Path) -> list[str]:
+    return ["--model", args.model, "--cache-dir", str(work / "reference-cache")]
+
+
+def serve_reference(args, texts: list[str], work: Path, seconds: float) -> list[float]:
+    """The hand-tuned artifact served to the same clients for ``seconds``: its windows' texts/s."""
+    server = ServerProcess(work / "tuned" / "artifact", *reference_build(args, work), model_name=MODEL)
     load = Load(lambda: server.grpc_url, texts, args.concurrency)
     began = time.monotonic()
-    time.sleep(args.reference_seconds)
+    time.sleep(seconds)
     load.stop()
     server.stop()
     if load.errors:
         raise SystemExit(f"the reference server failed requests: {load.errors[:3]}")
-    return statistics.median(windows(load.done, began + args.window, time.monotonic(), args.window)), tuning_s
+    return windows(load.done, began + args.window, time.monotonic(), args.window)
 
 
 def first_start(args, texts: list[str], work: Path):
@@ -136,16 +147,23 @@ def first_start(args, texts: list[str], work: Path):
         load.stop()
         raise SystemExit(f"the first start failed: {holder['error']}")
     server = holder["server"]
-    ready_s, swap_s = time.monotonic() - started, -1.0
+    ready_s, swap_s, settled_s = time.monotonic() - started, -1.0, -1.0
     while time.monotonic() - started < args.minutes * 60:
-        if swap_s < 0 and total(metrics(server), "dietserve_swaps_total") >= 1:
+        samples = metrics(server)
+        if swap_s < 0 and total(samples, "dietserve_swaps_total") >= 1:
             swap_s = time.monotonic() - started
+        outcomes = (total(samples, "dietserve_swaps_total") + total(samples, "dietserve_swap_failures_total")
+                    + total(samples, "dietserve_retune_runs_total") - total(samples, "dietserve_retune_runs_total",
+                                                                            outcome="published"))
+        if settled_s < 0 and outcomes >= 1:
+            settled_s = time.monotonic() - started
         time.sleep(1.0)
     load.stop()
     server.stop()
     log = server.log()
     errors = [e for when, e in load.errors if when - started > ready_s]
-    return windows(load.done, started, started + args.minutes * 60, args.window), ready_s, swap_s, errors, log
+    series = windows(load.done, started, started + args.minutes * 60, args.window)
+    return series, ready_s, swap_s, settled_s, errors, log
 
 
 def plot(path: Path, series: list[float], width: float, tuned: float, ready_s: float, swap_s: float) -> None:
@@ -174,18 +192,24 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--window", type=float, default=15.0)
     parser.add_argument("--trials", type=int, default=64, help="the hand-tuned reference's trials per operator")
-    parser.add_argument("--reference-seconds", type=float, default=120.0)
+    parser.add_argument("--reference-seconds", type=float, default=180.0)
     parser.add_argument("--png", type=Path, default=Path("first_start.png"))
     args = parser.parse_args()
     texts = real_passages(400, seed=3)
     with tempfile.TemporaryDirectory(prefix="dietserve-first-start-") as folder:
         work = Path(folder)
-        tuned, tuning_s = reference(args, texts, work)
-        series, ready_s, swap_s, errors, log = first_start(args, texts, work)
+        # The reference served half its time before the first start and half after, so a drift
+        # of the shared host's speed over the run falls on both sides alike.
+        tuning_s = tune_reference(args, work)
+        before = serve_reference(args, texts, work, args.reference_seconds / 2)
+        series, ready_s, swap_s, settled_s, errors, log = first_start(args, texts, work)
+        after_reference = serve_reference(args, texts, work, args.reference_seconds / 2)
+    tuned = statistics.median(before + after_reference)
     swap_window = int(swap_s // args.window) if swap_s >= 0 else len(series)
     cold = [v for i, v in enumerate(series) if ready_s // args.window < i < swap_window]
     after = series[swap_window + 1:] if swap_s >= 0 else []
-    print(f"reference: tuned in {tuning_s:.0f} s ({args.trials} trials), {tuned:.1f} texts/s")
+    print(f"reference: tuned in {tuning_s:.0f} s ({args.trials} trials), {tuned:.1f} texts/s (before the first start "
+          f"{statistics.median(before):.1f}, after it {statistics.median(after_reference):.1f})")
     print(f"{'window':>8} {'texts/s':>8}")
     for index, value in enumerate(series):
         mark = " ready" if index == int(ready_s // args.window) else ""
@@ -199,8 +223,11 @@ def main() -> int:
             print(f"# server: {line[:300]}")
     cold_ratio = statistics.median(cold) / tuned if cold else float("nan")
     after_ratio = statistics.median(after) / tuned if after else float("nan")
+    settled = series[int(settled_s // args.window) + 1:] if settled_s >= 0 else []
+    settled_ratio = statistics.median(settled) / tuned if settled else float("nan")
     print(f"RESULT ready_s={ready_s:.1f} swap_s={swap_s:.1f} cold_vs_tuned={cold_ratio:.3f} "
-          f"after_swap_vs_tuned={after_ratio:.3f} errors={len(errors)}")
+          f"after_swap_vs_tuned={after_ratio:.3f} settled_s={settled_s:.1f} after_job_vs_tuned={settled_ratio:.3f} "
+          f"errors={len(errors)}")
     return 0
 
 
