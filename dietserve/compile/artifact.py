@@ -200,7 +200,7 @@ def compile_artifact(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        _build_into(staging, checkpoint, target, request, name, key, (plans, attention), progress)
+        _build_into(staging, checkpoint, target, request, name, key, plans, progress, attention)
         _replace_dir(staging, out_dir)
         mark_used(out_dir)
     except BaseException:
@@ -222,11 +222,11 @@ def _attention_plan(request: CompileRequest, config) -> AttentionPlan | None:
     return plan
 
 
-def _build_into(staging, checkpoint, target, request, name, key, plans, progress) -> None:
+def _build_into(staging, checkpoint, target, request, name, key, plans, progress,
+                attention: AttentionPlan | None = None) -> None:
     from .passes import foreign_plans, link_tuned_kernels, linked_operators
     from .pipeline import compile_module
 
-    plans, attention = plans
     model = checkpoint.model()
     mod, parameters = export_model(model, request, target, attention)
     params = load_parameters(checkpoint, model, parameters)
