@@ -22,6 +22,8 @@ from dietserve.kernels.tir.build import build
 from tuner.attention import length_groups, tune_attention
 from tuner.measure.timing import TimingPolicy
 
+from .test_varlen_attention import reference
+
 TARGET = {"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 2}
 TILES = {"a": VarlenTile().to_dict(), "b": VarlenTile(mr=2).to_dict()}
 TREE = {"var": "length", "le": 16, "then": {"variant": "a"}, "else": {"variant": "b"}}
@@ -78,17 +80,6 @@ def test_length_groups_split_the_weight_evenly() -> None:
     assert [share for _, _, share in observed] == pytest.approx([1 / 8, 1 / 8, 5 / 8, 1 / 8])
     with pytest.raises(TaskFileError, match="one per length"):
         AttentionTask(2, 16, 128, [1.0] * 3)
-
-
-def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    out = np.zeros((qkv.shape[0], heads * head_dim))
-    for first, end in zip(starts[:-1], starts[1:], strict=True):
-        block = qkv[first:end].astype(np.float64)
-        for h in range(heads):
-            q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
-            scores = np.exp(q @ k.T / np.sqrt(head_dim))
-            out[first:end, h * head_dim:(h + 1) * head_dim] = (scores / scores.sum(axis=1, keepdims=True)) @ v
-    return out
 
 
 def test_a_tune_times_every_tile_and_its_plan_builds_a_correct_kernel() -> None:

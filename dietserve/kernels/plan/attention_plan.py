@@ -17,16 +17,13 @@ plans):
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...host.atomic_io import write_text_atomic
 from ..cpu_varlen.tile import LENGTH_VAR, VarlenTile
 from .decision_tree import TreeError, check_tree, leaves
-from .kernel_plan import PlanError, check_tuned_for, read_json
+from .kernel_plan import PlanError, PlanFile, check_tuned_for
 
 ATTENTION_FORMAT = "dietserve.attention-plan"
 ATTENTION_VERSION = 1
@@ -38,7 +35,10 @@ def attention_workload(heads: int, head_dim: int) -> str:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class AttentionPlan(PlanFile):
+    FORMAT = ATTENTION_FORMAT
+    KIND = "an attention plan"
+
     heads: int
     head_dim: int
     target: dict
@@ -90,31 +90,6 @@ class AttentionPlan:
 
     def varlen_tiles(self) -> dict[str, VarlenTile]:
         return {name: VarlenTile(**raw) for name, raw in self.tiles.items()}
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
-
-    def write(self, path: Path) -> Path:
-        write_text_atomic(path, self.to_json())
-        return Path(path)
-
-    @classmethod
-    def read(cls, path: Path) -> AttentionPlan:
-        raw = read_json(path)
-        if not isinstance(raw, dict) or raw.get("format") != ATTENTION_FORMAT:
-            raise PlanError(f"{path} is not an attention plan (format {ATTENTION_FORMAT!r})")
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise PlanError(f"{path} has unknown fields {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except TypeError as err:
-            raise PlanError(f"{path} is incomplete: {err}") from err
-        except PlanError as err:
-            raise PlanError(f"{path}: {err}") from err
 
     def check_target(self, target: Mapping, tvm_version: str) -> None:
         check_tuned_for(f"attention plan {self.workload}", self.target, self.tvm_version, target, tvm_version)

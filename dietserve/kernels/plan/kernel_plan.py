@@ -44,8 +44,50 @@ class PlanError(ValueError):
     """A plan file is malformed, stale (other TVM or target) or foreign (not this model's)."""
 
 
+class PlanFile:
+    """What every plan file does alike (a frozen dataclass with a ``format`` field, and
+    ``FORMAT`` and ``KIND`` on the class): JSON out, digest, atomic write, and read back with its
+    format, fields and own checks verified."""
+
+    FORMAT: str
+    KIND: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def write(self, path: Path) -> Path:
+        write_text_atomic(path, self.to_json())
+        return Path(path)
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str = "plan"):
+        if not isinstance(raw, dict):
+            raise PlanError(f"{source} is not a JSON object")
+        if raw.get("format") != cls.FORMAT:
+            raise PlanError(f"{source} is not {cls.KIND} (format {raw.get('format')!r}, expected {cls.FORMAT!r})")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise PlanError(f"{source} has unknown fields {sorted(unknown)}")
+        try:
+            return cls(**raw)
+        except TypeError as err:
+            raise PlanError(f"{source} is incomplete: {err}") from err
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}") from err
+
+    @classmethod
+    def read(cls, path: Path):
+        return cls.from_dict(read_json(path), str(path))
+
+
 @dataclass(frozen=True)
-class KernelPlan:
+class KernelPlan(PlanFile):
+    FORMAT = PLAN_FORMAT
+    KIND = "a kernel plan"
+
     workload: str
     operator: str
     shape_vars: list
@@ -100,37 +142,6 @@ class KernelPlan:
         """Panel width every variant's packed weight has; 0 when the weight stays unpacked."""
         kernel = next(iter(self.variants.values()))
         return 0 if kernel is None else int(kernel.get("pack", 0))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
-
-    def write(self, path: Path) -> Path:
-        write_text_atomic(path, self.to_json())
-        return Path(path)
-
-    @classmethod
-    def from_dict(cls, raw: object, source: str = "plan") -> KernelPlan:
-        if not isinstance(raw, dict):
-            raise PlanError(f"{source} is not a JSON object")
-        if raw.get("format") != PLAN_FORMAT:
-            raise PlanError(f"{source} is not a kernel plan (format {raw.get('format')!r}, expected {PLAN_FORMAT!r})")
-        known = set(cls.__dataclass_fields__)
-        unknown = set(raw) - known
-        if unknown:
-            raise PlanError(f"{source} has unknown fields {sorted(unknown)}")
-        try:
-            return cls(**raw)
-        except TypeError as err:
-            raise PlanError(f"{source} is incomplete: {err}") from err
-        except PlanError as err:
-            raise PlanError(f"{source}: {err}") from err
-
-    @classmethod
-    def read(cls, path: Path) -> KernelPlan:
-        return cls.from_dict(read_json(path), str(path))
 
     def check_target(self, target: Mapping, tvm_version: str) -> None:
         """Refuse a plan tuned with another TVM or for another target/ISA (stale)."""
