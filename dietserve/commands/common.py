@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..kernels.plan.kernel_plan import PRECISIONS
 from ..runtime.manifest import LAYOUTS, PLAN_MODES, PLANS_ANALYTIC
 
 DEFAULT_CACHE = Path.home() / ".cache" / "dietserve"
@@ -34,6 +35,9 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="packed: a request's tokens packed one sequence after another, no padded work (llvm "
                              "only; its default); padded: texts padded to the longest, padding masked (cuda's)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="the dense layers' products: fp32 (default), or bf16 (bf16 inputs and weights, fp32 "
+                             "sums; CPUs with AVX512-BF16, e.g. AMD Zen 4, Intel Sapphire Rapids); the rest stays fp32")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
                         help=f"where compiled artifacts and generated models are kept (default {DEFAULT_CACHE})")
 
@@ -60,7 +64,7 @@ def compile_request(args: argparse.Namespace):
     plans = () if modes else tuple(Path(plan) for plan in given)
     return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
                           analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling,
-                          layout=getattr(args, "layout", None))
+                          layout=getattr(args, "layout", None), precision=getattr(args, "precision", "fp32"))
 
 
 def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:

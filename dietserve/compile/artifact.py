@@ -19,8 +19,9 @@ from safetensors.numpy import save_file
 
 from ..host.cpu import target_cpu_flags
 from ..host.hardware import CpuHardware
+from ..kernels.cpu_packed.bf16 import check_bf16_target
 from ..kernels.plan.attention_plan import AttentionPlan, attention_plan_path, is_attention_plan, read_attention_plans
-from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
+from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, PRECISIONS, KernelPlan, PlanError, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
@@ -69,8 +70,13 @@ class CompileRequest:
     # LAYOUT_PACKED: the encoder on the requests' tokens packed, no padded work (CPU targets);
     # None: the target's default (``default_layout``).
     layout: str | None = None
+    # The dense layers' products: "bf16" takes bf16 inputs and weights and sums in fp32, on CPUs
+    # with AVX512-BF16 (``kernels/cpu_packed/bf16.py``); everything else stays fp32.
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.layout is None:
@@ -89,6 +95,7 @@ class CompileRequest:
         spec = self.target
         return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
                 "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
+                "precision": self.precision,
                 "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
 
     @classmethod
@@ -99,7 +106,8 @@ class CompileRequest:
             return cls(model=str(record["model"]), target=TargetSpec(**record["target"]),
                        max_batch=int(record["max_batch"]), seed=int(record["seed"]),
                        pooling=tuple(pooling) if pooling is not None else None,
-                       layout=str(record.get("layout", LAYOUT_PADDED)))
+                       layout=str(record.get("layout", LAYOUT_PADDED)),
+                       precision=str(record.get("precision", "fp32")))
         except (KeyError, TypeError) as err:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
@@ -127,7 +135,7 @@ def required_cpu_flags(target) -> list[str]:
 
 def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch: int,
               plans: list[KernelPlan] = (), analytic_for: CpuHardware | None = None,
-              layout: str = LAYOUT_PADDED, attention: AttentionPlan | None = None) -> str:
+              layout: str = LAYOUT_PADDED, attention: AttentionPlan | None = None, precision: str = "fp32") -> str:
     """``weights_sha``: the digests of ``checkpoint.weight_files``, in order; ``analytic_for``: the
     hardware model a build without plans plans its operators for (the plans follow from it, the
     model and the compiler's code, so a cached build is found without planning again)."""
@@ -143,6 +151,7 @@ def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch:
         "max_batch": max_batch,
         "layout": layout,
         **({"attention": attention.digest()} if attention is not None else {}),
+        **({"precision": precision} if precision != "fp32" else {}),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -172,12 +181,16 @@ def compile_artifact(
     checkpoint = open_checkpoint(request, cache_dir)
     folder = checkpoint.folder
     target = build_target(request.target)
+    if request.precision == "bf16":
+        check_bf16_target(target)
     progress(f"hashing weights in {checkpoint.weights_file}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(path for path in request.plans if not is_attention_plan(path))
     attention = _attention_plan(request, checkpoint.config)
     for plan in [*plans, *([attention] if attention else [])]:  # stale plans are refused before any work
         plan.check_target(link_target_fields(target), tvm_version())
+    for plan in plans:
+        plan.check_precision(request.precision)
     hardware = None
     if not plans and request.analytic:
         from .cold_start import target_hardware
@@ -185,7 +198,8 @@ def compile_artifact(
         hardware = target_hardware(target)
         if hardware is None:
             progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
-    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout, attention)
+    key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout, attention,
+                    request.precision)
     name = model_display_name(request, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
@@ -240,7 +254,8 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         operators.update(linked_operators(scheduled))
         functions.update(gvar.name_hint for gvar in scheduled.get_global_vars())
 
-    executable = compile_module(mod, target, link_passes=[link_tuned_kernels(plans, target, tvm_version())],
+    link = link_tuned_kernels(plans, target, tvm_version(), request.precision)
+    executable = compile_module(mod, target, link_passes=[link],
                                 inspect_scheduled=inspect)
     transform_params = f"forward{TRANSFORM_PARAMS_SUFFIX}"
     foreign_plans(plans, operators)
@@ -289,6 +304,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         build=request.build_record(),
         kernel_plans=plan_source(plans),
         layout=request.layout,
+        precision=request.precision,
         **({"inputs": PACKED_INPUTS} if request.layout == LAYOUT_PACKED else {}),
     )
     write_text_atomic(staging / MANIFEST_FILE, manifest.to_json())

@@ -38,7 +38,7 @@ def analytic_plans(request, cache_dir: Path, target: tvm.target.Target, hardware
     plans = []
     for task in tasks.tasks:
         plan = analytic_plan(tvm.ir.load_json(task.func), task.operator, task.vary, task.fixed, task.weights,
-                             target_fields(target), tvm_version(), hardware)
+                             target_fields(target), tvm_version(), hardware, request.precision)
         if plan is not None:
             plans.append(plan)
     progress(f"planned {len(plans)} of {len(tasks.tasks)} dynamic operators from the hardware model "

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..host.atomic_io import write_text_atomic
+from ..kernels.plan.kernel_plan import PRECISIONS
 
 __all__ = ["ArtifactError", "Manifest", "sha256_file", "write_text_atomic"]
 
@@ -76,6 +77,8 @@ class Manifest:
     # model, a cold start), PLANS_NONE (the default rule). None: from before it was kept.
     kernel_plans: str | None = None
     layout: str = LAYOUT_PADDED  # one of LAYOUTS; ``inputs`` are the compiled function's
+    # The dense layers' products: "fp32", or "bf16" (bf16 inputs and weights, fp32 sums).
+    precision: str = "fp32"
     format_version: int = FORMAT_VERSION
     created_by: str = "dietserve"
 
@@ -111,6 +114,8 @@ class Manifest:
             raise ArtifactError(f"{path} does not describe an artifact: {err}") from err
         if manifest.layout not in LAYOUTS:
             raise ArtifactError(f"{path}: layout {manifest.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if manifest.precision not in PRECISIONS:
+            raise ArtifactError(f"{path}: precision {manifest.precision!r} is not one of {', '.join(PRECISIONS)}")
         return manifest
 
 

@@ -18,6 +18,7 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
+from ...kernels.cpu_packed.bf16 import PRECISION_ATTR, precision_of
 from ...kernels.cpu_packed.packing import packed_panel, weight_param
 from ...kernels.decision_tree_func import dispatched_prim_func
 from ...kernels.plan.kernel_plan import KernelPlan, PlanError
@@ -28,12 +29,15 @@ from .pack_weights import pack_weight_arguments
 WORKLOAD_ATTR, PLAN_ATTR = "dietserve.workload", "dietserve.plan"  # in matching.NAMING_ATTRS
 
 
-def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version: str) -> tvm.transform.Pass:
-    """Plans must be for ``target`` and this TVM. A plan that matches no operator is left out
-    here; ``foreign_plans`` names it once the build is inspected."""
+def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version: str,
+                       precision: str = "fp32") -> tvm.transform.Pass:
+    """Plans must be for ``target``, this TVM and ``precision``. A plan that matches no operator
+    is left out here; ``foreign_plans`` names it once the build is inspected. With ``bf16``, the
+    dense layers whose plans read packed weights are built with bf16 products."""
     by_workload = {plan.workload: plan for plan in plans}
     for plan in plans:
         plan.check_target(target_fields(target), tvm_version)
+        plan.check_precision(precision)
 
     @tvm.transform.module_pass(opt_level=0, name="LinkTunedKernels")
     def link(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -46,10 +50,12 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
             if plan is None:
                 updated[gvar] = func.with_attr(WORKLOAD_ATTR, key)
                 continue
+            if precision == "bf16" and plan.pack:
+                func = func.with_attr(PRECISION_ATTR, precision)
             dispatched = dispatched_prim_func(func, plan, target)
             updated[gvar] = dispatched.with_attr(WORKLOAD_ATTR, key).with_attr(PLAN_ATTR, plan.digest())
             if plan.pack:
-                packed[gvar.name_hint] = (weight_param(func)[0], plan.pack)
+                packed[gvar.name_hint] = (weight_param(func)[0], plan.pack, precision_of(func))
             elif target.kind.name == "llvm":
                 fusable[gvar.name_hint] = _fused_softmax_builder(func, plan, key)
         for gvar, func in updated.items():
@@ -86,9 +92,9 @@ def target_fields(target: Target) -> dict:
 
 
 def linked_operators(mod: tvm.IRModule) -> dict[str, dict]:
-    """PrimFunc name -> {workload, plan digest or None, calls, packed_panel} for every tagged
-    operator of a (scheduled) module; ``calls`` counts the Relax call sites, so one per layer;
-    ``packed_panel`` is the weight's panel width (0: unpacked)."""
+    """PrimFunc name -> {workload, plan digest or None, calls, packed_panel, precision} for every
+    tagged operator of a (scheduled) module; ``calls`` counts the Relax call sites, so one per
+    layer; ``packed_panel`` is the weight's panel width (0: unpacked); ``precision`` its products'."""
     calls = call_counts(mod)
     found = {}
     for gvar, func in mod.functions_items():
@@ -97,7 +103,7 @@ def linked_operators(mod: tvm.IRModule) -> dict[str, dict]:
             found[gvar.name_hint] = {"workload": str(func.attrs[WORKLOAD_ATTR]),
                                      "plan": None if plan is None else str(plan),
                                      "calls": calls.get(gvar.name_hint, 0),
-                                     "packed_panel": packed_panel(func)}
+                                     "packed_panel": packed_panel(func), "precision": precision_of(func)}
     return dict(sorted(found.items()))
 
 

@@ -56,6 +56,7 @@ from ..plan.microkernel import MicroKernel
 from ..tir.build import with_exact_buffers
 from ..tir.matching import ScheduleMismatch
 from ..tir.rebuild import expression_size
+from . import bf16
 from .claimed_tasks import claimed_tasks, static_tasks
 from .loop_nests import blocked_reduction, packed_rows, whole_reduction
 from .prefetch import CACHE_LINE_BYTES
@@ -95,6 +96,8 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
         tasks = partial(claimed_tasks, workers=workers)
     else:
         tasks = partial(static_tasks, loop)
+    if op.bf16 and lanes != bf16.PAIR_LANES:
+        raise ScheduleMismatch(f"a bf16 kernel's vectors are {bf16.PAIR_LANES} sums, not {lanes}")
     crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8, settings) \
         if settings.pack_rows and op.activation is not None and isinstance(depth, tirx.IntImm) else None
     prefetch, distance, spread = settings.prefetch_next_block, settings.stream_ahead_bytes, settings.spread_next_block
@@ -106,7 +109,9 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
             whole_reduction(tile, tasks, int(panels) // nb, nb, depth, prefetch, distance, spread)
 
     with IRBuilder() as builder, T.seq_scope():
-        if crowding is None:
+        if op.bf16:  # its rows converted to pairs once, not once per panel group
+            reduction(tile.with_rows_copied(packed_rows(tile, loop, int(depth))))
+        elif crowding is None:
             reduction(tile)
         else:
             # With fewer rows the tile's padded rows read the last real one again: they crowd
@@ -121,6 +126,8 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     body = builder.get().body  # (inside seq_scope's frame, which only let two loops follow each other)
     if prefetch or distance:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
+    if op.bf16:
+        body = bf16.importing_dot_pairs(body)
     return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True), own_storage=True)
 
 

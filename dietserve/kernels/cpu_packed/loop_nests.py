@@ -22,7 +22,7 @@ def packed_rows(tile: Tile, loop, depth: int):
     row_tiles = tile.row_tiles()
     chunk = math.gcd(depth, PACK_CHUNK)
     chunks = depth // chunk
-    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.op.activation.source.dtype)
+    packed = T.alloc_buffer((row_tiles * tile.mr * depth,), tile.op.activation_dtype)
     with loop(0, row_tiles * chunks) as job:
         i0, k0 = job // chunks * tile.mr, job % chunks * chunk
         for r in range(tile.mr):

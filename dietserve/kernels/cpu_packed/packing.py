@@ -14,6 +14,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from ..tir.matching import ScheduleMismatch, find_matmul
+from . import bf16
 
 
 def index_map(panel: int):
@@ -67,13 +68,21 @@ def packed_panel(func: tirx.PrimFunc) -> int:
 
 
 def packed_form(func: tirx.PrimFunc, panel: int) -> tirx.PrimFunc:
-    """``func`` reading its weight in panels of ``panel`` (packed here unless it already is)."""
+    """``func`` reading its weight in panels of ``panel`` (packed here unless it already is):
+    fp32 panels, or bf16 pairs where ``func`` asks for bf16 products (``bf16.PRECISION_ATTR``)."""
     have = packed_panel(func)
     if have == panel:
         return func
     if have:
         raise ScheduleMismatch(f"the weight is packed in panels of {have}, the kernel reads panels of {panel}")
-    return pack_prim_func(func, panel)
+    packed = pack_prim_func(func, panel)
+    if bf16.precision_of(func) != "bf16":
+        return packed
+    found = weight_param(func)
+    try:
+        return bf16.bf16_form(packed, packed.params[found[0]])
+    except ValueError as err:
+        raise ScheduleMismatch(str(err)) from err
 
 
 def pack_prim_func(func: tirx.PrimFunc, panel: int) -> tirx.PrimFunc:

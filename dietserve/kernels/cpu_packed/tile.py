@@ -11,7 +11,8 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from ..tir.matching import ScheduleMismatch
-from ..tir.rebuild import MatmulExpressions, rebuild
+from ..tir.rebuild import MatmulExpressions, reads, rebuild
+from . import bf16
 
 # The remainder tiles' heights: each holds at most a third padding below the next. 12 is for
 # 14-row tiles (the tallest of 32-wide AVX-512 panels, which plans pick for 11-14 rows in one
@@ -57,7 +58,18 @@ class PackedOperator(MatmulExpressions):
             raise ScheduleMismatch("expected the product to read one packed weight [panels, K, panel]")
         self.weight = weights[0].source
         # The activation X[row, k], when the product reads one: what ``packed_rows`` copies.
-        self.activation = others[0] if len(others) == 1 and len(others[0].indices) == 2 else None
+        # (a bf16 product reads it twice, in its rounding: ``bf16.rounded``)
+        one = others and all(load.source.same_as(others[0].source) for load in others)
+        self.activation = others[0] if one and len(others[0].indices) == 2 else None
+        # bf16 (``bf16.py``): the weight is pairs of reduction steps, the loops run over pairs.
+        self.bf16 = self.weight.dtype == "uint32"
+        if self.bf16:
+            if self.activation is None:
+                raise ScheduleMismatch("a bf16 kernel converts one activation X[row, k] to pairs")
+            *outer, depth = self.extents
+            self.extents = [*outer, tirx.const(int(depth) // 2, depth.ty.dtype)]
+            # (the product's other side: the activation, rounded)
+            self._x_side = self.product.a if reads(self.product.b, self.weight) else self.product.b
         # The weight as one array, for the prefetches: their addresses then step by a constant.
         size = math.prod(int(extent) for extent in self.weight.shape)
         self.flat_weight = tirx.decl_buffer((size,), self.weight.dtype, "weight_flat", data=self.weight.data)
@@ -68,7 +80,15 @@ class PackedOperator(MatmulExpressions):
         return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)), loads)
 
     def activation_at(self, row, k) -> tirx.Expr:
+        """X[row, k]; bf16: the pair of its steps 2k and 2k + 1, rounded (``bf16.pair``)."""
+        if self.bf16:
+            at = lambda step: rebuild(self._x_side, {self.iter_vars[0]: row, self.iter_vars[3]: step})  # noqa: E731
+            return bf16.pair(at(2 * k), at(2 * k + 1))
         return rebuild(self.activation, {self.iter_vars[0]: row, self.iter_vars[3]: k})
+
+    @property
+    def activation_dtype(self) -> str:
+        return "uint32" if self.bf16 else self.activation.source.dtype
 
     def finish(self, value, row, column) -> tirx.Expr:
         return rebuild(self.epilogue, dict(zip(self.out_vars, [row, column], strict=True)), {self.result: value})
@@ -248,6 +268,10 @@ class Tile:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
             x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
+            if self.op.bf16:  # (its rows are always copied as pairs first: ``kernel.py``)
+                self.vectors(lambda p, c, acc=acc, x=x: T.buffer_store(
+                    acc[p], bf16.dot_pairs(acc[p][c], x, self.op.weight[panel0 + p, k, c]), [c]))
+                continue
             self.vectors(lambda p, c, acc=acc, row=row, x=x: T.buffer_store(
                 acc[p], acc[p][c] + self.op.term(row, panel0 + p, c, k, x), [c]))
 

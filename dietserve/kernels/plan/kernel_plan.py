@@ -19,6 +19,7 @@ A plan file (JSON, one per tuned workload):
     shapes               per tuned shape: value, chosen variant, latency, measured or predicted,
                          and the default rule's latency there
     provenance           records file and digest, trials, tuning seconds, shape weights, model
+    precision            "fp32", or "bf16": its packed kernels multiply bf16 (absent: fp32)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PLAN_VERSION = 1
 DEFAULT_VARIANT = "default"  # the default schedule rule's own kernel (what an untuned build runs)
 PLAN_SUFFIX = ".plan.json"
 MATCHED_TARGET_KEYS = ("kind", "mcpu", "arch")  # what decides the ISA; num-cores may differ
+PRECISIONS = ("fp32", "bf16")  # of the dense layers' products (``kernels/cpu_packed/bf16.py``)
 
 
 class PlanError(ValueError):
@@ -101,10 +103,13 @@ class KernelPlan(PlanFile):
     provenance: dict = field(default_factory=dict)
     format: str = PLAN_FORMAT
     version: int = PLAN_VERSION
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.format != PLAN_FORMAT:
             raise PlanError(f"not a kernel plan (format {self.format!r}, expected {PLAN_FORMAT!r})")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"plan of {self.operator}: precision {self.precision!r} is not one of {PRECISIONS}")
         if self.version != PLAN_VERSION:
             raise PlanError(f"kernel plan version {self.version}; this dietserve reads version {PLAN_VERSION}")
         if not isinstance(self.variants, dict) or not self.variants:
@@ -142,6 +147,13 @@ class KernelPlan(PlanFile):
         """Panel width every variant's packed weight has; 0 when the weight stays unpacked."""
         kernel = next(iter(self.variants.values()))
         return 0 if kernel is None else int(kernel.get("pack", 0))
+
+    def check_precision(self, precision: str) -> None:
+        """Refuse a plan timed at another precision (stale: its kernels were chosen for other
+        arithmetic)."""
+        if self.precision != precision:
+            raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned for {self.precision} products, "
+                            f"this build is {precision}: tune it again for {precision}")
 
     def check_target(self, target: Mapping, tvm_version: str) -> None:
         """Refuse a plan tuned with another TVM or for another target/ISA (stale)."""

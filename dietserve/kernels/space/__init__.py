@@ -2,6 +2,7 @@
 
 from ...host.hardware import CpuHardware, GpuHardware
 from ..cpu_clamped.kernel import clamped_fits, is_clamped
+from ..cpu_packed.bf16 import PAIR_LANES, precision_of
 from ..cpu_packed.kernel import packed_tile
 from ..cpu_packed.packing import weight_param
 from ..plan.microkernel import MicroKernel
@@ -12,11 +13,16 @@ def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardwa
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
     task width divides its weight's columns, whose reduction block divides its depth and (given
     CPU ``hardware``) whose task stays in L2 there, if any; else the clamped-tile kernels, which
-    need no padding, where the operator takes them; else the padded kernels."""
+    need no padding, where the operator takes them; else the padded kernels. A bf16 operator's
+    packed kernels run over pairs of its reduction steps (``cpu_packed/bf16.py``), as deep as
+    half its depth, on 16-lane vectors."""
     weight = weight_param(func)
     packed = []
     if weight is not None:
         _, depth, columns = weight
+        if precision_of(func) == "bf16":
+            depth //= 2
+            space = [k for k in space if k.vector == PAIR_LANES]
         packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
                   and _blocks_fit(k.tile_sizes("k")[0], depth)
                   and (not isinstance(hardware, CpuHardware) or whole_task_fits_l2(k, depth, hardware))]

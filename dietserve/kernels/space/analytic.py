@@ -35,6 +35,7 @@ from tvm import tirx
 
 from ...host.hardware import CpuHardware
 from ..cpu_clamped.kernel import PANEL, clamped_fits, tile_at
+from ..cpu_packed.bf16 import PRECISION_ATTR
 from ..cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
 from ..cpu_packed.packing import weight_param
 from ..cpu_packed.tile import register_footprint
@@ -62,8 +63,13 @@ def step_cycles(rows: int, vectors: int, b_from_l2: bool = False) -> float:
     return max(rows * vectors / FMA_PORTS, FMA_LATENCY, (rows + b_loads) / LOAD_PORTS) + STEP_OVERHEAD
 
 
-def packed_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: CpuHardware) -> float:
-    """A packed-weight dense layer ``[rows, depth] x [depth, cols]``, its weight from DRAM."""
+def packed_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: CpuHardware,
+                   precision: str = "fp32") -> float:
+    """A packed-weight dense layer ``[rows, depth] x [depth, cols]``, its weight from DRAM; bf16:
+    a step takes a pair of the reduction's steps, one 4-byte word as an fp32 step's value is (the
+    kernel runs over the pairs as over an fp32 reduction half as deep)."""
+    if precision == "bf16":
+        depth //= 2
     mr, panel, pk, panels = packed_tile(kernel)
     vectors, groups, tasks = pk * panel // hw.lanes(), panels // pk, cols // (panel * panels)
     full, left = divmod(rows, mr)
@@ -132,11 +138,13 @@ def candidates(func: tirx.PrimFunc, hw: CpuHardware) -> list[MicroKernel]:
     return [kernel for kernel in clamped_cpu_space(hw) if fitting(kernel)]
 
 
-def seconds(kernel: MicroKernel, extents: tuple[int, int, int, int], hw: CpuHardware) -> float:
-    """The price of ``kernel`` on the matmul extents ``(batch, rows, cols, depth)``."""
+def seconds(kernel: MicroKernel, extents: tuple[int, int, int, int], hw: CpuHardware,
+            precision: str = "fp32") -> float:
+    """The price of ``kernel`` on the matmul extents ``(batch, rows, cols, depth)``; ``precision``:
+    a packed kernel's products' (the others are fp32)."""
     batch, rows, cols, depth = extents
     if kernel.pack:
-        return packed_seconds(kernel, batch * rows, cols, depth, hw)
+        return packed_seconds(kernel, batch * rows, cols, depth, hw, precision)
     return clamped_seconds(kernel, batch, rows, cols, depth, hw)
 
 
@@ -157,10 +165,12 @@ def sampled(values: Sequence[int], weights: Sequence[float]) -> tuple[list[int],
 
 
 def analytic_plan(func: tirx.PrimFunc, operator: str, vary: Mapping, fixed: Mapping[str, int],
-                  weights: Sequence[float], target: Mapping, tvm_version: str, hw: CpuHardware) -> KernelPlan | None:
+                  weights: Sequence[float], target: Mapping, tvm_version: str, hw: CpuHardware,
+                  precision: str = "fp32") -> KernelPlan | None:
     """The plan for ``func`` over ``vary``'s values (with ``fixed`` for the other vars), priced
-    by ``seconds``; None where no kernel of the space fits it (the default rule stays)."""
-    kernels = candidates(func, hw)
+    by ``seconds``; None where no kernel of the space fits it (the default rule stays); for a
+    build of ``precision``."""
+    kernels = candidates(func.with_attr(PRECISION_ATTR, precision) if precision != "fp32" else func, hw)
     if not kernels:
         return None
     var = vary["var"]
@@ -169,7 +179,7 @@ def analytic_plan(func: tirx.PrimFunc, operator: str, vary: Mapping, fixed: Mapp
     weight = np.asarray(weight)
     matmul = matmul_extents(func)
     extents = [matmul_shape(matmul, shape) for shape in shapes]
-    costs = np.asarray([[seconds(kernel, extent, hw) for extent in extents] for kernel in kernels])
+    costs = np.asarray([[seconds(kernel, extent, hw, precision) for extent in extents] for kernel in kernels])
     # One weight layout per operator: plan each panel width apart, keep the cheapest.
     best = None
     for pack in sorted({kernel.pack for kernel in kernels}):
@@ -190,7 +200,8 @@ def analytic_plan(func: tirx.PrimFunc, operator: str, vary: Mapping, fixed: Mapp
         tuned_range={"var": axes["i"], "min": min(dispatch_values), "max": max(dispatch_values)},
         shapes=[{"shape": shape, "value": value, "variant": names[index], "predicted_s": float(costs[index, n])}
                 for n, (shape, value, index) in enumerate(zip(shapes, dispatch_values, labels, strict=True))],
-        provenance={"source": ANALYTIC_SOURCE, "hardware": dataclasses.asdict(hw), "fixed": dict(fixed)})
+        provenance={"source": ANALYTIC_SOURCE, "hardware": dataclasses.asdict(hw), "fixed": dict(fixed)},
+        precision=precision)
 
 
 def cheapest_runs(costs: np.ndarray, most: int) -> tuple[float, list[int]]:

@@ -4,6 +4,8 @@ substitution to Python); and ``MatmulExpressions``, the expressions such a kerne
 
 from __future__ import annotations
 
+import types
+
 import tvm
 from tvm import s_tir, tirx
 
@@ -16,8 +18,8 @@ _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.FloorDiv, tirx.FloorMod,
 
 def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_load=None, on_node=None) -> tirx.Expr:
     """``expr`` with ``variables`` substituted and loads of the buffers in ``loads`` replaced by
-    the given expressions; ``on_var`` / ``on_load`` / ``on_node`` see every variable / buffer
-    load / node met."""
+    the given expressions (or by what a given function returns for the load); ``on_var`` /
+    ``on_load`` / ``on_node`` see every variable / buffer load / node met."""
     loads = loads or {}
     variables = dict(variables)
 
@@ -35,7 +37,7 @@ def rebuild(expr, variables: dict, loads: dict | None = None, on_var=None, on_lo
                 on_load(node)
             for buffer, replacement in loads.items():
                 if node.source.same_as(buffer):
-                    return replacement
+                    return replacement(node) if isinstance(replacement, types.FunctionType) else replacement
             return tirx.BufferLoad(node.source, [visit(index) for index in node.indices])
         if isinstance(node, _BINARY):
             return type(node)(*_same_lanes(visit(node.a), visit(node.b)))
@@ -77,6 +79,13 @@ def expression_size(expr) -> int:
 
     rebuild(expr, {}, on_node=on_node)
     return count[0]
+
+
+def reads(expr, buffer) -> bool:
+    """Whether ``expr`` loads from ``buffer``."""
+    found = []
+    rebuild(expr, {}, on_load=lambda load: found.append(load.source.same_as(buffer)))
+    return any(found)
 
 
 def uses(expr, var) -> bool:
