@@ -19,8 +19,10 @@ import tvm
 
 from dietserve.host.cpu import target_cores
 from dietserve.host.hardware import GPU_PRESETS, last_level_cache_bytes
+from dietserve.kernels.cpu_packed.bf16 import PRECISION_ATTR
+from dietserve.kernels.cpu_packed.packing import weight_param
 from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path
-from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError, plan_path
+from dietserve.kernels.plan.kernel_plan import PRECISIONS, KernelPlan, PlanError, plan_path
 from dietserve.kernels.plan.task_file import AttentionTask, TaskFile
 from dietserve.kernels.space import task_space
 
@@ -46,7 +48,7 @@ def _spec(args: argparse.Namespace):
     if args.op == "dense":
         if args.k is None or args.n is None:
             raise SystemExit("--op dense needs --k and --n (the weight is [K, N])")
-        return dense(args.k, args.n, args.epilogue)
+        return dense(args.k, args.n, args.epilogue, args.precision)
     builder = attention_scores if args.op == "attention_scores" else attention_context
     return builder(args.heads, args.head_dim, args.batch)
 
@@ -143,12 +145,14 @@ def _target_for(description: dict):
     return resolve_target("llvm", cores=target_cores(description), mcpu=description.get("mcpu"))
 
 
-def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softmax: bool = False) -> bool:
+def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softmax: bool = False,
+                     precision: str = "fp32") -> bool:
     if not path.exists():
         return False
     try:
         plan = KernelPlan.read(path)
         plan.check_target(target, str(tvm.__version__))
+        plan.check_precision(precision)
         if plan.workload != workload:
             raise PlanError(f"{path} is for workload {plan.workload}, not {workload}")
     except PlanError as err:
@@ -165,8 +169,12 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softm
     return plan.provenance.get("trials_requested", 0) >= trials
 
 
-def _model_task(description, where) -> TuningTask:
-    spec = spec_from_prim_func("matmul", tvm.ir.load_json(description.func), row_softmax=description.softmax)
+def _model_task(description, where, precision: str = "fp32") -> TuningTask:
+    """The task of one of a task file's operators; a dense layer of a bf16 build times bf16 kernels."""
+    func = tvm.ir.load_json(description.func)
+    if precision != "fp32" and weight_param(func) is not None:
+        func = func.with_attr(PRECISION_ATTR, precision)
+    spec = spec_from_prim_func("matmul", func, row_softmax=description.softmax)
     variable = ShapeVar(description.vary["var"], description.vary["values"])
     return TuningTask.create(spec, where.target, variable, description.weights or None, description.fixed)
 
@@ -174,10 +182,10 @@ def _model_task(description, where) -> TuningTask:
 def _write_model_plan(result, description, tasks: TaskFile, args: argparse.Namespace) -> Path:
     """The tune's plan under the model's workload key (computed on its own PrimFunc, not ours of
     the copy), with what it was tuned from."""
+    provenance = {**result.plan.provenance, "trials_requested": args.trials, "records": str(Path(args.db).resolve()),
+                  "model": tasks.model, "softmax": description.softmax}
     plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
-                               provenance={**result.plan.provenance, "trials_requested": args.trials,
-                                           "records": str(Path(args.db).resolve()), "model": tasks.model,
-                                           "softmax": description.softmax})
+                               provenance=provenance)
     return plan.write(plan_path(Path(args.plans), description.workload))
 
 
@@ -193,10 +201,11 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
         for index, description in enumerate(tasks.tasks, 1):
             out = plan_path(Path(args.plans), description.workload)
             header = f"[{index}/{len(tasks.tasks)}] {description.operator} (x{description.calls} calls)"
-            if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax):
+            if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax,
+                                tasks.precision):
                 _say(f"{header}: plan {out} is up to date")
                 continue
-            task = _model_task(description, where)
+            task = _model_task(description, where, tasks.precision)
             _say(f"{header}: {len(task.instances)} shapes of {task.dispatch_var}, {args.trials} trials"
                  + (", timed with its fused softmax" if description.softmax else ""))
             tuner = _tuner(args, task, where, runner, budget_each, dram)
@@ -248,9 +257,10 @@ def cmd_bundle_export(args: argparse.Namespace) -> int:
     round_trials = args.round_trials or max(1, args.trials // 2)
     for description in tasks.tasks:
         out = plan_path(Path(args.plans), description.workload)
-        if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax):
+        if _plan_is_current(out, description.workload, tasks.target, args.trials, description.softmax,
+                            tasks.precision):
             continue
-        task, first = _model_task(description, where), len(runner.jobs)
+        task, first = _model_task(description, where, tasks.precision), len(runner.jobs)
         result = _tuner(args, task, where, runner, None, None, resume=True, round_trials=round_trials).run()
         if len(runner.jobs) > first:
             pending.append((task, runner.jobs[first:]))
@@ -303,6 +313,8 @@ def _add_tune_parser(commands) -> None:
     tune.add_argument("--k", type=int, help="dense: reduction size K")
     tune.add_argument("--n", type=int, help="dense: output features N")
     tune.add_argument("--epilogue", choices=EPILOGUES, default="bias", help="dense: fused epilogue (default bias)")
+    tune.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                      help="dense: the products' precision (bf16: CPUs with AVX512-BF16)")
     tune.add_argument("--heads", type=int, default=12, help="attention: heads (default 12)")
     tune.add_argument("--head-dim", type=int, default=64, help="attention: head size d (default 64)")
     tune.add_argument("--batch", type=int, default=1, help="attention: batch B (default 1)")

@@ -13,6 +13,8 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from dietserve.kernels.cpu_packed import bf16
+from dietserve.kernels.cpu_packed.bf16 import PRECISION_ATTR, precision_of
 from dietserve.kernels.cpu_packed.packing import pack_array, weight_param
 from dietserve.kernels.tir.gelu import gelu_expr
 
@@ -36,6 +38,11 @@ class OperatorSpec:
     # which Relax passes as int64 arguments.
     scalar_params: tuple[tuple[int, str], ...] = ()
     row_softmax: bool = False  # served (so timed) with its rows softmaxed by the same kernel
+
+    @property
+    def precision(self) -> str:
+        """Its packed kernels' products (``bf16.PRECISION_ATTR`` on ``func``): fp32 or bf16."""
+        return precision_of(self.func)
 
     def expected(self, shape: Shape, inputs: list[np.ndarray]) -> np.ndarray:
         if self.scalar_params:
@@ -83,9 +90,10 @@ def _dense_func(k: int, n: int, epilogue: str, rows, bind: bool = True) -> tirx.
     return _prim_func([*tensors, y])
 
 
-def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
+def dense(k: int, n: int, epilogue: str = "bias", precision: str = "fp32") -> OperatorSpec:
     """``Y[T, N] = X[T, K] @ W[K, N] (+ bias[N]) (-> GELU | + residual[T, N])`` with T symbolic:
-    BERT's dense layers (QKV and intermediate; output projections add the residual)."""
+    BERT's dense layers (QKV and intermediate; output projections add the residual); ``bf16``:
+    its packed kernels multiply bf16 (``kernels/cpu_packed/bf16.py``)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"dense epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if k < 1 or n < 1:
@@ -103,14 +111,16 @@ def dense(k: int, n: int, epilogue: str = "bias") -> OperatorSpec:
         shapes = [(shape["T"], k), (k, n)] + ([(n,)] if epilogue != "none" else [])
         return shapes + ([(shape["T"], n)] if epilogue == "bias_residual" else [])
 
+    func = _dense_func(k, n, epilogue, te.var("T", "int64"))
+    suffix = "" if precision == "fp32" else f"+{precision}"
     return OperatorSpec(
-        name=f"dense{'' if epilogue == 'none' else '_' + epilogue}[K={k},N={n}]", kind="dense",
-        func=_dense_func(k, n, epilogue, te.var("T", "int64")), shape_vars=("T",),
+        name=f"dense{'' if epilogue == 'none' else '_' + epilogue}[K={k},N={n}]{suffix}", kind="dense",
+        func=func.with_attr(PRECISION_ATTR, precision) if suffix else func, shape_vars=("T",),
         input_shapes=input_shapes, output_shape=lambda shape: (shape["T"], n),
         reference=reference, flops=lambda shape: 2 * shape["T"] * k * n,
         # Without Let bindings: MetaSchedule's FLOP estimate fails on a Let.
         static=lambda shape: _dense_func(k, n, epilogue, shape["T"], bind=False),
-        recipe=("dense", k, n, epilogue), epilogue=epilogue)
+        recipe=("dense", k, n, epilogue, precision), epilogue=epilogue)
 
 
 def _batch_matmul(kind: str, names: tuple[str, str], heads: int, head_dim: int, batch: int,
@@ -167,11 +177,13 @@ def random_inputs(spec: OperatorSpec, shape: Shape, seed: int = 0) -> list[np.nd
 
 
 def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> list[np.ndarray]:
-    """``inputs`` as a kernel reads them: the weight in panels of ``pack`` (0: as they are)."""
+    """``inputs`` as a kernel reads them: the weight in panels of ``pack`` (0: as they are), as
+    bf16 pairs where the operator is bf16."""
     if not pack:
         return inputs
     index = weight_input(spec)
-    return [pack_array(x, pack) if i == index else x for i, x in enumerate(inputs)]
+    packing = bf16.pack_array if spec.precision == "bf16" else pack_array
+    return [packing(x, pack) if i == index else x for i, x in enumerate(inputs)]
 
 
 def weight_input(spec: OperatorSpec) -> int | None:

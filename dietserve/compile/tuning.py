@@ -150,7 +150,8 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     if request.layout == LAYOUT_PACKED and target.kind.name == "llvm":
         config = checkpoint.config
         attention = AttentionTask(config.num_attention_heads, config.head_dim, max_len, weights)
-    return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()), attention=attention)
+    return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()), attention=attention,
+                    precision=request.precision)
 
 
 def _weights(observations: Sequence[int], values: list[int]) -> list[float]:

@@ -51,10 +51,15 @@ def _kernel_inputs(recipe: tuple, shape_key: tuple, pack: int) -> list[np.ndarra
 
 
 @lru_cache(maxsize=8)
-def _expected(recipe: tuple, shape_key: tuple, fp16_operands: bool = False) -> np.ndarray:
+def _expected(recipe: tuple, shape_key: tuple, operands: str = "fp32") -> np.ndarray:
+    """The operator's result on the sample shape, its product's operands (first among the inputs,
+    ``ops``) rounded as the kernel reads them: ``fp16`` (tensor cores) or ``bf16``."""
     inputs = _inputs(recipe, shape_key)
-    if fp16_operands:  # the product's operands come first (``ops``): rounded as a tensor-core kernel reads them
-        inputs = [x.astype(np.float16).astype(np.float32) if i < 2 else x for i, x in enumerate(inputs)]
+    if operands != "fp32":
+        from dietserve.kernels.cpu_packed.bf16 import bf16_rounded
+
+        rounded = bf16_rounded if operands == "bf16" else lambda x: x.astype(np.float16).astype(np.float32)
+        inputs = [rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
     return _spec(recipe).expected(dict(shape_key), inputs)
 
 
@@ -169,7 +174,7 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, connection: _Connec
     module = tvm.runtime.load_module(work.library) if work.library else connection.load(compiled(work, spec))
     check_key = tuple(sorted(work.job.check_shape.items()))
     pack, mma = (0, False) if kernel is None else (kernel.pack, bool(kernel.mma))
-    expected = _expected(recipe, check_key, mma)
+    expected = _expected(recipe, check_key, "fp16" if mma else "bf16" if pack and spec.precision == "bf16" else "fp32")
     tolerance = (MMA_CHECK_TOLERANCE,) * 2 if mma else (CHECK_RTOL, CHECK_ATOL)
     output = connection.tensor(np.full(expected.shape, np.nan, "float32"))
     inputs = [connection.tensor(x) for x in _kernel_inputs(recipe, check_key, pack)]

@@ -76,4 +76,5 @@ def build_plan(task, variants: Sequence[Variant], labels: Sequence[int], shapes:
         tree=interval_tree(task.dispatch_var, values, [names[v] for v in labels]),
         tuned_range={"var": task.dispatch_var, "min": min(values), "max": max(values)}, shapes=rows,
         provenance={**provenance, "fixed": dict(task.fixed),
-                    "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0}})
+                    "weights": {str(v): w for v, w in zip(values, weights, strict=True) if w != 1.0}},
+        precision=task.spec.precision)

@@ -46,14 +46,15 @@ class DramRates:
 
 
 def weight_bytes(task) -> int | None:
-    """Bytes of ``task``'s constant weight (fp32), None where its operator reads none."""
+    """Bytes of ``task``'s constant weight as its kernels read it (fp32; bf16 pairs: half), None
+    where its operator reads none."""
     from ..ops import weight_input
 
     index = weight_input(task.spec)
     if index is None:
         return None
     shape = task.spec.input_shapes(task.shapes()[0])[index]
-    return math.prod(shape) * 4
+    return math.prod(shape) * (2 if task.spec.precision == "bf16" else 4)
 
 
 def first_pass_share(kernel: Variant, rows: int) -> float:

@@ -12,6 +12,8 @@ One JSON file lists the model's dynamic matmul-like operators, one entry per dis
                         (CPU: served as one kernel, so tuned as one; absent = false)}]
     attention         a packed model's attention kernel, or absent: {heads, head_dim, max_len,
                       weights: one per sequence length 1..max_len; empty = uniform}
+    precision         the build's dense products, "fp32" or "bf16" (absent: fp32): the tuner
+                      times the kernels of that arithmetic and writes plans for it
 
 The tuner reads it, tunes, and answers with one kernel plan per task (``kernel_plan.py``) and an
 attention plan for the attention task (``attention_plan.py``).
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...host.atomic_io import write_text_atomic
+from .kernel_plan import PRECISIONS
 
 TASKS_FORMAT = "dietserve.tuning-tasks"
 TASKS_VERSION = 1
@@ -86,6 +89,11 @@ class TaskFile:
     attention: AttentionTask | None = None
     format: str = TASKS_FORMAT
     version: int = TASKS_VERSION
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise TaskFileError(f"task file precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
 
     def to_json(self) -> str:
         raw = asdict(self)
@@ -109,6 +117,6 @@ class TaskFile:
         try:
             tasks = [TaskDescription(**task) for task in raw["tasks"]]
             attention = AttentionTask(**raw["attention"]) if raw.get("attention") is not None else None
-            return cls(raw["model"], raw["target"], tasks, attention)
+            return cls(raw["model"], raw["target"], tasks, attention, precision=raw.get("precision", "fp32"))
         except (KeyError, TypeError) as err:
             raise TaskFileError(f"{path} is incomplete: {err}") from err
