@@ -96,6 +96,8 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
         tasks = partial(claimed_tasks, workers=workers)
     else:
         tasks = partial(static_tasks, loop)
+    if op.bf16 and not settings.dot_pairs:
+        raise ScheduleMismatch("a bf16 kernel needs a target with AVX512-BF16 (vdpbf16ps)")
     if op.bf16 and lanes != bf16.PAIR_LANES:
         raise ScheduleMismatch(f"a bf16 kernel's vectors are {bf16.PAIR_LANES} sums, not {lanes}")
     crowding = crowding_rows(mr, int(depth) * op.activation.source.dtype.bits // 8, settings) \

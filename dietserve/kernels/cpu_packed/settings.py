@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from ...host.cpu import target_cpu_flags
+
 # The CPUs (LLVM names) whose passes over a weight streamed from DRAM do not overlap the stream
 # with their FMAs: Intel's server cores. Their hardware prefetchers run a few lines ahead and
 # stop at every 4 KB page, so the kernel fetches a page ahead itself; AMD's Zen cores overlap
@@ -60,14 +62,19 @@ class PackedSettings:
     # is the fewest among the x86 cores in view (AMD Zen: 8, Intel's recent cores: 12).
     l1_set_span_bytes: int = 4096
     l1_ways: int = 8
+    # The target's ISA has vdpbf16ps (AVX512-BF16): bf16 dense layers can be built
+    # (``bf16.py``). Not a switch: a fact of the target, set by ``packed_settings``.
+    dot_pairs: bool = False
 
 
 def packed_settings(target: Target | None = None) -> PackedSettings:
     """The settings the packed GEMM is built with for ``target``: the defaults, fetching ahead on
     the CPUs of ``STREAM_AHEAD_CPUS`` only (None, or a target naming no CPU: the defaults)."""
-    mcpu = target.attrs.get("mcpu") if target is not None and target.kind.name == "llvm" else None
+    llvm = target is not None and target.kind.name == "llvm"
+    mcpu = target.attrs.get("mcpu") if llvm else None
     ahead = mcpu is not None and str(mcpu) in STREAM_AHEAD_CPUS
-    return PackedSettings(stream_ahead_bytes=STREAM_AHEAD_BYTES if ahead else 0)
+    return PackedSettings(stream_ahead_bytes=STREAM_AHEAD_BYTES if ahead else 0,
+                          dot_pairs=llvm and "avx512_bf16" in target_cpu_flags(target))
 
 
 __all__ = ["STREAM_AHEAD_BYTES", "STREAM_AHEAD_CPUS", "PackedSettings", "packed_settings"]

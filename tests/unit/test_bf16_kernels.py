@@ -1,0 +1,180 @@
+"""bf16 dense kernels (``kernels/cpu_packed/bf16.py``): every kernel of the space against numpy
+on bf16-rounded operands at lengths 1..512, the rounding against torch's, the weight's pairs
+packed alike by numpy and by the PrimFunc the model runs at load, and the precision a plan, a
+task file and a target must agree on. The kernels run only on a CPU with AVX512-BF16; the
+tests that run them skip elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tvm
+
+from dietserve.host.cpu import cpu_flags
+from dietserve.host.hardware import CPU_PRESETS
+from dietserve.kernels.apply import apply_kernel
+from dietserve.kernels.cpu_packed import bf16
+from dietserve.kernels.cpu_packed.kernel import packed_tile
+from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError
+from dietserve.kernels.plan.task_file import TaskFile, TaskFileError
+from dietserve.kernels.space import task_space
+from dietserve.kernels.space.analytic import analytic_plan
+from dietserve.kernels.space.cpu import packed_cpu_space
+from dietserve.kernels.tir.build import build
+from dietserve.kernels.tir.matching import ScheduleMismatch
+from tuner.ops import dense, kernel_inputs, random_inputs
+
+from .kernel_builds import build_each
+
+HAS_BF16 = "avx512_bf16" in (cpu_flags() or set())
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # (has AVX512-BF16)
+AVX512 = CPU_PRESETS["avx512"]
+LENGTHS = (1, 2, 3, 7, 13, 16, 31, 64, 127, 128, 129, 300, 512)
+K, N = 192, 192  # 96 pair steps, whole in registers; 12 panels of 16, 4 of 48
+DEEP = 1536  # 768 pair steps: reduction blocks of 256 and 384 fit
+
+
+def _bf16_dense(epilogue: str):
+    return dense(K, N, epilogue, precision="bf16")
+
+
+def _run(function, spec, pack: int, length: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    shape = {"T": length}
+    inputs = random_inputs(spec, shape, seed=length)
+    out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+    function(*[tvm.runtime.tensor(x) for x in kernel_inputs(spec, inputs, pack)], out)
+    return out.numpy(), inputs
+
+
+def _expected(spec, inputs: list[np.ndarray], rounded: bool) -> np.ndarray:
+    """numpy on the operands as a bf16 kernel reads them (X and W rounded to bf16), fp32 sums."""
+    operands = [bf16.bf16_rounded(x) if rounded and i < 2 else x for i, x in enumerate(inputs)]
+    return spec.reference(*operands)
+
+
+def test_rounding_is_torchs_nearest_even() -> None:
+    import torch
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 100,
+                             np.float32([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38, -3.4e38, 1e-40])])
+    ours = bf16.bf16_bits(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_weight_pairs_from_numpy_and_from_the_load_time_primfunc_agree() -> None:
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((K, N)).astype(np.float32)
+    packed = bf16.pack_array(weight, 48)
+    assert packed.shape == (N // 48, K // 2, 48) and packed.dtype == np.uint32
+    function = tvm.compile(bf16.bf16_packing(K, N, 48), tvm.target.Target({"kind": "llvm"}))
+    out = tvm.runtime.tensor(np.zeros(packed.shape, np.uint32))
+    function(tvm.runtime.tensor(weight), out)
+    np.testing.assert_array_equal(out.numpy(), packed)
+    # each word: W[2k, n] in its low half, W[2k + 1, n] in its high half, both rounded
+    low = (packed & 0xFFFF).astype(np.uint32) << 16
+    high = packed & 0xFFFF0000
+    rounded = bf16.bf16_rounded(weight)
+    np.testing.assert_array_equal(low.view(np.float32).transpose(1, 0, 2).reshape(K // 2, N), rounded[0::2])
+    np.testing.assert_array_equal(high.view(np.float32).transpose(1, 0, 2).reshape(K // 2, N), rounded[1::2])
+
+
+def test_bf16_needs_a_cpu_with_avx512_bf16() -> None:
+    bf16.check_bf16_target(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}))
+    bf16.check_bf16_target(tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids"}))
+    with pytest.raises(ValueError, match="AVX512-BF16.*znver3"):
+        bf16.check_bf16_target(tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}))
+    with pytest.raises(ValueError, match="CPUs"):
+        bf16.check_bf16_target(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"}))
+
+
+def _blocks(spec) -> set[int]:
+    return {k.tile_sizes("k")[0] for k in task_space(packed_cpu_space(AVX512), spec.func, AVX512)}
+
+
+def test_the_space_of_a_bf16_layer_runs_16_lanes_over_pair_steps() -> None:
+    kernels = task_space(packed_cpu_space(AVX512), _bf16_dense("bias").func, AVX512)
+    assert kernels and all(k.pack and k.vector == bf16.PAIR_LANES for k in kernels)
+    assert task_space(packed_cpu_space(CPU_PRESETS["avx2"]), _bf16_dense("bias").func) == [] or \
+        all(not k.pack for k in task_space(packed_cpu_space(CPU_PRESETS["avx2"]), _bf16_dense("bias").func))
+    # reduction blocks divide the pair steps (768 of K = 1536), not the depth
+    assert _blocks(dense(DEEP, N, "bias", precision="bf16")) == {1, 256, 384}
+    assert _blocks(dense(DEEP, N, "bias")) == {1, 256, 384, 768}
+
+
+@needs_bf16
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "bias_residual"])
+def test_every_bf16_kernel_matches_numpy_on_rounded_operands(epilogue: str) -> None:
+    spec = _bf16_dense(epilogue)
+    kernels = task_space(packed_cpu_space(AVX512), spec.func, AVX512)
+    # every tile height and panel width, whole and blocked reductions, without building all of them
+    chosen = {}
+    for kernel in kernels:
+        mr, panel, _, _ = packed_tile(kernel)
+        chosen.setdefault((mr, panel, kernel.tile_sizes("k")[0] > 1), kernel)
+    kernels = list(chosen.values())
+    assert len({packed_tile(k)[0] for k in kernels}) >= 10
+    _check_against_numpy(spec, kernels, LENGTHS)
+
+
+@needs_bf16
+def test_bf16_kernels_in_reduction_blocks_match_numpy() -> None:
+    spec = dense(DEEP, 96, "bias_residual", precision="bf16")
+    kernels = [k for k in task_space(packed_cpu_space(AVX512), spec.func, AVX512) if k.tile_sizes("k")[0] > 1]
+    chosen = {}
+    for kernel in kernels:
+        chosen.setdefault((packed_tile(kernel)[0] in (1, 6, 14), kernel.tile_sizes("k")[0]), kernel)
+    assert {kernel.tile_sizes("k")[0] for kernel in chosen.values()} == {256, 384}
+    _check_against_numpy(spec, list(chosen.values()), (1, 5, 64, 130, 512))
+
+
+def _check_against_numpy(spec, kernels: list, lengths) -> None:
+    functions = build_each(spec.func, kernels, TARGET, where=TARGET)
+    apart_from_fp32 = 0.0
+    for function, kernel in zip(functions, kernels, strict=True):
+        for length in lengths:
+            got, inputs = _run(function, spec, kernel.pack, length)
+            np.testing.assert_allclose(got, _expected(spec, inputs, rounded=True), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{kernel} T={length}")
+            apart_from_fp32 = max(apart_from_fp32, float(np.abs(got - _expected(spec, inputs, False)).max()))
+    assert apart_from_fp32 > 1e-3  # it does round: an fp32 kernel would not pass as this one
+
+
+def test_a_bf16_kernel_multiplies_pairs_with_vdpbf16ps_on_half_the_weight_bytes() -> None:
+    """The same micro-kernel built both ways (code read, not run: any host builds it)."""
+    fp32, wide = dense(K, N, "bias"), _bf16_dense("bias")
+    kernel = next(k for k in task_space(packed_cpu_space(AVX512), wide.func, AVX512) if packed_tile(k)[0] == 6)
+    target = TARGET
+    asm = build(apply_kernel(wide.func, kernel, target), target).mod.inspect_source("asm")
+    with pytest.raises(ScheduleMismatch, match="AVX512-BF16"):
+        apply_kernel(wide.func, kernel, tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}))
+    assert "vdpbf16ps" in asm and "vfmadd" not in asm.split("vdpbf16ps")[0][-2000:]
+    inputs = random_inputs(fp32, {"T": 4})
+    assert kernel_inputs(wide, inputs, kernel.pack)[1].nbytes * 2 == kernel_inputs(fp32, inputs, kernel.pack)[1].nbytes
+
+
+def test_a_plan_records_its_precision_and_another_is_refused() -> None:
+    plan = analytic_plan(_bf16_dense("bias").func, "dense", {"var": "T", "values": list(range(1, 65))}, {}, [],
+                         {"kind": "llvm", "mcpu": "znver4"}, str(tvm.__version__), AVX512, precision="bf16")
+    assert plan.precision == "bf16" and all(plan.kernel(v).vector == 16 for v in plan.variants)
+    assert all(plan.kernel(v).tile_sizes("k")[0] in (1, 32, 48) or (K // 2) % plan.kernel(v).tile_sizes("k")[0] == 0
+               for v in plan.variants)
+    assert KernelPlan.from_dict(dataclasses.asdict(plan)).precision == "bf16"
+    plan.check_precision("bf16")
+    with pytest.raises(PlanError, match="tuned for bf16 products, this build is fp32"):
+        plan.check_precision("fp32")
+    old = {k: v for k, v in dataclasses.asdict(plan).items() if k != "precision"}  # before the field existed
+    assert KernelPlan.from_dict(old).precision == "fp32"
+    with pytest.raises(PlanError, match="precision 'fp16'"):
+        KernelPlan.from_dict({**old, "precision": "fp16"})
+
+
+def test_a_task_file_carries_the_builds_precision(tmp_path) -> None:
+    tasks = TaskFile(model={"name": "m"}, target={"kind": "llvm"}, tasks=[], precision="bf16")
+    assert TaskFile.read(tasks.write(tmp_path / "tasks.json")).precision == "bf16"
+    with pytest.raises(TaskFileError, match="precision 'int8'"):
+        TaskFile(model={}, target={}, tasks=[], precision="int8")
