@@ -77,6 +77,9 @@ class CompileRequest:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision != "fp32" and not (self.plans or self.analytic):
+            raise ValueError(f"{self.precision} products are built by planned kernels (--plans analytic or tuned "
+                             f"plans); without plans every operator runs the default rule, in fp32")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.layout is None:
