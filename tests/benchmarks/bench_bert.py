@@ -101,12 +101,13 @@ def median_latency(fn, args, repeats: int) -> float:
     return statistics.median(call_seconds(fn, args, count))
 
 
-def tune(model: str, args: argparse.Namespace, max_batch: int) -> tuple[Path, float]:
+def tune(model: str, args: argparse.Namespace, max_batch: int, precision: str = "fp32") -> tuple[Path, float]:
     """Tune with the real command; returns (artifact, tuning seconds as recorded in the plans)."""
-    out = args.cache_dir / "bench-tuned" / f"{model.replace('/', '_')}-t{args.trials}"
+    suffix = "" if precision == "fp32" else f"-{precision}"
+    out = args.cache_dir / "bench-tuned" / f"{model.replace('/', '_')}-t{args.trials}{suffix}"
     command = [sys.executable, "-m", "dietserve", "tune", "--model", model, "--trials", str(args.trials),
                "--max-batch", str(max_batch), "--db", str(out / "records.jsonl"), "--out", str(out),
-               "--cache-dir", str(args.cache_dir)]
+               "--cache-dir", str(args.cache_dir), "--precision", precision]
     say(" ".join(command))
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     artifact = Path(done.stdout.strip().splitlines()[-1])
@@ -343,6 +344,94 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
           f"{min(floor.fma_peak):.1f}-{max(floor.fma_peak):.1f} GFLOP/s over the rounds")
 
 
+def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list[float]]) -> None:
+    """``--precision bf16``: our bf16 build beside our fp32 build, OpenVINO at its default precision,
+    PyTorch under bf16 autocast and ONNX Runtime (fp32), with each point's accuracy against
+    transformers in fp32 (the smallest per-token cosine, ours and OpenVINO's)."""
+    import torch
+    from transformers import BertModel
+
+    max_batch = max(args.batches)
+    artifacts = {}
+    for precision in ("fp32", "bf16"):
+        if args.tuned:
+            artifacts[precision], seconds = tune(model, args, max_batch, precision)
+            print(f"# {model} {precision}: tuning {seconds:.0f} s ({args.trials} trials per operator)")
+        else:
+            artifacts[precision] = compile_artifact(CompileRequest(model=model, max_batch=max_batch, analytic=True,
+                                                                   precision=precision), args.cache_dir, progress=say)
+    engines = {f"ours {p}": Engine(load_artifact(path), threads=args.threads) for p, path in artifacts.items()}
+    torch.set_num_threads(args.threads)
+    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
+    reference.eval()
+    scratch = tempfile.TemporaryDirectory()
+    onnx_path = Path(scratch.name) / "bert.onnx"
+    bert_baselines.export_onnx(reference, onnx_path)
+    openvino, chosen = bert_baselines.openvino_default(onnx_path, args.threads)
+    backends = {**{name: engine.run for name, engine in engines.items()}, "openvino": openvino,
+                "torch bf16": bert_baselines.torch_bf16(reference),
+                "ort": bert_baselines.onnx_runtime(onnx_path, args.threads)}
+    rng = np.random.default_rng(0)
+    points = {}
+    for batch in args.batches:
+        for seq in args.lengths:
+            ids = rng.integers(1000, engines["ours bf16"].vocab_size, (batch, seq)).astype(np.int64)
+            points[batch, seq] = (ids, np.ones_like(ids), np.zeros_like(ids))
+    accuracy = {point: {name: _token_cosines(as_array(backends[name](*inputs)), reference, inputs)
+                        for name in ("ours bf16", "openvino")} for point, inputs in points.items()}
+    target = WeightFloor(resolve_model(model, args.cache_dir), args.threads).target
+    peaks = {"fp32": [], "bf16": []}
+    samples = {point: {name: [] for name in backends} for point in points}
+    for round_index in range(args.rounds):
+        say(f"{model} bf16: round {round_index + 1} of {args.rounds} over {len(points)} points")
+        peaks["fp32"].append(kernel_baselines.fma_peak_rate(target, repeats=3))
+        peaks["bf16"].append(kernel_baselines.bf16_peak_rate(target, repeats=3))
+        for point, inputs in points.items():
+            for name, fn in rotated(backends.items(), round_index):
+                samples[point][name].append(median_latency(fn, inputs, args.repeats))
+    span = {p: f"{min(v):.0f}-{max(v):.0f}" for p, v in peaks.items()}
+    for batch in args.batches:
+        print(f"# model={model} batch={batch} threads={args.threads} (median ms over {args.rounds} rounds); OpenVINO "
+              f"at its default precision: {chosen}; peaks over the rounds: fp32 FMA {span['fp32']} GFLOP/s, bf16 "
+              f"(vdpbf16ps) {span['bf16']} GFLOP/s; cos: the smallest per-token cosine to transformers fp32")
+        print(f"{'seq':>5} " + " ".join(f"{name:>10}" for name in backends)
+              + f" {'bf16/fp32':>9} {'vs_ov':>6} {'vs_tbf16':>8} {'vs_ort':>6} {'cos ours':>9} {'cos ov':>9}")
+        for seq in args.lengths:
+            times = {name: statistics.median(values) for name, values in samples[batch, seq].items()}
+            ours = times["ours bf16"]
+            point = {"bf16_vs_fp32": times["ours fp32"] / ours, "vs_openvino_bf16": times["openvino"] / ours,
+                     "vs_torch_bf16": times["torch bf16"] / ours, "vs_ort": times["ort"] / ours}
+            for key, value in point.items():
+                ratios[key].append(value)
+            if seq >= 128:
+                ratios["bf16_vs_fp32_seq128plus"].append(point["bf16_vs_fp32"])
+            cosines = accuracy[batch, seq]
+            print(f"{seq:>5} " + " ".join(f"{t * 1e3:>10.2f}" for t in times.values())
+                  + f" {point['bf16_vs_fp32']:>9.2f} {point['vs_openvino_bf16']:>6.2f} {point['vs_torch_bf16']:>8.2f}"
+                  + f" {point['vs_ort']:>6.2f} {cosines['ours bf16']:>9.6f} {cosines['openvino']:>9.6f}", flush=True)
+    scratch.cleanup()
+
+
+def as_array(output) -> np.ndarray:
+    """A backend's last hidden state as numpy (OpenVINO: its first output; torch: a tensor)."""
+    if hasattr(output, "last_hidden_state"):
+        output = output.last_hidden_state
+    if isinstance(output, dict) or hasattr(output, "values"):
+        output = list(output.values())[0]
+    return output.float().numpy() if hasattr(output, "float") else np.asarray(output)
+
+
+def _token_cosines(hidden: np.ndarray, reference, inputs) -> float:
+    import torch
+
+    ids, mask, types = inputs
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             token_type_ids=torch.from_numpy(types)).last_hidden_state.numpy()
+    a, b = hidden.reshape(-1, hidden.shape[-1]), expected.reshape(-1, expected.shape[-1])
+    return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default", help="comma-separated: bert-base, default, DIR")
@@ -363,8 +452,24 @@ def main() -> int:
                         help="batches of real texts: the packed artifact vs the padded one and the peers")
     parser.add_argument("--mixed-batches", default="8,32", help="with --mixed: texts per batch (default 8,32)")
     parser.add_argument("--mixed-sets", type=int, default=3, help="with --mixed: batches of each size (default 3)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: our bf16 build beside our fp32 one, OpenVINO at its default precision, "
+                             "PyTorch bf16 autocast and ONNX Runtime (see bench_precision)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.precision == "bf16":
+        found: dict[str, list[float]] = {key: [] for key in (
+            "vs_openvino_bf16", "bf16_vs_fp32", "bf16_vs_fp32_seq128plus", "vs_torch_bf16", "vs_ort")}
+        for model in args.models.split(","):
+            bench_precision(model, args, found)
+        print(f"RESULT geomean_vs_openvino_bf16={geomean(found['vs_openvino_bf16']):.3f} "
+              f"min_vs_openvino_bf16={min(found['vs_openvino_bf16']):.3f} "
+              f"geomean_bf16_vs_fp32={geomean(found['bf16_vs_fp32']):.3f} "
+              f"geomean_bf16_vs_fp32_seq128plus={geomean(found['bf16_vs_fp32_seq128plus']):.3f} "
+              f"min_bf16_vs_fp32_seq128plus={min(found['bf16_vs_fp32_seq128plus'], default=float('nan')):.3f} "
+              f"geomean_vs_torch_bf16={geomean(found['vs_torch_bf16']):.3f} "
+              f"geomean_vs_ort={geomean(found['vs_ort']):.3f}")
+        return 0
     args.mixed_batches = [int(b) for b in args.mixed_batches.split(",")]
     if args.mixed:
         mixed: dict[str, list[float]] = {key: [] for key in (

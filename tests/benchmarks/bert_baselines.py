@@ -1,5 +1,6 @@
 """The baselines users run BERT with on a CPU, each on the same checkpoint and thread count:
-PyTorch eager, ONNX Runtime and OpenVINO (CPU plugin, latency hint, fp32 inference precision) on one ONNX export."""
+PyTorch eager, ONNX Runtime and OpenVINO (CPU plugin, latency hint, fp32 inference precision) on one ONNX export;
+for bf16 comparisons, OpenVINO at its default precision and PyTorch under bf16 autocast."""
 
 from __future__ import annotations
 
@@ -66,3 +67,29 @@ def openvino(onnx_path: Path, threads: int) -> Run:
     request = compiled.create_infer_request()
     return lambda ids, mask, types: request.infer({"input_ids": ids, "attention_mask": mask,
                                                    "token_type_ids": types})
+
+
+def torch_bf16(model) -> Run:
+    """PyTorch eager under ``torch.autocast(cpu, bfloat16)``: its matrix products in bf16 (oneDNN)."""
+    import torch
+
+    def run(ids, mask, types):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         token_type_ids=torch.from_numpy(types)).last_hidden_state
+
+    return run
+
+
+def openvino_default(onnx_path: Path, threads: int) -> tuple[Run, str]:
+    """OpenVINO as a user gets it, the inference precision left to the CPU plugin (bf16 where the
+    CPU has AVX512_BF16 or AMX); returns the run and the precision it chose."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(onnx_path), "CPU", {"PERFORMANCE_HINT": "LATENCY",
+                                                               "INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+    chosen = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    return (lambda ids, mask, types: request.infer({"input_ids": ids, "attention_mask": mask,
+                                                    "token_type_ids": types})), chosen

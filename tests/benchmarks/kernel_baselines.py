@@ -313,6 +313,45 @@ def fma_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) ->
     return 2 * cores * width * steps / median_seconds(lambda: function(out), repeats, warmup=2, number=1) / 1e9
 
 
+def bf16_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) -> float:
+    """GFLOP/s of bf16 dot products alone (``vdpbf16ps``: 16 lanes, two multiply-adds each), on
+    every core the target names, ``FMA_CHAINS`` accumulators per core in registers: the bound a
+    bf16 kernel is read against, as ``fma_peak_rate`` is an fp32 one's. The target must have
+    AVX512-BF16."""
+    from tvm.script import tirx as T
+
+    from dietserve.kernels.apply import target_cores
+    from dietserve.kernels.cpu_packed import bf16
+
+    target = _as_target(target)
+    bf16.check_bf16_target(target)
+    lanes = bf16.PAIR_LANES
+    cores = target_cores(target) or os.cpu_count() or 1
+    width = FMA_CHAINS * lanes
+    pair = 0x3A833A83  # two bf16 of 0.001: the sums grow by 2e-6 a step and stay finite
+
+    @T.prim_func
+    def dot_loop(out: T.Buffer((cores, width), "float32")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        with T.attr(0, "pragma_import_llvm", bf16.DOT_PAIRS_LLVM):
+            for task in T.parallel(cores):
+                acc = T.alloc_buffer((width,), "float32", scope="global")
+                for c in T.unroll(FMA_CHAINS):
+                    acc[T.Ramp(c * lanes, 1, lanes)] = T.Broadcast(T.float32(task) + T.float32(c), lanes)
+                for _step in range(steps):
+                    for c in T.unroll(FMA_CHAINS):
+                        acc[T.Ramp(c * lanes, 1, lanes)] = T.call_extern(
+                            f"float32x{lanes}", bf16.DOT_PAIRS, acc[T.Ramp(c * lanes, 1, lanes)],
+                            T.Broadcast(T.int32(pair), lanes), T.Broadcast(T.int32(pair), lanes))
+                for c in T.unroll(FMA_CHAINS):
+                    out[task, T.Ramp(c * lanes, 1, lanes)] = acc[T.Ramp(c * lanes, 1, lanes)]
+
+    function = tvm.compile(tvm.IRModule({"main": dot_loop}), target=target).jit()["main"]
+    out = tvm.runtime.tensor(np.zeros((cores, width), np.float32))
+    time.sleep(0.2)
+    return 4 * cores * width * steps / median_seconds(lambda: function(out), repeats, warmup=2, number=1) / 1e9
+
+
 def sgemm_rate(repeats: int = 5) -> float:
     """GFLOP/s of numpy's BLAS on 2048^3."""
     rng = np.random.default_rng(0)
