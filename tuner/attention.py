@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dietserve.host.hardware import CpuHardware
+from dietserve.kernels.cpu_varlen.attention import bf16_attention_fits
 from dietserve.kernels.cpu_varlen.tile import LENGTH_VAR, attention_tiles, same_code, tile_for
 from dietserve.kernels.plan.attention_plan import AttentionPlan, PlanError
 from dietserve.kernels.plan.decision_tree import interval_tree, segment
@@ -70,14 +71,19 @@ def measure_tiles(job: dict, timeout_s: float) -> list[dict]:
 
 def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cores: int, timing: TimingPolicy,
                    tvm_version: str, tuner_version: int, timeout_s: float,
-                   say: Callable[[str], None] = lambda _m: None) -> AttentionPlan:
+                   say: Callable[[str], None] = lambda _m: None, precision: str = "fp32") -> AttentionPlan:
+    """``precision``: the build's; bf16 times the tiles whose products run on bf16 pairs."""
     started = time.monotonic()
     tiles = attention_tiles(hardware, task.head_dim)
+    if precision == "bf16":
+        tiles = [tile for tile in tiles if bf16_attention_fits(tile, task.head_dim)]
+        if not tiles:
+            raise PlanError(f"no attention tile runs bf16 products for head_dim {task.head_dim} on {hardware.name}")
     groups = length_groups(task)
     job = {"heads": task.heads, "head_dim": task.head_dim, "max_len": task.max_len, "target": target,
            "threads": cores, "tiles": [tile.to_dict() for tile in tiles],
            "lengths": [timed for _, timed, _ in groups],
-           "timing": dataclasses.asdict(timing)}
+           "timing": dataclasses.asdict(timing), "precision": precision}
     results = measure_tiles(job, timeout_s)
     timed = [(tile, result["latencies"]) for tile, result in zip(tiles, results, strict=True) if "latencies" in result]
     for tile, result in zip(tiles, results, strict=True):
@@ -104,7 +110,8 @@ def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cor
         tree=interval_tree(LENGTH_VAR, [last for last, _, _ in groups], names), lengths=entries,
         provenance={"tuner": tuner_version, "tiles_timed": len(timed), "tiles_failed": len(tiles) - len(timed),
                     "seconds": round(time.monotonic() - started, 1), "default_tile": default.describe(),
-                    "weights": "observed" if task.weights else "uniform", "weights_digest": weights_digest(task)})
+                    "weights": "observed" if task.weights else "uniform", "weights_digest": weights_digest(task)},
+        precision=precision)
     if default_latencies is not None:
         gain = float(np.dot(shares, default_latencies) / np.dot(shares, [e["latency_s"] for e in entries]))
         say(f"attention: {len(timed)} tiles timed at lengths {job['lengths']}; {', '.join(chosen)} chosen, "

@@ -130,7 +130,7 @@ def _tune_attention_op(args: argparse.Namespace, variable: ShapeVar, where) -> i
     out = Path(args.plan) if args.plan else attention_plan_path(Path(args.db).parent, args.heads, args.head_dim)
     timing = _timing(args)
     plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
-                          TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
+                          TUNER_VERSION, timeout_s=10 * args.timeout, say=_say, precision=args.precision)
     _say(f"attention plan written to {plan.write(out)}: {', '.join(plan.tiles)}")
     return 0
 
@@ -215,19 +215,20 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
             _say(f"{header}: {result.trials} trials ({tuner.reused} reused records) in "
                  f"{result.wall_s:.1f} s -> {out.name}: {chosen}")
     if tasks.attention is not None and where.target["kind"] == "llvm":
-        _tune_attention_task(tasks.attention, where, args)
+        _tune_attention_task(tasks.attention, where, args, tasks.precision)
     _say(f"tuned {len(tasks.tasks)} operators in {time.monotonic() - started:.1f} s")
     return 0
 
 
-def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace) -> None:
+def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace, precision: str) -> None:
     """The packed attention kernel's tiles, re-timed unless a current plan was timed for the
-    same length weights."""
+    same length weights and precision."""
     out = attention_plan_path(Path(args.plans), task.heads, task.head_dim)
     try:
         plan = AttentionPlan.read(out) if out.exists() else None
         if plan is not None:
             plan.check_target(where.target, str(tvm.__version__))
+            plan.check_precision(precision)
     except PlanError as err:
         _say(f"re-tuning the attention kernel: {err}")
         plan = None
@@ -240,7 +241,7 @@ def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace) -
     timing = _timing(args)
     try:
         plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),
-                              TUNER_VERSION, timeout_s=10 * args.timeout, say=_say)
+                              TUNER_VERSION, timeout_s=10 * args.timeout, say=_say, precision=precision)
     except (RuntimeError, PlanError) as err:  # the model still builds, on the hardware's tile
         _say(f"attention: not tuned: {err}")
         return
@@ -314,7 +315,7 @@ def _add_tune_parser(commands) -> None:
     tune.add_argument("--n", type=int, help="dense: output features N")
     tune.add_argument("--epilogue", choices=EPILOGUES, default="bias", help="dense: fused epilogue (default bias)")
     tune.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                      help="dense: the products' precision (bf16: CPUs with AVX512-BF16)")
+                      help="dense, varlen_attention: the products' precision (bf16: CPUs with AVX512-BF16)")
     tune.add_argument("--heads", type=int, default=12, help="attention: heads (default 12)")
     tune.add_argument("--head-dim", type=int, default=64, help="attention: head size d (default 64)")
     tune.add_argument("--batch", type=int, default=1, help="attention: batch B (default 1)")

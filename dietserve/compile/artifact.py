@@ -236,6 +236,7 @@ def _attention_plan(request: CompileRequest, config) -> AttentionPlan | None:
     if others or (plan.heads, plan.head_dim) != (config.num_attention_heads, config.head_dim):
         raise PlanError(f"attention plans {[p.workload for p in found]} are not for this model's "
                         f"{config.num_attention_heads} heads of {config.head_dim}")
+    plan.check_precision(request.precision)
     return plan
 
 
@@ -318,14 +319,17 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     from ``attention``'s tiles and tree, else the target's registers and vectors' tile."""
     if request.layout != LAYOUT_PACKED:
         return export_relax(model, request.max_batch)
-    from ..kernels.cpu_varlen.attention import varlen_attention
+    from ..kernels.cpu_varlen.attention import bf16_attention_fits, varlen_attention
     from ..kernels.cpu_varlen.tile import tile_for
     from .cold_start import target_hardware
 
     config = model.config
     tiles, tree = (attention.varlen_tiles(), attention.tree) if attention else (tile_for(target_hardware(target)), None)
+    # bf16 where every tile's products can run on pairs (16-lane vectors); else attention stays fp32
+    named = tiles if isinstance(tiles, dict) else {"tile": tiles}
+    paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
     kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_position_embeddings, tiles,
-                              tree)
+                              tree, precision="bf16" if paired else "fp32")
     return export_relax(model, request.max_batch, kernel)
 
 

@@ -16,6 +16,11 @@ min_vs_torch=Y geomean_vs_metaschedule=Z tuning_time_ratio=W ceiling_pct_t64plus
 MetaSchedule latency over ours (geomean over every operator and T, min over them), MetaSchedule's
 tuning wall time over ours, and the geomean % of the sgemm ceiling the dense layers reach at
 T >= 64. Not a test: run it on an idle machine.
+
+``--precision bf16`` (CPUs with AVX512-BF16): the dense layers with bf16 products (attention's
+stay fp32), beside PyTorch's bf16 matmul, with the bf16 peak (``vdpbf16ps`` in registers on every
+core) measured beside the FMA peak; ``RESULT`` adds ``bf16_peak_pct_t64plus``: the dense layers'
+geomean share of the bf16 peak at T >= 64.
 """
 
 from __future__ import annotations
@@ -56,16 +61,16 @@ from tuner.tune import (  # noqa: E402
 LENGTHS = [1, 2, 7, 13, 31, 64, 97, 127, 128, 129, 200, 257, 300, 384, 449, 512]  # 16, with primes
 METASCHEDULE_LENGTHS = [1, 13, 64, 128, 300, 512]
 OPERATORS = {  # BERT-base's dynamic operators, with the epilogues the model fuses into them
-    "dense_768x2304": lambda: dense(768, 2304, "bias"),  # query, key and value, side by side
-    "dense_768x768_residual": lambda: dense(768, 768, "bias_residual"),  # attention output
-    "dense_768x3072": lambda: dense(768, 3072, "bias_gelu"),  # intermediate
-    "dense_3072x768": lambda: dense(3072, 768, "bias_residual"),  # output
-    "attention_scores": lambda: attention_scores(12, 64),
-    "attention_context": lambda: attention_context(12, 64),
+    "dense_768x2304": lambda p="fp32": dense(768, 2304, "bias", p),  # query, key and value, side by side
+    "dense_768x768_residual": lambda p="fp32": dense(768, 768, "bias_residual", p),  # attention output
+    "dense_768x3072": lambda p="fp32": dense(768, 3072, "bias_gelu", p),  # intermediate
+    "dense_3072x768": lambda p="fp32": dense(3072, 768, "bias_residual", p),  # output
+    "attention_scores": lambda p="fp32": attention_scores(12, 64),
+    "attention_context": lambda p="fp32": attention_context(12, 64),
 }
 # Before the model computed query, key and value in one layer, each was a 768 -> 768 layer of
 # its own: kept for ``cold_weights.py`` and to compare with earlier measurements (``--ops``).
-OPERATORS["dense_768x768"] = lambda: dense(768, 768, "bias")
+OPERATORS["dense_768x768"] = lambda p="fp32": dense(768, 768, "bias", p)
 MODEL_OPERATORS = [op for op in OPERATORS if op != "dense_768x768"]
 
 
@@ -169,7 +174,14 @@ def main() -> int:
     parser.add_argument("--load-plans", type=Path,
                         help="time the plans a --save-plans run wrote instead of tuning (a fresh process's "
                              "timings of the same kernels; tuning time is then not measured)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the dense layers with bf16 products, beside PyTorch's bf16 matmul and the bf16 "
+                             "peak (CPUs with AVX512-BF16; attention stays fp32)")
     args = parser.parse_args()
+    if args.precision == "bf16":
+        if args.ops == parser.get_default("ops"):
+            args.ops = ",".join(op for op in MODEL_OPERATORS if op.startswith("dense"))
+        args.skip_metaschedule = True  # (its static operators are fp32: no bf16 baseline to tune)
     lengths = [int(v) for v in args.lengths.split(",")]
     ms_lengths = [int(v) for v in args.ms_lengths.split(",")]
     where = resolve_target(args.target, mcpu=args.mcpu)
@@ -184,14 +196,16 @@ def main() -> int:
     device = "cuda" if args.target == "cuda" else "cpu"
     sgemm, stream = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
     fma = baselines.fma_peak_rate(target) if on_cpu else float("nan")
+    bf16 = args.precision == "bf16"
+    dots = baselines.bf16_peak_rate(target) if bf16 else float("nan")
     _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s, read-only weight "
-         f"pass {stream:.1f} GB/s")
+         f"pass {stream:.1f} GB/s" + (f", bf16 peak {dots:.1f} GFLOP/s" if bf16 else ""))
     vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points, dense_rates = [], [], 0.0, 0.0, [], []
     streaming, references = [], []
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
         for op in args.ops.split(","):
-            spec = OPERATORS[op]()
+            spec = OPERATORS[op](args.precision)
             if args.load_plans:
                 tuned = TuneResult(KernelPlan.read(args.load_plans / f"{op}.plan.json"), 0, 0, float("nan"))
                 _log(f"{spec.name}: the plan {args.load_plans / f'{op}.plan.json'}, not tuned again")
@@ -240,7 +254,7 @@ def main() -> int:
                     ceiling_points.append(gflops / sgemm)
                     dense_rates.append(gflops)
                 if spec.kind == "dense" and length == 1:
-                    weight_bytes = 4 * math.prod(random_shape(spec))
+                    weight_bytes = (2 if bf16 else 4) * math.prod(random_shape(spec))
                     # A read-only pass over as many bytes pays the same call and thread wake-up
                     # cost, which a small weight's read time does not hide.
                     same_size = baselines.read_rate(target, max(1, weight_bytes // baselines.PANEL_BYTES))
@@ -252,15 +266,19 @@ def main() -> int:
             _print_table(spec, tuned, ms_wall, len(ms_latency), args.ms_trials, rows, sgemm, args.target)
     sgemm_end, stream_end = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
     fma_end = baselines.fma_peak_rate(target) if on_cpu else float("nan")
+    dots_end = baselines.bf16_peak_rate(target) if bf16 else float("nan")
     _log(f"ceiling at end: numpy sgemm {sgemm_end:.1f} GFLOP/s, FMA peak {fma_end:.1f} GFLOP/s, read-only pass "
-         f"{stream_end:.1f} GB/s")
+         f"{stream_end:.1f} GB/s" + (f", bf16 peak {dots_end:.1f} GFLOP/s" if bf16 else ""))
     ratio = ms_tuning / ours_tuning if ms_tuning else float("nan")
     print(f"\nceiling (same run, start / end): numpy sgemm 2048^3 {sgemm:.1f} / {sgemm_end:.1f} GFLOP/s; "
           f"FMA peak (multiply-adds in registers, every core) {fma:.1f} / {fma_end:.1f} GFLOP/s; "
           f"read-only pass over a 768x3072 weight {stream:.1f} / {stream_end:.1f} GB/s")
+    if bf16:
+        print(f"bf16 peak (vdpbf16ps in registers, every core; start / end): {dots:.1f} / {dots_end:.1f} GFLOP/s")
     if dense_rates:
+        peak, name = (max(dots, dots_end), "bf16 peak") if bf16 else (max(fma, fma_end), "FMA peak")
         print(f"dense layers at T >= 64: {min(dense_rates):.1f}-{max(dense_rates):.1f} GFLOP/s, geomean "
-              f"{geomean(dense_rates):.1f} = {100 * geomean(dense_rates) / max(fma, fma_end):.1f}% of the FMA peak")
+              f"{geomean(dense_rates):.1f} = {100 * geomean(dense_rates) / peak:.1f}% of the {name}")
     for name, rate, same_size in streaming:
         print(f"T=1 weight streaming, {name}: {rate:.1f} GB/s = {rate / max(stream, stream_end):.2f} of the "
               f"read-only pass over a 768x3072 weight, {rate / same_size:.2f} of one over as many bytes "
@@ -277,7 +295,8 @@ def main() -> int:
     ceiling_pct = 100 * geomean(ceiling_points) * sgemm / max(sgemm, sgemm_end) if ceiling_points else float("nan")
     print(f"RESULT geomean_vs_torch={geomean(vs_torch):.3f} min_vs_torch={min(vs_torch):.3f} "
           f"geomean_vs_metaschedule={geomean(vs_ms):.3f} tuning_time_ratio={ratio:.2f} "
-          f"ceiling_pct_t64plus={ceiling_pct:.1f}")
+          f"ceiling_pct_t64plus={ceiling_pct:.1f}"
+          + (f" bf16_peak_pct_t64plus={100 * geomean(dense_rates) / max(dots, dots_end):.1f}" if bf16 else ""))
     return 0
 
 

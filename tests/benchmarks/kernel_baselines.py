@@ -175,7 +175,8 @@ def time_numpy(spec: OperatorSpec, shape: ShapeLike, repeats: int = 7, *, warmup
 
 def time_torch(spec: OperatorSpec, shape: ShapeLike, repeats: int = 7, device: str = "cpu", *, warmup: int = 3,
                threads: int | None = None, time_cap_s: float | None = None, seed: int = 0) -> float:
-    """Median seconds of the operator in PyTorch eager on ``device`` ("cpu" or "cuda").
+    """Median seconds of the operator in PyTorch eager on ``device`` ("cpu" or "cuda"); a bf16
+    operator's in bf16 tensors, as ``torch.autocast`` runs a linear layer (oneDNN's bf16 GEMM).
 
     On the CPU torch gets ``threads`` intra-op threads (default: every CPU). On CUDA each sample
     is bracketed by CUDA events, so host launch overhead overlapping the kernel is not counted.
@@ -184,7 +185,8 @@ def time_torch(spec: OperatorSpec, shape: ShapeLike, repeats: int = 7, device: s
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     compute = torch_computation(spec)
-    inputs = [torch.from_numpy(a).to(device) for a in random_inputs(spec, _as_shape(shape), seed)]
+    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    inputs = [torch.from_numpy(a).to(device, dtype) for a in random_inputs(spec, _as_shape(shape), seed)]
     with torch.inference_mode():
         if device == "cpu":
             return median_seconds(lambda: compute(*inputs), repeats, warmup, time_cap_s=time_cap_s)
@@ -453,8 +455,13 @@ SETTLE_S = 0.3  # after a library call, before timing another: its spinning work
 
 def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequence[np.ndarray],
                             rel_tol: float = 1e-4) -> float:
-    """Max abs error against ``spec.reference``; raises when it exceeds ``rel_tol`` times the
-    largest reference magnitude (float32 sums of a few thousand terms sit near 1e-6 of it)."""
+    """Max abs error against ``spec.reference`` (a bf16 operator's on its product's operands
+    rounded to bf16); raises when it exceeds ``rel_tol`` times the largest reference magnitude
+    (float32 sums of a few thousand terms sit near 1e-6 of it)."""
+    if spec.precision == "bf16":
+        from dietserve.kernels.cpu_packed.bf16 import bf16_rounded
+
+        inputs = [bf16_rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
     expected = spec.reference(*inputs)
     error = float(np.max(np.abs(output - expected)))
     bound = rel_tol * max(1.0, float(np.max(np.abs(expected))))

@@ -17,6 +17,8 @@ from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.cpu_packed import bf16
 from dietserve.kernels.cpu_packed.kernel import packed_tile
+from dietserve.kernels.cpu_varlen.attention import bf16_attention_fits, varlen_attention
+from dietserve.kernels.cpu_varlen.tile import VarlenTile
 from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError
 from dietserve.kernels.plan.task_file import TaskFile, TaskFileError
 from dietserve.kernels.space import task_space
@@ -27,6 +29,7 @@ from dietserve.kernels.tir.matching import ScheduleMismatch
 from tuner.ops import dense, kernel_inputs, random_inputs
 
 from .kernel_builds import build_each
+from .test_varlen_attention import reference
 
 HAS_BF16 = "avx512_bf16" in (cpu_flags() or set())
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
@@ -178,3 +181,76 @@ def test_a_task_file_carries_the_builds_precision(tmp_path) -> None:
     assert TaskFile.read(tasks.write(tmp_path / "tasks.json")).precision == "bf16"
     with pytest.raises(TaskFileError, match="precision 'int8'"):
         TaskFile(model={}, target={}, tasks=[], precision="int8")
+
+
+@needs_bf16
+def test_the_tuner_times_bf16_kernels_and_writes_a_bf16_plan(tmp_path) -> None:
+    """A real tuner process: its candidates pass the check against numpy on bf16-rounded operands
+    (an fp32 candidate would not), and the plan it writes says bf16 and builds a bf16 kernel."""
+    import json
+    import subprocess
+    import sys
+
+    database = tmp_path / "records.jsonl"
+    tune = subprocess.run(
+        [sys.executable, "-m", "tuner", "tune", "--op", "dense", "--k", "128", "--n", "96", "--epilogue", "bias",
+         "--precision", "bf16", "--t", "1:32", "--trials", "6", "--db", str(database), "--number", "1",
+         "--repeat", "1", "--plan-weights", "cache"],
+        capture_output=True, text=True, timeout=600)
+    assert tune.returncode == 0, tune.stderr
+    assert "6 trials (0 failed)" in tune.stderr, tune.stderr
+    plan = KernelPlan.read(database.with_suffix(".plan.json"))
+    assert plan.precision == "bf16" and plan.pack and all(plan.kernel(v).vector == 16 for v in plan.variants)
+    records = [json.loads(line) for line in database.read_text().splitlines()]
+    assert all("+bf16" in record["workload"] for record in records)
+
+
+def _bf16_attention_reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """softmax(q k^T / sqrt(d)) v per sequence and head, with the products' operands rounded to
+    bf16 as the kernel multiplies them (the scaled queries, the keys, the exponentials and the
+    values), the softmax and every sum in float64."""
+    width, rounded = heads * head_dim, bf16.bf16_rounded
+    out = np.zeros((qkv.shape[0], width))
+    scale = np.float32(1 / np.sqrt(head_dim))
+    for first, end in zip(starts[:-1], starts[1:], strict=True):
+        block = qkv[first:end]
+        for h in range(heads):
+            q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
+            scores = rounded(q * scale).astype(np.float64) @ rounded(k).astype(np.float64).T
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            context = rounded(weights.astype(np.float32)).astype(np.float64) @ rounded(v).astype(np.float64)
+            out[first:end, h * head_dim:(h + 1) * head_dim] = context / weights.sum(axis=1, keepdims=True)
+    return out
+
+
+@needs_bf16
+@pytest.mark.parametrize("tile", [VarlenTile(mr=6, nr=32, nc=32, lanes=16), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
+                                  VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
+def test_bf16_attention_matches_numpy_on_rounded_operands(tile: VarlenTile) -> None:
+    from dietserve.host.cpu import configure_cpu_threads
+
+    configure_cpu_threads(2)
+    heads, head_dim, max_len = 2, 64, 512
+    func = varlen_attention(heads, head_dim, max_len, tile, precision="bf16").with_attr("global_symbol", "main")
+    function = build(tvm.IRModule({"main": func}), TARGET)["main"]
+    rng = np.random.default_rng(0)
+    for lengths in ([1], [2], [3, 1], [7, 1, 13], [512], [31, 2, 97, 5, 1], [128, 64, 61]):
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 2).astype(np.float32)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        out = tvm.runtime.tensor(np.full((qkv.shape[0], heads * head_dim), np.nan, np.float32))
+        function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), out)
+        got, expected = out.numpy(), _bf16_attention_reference(qkv, starts, heads, head_dim)
+        # fast_exp's error (about 1e-6 relative) moves an exponential across a bf16 rounding
+        # boundary now and then: one bf16 step (2^-8) of one weight, in a few outputs only
+        apart = np.abs(got - expected)
+        assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
+        if max(lengths) > 1:  # (one key: its weight is exactly 1)
+            assert float(np.abs(got - reference(qkv, starts, heads, head_dim)).max()) > 1e-2  # it does round
+
+
+def test_bf16_attention_needs_16_lane_tiles_over_an_even_head_dim() -> None:
+    assert bf16_attention_fits(VarlenTile(mr=6, nr=32, nc=32, lanes=16), 64)
+    assert not bf16_attention_fits(VarlenTile(mr=4, nr=16, nc=16, lanes=8), 64)  # AVX2's 8 lanes
+    assert not bf16_attention_fits(VarlenTile(mr=6, nr=32, nc=32, lanes=16), 24)  # context vectors of 8
+    with pytest.raises(ValueError, match="bf16 attention needs 16-lane tiles"):
+        varlen_attention(2, 24, 64, VarlenTile(mr=6, nr=32, nc=32, lanes=16), precision="bf16")

@@ -34,6 +34,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, dot_pairs, importing_dot_pairs, pair
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
@@ -48,19 +49,25 @@ Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 
 def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
-                     parallel: bool = True) -> tirx.PrimFunc:
+                     parallel: bool = True, precision: str = "fp32") -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
     head_dim])``; ``max_len`` bounds a sequence's length (the position table's size).
 
     ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
     (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
-    tile its sequence's length picks, its stack arrays sized for the lengths that reach it."""
+    tile its sequence's length picks, its stack arrays sized for the lengths that reach it.
+    ``bf16``: both products multiply bf16 pairs (``bf16_attention_fits``; the softmax and the
+    sums stay fp32), on a target with AVX512-BF16."""
     if tiles is None or isinstance(tiles, VarlenTile):
         tiles, tree = {"tile": tiles or VarlenTile()}, {"variant": "tile"}
     try:
         check_tree(tree, tiles, [LENGTH_VAR])
     except TreeError as err:
         raise ValueError(f"attention tiles {sorted(tiles)}: {err}") from err
+    pairs = precision == "bf16"
+    if pairs and not all(bf16_attention_fits(tile, head_dim) for tile in tiles.values()):
+        raise ValueError(f"bf16 attention needs {PAIR_LANES}-lane tiles and context tiles over an even head_dim; "
+                         f"tiles {sorted(t.describe() for t in tiles.values())} for head_dim {head_dim} are not")
     width = heads * head_dim
     tokens, segments = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64")
     with IRBuilder() as builder:
@@ -75,28 +82,37 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
             with loop(0, heads * sequences) as task:
                 h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim), tiles, max_len)
-    return with_exact_buffers(builder.get(), own_storage=True)
+                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim), tiles, max_len, pairs)
+    func = builder.get()
+    if pairs:
+        func = func.with_body(importing_dot_pairs(func.body)).with_attr(PRECISION_ATTR, precision)
+    return with_exact_buffers(func, own_storage=True)
 
 
-def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int) -> None:
+def bf16_attention_fits(tile: VarlenTile, head_dim: int) -> bool:
+    """Whether ``tile``'s products can run on bf16 pairs for ``head_dim``: 16-lane vectors in both
+    (one ``vdpbf16ps`` a vector) and pairs of head_dim columns for the scores."""
+    return tile.lanes == PAIR_LANES and context_tile(head_dim, tile)[1] == PAIR_LANES and head_dim % 2 == 0
+
+
+def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int, pairs: bool) -> None:
     """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see."""
     if "variant" in node:
         tile = tiles[node["variant"]]
-        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile)
+        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs)
         return
     if node["var"] != LENGTH_VAR:
         raise ValueError(f"an attention tree branches on {LENGTH_VAR!r} alone, not {node['var']!r}")
     length = call[2][2]
     with T.If(length <= node["le"]):
         with T.Then():
-            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)))
+            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)), pairs)
         with T.Else():
-            _dispatch(node["else"], call, tiles, longest)
+            _dispatch(node["else"], call, tiles, longest, pairs)
 
 
-def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -> None:
-    """One head of one sequence."""
+def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, pairs: bool = False) -> None:
+    """One head of one sequence; ``pairs``: its products on bf16 pairs (``_PairedProducts``)."""
     h, start, length = where
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
@@ -123,6 +139,7 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -
     with T.serial(0, key_tiles * nr - length) as j:  # zeros up to whole panels: their scores are not read
         with T.serial(0, head_dim) as d:
             T.buffer_store(keys, zero, [(length + j) // nr, d, (length + j) % nr])
+    paired = _PairedProducts(keys, values, key_columns, head_dim, tile, length) if pairs else None
     with T.serial(0, (length + mr - 1) // mr) as t:
         i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
         rows = tirx.min(length, mr)
@@ -134,13 +151,18 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -
                 T.buffer_store(row_max, lowest, [ii, lane])
                 T.buffer_store(row_sum, zero, [ii, lane])
         # scores, and each row's running max over its real columns (lane by lane)
+        if paired is not None:
+            paired.pair_queries(queries)
         with T.serial(0, key_tiles) as jo:
             acc = T.alloc_buffer((mr, nr), "float32", scope="global")
             _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(acc, zero, [ii, jv * lanes + lane]))
-            with T.serial(0, head_dim) as d:
-                _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(
-                    acc, acc[ii, jv * lanes + lane] + queries[ii, d] * keys[jo, d, jv * lanes + lane],
-                    [ii, jv * lanes + lane]))
+            if paired is not None:
+                paired.scores(acc, jo)
+            else:
+                with T.serial(0, head_dim) as d:
+                    _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(
+                        acc, acc[ii, jv * lanes + lane] + queries[ii, d] * keys[jo, d, jv * lanes + lane],
+                        [ii, jv * lanes + lane]))
 
             def store(ii, jv, lane):
                 column = jo * nr + jv * lanes + lane
@@ -167,20 +189,86 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile) -
                 with T.Then():
                     exponentials(length // lanes, lambda column: column < length)
         # context = (e @ V) / sum, the division folded into the store
+        if paired is not None:
+            paired.pair_exponentials(scores)
         with T.unroll(0, head_dim // nc) as co:
             context = T.alloc_buffer((mr, nc), "float32", scope="global")
             _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
                 context, zero, [ii, cv * context_lanes + lane]))
-            with T.serial(0, length) as j:
-                _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
-                    context, context[ii, cv * context_lanes + lane]
-                    + scores[ii, j] * values[j, co * nc + cv * context_lanes + lane], [ii, cv * context_lanes + lane]))
+            if paired is not None:
+                paired.context(context, co * nc, nc)
+            else:
+                with T.serial(0, length) as j:
+                    _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
+                        context, context[ii, cv * context_lanes + lane]
+                        + scores[ii, j] * values[j, co * nc + cv * context_lanes + lane],
+                        [ii, cv * context_lanes + lane]))
             with T.unroll(0, mr) as ii:
                 with T.If(ii < rows):
                     with T.Then():
                         inverse = tirx.const(1, "float32") / _lane_reduce(row_sum, ii, lanes, tirx.Add)
                         with T.vectorized(0, nc) as cc:
                             T.buffer_store(out, context[ii, cc] * inverse, [start + i0 + ii, q_column + co * nc + cc])
+
+
+class _PairedProducts:
+    """The two products of one (head, sequence) task on bf16 pairs (``kernels/cpu_packed/bf16.py``):
+    the scores over pairs of head_dim columns, the context over pairs of keys. K^T's panels and
+    V's rows are converted once per task, a tile's queries and exponentials once per tile; the
+    running max, exp and sums stay fp32. A pair past the sequence's end holds zeros."""
+
+    def __init__(self, keys, values, key_columns: int, head_dim: int, tile: VarlenTile, length):
+        self.tile, self.length, self.half = tile, length, head_dim // 2
+        mr, nr = tile.mr, tile.nr
+        self.keys = T.alloc_buffer((key_columns // nr, self.half, nr), "uint32", scope="global")
+        self.values = T.alloc_buffer(((key_columns + 1) // 2, head_dim), "uint32", scope="global")
+        self.queries = T.alloc_buffer((mr, self.half), "uint32", scope="global")
+        self.exponentials = T.alloc_buffer((mr, (key_columns + 1) // 2), "uint32", scope="global")
+        key_tiles = (length + nr - 1) // nr
+        with T.serial(0, key_tiles) as jo:
+            with T.serial(0, self.half) as d:
+                with T.vectorized(0, nr) as j:
+                    T.buffer_store(self.keys, pair(keys[jo, 2 * d, j], keys[jo, 2 * d + 1, j]), [jo, d, j])
+        zero = tirx.const(0, "float32")
+        with T.serial(0, (length + 1) // 2) as j:
+            odd = 2 * j + 1
+            with T.vectorized(0, head_dim) as d:
+                T.buffer_store(self.values, pair(values[2 * j, d], tirx.Select(
+                    odd < length, values[tirx.min(odd, length - 1), d], zero)), [j, d])
+
+    def pair_queries(self, queries) -> None:
+        with T.unroll(0, self.tile.mr) as ii:
+            with T.vectorized(0, self.half) as d:
+                T.buffer_store(self.queries, pair(queries[ii, 2 * d], queries[ii, 2 * d + 1]), [ii, d])
+
+    def scores(self, acc, jo) -> None:
+        """``acc`` (``mr x nr``) += the tile's queries times key panel ``jo``."""
+        lanes = PAIR_LANES
+        with T.serial(0, self.half) as d:
+            for ii in range(self.tile.mr):
+                for jv in range(self.tile.nr // lanes):
+                    columns = tirx.Ramp(tirx.const(jv * lanes, "int32"), tirx.const(1, "int32"), lanes)
+                    T.buffer_store(acc, dot_pairs(acc[ii, columns], self.queries[ii, d],
+                                                  self.keys[jo, d, columns]), [ii, columns])
+
+    def pair_exponentials(self, scores) -> None:
+        zero = tirx.const(0, "float32")
+        with T.unroll(0, self.tile.mr) as ii:
+            with T.serial(0, (self.length + 1) // 2) as j:
+                odd = 2 * j + 1
+                T.buffer_store(self.exponentials, pair(scores[ii, 2 * j], tirx.Select(
+                    odd < self.length, scores[ii, tirx.min(odd, self.length - 1)], zero)), [ii, j])
+
+    def context(self, context, column0, nc: int) -> None:
+        """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
+        lanes = PAIR_LANES
+        with T.serial(0, (self.length + 1) // 2) as j:
+            for ii in range(self.tile.mr):
+                for cv in range(nc // lanes):
+                    columns = tirx.Ramp(tirx.const(cv * lanes, "int32"), tirx.const(1, "int32"), lanes)
+                    in_v = tirx.Ramp(column0 + cv * lanes, tirx.const(1, "int32"), lanes)
+                    T.buffer_store(context, dot_pairs(context[ii, columns], self.exponentials[ii, j],
+                                                      self.values[j, in_v]), [ii, columns])
 
 
 def _lane_reduce(lanes_buffer, row, lanes: int, combine) -> tirx.Expr:

@@ -13,6 +13,7 @@ plans):
     lengths           per timed length: its weight, the tile chosen, and every tile's seconds
                       per sequence there
     provenance        tuner version, tuning seconds, where the weights came from
+    precision         "fp32", or "bf16": the tiles timed with bf16 products (absent: fp32)
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class AttentionPlan(PlanFile):
     provenance: dict = field(default_factory=dict)
     format: str = ATTENTION_FORMAT
     version: int = ATTENTION_VERSION
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.format != ATTENTION_FORMAT:
             raise PlanError(f"not an attention plan (format {self.format!r}, expected {ATTENTION_FORMAT!r})")
+        self._check_precision_field()
         if self.version != ATTENTION_VERSION:
             raise PlanError(f"attention plan version {self.version}; this dietserve reads version {ATTENTION_VERSION}")
         if any(type(v) is not int or v < 1 for v in (self.heads, self.head_dim)):

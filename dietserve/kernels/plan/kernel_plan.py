@@ -84,6 +84,17 @@ class PlanFile:
     def read(cls, path: Path):
         return cls.from_dict(read_json(path), str(path))
 
+    def check_precision(self, precision: str) -> None:
+        """Refuse a plan timed at another precision (stale: its kernels were chosen for other
+        arithmetic)."""
+        if self.precision != precision:
+            raise PlanError(f"{self.KIND} of {self.workload} was tuned for {self.precision} products, this build "
+                            f"is {precision}: tune it again for {precision}")
+
+    def _check_precision_field(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"{self.KIND} of {self.workload}: precision {self.precision!r} is not one of {PRECISIONS}")
+
 
 @dataclass(frozen=True)
 class KernelPlan(PlanFile):
@@ -108,8 +119,7 @@ class KernelPlan(PlanFile):
     def __post_init__(self) -> None:
         if self.format != PLAN_FORMAT:
             raise PlanError(f"not a kernel plan (format {self.format!r}, expected {PLAN_FORMAT!r})")
-        if self.precision not in PRECISIONS:
-            raise PlanError(f"plan of {self.operator}: precision {self.precision!r} is not one of {PRECISIONS}")
+        self._check_precision_field()
         if self.version != PLAN_VERSION:
             raise PlanError(f"kernel plan version {self.version}; this dietserve reads version {PLAN_VERSION}")
         if not isinstance(self.variants, dict) or not self.variants:
@@ -147,13 +157,6 @@ class KernelPlan(PlanFile):
         """Panel width every variant's packed weight has; 0 when the weight stays unpacked."""
         kernel = next(iter(self.variants.values()))
         return 0 if kernel is None else int(kernel.get("pack", 0))
-
-    def check_precision(self, precision: str) -> None:
-        """Refuse a plan timed at another precision (stale: its kernels were chosen for other
-        arithmetic)."""
-        if self.precision != precision:
-            raise PlanError(f"plan of {self.operator} ({self.workload}) was tuned for {self.precision} products, "
-                            f"this build is {precision}: tune it again for {precision}")
 
     def check_target(self, target: Mapping, tvm_version: str) -> None:
         """Refuse a plan tuned with another TVM or for another target/ISA (stale)."""
