@@ -223,7 +223,7 @@ class _PairedProducts:
         self.keys = T.alloc_buffer((key_columns // nr, self.half, nr), "uint32", scope="global")
         self.values = T.alloc_buffer(((key_columns + 1) // 2, head_dim), "uint32", scope="global")
         self.queries = T.alloc_buffer((mr, self.half), "uint32", scope="global")
-        self.exponentials = T.alloc_buffer((mr, (key_columns + 1) // 2), "uint32", scope="global")
+        self.exponentials = T.alloc_buffer((mr, key_columns // 2), "uint32", scope="global")
         key_tiles = (length + nr - 1) // nr
         with T.serial(0, key_tiles) as jo:
             with T.serial(0, self.half) as d:
@@ -252,12 +252,14 @@ class _PairedProducts:
                                                   self.keys[jo, d, columns]), [ii, columns])
 
     def pair_exponentials(self, scores) -> None:
-        zero = tirx.const(0, "float32")
+        """The tile's exponentials as pairs of keys, a vector of them at a time: the exponentials'
+        pass leaves zeros past the sequence's end within its last vector, which holds every pair."""
+        half = PAIR_LANES // 2
         with T.unroll(0, self.tile.mr) as ii:
-            with T.serial(0, (self.length + 1) // 2) as j:
-                odd = 2 * j + 1
-                T.buffer_store(self.exponentials, pair(scores[ii, 2 * j], tirx.Select(
-                    odd < self.length, scores[ii, tirx.min(odd, self.length - 1)], zero)), [ii, j])
+            with T.serial(0, (self.length + PAIR_LANES - 1) // PAIR_LANES) as v:
+                with T.vectorized(0, half) as jj:
+                    j = v * half + jj
+                    T.buffer_store(self.exponentials, pair(scores[ii, 2 * j], scores[ii, 2 * j + 1]), [ii, j])
 
     def context(self, context, column0, nc: int) -> None:
         """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
