@@ -181,11 +181,12 @@ def _model_task(description, where, precision: str = "fp32") -> TuningTask:
 
 def _write_model_plan(result, description, tasks: TaskFile, args: argparse.Namespace) -> Path:
     """The tune's plan under the model's workload key (computed on its own PrimFunc, not ours of
-    the copy), with what it was tuned from."""
+    the copy), with what it was tuned from, for the task file's precision (an operator without
+    a weight computes fp32 in a bf16 build, and its plan is that build's all the same)."""
     provenance = {**result.plan.provenance, "trials_requested": args.trials, "records": str(Path(args.db).resolve()),
                   "model": tasks.model, "softmax": description.softmax}
     plan = dataclasses.replace(result.plan, workload=description.workload, operator=description.operator,
-                               provenance=provenance)
+                               provenance=provenance, precision=tasks.precision)
     return plan.write(plan_path(Path(args.plans), description.workload))
 
 

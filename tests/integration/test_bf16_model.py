@@ -122,3 +122,26 @@ def test_a_bf16_artifact_records_its_precision_and_refuses_fp32_plans(minilm_bf1
                          cache_dir)
     with pytest.raises(ValueError, match="planned kernels"):
         CompileRequest(model="default", precision="bf16")
+
+
+def test_tune_writes_bf16_plans_and_builds_them(cache_dir, tmp_path) -> None:
+    """``dietserve tune --precision bf16``: the task file says bf16, the tuner process times bf16
+    kernels (the attention's tiles too), every plan it writes is the bf16 build's, and the tuned
+    artifact links them."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tuned"
+    done = subprocess.run([sys.executable, "-m", "dietserve", "tune", "--model", "default", "--precision", "bf16",
+                           "--trials", "3", "--max-batch", "4", "--db", str(tmp_path / "records.jsonl"),
+                           "--out", str(out), "--cache-dir", str(cache_dir)],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "tasks.json").read_text())["precision"] == "bf16"
+    plans = read_plans([out / "plans"])
+    assert plans and all(plan.precision == "bf16" for plan in plans)
+    attention = next((out / "plans").glob("*.attention.json"))
+    assert json.loads(attention.read_text())["precision"] == "bf16"
+    manifest = Manifest.read(out / "artifact")
+    assert manifest.precision == "bf16" and manifest.kernel_plans == "tuned"
