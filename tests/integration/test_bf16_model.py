@@ -6,9 +6,8 @@ bf16 (rounded inputs and weights, fp32 sums); LayerNorm, softmax, GELU, residual
 pooling stay fp32. Runs on CPUs with AVX512-BF16.
 
 Why the mean at the standard shapes: 512 random tokens are far from text, and there single tokens
-drift further. MiniLM's worst token there reads 0.99985, as OpenVINO's own bf16 build of the
-same checkpoint does on the same input (docs/measurements/history.md); a floor of 0.9998 keeps
-that in view."""
+drift further, in any bf16 build (OpenVINO's default one included; docs/measurements/goals.md,
+"bf16"); a floor of 0.9998 bounds each of them."""
 
 from __future__ import annotations
 
