@@ -19,8 +19,7 @@ import tvm
 
 from dietserve.host.cpu import target_cores
 from dietserve.host.hardware import GPU_PRESETS, last_level_cache_bytes
-from dietserve.kernels.cpu_packed.bf16 import PRECISION_ATTR
-from dietserve.kernels.cpu_packed.packing import weight_param
+from dietserve.kernels.cpu_packed.packing import with_precision
 from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path
 from dietserve.kernels.plan.kernel_plan import PRECISIONS, KernelPlan, PlanError, plan_path
 from dietserve.kernels.plan.task_file import AttentionTask, TaskFile
@@ -171,9 +170,7 @@ def _plan_is_current(path: Path, workload: str, target: dict, trials: int, softm
 
 def _model_task(description, where, precision: str = "fp32") -> TuningTask:
     """The task of one of a task file's operators; a dense layer of a bf16 build times bf16 kernels."""
-    func = tvm.ir.load_json(description.func)
-    if precision != "fp32" and weight_param(func) is not None:
-        func = func.with_attr(PRECISION_ATTR, precision)
+    func = with_precision(tvm.ir.load_json(description.func), precision)
     spec = spec_from_prim_func("matmul", func, row_softmax=description.softmax)
     variable = ShapeVar(description.vary["var"], description.vary["values"])
     return TuningTask.create(spec, where.target, variable, description.weights or None, description.fixed)

@@ -14,8 +14,8 @@ import tvm
 from tvm import te, tirx
 
 from dietserve.kernels.cpu_packed import bf16
-from dietserve.kernels.cpu_packed.bf16 import PRECISION_ATTR, precision_of
-from dietserve.kernels.cpu_packed.packing import pack_array, weight_param
+from dietserve.kernels.cpu_packed.bf16 import precision_of
+from dietserve.kernels.cpu_packed.packing import pack_array, weight_param, with_precision
 from dietserve.kernels.tir.gelu import gelu_expr
 
 Shape = Mapping[str, int]
@@ -115,7 +115,7 @@ def dense(k: int, n: int, epilogue: str = "bias", precision: str = "fp32") -> Op
     suffix = "" if precision == "fp32" else f"+{precision}"
     return OperatorSpec(
         name=f"dense{'' if epilogue == 'none' else '_' + epilogue}[K={k},N={n}]{suffix}", kind="dense",
-        func=func.with_attr(PRECISION_ATTR, precision) if suffix else func, shape_vars=("T",),
+        func=with_precision(func, precision), shape_vars=("T",),
         input_shapes=input_shapes, output_shape=lambda shape: (shape["T"], n),
         reference=reference, flops=lambda shape: 2 * shape["T"] * k * n,
         # Without Let bindings: MetaSchedule's FLOP estimate fails on a Let.
@@ -174,6 +174,18 @@ def from_recipe(recipe: tuple | list) -> OperatorSpec:
 def random_inputs(spec: OperatorSpec, shape: Shape, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.uniform(-1, 1, size).astype("float32") for size in spec.input_shapes(shape)]
+
+
+def rounded_operands(inputs: list[np.ndarray], rounding: str) -> list[np.ndarray]:
+    """``inputs`` with the product's operands (the first two, in every spec here) rounded as a
+    kernel multiplies them: ``bf16`` (``kernels/cpu_packed/bf16.py``) or ``fp16`` (tensor cores)."""
+    if rounding == "bf16":
+        rounded = bf16.bf16_rounded
+    elif rounding == "fp16":
+        rounded = lambda x: x.astype(np.float16).astype(np.float32)  # noqa: E731
+    else:
+        raise ValueError(f"rounding must be bf16 or fp16, got {rounding!r}")
+    return [rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
 
 
 def kernel_inputs(spec: OperatorSpec, inputs: list[np.ndarray], pack: int) -> list[np.ndarray]:

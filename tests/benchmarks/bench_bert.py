@@ -379,7 +379,9 @@ def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list
             points[batch, seq] = (ids, np.ones_like(ids), np.zeros_like(ids))
     accuracy = {point: {name: _token_cosines(as_array(backends[name](*inputs)), reference, inputs)
                         for name in ("ours bf16", "openvino")} for point, inputs in points.items()}
-    target = WeightFloor(resolve_model(model, args.cache_dir), args.threads).target
+    from tuner.targets import resolve_target
+
+    target = resolve_target("llvm", cores=args.threads).target
     peaks = {"fp32": [], "bf16": []}
     samples = {point: {name: [] for name in backends} for point in points}
     for round_index in range(args.rounds):
@@ -432,6 +434,24 @@ def _token_cosines(hidden: np.ndarray, reference, inputs) -> float:
     return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
 
 
+def over_models(bench, args: argparse.Namespace, keys) -> dict[str, list[float]]:
+    """``bench(model, args, ratios)`` for each of ``--models``, collecting ``keys``' ratios."""
+    ratios: dict[str, list[float]] = {key: [] for key in keys}
+    for model in args.models.split(","):
+        bench(model, args, ratios)
+    return ratios
+
+
+def result_line(ratios: dict[str, list[float]], fields) -> str:
+    """``RESULT`` with each (statistic, key) of ``fields``: ``geomean`` or ``min`` of the key's
+    ratios, named ``statistic_key`` (a bare key for "": the geomean)."""
+    def value(statistic: str, values: list[float]) -> float:
+        return min(values, default=float("nan")) if statistic == "min" else geomean(values)
+
+    return "RESULT " + " ".join(f"{statistic + '_' if statistic else ''}{key}={value(statistic, ratios[key]):.3f}"
+                                for statistic, key in fields)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default", help="comma-separated: bert-base, default, DIR")
@@ -458,30 +478,21 @@ def main() -> int:
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.precision == "bf16":
-        found: dict[str, list[float]] = {key: [] for key in (
-            "vs_openvino_bf16", "bf16_vs_fp32", "bf16_vs_fp32_seq128plus", "vs_torch_bf16", "vs_ort")}
-        for model in args.models.split(","):
-            bench_precision(model, args, found)
-        print(f"RESULT geomean_vs_openvino_bf16={geomean(found['vs_openvino_bf16']):.3f} "
-              f"min_vs_openvino_bf16={min(found['vs_openvino_bf16']):.3f} "
-              f"geomean_bf16_vs_fp32={geomean(found['bf16_vs_fp32']):.3f} "
-              f"geomean_bf16_vs_fp32_seq128plus={geomean(found['bf16_vs_fp32_seq128plus']):.3f} "
-              f"min_bf16_vs_fp32_seq128plus={min(found['bf16_vs_fp32_seq128plus'], default=float('nan')):.3f} "
-              f"geomean_vs_torch_bf16={geomean(found['vs_torch_bf16']):.3f} "
-              f"geomean_vs_ort={geomean(found['vs_ort']):.3f}")
+        found = over_models(bench_precision, args, ("vs_openvino_bf16", "bf16_vs_fp32", "bf16_vs_fp32_seq128plus",
+                                                    "vs_torch_bf16", "vs_ort"))
+        print(result_line(found, [("geomean", "vs_openvino_bf16"), ("min", "vs_openvino_bf16"),
+                                  ("geomean", "bf16_vs_fp32"), ("geomean", "bf16_vs_fp32_seq128plus"),
+                                  ("min", "bf16_vs_fp32_seq128plus"), ("geomean", "vs_torch_bf16"),
+                                  ("geomean", "vs_ort")]))
         return 0
     args.mixed_batches = [int(b) for b in args.mixed_batches.split(",")]
     if args.mixed:
-        mixed: dict[str, list[float]] = {key: [] for key in (
-            "mixed_packed_vs_padded", "mixed_packed_vs_best", "token_cost_b8_vs_b1", "lone_packed_vs_padded")}
-        for model in args.models.split(","):
-            bench_mixed(model, args, mixed)
-        print(f"RESULT mixed_packed_vs_padded={geomean(mixed['mixed_packed_vs_padded']):.3f} "
-              f"min_mixed_packed_vs_padded={min(mixed['mixed_packed_vs_padded']):.3f} "
-              f"mixed_packed_vs_best={geomean(mixed['mixed_packed_vs_best']):.3f} "
-              f"min_mixed_packed_vs_best={min(mixed['mixed_packed_vs_best']):.3f} "
-              f"token_cost_b8_vs_b1={geomean(mixed['token_cost_b8_vs_b1']):.3f} "
-              f"lone_packed_vs_padded={geomean(mixed['lone_packed_vs_padded']):.3f}")
+        mixed = over_models(bench_mixed, args, ("mixed_packed_vs_padded", "mixed_packed_vs_best",
+                                                "token_cost_b8_vs_b1", "lone_packed_vs_padded"))
+        # (its geomeans named bare, as the lines of its earlier runs name them)
+        print(result_line(mixed, [("", "mixed_packed_vs_padded"), ("min", "mixed_packed_vs_padded"),
+                                  ("", "mixed_packed_vs_best"), ("min", "mixed_packed_vs_best"),
+                                  ("", "token_cost_b8_vs_b1"), ("", "lone_packed_vs_padded")]))
         return 0
     ratios: dict[str, list[float]] = {key: [] for key in (
         "tuned_vs_untuned", "vs_ort", "vs_openvino", "vs_best", "vs_torch", "floor_vs_ours", "floor_vs_best",

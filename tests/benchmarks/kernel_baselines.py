@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm.target import Target
 
-from tuner.ops import OperatorSpec, kernel_inputs, random_inputs
+from tuner.ops import OperatorSpec, kernel_inputs, random_inputs, rounded_operands
 
 ShapeLike = Mapping[str, int] | int
 TargetLike = Target | Mapping[str, Any]
@@ -459,9 +459,7 @@ def check_against_reference(spec: OperatorSpec, output: np.ndarray, inputs: Sequ
     rounded to bf16); raises when it exceeds ``rel_tol`` times the largest reference magnitude
     (float32 sums of a few thousand terms sit near 1e-6 of it)."""
     if spec.precision == "bf16":
-        from dietserve.kernels.cpu_packed.bf16 import bf16_rounded
-
-        inputs = [bf16_rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
+        inputs = rounded_operands(inputs, "bf16")
     expected = spec.reference(*inputs)
     error = float(np.max(np.abs(output - expected)))
     bound = rel_tol * max(1.0, float(np.max(np.abs(expected))))

@@ -54,12 +54,11 @@ def _kernel_inputs(recipe: tuple, shape_key: tuple, pack: int) -> list[np.ndarra
 def _expected(recipe: tuple, shape_key: tuple, operands: str = "fp32") -> np.ndarray:
     """The operator's result on the sample shape, its product's operands (first among the inputs,
     ``ops``) rounded as the kernel reads them: ``fp16`` (tensor cores) or ``bf16``."""
+    from ..ops import rounded_operands
+
     inputs = _inputs(recipe, shape_key)
     if operands != "fp32":
-        from dietserve.kernels.cpu_packed.bf16 import bf16_rounded
-
-        rounded = bf16_rounded if operands == "bf16" else lambda x: x.astype(np.float16).astype(np.float32)
-        inputs = [rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
+        inputs = rounded_operands(inputs, operands)
     return _spec(recipe).expected(dict(shape_key), inputs)
 
 

@@ -18,8 +18,8 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from ...kernels.cpu_packed.bf16 import PRECISION_ATTR, precision_of
-from ...kernels.cpu_packed.packing import packed_panel, weight_param
+from ...kernels.cpu_packed.bf16 import precision_of
+from ...kernels.cpu_packed.packing import packed_panel, weight_param, with_precision
 from ...kernels.decision_tree_func import dispatched_prim_func
 from ...kernels.plan.kernel_plan import KernelPlan, PlanError
 from ...kernels.tir.matching import is_dynamic_matmul, workload_key
@@ -50,8 +50,8 @@ def link_tuned_kernels(plans: Sequence[KernelPlan], target: Target, tvm_version:
             if plan is None:
                 updated[gvar] = func.with_attr(WORKLOAD_ATTR, key)
                 continue
-            if precision == "bf16" and plan.pack:
-                func = func.with_attr(PRECISION_ATTR, precision)
+            if plan.pack:  # (an unpacked plan's kernels read fp32 weights: the default rule's and clamped tiles)
+                func = with_precision(func, precision)
             dispatched = dispatched_prim_func(func, plan, target)
             updated[gvar] = dispatched.with_attr(WORKLOAD_ATTR, key).with_attr(PLAN_ATTR, plan.digest())
             if plan.pack:

@@ -43,13 +43,18 @@ attributes #0 = {{ alwaysinline nounwind "target-features"="+avx512f,+avx512bf16
 PAIR_LANES = 16  # fp32 sums per vdpbf16ps (a 512-bit register)
 
 
-def check_bf16_target(target) -> None:
-    """Raise ValueError unless ``target`` (a tvm Target) is a CPU whose ISA has AVX512-BF16."""
+def has_dot_pairs(target) -> bool:
+    """Whether ``target`` (a tvm Target) is a CPU whose ISA has AVX512-BF16 (``vdpbf16ps``)."""
     from ...host.cpu import target_cpu_flags
 
+    return target.kind.name == "llvm" and "avx512_bf16" in target_cpu_flags(target)
+
+
+def check_bf16_target(target) -> None:
+    """Raise ValueError unless ``target`` can run bf16 kernels (``has_dot_pairs``)."""
     if target.kind.name != "llvm":
         raise ValueError(f"bf16 kernels are built for CPUs (llvm targets), not {target.kind.name}")
-    if "avx512_bf16" not in target_cpu_flags(target):
+    if not has_dot_pairs(target):
         mcpu = str(target.attrs["mcpu"]) if "mcpu" in target.attrs else "this CPU"
         raise ValueError(f"bf16 products need AVX512-BF16 (vdpbf16ps), which {mcpu} lacks: build with "
                          f"--precision fp32, or for a CPU that has it (e.g. --mcpu znver4, sapphirerapids)")

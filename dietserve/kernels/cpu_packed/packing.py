@@ -67,6 +67,14 @@ def packed_panel(func: tirx.PrimFunc) -> int:
     return int(func.attrs[PACKING_ATTR]) if func.attrs is not None and PACKING_ATTR in func.attrs else 0
 
 
+def with_precision(func: tirx.PrimFunc, precision: str) -> tirx.PrimFunc:
+    """``func`` marked to be built with ``precision``'s products where it is a dense layer (a
+    static weight to pack); any other operator, and fp32, as it is."""
+    if precision == "fp32" or weight_param(func) is None:
+        return func
+    return func.with_attr(bf16.PRECISION_ATTR, precision)
+
+
 def packed_form(func: tirx.PrimFunc, panel: int) -> tirx.PrimFunc:
     """``func`` reading its weight in panels of ``panel`` (packed here unless it already is):
     fp32 panels, or bf16 pairs where ``func`` asks for bf16 products (``bf16.PRECISION_ATTR``)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
-from ...host.cpu import target_cpu_flags
+from .bf16 import has_dot_pairs
 
 # The CPUs (LLVM names) whose passes over a weight streamed from DRAM do not overlap the stream
 # with their FMAs: Intel's server cores. Their hardware prefetchers run a few lines ahead and
@@ -74,7 +74,7 @@ def packed_settings(target: Target | None = None) -> PackedSettings:
     mcpu = target.attrs.get("mcpu") if llvm else None
     ahead = mcpu is not None and str(mcpu) in STREAM_AHEAD_CPUS
     return PackedSettings(stream_ahead_bytes=STREAM_AHEAD_BYTES if ahead else 0,
-                          dot_pairs=llvm and "avx512_bf16" in target_cpu_flags(target))
+                          dot_pairs=llvm and has_dot_pairs(target))
 
 
 __all__ = ["STREAM_AHEAD_BYTES", "STREAM_AHEAD_CPUS", "PackedSettings", "packed_settings"]

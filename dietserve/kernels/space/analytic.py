@@ -35,9 +35,8 @@ from tvm import tirx
 
 from ...host.hardware import CpuHardware
 from ..cpu_clamped.kernel import PANEL, clamped_fits, tile_at
-from ..cpu_packed.bf16 import PRECISION_ATTR
 from ..cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
-from ..cpu_packed.packing import weight_param
+from ..cpu_packed.packing import weight_param, with_precision
 from ..cpu_packed.tile import register_footprint
 from ..plan.decision_tree import interval_tree, segment
 from ..plan.kernel_plan import KernelPlan
@@ -170,7 +169,7 @@ def analytic_plan(func: tirx.PrimFunc, operator: str, vary: Mapping, fixed: Mapp
     """The plan for ``func`` over ``vary``'s values (with ``fixed`` for the other vars), priced
     by ``seconds``; None where no kernel of the space fits it (the default rule stays); for a
     build of ``precision``."""
-    kernels = candidates(func.with_attr(PRECISION_ATTR, precision) if precision != "fp32" else func, hw)
+    kernels = candidates(with_precision(func, precision), hw)
     if not kernels:
         return None
     var = vary["var"]
