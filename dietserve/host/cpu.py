@@ -31,6 +31,7 @@ LLVM_TO_CPUINFO = {
     "avx512bitalg": "avx512_bitalg",
     "avx512vpopcntdq": "avx512_vpopcntdq",
     "amx-tile": "amx_tile",
+    "amx-bf16": "amx_bf16",
 }
 
 

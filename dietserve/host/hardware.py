@@ -20,6 +20,7 @@ class CpuHardware:
     l1_bytes: int  # per core, data
     l2_bytes: int  # per core
     cores: int
+    matrix_tiles: bool = False  # AMX-BF16 tile registers (``cpu_packed/amx.py``)
 
     def __post_init__(self) -> None:
         for field_name in ("vector_bits", "vector_registers", "l1_bytes", "l2_bytes", "cores"):
@@ -112,4 +113,5 @@ def detect_cpu(cpu_flags: set[str], sysfs: Path = Path("/sys/devices/system/cpu"
         l1_bytes=_cache_size(1, ("Data",), sysfs) or base.l1_bytes,
         l2_bytes=_cache_size(2, ("Unified", "Data"), sysfs) or base.l2_bytes,
         cores=len(os.sched_getaffinity(0)),
+        matrix_tiles={"amx_tile", "amx_bf16"} <= cpu_flags,
     )

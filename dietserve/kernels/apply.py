@@ -8,10 +8,11 @@ from tvm.target import Target
 
 from ..host.cpu import target_cores
 from .cpu_clamped.kernel import apply_cpu_clamped, is_clamped, softmax_after
+from .cpu_packed.amx import apply_cpu_amx
 from .cpu_packed.kernel import apply_cpu_packed
 from .cpu_packed.packing import packed_form
 from .cpu_padded.kernel import apply_cpu
-from .plan.microkernel import MicroKernel
+from .plan.microkernel import AMX_BF16, MicroKernel
 from .settings import KernelSettings, kernel_settings
 from .tir.loops import float_lanes
 from .tir.matching import ScheduleMismatch
@@ -28,6 +29,8 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
     settings = settings or kernel_settings(target)
     target_kind = target.kind.name
     if target_kind == "cuda":
+        if kernel.mma == AMX_BF16:
+            raise ScheduleMismatch(f"an AMX micro-kernel runs on CPU targets only: {kernel}")
         if kernel.mma:
             from .cuda.tensor_core import apply_tensor_core
 
@@ -36,6 +39,9 @@ def apply_kernel(func: tirx.PrimFunc, kernel: MicroKernel, target: Target | str,
 
         return apply_cuda(func, kernel, loop_partition=loop_partition)
     if target_kind == "llvm":
+        if kernel.mma == AMX_BF16:
+            return apply_cpu_amx(packed_form(func, kernel.pack), kernel, target_cores(target),
+                                 settings=settings.packed)
         if kernel.mma:
             raise ScheduleMismatch(f"a tensor-core micro-kernel runs on CUDA targets only: {kernel}")
         if kernel.pack:

@@ -148,7 +148,7 @@ def test_drifted_traffic_is_retuned_and_swapped_in_faster(tmp_path: Path, cache_
               f"re-tune (timed at {checked:.2f}x before the swap)")
         # The gain is judged by the server's own side-by-side check (the swap's gate), not by the
         # probe's wall times before and after: those are minutes apart on a shared host, and a
-        # millisecond request moves more than 1.5x between them for the same kernels.
+        # millisecond request moves further between them than any gain, for the same kernels.
         assert store.current() == 2 and checked >= 0.9
         assert total(samples, "dietserve_swap_measured_gain") > 0.5  # the server's own view of the same shapes
         # The job's prediction from the plans' own latencies over the recorded traffic, as exported.

@@ -14,10 +14,12 @@ from dietserve.kernels.tir.build import build
 PARTS = 2
 
 
-def build_each(func: tvm.tirx.PrimFunc, kernels: list, target: tvm.target.Target, where="llvm") -> list:
+def build_each(func: tvm.tirx.PrimFunc, kernels: list, target: tvm.target.Target, where="llvm",
+               settings=None) -> list:
     """One built function per kernel, in the kernels' order; ``where`` is the target the
-    schedules are applied for (its core count decides their task split)."""
-    named = {f"k{i}": apply_kernel(func, kernel, where).with_attr("global_symbol", f"k{i}")
+    schedules are applied for (its core count decides their task split); ``settings``: the
+    kernels' (None: ``where``'s own)."""
+    named = {f"k{i}": apply_kernel(func, kernel, where, settings=settings).with_attr("global_symbol", f"k{i}")
              for i, kernel in enumerate(kernels)}
     groups = [group for group in (list(named)[part::PARTS] for part in range(PARTS)) if group]
     with ThreadPoolExecutor(len(groups)) as pool:

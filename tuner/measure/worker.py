@@ -165,6 +165,8 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, connection: _Connec
     before); or the error message of a wrong one (not kept)."""
     import tvm
 
+    from dietserve.kernels.plan.microkernel import WMMA_F16
+
     key = build_key(work)
     if key in _BUILDS:
         _BUILDS.move_to_end(key)
@@ -172,7 +174,8 @@ def _built_and_checked(work: WorkerJob, spec, recipe: tuple, connection: _Connec
     # ``work.library``: compiled by a builder worker (``compile_only``; local only)
     module = tvm.runtime.load_module(work.library) if work.library else connection.load(compiled(work, spec))
     check_key = tuple(sorted(work.job.check_shape.items()))
-    pack, mma = (0, False) if kernel is None else (kernel.pack, bool(kernel.mma))
+    # (fp16: CUDA tensor cores; bf16: a bf16 build's packed kernels, AMX tiles among them)
+    pack, mma = (0, False) if kernel is None else (kernel.pack, kernel.mma == WMMA_F16)
     expected = _expected(recipe, check_key, "fp16" if mma else "bf16" if pack and spec.precision == "bf16" else "fp32")
     tolerance = (MMA_CHECK_TOLERANCE,) * 2 if mma else (CHECK_RTOL, CHECK_ATOL)
     output = connection.tensor(np.full(expected.shape, np.nan, "float32"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
@@ -99,3 +100,12 @@ def claimed_tasks(extent, workers: int):
 
 
 __all__ = ["COUNTER_STRIDE", "Claim", "claimed_tasks", "static_tasks"]
+
+
+def task_loop(threads: int, loop, workers: int | None, claimed: bool):
+    """A kernel's task loop: ``claimed_tasks`` by ``workers`` where it runs on every core
+    (``threads`` != 1) and ``claimed`` (``PackedSettings.claimed_tasks``), else ``static_tasks``
+    over ``loop``."""
+    if threads != 1 and workers and claimed:
+        return partial(claimed_tasks, workers=workers)
+    return partial(static_tasks, loop)

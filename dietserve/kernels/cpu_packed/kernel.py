@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from functools import partial
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -57,7 +56,7 @@ from ..tir.build import with_exact_buffers
 from ..tir.matching import ScheduleMismatch
 from ..tir.rebuild import expression_size
 from . import bf16
-from .claimed_tasks import claimed_tasks, static_tasks
+from .claimed_tasks import task_loop
 from .loop_nests import blocked_reduction, packed_rows, whole_reduction
 from .prefetch import CACHE_LINE_BYTES
 from .settings import PackedSettings
@@ -92,10 +91,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     epilogue_loop = settings.epilogue_loop and expression_size(op.epilogue) > settings.epilogue_unrolled_nodes
     tile = Tile(op, mr, panel, pk, lanes, rows, settings.remainder_tiles, epilogue_loop)
     loop = T.parallel if kernel.threads != 1 else T.serial
-    if kernel.threads != 1 and workers and settings.claimed_tasks:
-        tasks = partial(claimed_tasks, workers=workers)
-    else:
-        tasks = partial(static_tasks, loop)
+    tasks = task_loop(kernel.threads, loop, workers, settings.claimed_tasks)
     if op.bf16 and not settings.dot_pairs:
         raise ScheduleMismatch("a bf16 kernel needs a target with AVX512-BF16 (vdpbf16ps)")
     if op.bf16 and lanes != bf16.PAIR_LANES:
@@ -149,11 +145,12 @@ def with_whole_reduction(kernel: MicroKernel) -> MicroKernel:
 
 def computed_extent(kernel: MicroKernel, axis: str, extent: int, settings: PackedSettings | None = None) -> int:
     """How much of ``axis`` ``kernel`` computes for a shape ``extent`` long, padding included:
-    whole tiles, but a packed kernel's rows end in a remainder tile (``remainder_heights``);
-    ``settings``: what it is built with (None: the defaults, the same for every target here)."""
+    whole tiles, but a packed kernel's rows end in a remainder tile (``remainder_heights``; an
+    AMX kernel's in a whole tile); ``settings``: what it is built with (None: the defaults, the
+    same for every target here)."""
     tile = kernel.tile_of(axis)
     remainder_tiles = (settings or PackedSettings()).remainder_tiles
-    if not (kernel.pack and axis == "i" and remainder_tiles) or extent % tile == 0:
+    if not (kernel.pack and axis == "i" and remainder_tiles and not kernel.mma) or extent % tile == 0:
         return -(-extent // tile) * tile
     left = extent % tile
     return extent - left + next(height for height in remainder_heights(tile) if height >= left)

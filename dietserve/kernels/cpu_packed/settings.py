@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from .amx import has_matrix_tiles
 from .bf16 import has_dot_pairs
 
 # The CPUs (LLVM names) whose passes over a weight streamed from DRAM do not overlap the stream
@@ -65,6 +66,11 @@ class PackedSettings:
     # The target's ISA has vdpbf16ps (AVX512-BF16): bf16 dense layers can be built
     # (``bf16.py``). Not a switch: a fact of the target, set by ``packed_settings``.
     dot_pairs: bool = False
+    # The target has AMX-BF16 tiles: AMX kernels can be built (``amx.py``). A fact, as ``dot_pairs``.
+    matrix_tiles: bool = False
+    # AMX kernels run their tile instructions as loops over a register file in memory
+    # (``amx.EmulatedTiles``): for checking them against numpy on CPUs without AMX.
+    emulated_tiles: bool = False
 
 
 def packed_settings(target: Target | None = None) -> PackedSettings:
@@ -74,7 +80,7 @@ def packed_settings(target: Target | None = None) -> PackedSettings:
     mcpu = target.attrs.get("mcpu") if llvm else None
     ahead = mcpu is not None and str(mcpu) in STREAM_AHEAD_CPUS
     return PackedSettings(stream_ahead_bytes=STREAM_AHEAD_BYTES if ahead else 0,
-                          dot_pairs=llvm and has_dot_pairs(target))
+                          dot_pairs=llvm and has_dot_pairs(target), matrix_tiles=llvm and has_matrix_tiles(target))
 
 
 __all__ = ["STREAM_AHEAD_BYTES", "STREAM_AHEAD_CPUS", "PackedSettings", "packed_settings"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-# CUDA tensor-core instruction families a kernel may name in ``mma`` (inputs rounded to that
-# type, fp32 accumulation): ``cuda/tensor_core.py``.
-MMA_KINDS = ("wmma_f16",)
+# Matrix instruction families a kernel may name in ``mma`` (inputs rounded to that type, fp32
+# accumulation): CUDA tensor cores (``cuda/tensor_core.py``) and CPU AMX tiles (``cpu_packed/amx.py``).
+WMMA_F16, AMX_BF16 = "wmma_f16", "amx_bf16"
+MMA_KINDS = (WMMA_F16, AMX_BF16)
 MMA_FRAGMENT = 16  # the m, n and k of one wmma operation
+AMX_TILE = 16  # rows of an AMX tile, and fp32 columns of a C tile
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,9 @@ class MicroKernel:
     # CPU: panel width of the packed weight the kernel reads (``cpu_packed/packing.py``); 0 = unpacked.
     # A packed kernel's j tile is (panel, panels per register tile, register tiles per task).
     pack: int = 0
-    # CUDA: "" = fp32 FMAs on CUDA cores; else a tensor-core kind of ``MMA_KINDS``, whose tile
-    # levels are (fragment, fragments per warp, warps per block) on i and j, (fragment, steps) on k.
+    # "" = FMAs on vector units; else a kind of ``MMA_KINDS``. CUDA ``wmma_f16``: tile levels
+    # (fragment, fragments per warp, warps per block) on i and j, (fragment, steps) on k. CPU
+    # ``amx_bf16``: a packed kernel whose rows and columns are whole 16 x 16 tiles.
     mma: str = ""
 
     def __post_init__(self) -> None:
@@ -42,11 +45,22 @@ class MicroKernel:
     def _check_tensor_core(self) -> None:
         if self.mma not in MMA_KINDS:
             raise ValueError(f"unknown tensor-core kind {self.mma!r}; known: {MMA_KINDS}")
+        if self.mma == AMX_BF16:
+            self._check_amx()
+            return
         levels = {axis: len(sizes) for axis, sizes in self.tile}
         if levels != {"i": 3, "j": 3, "k": 2} or self.pack:
             raise ValueError(f"a tensor-core kernel tiles i and j in 3 levels and k in 2, unpacked: {self}")
         if any(sizes[0] != MMA_FRAGMENT for _, sizes in self.tile):
             raise ValueError(f"a tensor-core kernel's innermost tile is the {MMA_FRAGMENT}-wide fragment: {self}")
+
+    def _check_amx(self) -> None:
+        levels = {axis: len(sizes) for axis, sizes in self.tile}
+        if levels != {"i": 1, "j": 3, "k": 1} or not self.pack or self.tile_sizes("j")[0] != self.pack:
+            raise ValueError(f"an AMX kernel is packed, tiled (rows,) (panel, panels, groups) (1,): {self}")
+        if self.tile_sizes("i")[0] % AMX_TILE or self.pack % AMX_TILE or self.tile_sizes("k") != (1,):
+            raise ValueError(f"an AMX kernel's rows and panels are whole {AMX_TILE}-row tiles over the whole "
+                             f"reduction: {self}")
 
     def tile_sizes(self, axis: str) -> tuple[int, ...]:
         for name, sizes in self.tile:

@@ -5,7 +5,7 @@ from ..cpu_clamped.kernel import clamped_fits, is_clamped
 from ..cpu_packed.bf16 import PAIR_LANES, precision_of
 from ..cpu_packed.kernel import packed_tile
 from ..cpu_packed.packing import weight_param
-from ..plan.microkernel import MicroKernel
+from ..plan.microkernel import AMX_BF16, MicroKernel
 from .cpu import whole_task_fits_l2
 
 
@@ -15,7 +15,7 @@ def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardwa
     CPU ``hardware``) whose task stays in L2 there, if any; else the clamped-tile kernels, which
     need no padding, where the operator takes them; else the padded kernels. A bf16 operator's
     packed kernels run over pairs of its reduction steps (``cpu_packed/bf16.py``), as deep as
-    half its depth, on 16-lane vectors."""
+    half its depth, on 16-lane vectors or AMX tiles (``cpu_packed/amx.py``)."""
     weight = weight_param(func)
     packed = []
     if weight is not None:
@@ -23,6 +23,8 @@ def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardwa
         if precision_of(func) == "bf16":
             depth //= 2
             space = [k for k in space if k.vector == PAIR_LANES]
+        else:  # (AMX tiles multiply bf16 pairs only)
+            space = [k for k in space if k.mma != AMX_BF16]
         packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
                   and _blocks_fit(k.tile_sizes("k")[0], depth)
                   and (not isinstance(hardware, CpuHardware) or whole_task_fits_l2(k, depth, hardware))]

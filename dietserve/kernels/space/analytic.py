@@ -35,12 +35,13 @@ from tvm import tirx
 
 from ...host.hardware import CpuHardware
 from ..cpu_clamped.kernel import PANEL, clamped_fits, tile_at
+from ..cpu_packed.amx import amx_tile
 from ..cpu_packed.kernel import crowding_rows, packed_tile, remainder_heights
 from ..cpu_packed.packing import weight_param, with_precision
 from ..cpu_packed.tile import register_footprint
 from ..plan.decision_tree import interval_tree, segment
 from ..plan.kernel_plan import KernelPlan
-from ..plan.microkernel import MicroKernel
+from ..plan.microkernel import AMX_BF16, MicroKernel
 from ..tir.matching import evaluate, matmul_axes, matmul_extents, symbolic_vars, workload_key
 from . import task_space
 from .cpu import DTYPE_BYTES, clamped_cpu_space, packed_cpu_space, whole_task_fits_l2
@@ -53,6 +54,9 @@ DRAM_BYTES_PER_CORE_S = 10e9
 L2_BYTES_PER_CYCLE = 32
 WAKE_S, TASK_S = 4e-6, 0.1e-6  # waking the thread pool; taking one task
 MAX_INTERVALS = 4
+# One tdpbf16ps: 16 x 16 sums over 32 reduction steps, issued every 16 cycles (Intel's figure for its
+# first AMX cores), so 16x an AVX-512 core's fp32 FMA rate.
+AMX_PRODUCT_CYCLES, AMX_PAIR_STEPS = 16, 32
 DENSE_UP_TO, SAMPLE_STEP = 64, 4  # the values priced: ``sampled``
 
 
@@ -90,6 +94,22 @@ def packed_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: Cp
     stream = depth * cols * DTYPE_BYTES / (DRAM_BYTES_PER_CORE_S * workers)
     if passes > 1 and not whole_task_fits_l2(kernel, depth, hw):
         stream *= passes  # each row pass reads the task's panels again
+    return max(compute, stream) + _wake(kernel, tasks)
+
+
+def amx_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: CpuHardware) -> float:
+    """A bf16 dense layer on AMX tiles (``cpu_packed/amx.py``): one ``tdpbf16ps`` per C tile and
+    32 reduction steps at ``AMX_PRODUCT_CYCLES``, the rows padded to whole tiles, the weight's
+    bf16 pairs from DRAM as ``packed_seconds`` streams them."""
+    mr, panel, pk, panels = packed_tile(kernel)
+    row_tiles, column_tiles = amx_tile(kernel)
+    tasks = cols // (panel * panels) * -(-rows // mr)
+    task_cycles = panels // pk * depth // AMX_PAIR_STEPS * row_tiles * column_tiles * AMX_PRODUCT_CYCLES
+    workers = 1 if kernel.threads == 1 else min(hw.cores, tasks)
+    compute = math.ceil(tasks / workers) * task_cycles / CLOCK_HZ
+    stream = depth // 2 * cols * DTYPE_BYTES / (DRAM_BYTES_PER_CORE_S * workers)
+    if rows > mr and not whole_task_fits_l2(kernel, depth // 2, hw):
+        stream *= -(-rows // mr)
     return max(compute, stream) + _wake(kernel, tasks)
 
 
@@ -142,6 +162,8 @@ def seconds(kernel: MicroKernel, extents: tuple[int, int, int, int], hw: CpuHard
     """The price of ``kernel`` on the matmul extents ``(batch, rows, cols, depth)``; ``precision``:
     a packed kernel's products' (the others are fp32)."""
     batch, rows, cols, depth = extents
+    if kernel.mma == AMX_BF16:
+        return amx_seconds(kernel, batch * rows, cols, depth, hw)
     if kernel.pack:
         return packed_seconds(kernel, batch * rows, cols, depth, hw, precision)
     return clamped_seconds(kernel, batch, rows, cols, depth, hw)

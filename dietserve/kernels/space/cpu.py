@@ -12,9 +12,10 @@ import itertools
 
 from ...host.hardware import CpuHardware
 from ..cpu_clamped.kernel import CLAMPED, PANEL
+from ..cpu_packed.amx import fits_tile_registers
 from ..cpu_packed.kernel import packed_tile
 from ..cpu_packed.tile import register_footprint
-from ..plan.microkernel import MicroKernel
+from ..plan.microkernel import AMX_BF16, AMX_TILE, MicroKernel
 
 DTYPE_BYTES = 4
 PANEL_DEPTH = 256  # reduction steps a packed panel is sized for
@@ -74,6 +75,25 @@ def packed_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
                 if _task_fits_l2(panel, pk * groups, PACKED_PANEL_DEPTH if kc == 1 else kc, hw):
                     kernels.append(MicroKernel(tile=(("i", (mr,)), ("j", (panel, pk, groups)), ("k", (kc,))),
                                                vector=lanes, threads=threads, pack=panel))
+    return kernels + amx_cpu_space(hw)
+
+
+def amx_cpu_space(hw: CpuHardware) -> list[MicroKernel]:
+    """AMX kernels (``cpu_packed/amx.py``), where the CPU has AMX-BF16 tiles: a register tile of
+    ``mt`` x ``pk * panel / 16`` C tiles of 16 x 16 sums whose A and B tiles fit the 8 tile
+    registers beside them; tasks sized as the packed kernels' (their weights are the same panels,
+    bf16 pairs: ``task_space`` offers them to bf16 layers only)."""
+    if not hw.matrix_tiles:
+        return []
+    kernels = []
+    for panel, pk, row_tiles in itertools.product((32, 48), (1, 2), (1, 2)):
+        if not fits_tile_registers(row_tiles, pk * panel // AMX_TILE):
+            continue
+        for groups, threads in itertools.product((1, 2, 4, 8), _threads(hw)):
+            if _task_fits_l2(panel, pk * groups, PACKED_PANEL_DEPTH, hw):
+                kernels.append(MicroKernel(tile=(("i", (row_tiles * AMX_TILE,)), ("j", (panel, pk, groups)),
+                                                 ("k", (1,))), vector=AMX_TILE, threads=threads, pack=panel,
+                                           mma=AMX_BF16))
     return kernels
 
 
