@@ -381,13 +381,16 @@ def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list
                         for name in ("ours bf16", "openvino")} for point, inputs in points.items()}
     from tuner.targets import resolve_target
 
-    target = resolve_target("llvm", cores=args.threads).target
-    peaks = {"fp32": [], "bf16": []}
+    where = resolve_target("llvm", cores=args.threads)
+    target, tiles = where.target, where.hardware.matrix_tiles  # (tiles: AMX kernels in the plans too)
+    peaks = {"fp32": [], "bf16": [], **({"amx": []} if tiles else {})}
     samples = {point: {name: [] for name in backends} for point in points}
     for round_index in range(args.rounds):
         say(f"{model} bf16: round {round_index + 1} of {args.rounds} over {len(points)} points")
         peaks["fp32"].append(kernel_baselines.fma_peak_rate(target, repeats=3))
         peaks["bf16"].append(kernel_baselines.bf16_peak_rate(target, repeats=3))
+        if tiles:
+            peaks["amx"].append(kernel_baselines.amx_peak_rate(target, repeats=3))
         for point, inputs in points.items():
             for name, fn in rotated(backends.items(), round_index):
                 samples[point][name].append(median_latency(fn, inputs, args.repeats))
@@ -395,7 +398,8 @@ def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list
     for batch in args.batches:
         print(f"# model={model} batch={batch} threads={args.threads} (median ms over {args.rounds} rounds); OpenVINO "
               f"at its default precision: {chosen}; peaks over the rounds: fp32 FMA {span['fp32']} GFLOP/s, bf16 "
-              f"(vdpbf16ps) {span['bf16']} GFLOP/s; cos: the smallest per-token cosine to transformers fp32")
+              f"(vdpbf16ps) {span['bf16']} GFLOP/s" + (f", AMX (tdpbf16ps) {span['amx']} GFLOP/s" if tiles else "")
+              + "; cos: the smallest per-token cosine to transformers fp32")
         print(f"{'seq':>5} " + " ".join(f"{name:>10}" for name in backends)
               + f" {'bf16/fp32':>9} {'vs_ov':>6} {'vs_tbf16':>8} {'vs_ort':>6} {'cos ours':>9} {'cos ov':>9}")
         for seq in args.lengths:

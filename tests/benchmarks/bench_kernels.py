@@ -20,7 +20,9 @@ T >= 64. Not a test: run it on an idle machine.
 ``--precision bf16`` (CPUs with AVX512-BF16): the dense layers with bf16 products (attention's
 stay fp32), beside PyTorch's bf16 matmul, with the bf16 peak (``vdpbf16ps`` in registers on every
 core) measured beside the FMA peak; ``RESULT`` adds ``bf16_peak_pct_t64plus``: the dense layers'
-geomean share of the bf16 peak at T >= 64.
+geomean share of the bf16 peak at T >= 64. On a CPU with AMX-BF16 tiles the space holds AMX
+kernels too, the AMX peak (``tdpbf16ps`` on tiles, every core) is measured beside, and ``RESULT``
+adds ``amx_peak_pct_t64plus``.
 """
 
 from __future__ import annotations
@@ -198,8 +200,11 @@ def main() -> int:
     fma = baselines.fma_peak_rate(target) if on_cpu else float("nan")
     bf16 = args.precision == "bf16"
     dots = baselines.bf16_peak_rate(target) if bf16 else float("nan")
+    tiles = bf16 and on_cpu and where.hardware.matrix_tiles  # (AMX kernels are then in the space)
+    amx_peak = baselines.amx_peak_rate(target) if tiles else float("nan")
     _log(f"ceiling at start: numpy sgemm 2048^3 {sgemm:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s, read-only weight "
-         f"pass {stream:.1f} GB/s" + (f", bf16 peak {dots:.1f} GFLOP/s" if bf16 else ""))
+         f"pass {stream:.1f} GB/s" + (f", bf16 peak {dots:.1f} GFLOP/s" if bf16 else "")
+         + (f", AMX peak {amx_peak:.1f} GFLOP/s" if tiles else ""))
     vs_torch, vs_ms, ours_tuning, ms_tuning, ceiling_points, dense_rates = [], [], 0.0, 0.0, [], []
     streaming, references = [], []
     results = []
@@ -267,6 +272,7 @@ def main() -> int:
     sgemm_end, stream_end = baselines.machine_ceiling(target) if on_cpu else (float("nan"), float("nan"))
     fma_end = baselines.fma_peak_rate(target) if on_cpu else float("nan")
     dots_end = baselines.bf16_peak_rate(target) if bf16 else float("nan")
+    amx_end = baselines.amx_peak_rate(target) if tiles else float("nan")
     _log(f"ceiling at end: numpy sgemm {sgemm_end:.1f} GFLOP/s, FMA peak {fma_end:.1f} GFLOP/s, read-only pass "
          f"{stream_end:.1f} GB/s" + (f", bf16 peak {dots_end:.1f} GFLOP/s" if bf16 else ""))
     ratio = ms_tuning / ours_tuning if ms_tuning else float("nan")
@@ -275,6 +281,8 @@ def main() -> int:
           f"read-only pass over a 768x3072 weight {stream:.1f} / {stream_end:.1f} GB/s")
     if bf16:
         print(f"bf16 peak (vdpbf16ps in registers, every core; start / end): {dots:.1f} / {dots_end:.1f} GFLOP/s")
+    if tiles:
+        print(f"AMX peak (tdpbf16ps on tiles, every core; start / end): {amx_peak:.1f} / {amx_end:.1f} GFLOP/s")
     if dense_rates:
         peak, name = (max(dots, dots_end), "bf16 peak") if bf16 else (max(fma, fma_end), "FMA peak")
         print(f"dense layers at T >= 64: {min(dense_rates):.1f}-{max(dense_rates):.1f} GFLOP/s, geomean "
@@ -296,7 +304,8 @@ def main() -> int:
     print(f"RESULT geomean_vs_torch={geomean(vs_torch):.3f} min_vs_torch={min(vs_torch):.3f} "
           f"geomean_vs_metaschedule={geomean(vs_ms):.3f} tuning_time_ratio={ratio:.2f} "
           f"ceiling_pct_t64plus={ceiling_pct:.1f}"
-          + (f" bf16_peak_pct_t64plus={100 * geomean(dense_rates) / max(dots, dots_end):.1f}" if bf16 else ""))
+          + (f" bf16_peak_pct_t64plus={100 * geomean(dense_rates) / max(dots, dots_end):.1f}" if bf16 else "")
+          + (f" amx_peak_pct_t64plus={100 * geomean(dense_rates) / max(amx_peak, amx_end):.1f}" if tiles else ""))
     return 0
 
 

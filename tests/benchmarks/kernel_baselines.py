@@ -354,6 +354,47 @@ def bf16_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) -
     return 4 * cores * width * steps / median_seconds(lambda: function(out), repeats, warmup=2, number=1) / 1e9
 
 
+def amx_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) -> float:
+    """GFLOP/s of AMX tile products alone (``tdpbf16ps`` on 2 x 2 C tiles, their operands held
+    in the other four tiles) on every core the target names: the bound an AMX kernel is read
+    against. The target must have AMX-BF16 tiles."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    from dietserve.kernels.apply import target_cores
+    from dietserve.kernels.cpu_packed import amx
+
+    target = _as_target(target)
+    if not amx.has_matrix_tiles(target):
+        raise ValueError(f"{target} has no AMX-BF16 tiles")
+    cores = target_cores(target) or os.cpu_count() or 1
+    tiles = amx.MatrixTiles()
+    with IRBuilder() as builder:
+        with T.prim_func():
+            T.func_name("main")
+            operand = T.arg("operand", T.buffer((amx.TILE_ROWS, amx.TILE_WORDS), "uint32"))
+            out = T.arg("out", T.buffer((cores, 4, amx.TILE_ROWS, amx.TILE_WORDS), "float32"))
+            tiles.request_permission()
+            with T.parallel(0, cores) as task:
+                amx.configure_tiles(tiles)
+                for c in range(4):
+                    tiles.zero(c)
+                for t in range(4, 8):
+                    tiles.load(t, operand, lambda r, q: (r, q))
+                with T.serial(0, steps):
+                    for c, (a, b) in enumerate(((4, 6), (4, 7), (5, 6), (5, 7))):
+                        tiles.product(c, a, b)
+                for c in range(4):
+                    tiles.store(c, out, lambda r, q, c=c, task=task: (task, c, r, q))
+                tiles.release()
+    function = tvm.compile(tvm.IRModule({"main": builder.get()}), target=target)["main"]
+    operand = tvm.runtime.tensor(np.full((amx.TILE_ROWS, amx.TILE_WORDS), 0x3A833A83, np.uint32))  # bf16 0.001s
+    out = tvm.runtime.tensor(np.zeros((cores, 4, amx.TILE_ROWS, amx.TILE_WORDS), np.float32))
+    time.sleep(0.2)
+    flops = 2 * amx.TILE_ROWS * amx.TILE_WORDS * 2 * amx.TILE_WORDS * 4 * steps * cores
+    return flops / median_seconds(lambda: function(operand, out), repeats, warmup=2, number=1) / 1e9
+
+
 def sgemm_rate(repeats: int = 5) -> float:
     """GFLOP/s of numpy's BLAS on 2048^3."""
     rng = np.random.default_rng(0)

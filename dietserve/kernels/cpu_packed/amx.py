@@ -178,7 +178,7 @@ def _stride_bytes(buffer: tirx.Buffer, at) -> tirx.Expr:
     return tirx.Cast("int64", stride) * (buffer.dtype.bits // 8)
 
 
-def _configured(tiles: MatrixTiles) -> tirx.Buffer:
+def configure_tiles(tiles: MatrixTiles) -> tirx.Buffer:
     """The 64-byte tile configuration (palette 1, every tile 16 rows of 64 bytes), loaded."""
     config = T.alloc_buffer((64,), "uint8", scope="global")
     with T.serial(0, 64) as byte:
@@ -243,7 +243,7 @@ def apply_cpu_amx(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | None 
         with tasks(blocks * row_groups) as claim:
             block, group_row = claim.task // row_groups, claim.task % row_groups
             i0 = group_row * mr
-            _configured(tiles)
+            configure_tiles(tiles)
             sums = T.alloc_buffer((mr, pk * panel), "float32", scope="global")
             with T.serial(0, groups) as group:
                 panel0 = block * nb + group * pk
@@ -269,5 +269,5 @@ def apply_cpu_amx(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | None 
     return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True), own_storage=True)
 
 
-__all__ = ["EmulatedTiles", "MatrixTiles", "amx_tile", "apply_cpu_amx", "fits_tile_registers", "has_matrix_tiles",
-           "tile_registers"]
+__all__ = ["EmulatedTiles", "MatrixTiles", "amx_tile", "apply_cpu_amx", "configure_tiles", "fits_tile_registers",
+           "has_matrix_tiles", "tile_registers"]
