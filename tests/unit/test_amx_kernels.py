@@ -21,6 +21,7 @@ from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.cpu_packed import amx, bf16
 from dietserve.kernels.cpu_packed.kernel import computed_extent
 from dietserve.kernels.cpu_packed.settings import PackedSettings, packed_settings
+from dietserve.kernels.decision_tree_func import dispatched_prim_func
 from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.settings import KernelSettings
 from dietserve.kernels.space import task_space
@@ -34,6 +35,7 @@ from .kernel_builds import build_each
 
 HAS_AMX = {"amx_tile", "amx_bf16"} <= (cpu_flags() or set())
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in (cpu_flags() or set()), reason="this CPU has no AVX512-BF16")
 AMX_HOST = CPU_PRESETS["avx512"].with_overrides(matrix_tiles=True)
 SAPPHIRE = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
 HOST = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -173,3 +175,27 @@ def test_every_amx_kernel_matches_numpy_on_the_tiles(epilogue: str) -> None:
     kernels = _space_kernels(spec)
     here = tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": 2})
     _check_against_numpy(spec, kernels, build_each(spec.func, kernels, here, here), LENGTHS)
+
+
+@needs_bf16
+def test_a_dispatched_plan_of_amx_and_avx512_bf16_kernels_matches_numpy() -> None:
+    """A cold-start plan for a CPU with tiles, through the decision tree the model is built with:
+    its short inputs on AVX512-BF16 register tiles, its long ones on (emulated) AMX tiles, one
+    weight in bf16 pairs for both."""
+    spec = dense(768, 768, "bias_gelu", precision="bf16")
+    plan = analytic_plan(spec.func, "dense", {"var": "T", "values": list(range(1, 513))}, {}, [],
+                         {"kind": "llvm", "mcpu": "sapphirerapids"}, str(tvm.__version__), AMX_HOST,
+                         precision="bf16")
+    kinds = {plan.kernel(name).mma for name in plan.variants}
+    assert kinds == {"", "amx_bf16"}, plan.variants
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
+    settings = KernelSettings(packed=PackedSettings(dot_pairs=True, emulated_tiles=True))
+    function = build(dispatched_prim_func(spec.func, plan, target, settings=settings), target)["main"]
+    for length in (1, 5, 40, 100, 512):
+        shape = {"T": length}
+        inputs = random_inputs(spec, shape, seed=length)
+        out = tvm.runtime.tensor(np.full(spec.output_shape(shape), np.nan, "float32"))
+        packed = [tvm.runtime.tensor(x) for x in kernel_inputs(spec, inputs, plan.pack)]
+        function(*spec.call_arguments(shape, packed, out))
+        rounded = [bf16.bf16_rounded(x) if i < 2 else x for i, x in enumerate(inputs)]
+        np.testing.assert_allclose(out.numpy(), spec.reference(*rounded), rtol=1e-4, atol=1e-4, err_msg=f"T={length}")
