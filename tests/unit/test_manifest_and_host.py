@@ -82,7 +82,8 @@ def test_a_cpu_missing_features_of_its_name_builds_for_one_it_can_run() -> None:
     assert _llvm_flags(chosen) <= EMERALD_RAPIDS_VM, "an artifact built for it would not load"
     assert "avx512f" in _llvm_flags(chosen), "the fallback threw away AVX-512 the machine has"
     # With AMX listed (its tiles and their bf16 products), the name LLVM gave stands.
-    assert runnable_cpu("emeraldrapids", EMERALD_RAPIDS_VM | {"amx_tile", "amx_bf16"}, "GenuineIntel") == "emeraldrapids"
+    with_amx = EMERALD_RAPIDS_VM | {"amx_tile", "amx_bf16"}
+    assert runnable_cpu("emeraldrapids", with_amx, "GenuineIntel") == "emeraldrapids"
     # An AMD VM without AVX-512 that LLVM calls znver4: an AVX2 Zen, not an Intel CPU.
     avx2 = {"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c"}
     chosen = runnable_cpu("znver4", avx2, "AuthenticAMD")
