@@ -29,7 +29,9 @@ from ..tir.rebuild import MatmulExpressions, reads, rebuild
 
 PRECISION_ATTR = "dietserve.precision"  # "bf16" on a dense PrimFunc to be built with bf16 products
 DOT_PAIRS = "dietserve_dpbf16ps"
-# linkonce_odr: every kernel of a module imports it, and the copies merge.
+ADJACENT_PAIRS = "dietserve_cvtne2ps2bf16"
+# linkonce_odr: every kernel of a module imports them, and the copies merge. (The conversion's
+# intrinsic puts its second operand's values first: the low half of each word is the even one.)
 DOT_PAIRS_LLVM = f"""
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
 define linkonce_odr <16 x float> @{DOT_PAIRS}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
@@ -37,6 +39,12 @@ define linkonce_odr <16 x float> @{DOT_PAIRS}(<16 x float> %acc, <16 x i32> %a, 
   %y = bitcast <16 x i32> %b to <32 x bfloat>
   %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %x, <32 x bfloat> %y)
   ret <16 x float> %r
+}}
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
+define linkonce_odr <16 x i32> @{ADJACENT_PAIRS}(<16 x float> %first, <16 x float> %second) #0 {{
+  %r = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %second, <16 x float> %first)
+  %w = bitcast <32 x bfloat> %r to <16 x i32>
+  ret <16 x i32> %w
 }}
 attributes #0 = {{ alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }}
 """
@@ -97,8 +105,15 @@ def dot_pairs(acc, activation_pair, weight_pairs) -> tirx.Expr:
                             as_words(tirx.Broadcast(activation_pair, PAIR_LANES)), as_words(weight_pairs))
 
 
+def adjacent_pairs(first, second) -> tirx.Expr:
+    """32 consecutive fp32 values, two 16-lane vectors, as the 16 bf16 pairs of neighbours
+    (``pair(v[2k], v[2k + 1])`` for each k): one ``vcvtne2ps2bf16``, rounding as ``pair`` does."""
+    return tirx.call_extern(f"uint32x{PAIR_LANES}", ADJACENT_PAIRS, first, second)
+
+
 def importing_dot_pairs(body: tirx.Stmt) -> tirx.Stmt:
-    """``body`` with the LLVM function ``dot_pairs`` calls imported into its module."""
+    """``body`` with the LLVM functions ``dot_pairs`` and ``adjacent_pairs`` call imported into
+    its module."""
     return tirx.AttrStmt(tirx.const(0, "int32"), "pragma_import_llvm", tvm.ir.StringImm(DOT_PAIRS_LLVM), body)
 
 

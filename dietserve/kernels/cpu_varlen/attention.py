@@ -34,7 +34,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, dot_pairs, importing_dot_pairs, pair
+from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pairs, importing_dot_pairs, pair
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
@@ -127,7 +127,9 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
     # in the QKV block they lie 3 * heads * head_dim floats apart, a page or more each.
     keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
     values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
-    scores = T.alloc_buffer((mr, key_columns), "float32", scope="global")
+    # (bf16: whole 32-column blocks, which ``_PairedProducts.pair_exponentials`` converts at once)
+    score_columns = -(-key_columns // (2 * PAIR_LANES)) * 2 * PAIR_LANES if pairs else key_columns
+    scores = T.alloc_buffer((mr, score_columns), "float32", scope="global")
     queries = T.alloc_buffer((mr, head_dim), "float32", scope="global")
     row_max = T.alloc_buffer((mr, lanes), "float32", scope="global")
     row_sum = T.alloc_buffer((mr, lanes), "float32", scope="global")
@@ -139,7 +141,7 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
     with T.serial(0, key_tiles * nr - length) as j:  # zeros up to whole panels: their scores are not read
         with T.serial(0, head_dim) as d:
             T.buffer_store(keys, zero, [(length + j) // nr, d, (length + j) % nr])
-    paired = _PairedProducts(keys, values, key_columns, head_dim, tile, length) if pairs else None
+    paired = _PairedProducts(keys, values, key_columns, score_columns, head_dim, tile, length) if pairs else None
     with T.serial(0, (length + mr - 1) // mr) as t:
         i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
         rows = tirx.min(length, mr)
@@ -217,13 +219,14 @@ class _PairedProducts:
     V's rows are converted once per task, a tile's queries and exponentials once per tile; the
     running max, exp and sums stay fp32. A pair past the sequence's end holds zeros."""
 
-    def __init__(self, keys, values, key_columns: int, head_dim: int, tile: VarlenTile, length):
+    def __init__(self, keys, values, key_columns: int, score_columns: int, head_dim: int, tile: VarlenTile,
+                 length):
         self.tile, self.length, self.half = tile, length, head_dim // 2
         mr, nr = tile.mr, tile.nr
         self.keys = T.alloc_buffer((key_columns // nr, self.half, nr), "uint32", scope="global")
         self.values = T.alloc_buffer(((key_columns + 1) // 2, head_dim), "uint32", scope="global")
         self.queries = T.alloc_buffer((mr, self.half), "uint32", scope="global")
-        self.exponentials = T.alloc_buffer((mr, key_columns // 2), "uint32", scope="global")
+        self.exponentials = T.alloc_buffer((mr, score_columns // 2), "uint32", scope="global")
         key_tiles = (length + nr - 1) // nr
         with T.serial(0, key_tiles) as jo:
             with T.serial(0, self.half) as d:
@@ -252,14 +255,31 @@ class _PairedProducts:
                                                   self.keys[jo, d, columns]), [ii, columns])
 
     def pair_exponentials(self, scores) -> None:
-        """The tile's exponentials as pairs of keys, a vector of them at a time: the exponentials'
-        pass leaves zeros past the sequence's end within its last vector, which holds every pair."""
-        half = PAIR_LANES // 2
+        """The tile's exponentials as pairs of keys, 32 keys (two vectors) to one
+        ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros (the exponentials' pass
+        left zeros only within its last vector)."""
+        lanes = PAIR_LANES
+        zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
+        whole = self.length // (2 * lanes)
+
+        def convert(ii, u, masked: bool) -> None:
+            def vector(first):
+                columns = tirx.Ramp(tirx.Cast("int64", first), tirx.const(1, "int64"), lanes)
+                if not masked:
+                    return scores[ii, columns]
+                return tirx.Select(columns < tirx.Broadcast(tirx.Cast("int64", self.length), lanes),
+                                   scores[ii, columns], zeros)
+
+            words = tirx.Ramp(tirx.Cast("int64", u * lanes), tirx.const(1, "int64"), lanes)
+            T.buffer_store(self.exponentials, adjacent_pairs(vector(u * 2 * lanes), vector(u * 2 * lanes + lanes)),
+                           [ii, words])
+
         with T.unroll(0, self.tile.mr) as ii:
-            with T.serial(0, (self.length + PAIR_LANES - 1) // PAIR_LANES) as v:
-                with T.vectorized(0, half) as jj:
-                    j = v * half + jj
-                    T.buffer_store(self.exponentials, pair(scores[ii, 2 * j], scores[ii, 2 * j + 1]), [ii, j])
+            with T.serial(0, whole) as u:
+                convert(ii, u, masked=False)
+            with T.If(self.length % (2 * lanes) > 0):
+                with T.Then():
+                    convert(ii, whole, masked=True)
 
     def context(self, context, column0, nc: int) -> None:
         """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
