@@ -81,3 +81,35 @@ def test_a_task_file_says_whether_an_operator_is_softmaxed() -> None:
     assert TaskDescription(**base, softmax=True).softmax is True
     with pytest.raises(TaskFileError, match="softmax must be true or false"):
         TaskDescription(**base, softmax="yes")
+
+
+def test_softmax_exp_is_fast_exps_values_where_its_input_is_not_positive() -> None:
+    """The attention and fused softmax's exp drops fast_exp's upper clamp and final max, which
+    change nothing for x <= 0: the same bits there, on every float32 kind of input."""
+    import numpy as np
+    import tvm
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    from dietserve.kernels.tir.fast_exp import fast_exp, softmax_exp
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([-rng.exponential(5, 4080).astype(np.float32),
+                             np.float32([0, -0.0, -1e-30, -1e-45, -88.37, -88.38, -100, -3.4e38] * 2)])
+
+    def run(exp) -> np.ndarray:
+        with IRBuilder() as builder:
+            with T.prim_func():
+                T.func_name("main")
+                x = T.arg("x", T.buffer((values.size,), "float32"))
+                y = T.arg("y", T.buffer((values.size,), "float32"))
+                with T.serial(0, values.size // 16) as i:
+                    with T.vectorized(0, 16) as lane:
+                        T.buffer_store(y, exp(x[i * 16 + lane]), [i * 16 + lane])
+        out = tvm.runtime.tensor(np.zeros_like(values))
+        tvm.compile(builder.get(), tvm.target.Target({"kind": "llvm"}))(tvm.runtime.tensor(values), out)
+        return out.numpy()
+
+    ours, topi = run(softmax_exp), run(fast_exp)
+    np.testing.assert_array_equal(ours.view(np.uint32), topi.view(np.uint32))
+    np.testing.assert_allclose(ours, np.exp(values.astype(np.float64)), rtol=5e-6, atol=1e-38)  # (TOPI's error)

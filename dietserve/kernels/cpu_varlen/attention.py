@@ -14,7 +14,7 @@ output projection reads it.
             Q tile [mr, head_dim], scaled by 1 / sqrt(head_dim)
             scores [mr, L] in mr x nr register tiles: Q broadcast, K^T vectors
             each row's max kept as the scores are stored; then exp(score - max) and its sum
-            in one pass (the model's own fast_exp)
+            in one pass (the model's own fast_exp, ``softmax_exp``)
             context [mr, head_dim] in mr x nc register tiles: exp broadcast, V rows vectors,
             divided by the sum as it is stored for the tile's rows
 
@@ -38,7 +38,7 @@ from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pa
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
-from ..tir.fast_exp import fast_exp
+from ..tir.fast_exp import softmax_exp
 from ..tir.row_softmax import LOWEST
 from .tile import LENGTH_VAR, VarlenTile, context_tile
 
@@ -166,13 +166,19 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
                         acc, acc[ii, jv * lanes + lane] + queries[ii, d] * keys[jo, d, jv * lanes + lane],
                         [ii, jv * lanes + lane]))
 
-            def store(ii, jv, lane):
+            def store(ii, jv, lane, masked: bool):
                 column = jo * nr + jv * lanes + lane
-                T.buffer_store(scores, acc[ii, jv * lanes + lane], [ii, column])
-                T.buffer_store(row_max, tirx.max(row_max[ii, lane], tirx.Select(
-                    column < length, acc[ii, jv * lanes + lane], lowest)), [ii, lane])
+                score = acc[ii, jv * lanes + lane]
+                T.buffer_store(scores, score, [ii, column])
+                T.buffer_store(row_max, tirx.max(row_max[ii, lane], tirx.Select(column < length, score, lowest)
+                                                 if masked else score), [ii, lane])
 
-            _tile_loop(mr, nr, lanes, store)
+            # (only the last key tile holds columns past the sequence's end)
+            with T.If(jo * nr + nr <= length):
+                with T.Then():
+                    _tile_loop(mr, nr, lanes, lambda ii, jv, lane: store(ii, jv, lane, False))
+                with T.Else():
+                    _tile_loop(mr, nr, lanes, lambda ii, jv, lane: store(ii, jv, lane, True))
         # exp(score - max), summed: whole vectors, then the last part vector (0 past the real
         # columns, within the panels)
         with T.unroll(0, mr) as ii:
@@ -181,7 +187,7 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
             def exponentials(v, real) -> None:
                 with T.vectorized(0, lanes) as lane:
                     column = v * lanes + lane
-                    e = fast_exp(scores[ii, column] - peak)
+                    e = softmax_exp(scores[ii, column] - peak)
                     T.buffer_store(scores, e if real is None else tirx.Select(real(column), e, zero), [ii, column])
                     T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
 

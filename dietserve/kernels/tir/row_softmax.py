@@ -2,9 +2,10 @@
 of attention computed on rows the scores kernel has just written (still in cache), in place.
 
 It evaluates what the model's unfused softmax does (TOPI's ``fast_softmax``: ``e = fast_exp(x -
-max)``, ``e / sum(e)``), with TOPI's own ``fast_exp`` expression, so fusing it changes no
-number beyond the summation order. ``is_last_axis_softmax`` recognises that PrimFunc by
-structure, for the pass that fuses it (``compile/passes/fuse_softmax.py``).
+max)``, ``e / sum(e)``), with TOPI's own ``fast_exp`` arithmetic (``softmax_exp``: the same
+values where ``x - max <= 0``), so fusing it changes no number beyond the summation order.
+``is_last_axis_softmax`` recognises that PrimFunc by structure, for the pass that fuses it
+(``compile/passes/fuse_softmax.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import tvm_ffi
 from tvm import te, tirx, topi
 from tvm.script.ir_builder import tirx as T
 
-from .fast_exp import fast_exp
+from .fast_exp import softmax_exp
 
 LOWEST = -3.4028234663852886e38  # float32's lowest: the max's start, as TOPI's softmax has it
 
@@ -46,14 +47,14 @@ def softmax_rows(out, row_index, rows, columns, lanes: int) -> None:
             T.buffer_store(lane_acc, tirx.const(0, dtype), [lane])
         with T.serial(0, vectors) as v:
             with T.vectorized(0, lanes) as lane:
-                e = fast_exp(out[(*index, v * lanes + lane)] - row_max[0])
+                e = softmax_exp(out[(*index, v * lanes + lane)] - row_max[0])
                 T.buffer_store(out, e, [*index, v * lanes + lane])
                 T.buffer_store(lane_acc, lane_acc[lane] + out[(*index, v * lanes + lane)], [lane])
         T.buffer_store(total, tirx.const(0, dtype), [0])
         with T.unroll(0, lanes) as lane:
             T.buffer_store(total, total[0] + lane_acc[lane], [0])
         with T.serial(0, columns - tail_start) as t:
-            T.buffer_store(out, fast_exp(out[(*index, tail_start + t)] - row_max[0]), [*index, tail_start + t])
+            T.buffer_store(out, softmax_exp(out[(*index, tail_start + t)] - row_max[0]), [*index, tail_start + t])
             T.buffer_store(total, total[0] + out[(*index, tail_start + t)], [0])
         # normalised
         with T.serial(0, vectors) as v:
