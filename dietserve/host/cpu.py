@@ -69,6 +69,22 @@ def target_cpu_flags(target) -> set[str]:
     return {LLVM_TO_CPUINFO[name] for name in llvm_get_cpu_features(target) if name in LLVM_TO_CPUINFO}
 
 
+# Linux x86-64: arch_prctl's system call number, its request for an extended state's permission,
+# and the AMX tile data's state number.
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def refused_tile_state() -> str | None:
+    """Ask Linux for this process's AMX tile state, as every AMX kernel does on each call (the
+    request is granted once and stays): None where granted, else why not."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+        return None
+    return os.strerror(ctypes.get_errno())
+
+
 def missing_cpu_flags(required: list[str], available: set[str] | None) -> list[str]:
     if available is None:
         return []  # cannot tell; let the load try

@@ -96,3 +96,28 @@ def test_cpu_vendor_is_read_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: fpu\n")
     assert first_cpu(cpuinfo)["vendor_id"] == "AuthenticAMD"
     assert first_cpu(tmp_path / "absent") is None
+
+
+def test_a_bf16_artifact_for_amx_is_refused_where_linux_will_not_lend_the_tiles(monkeypatch) -> None:
+    """An AMX host in a sandbox that blocks arch_prctl (neither exists here: both are stood in
+    for): its bf16 kernels would end the process at the first call, so the load says why first.
+    An fp32 artifact for the same CPU uses no tiles and loads."""
+    import dietserve.runtime.artifact as artifact
+
+    amx_host = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+    monkeypatch.setattr(artifact, "cpu_flags", lambda: amx_host)
+    monkeypatch.setattr(artifact, "refused_tile_state", lambda: "Operation not permitted")
+    built = dict(target={"kind": "llvm", "mcpu": "sapphirerapids"}, required_cpu_flags=sorted(amx_host))
+    with pytest.raises(ArtifactError, match="may use AMX tiles.*Operation not permitted.*--mcpu without AMX"):
+        artifact.choose_device(_manifest(precision="bf16", **built))
+    assert artifact.choose_device(_manifest(precision="fp32", **built)).dlpack_device_type() == 1  # the CPU
+
+
+def test_linux_lends_the_tile_state_where_the_cpu_has_tiles() -> None:
+    """The real request (the system call each AMX kernel makes): granted on a CPU with AMX,
+    refused with a reason elsewhere."""
+    from dietserve.host.cpu import refused_tile_state
+
+    has_tiles = {"amx_tile", "amx_bf16"} <= (cpu_flags() or set())
+    reason = refused_tile_state()
+    assert (reason is None) == has_tiles, reason

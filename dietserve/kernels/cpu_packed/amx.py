@@ -40,6 +40,7 @@ from tvm import sym, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from ...host.cpu import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA, target_cpu_flags
 from ..plan.microkernel import AMX_BF16, MicroKernel
 from ..tir.build import with_exact_buffers
 from ..tir.matching import ScheduleMismatch
@@ -53,15 +54,10 @@ if TYPE_CHECKING:
 TILE_ROWS = 16  # rows of a tile register
 TILE_WORDS = 16  # 32-bit words in a row (64 bytes): fp32 sums of C, bf16 pairs of A and B
 TILE_REGISTERS = 8
-# Linux: arch_prctl's system call number on x86-64, its request for an extended state's
-# permission, and the state of the tile data.
-SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 def has_matrix_tiles(target) -> bool:
     """Whether ``target`` (a tvm Target) is a CPU with AMX-BF16 tiles."""
-    from ...host.cpu import target_cpu_flags
-
     flags = target_cpu_flags(target) if target.kind.name == "llvm" else set()
     return {"amx_tile", "amx_bf16"} <= flags
 
