@@ -69,6 +69,8 @@ def target_cpu_flags(target) -> set[str]:
     return {LLVM_TO_CPUINFO[name] for name in llvm_get_cpu_features(target) if name in LLVM_TO_CPUINFO}
 
 
+# The flags of a CPU with AMX tiles that multiply bf16 (``kernels/cpu_packed/amx.py``).
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 # Linux x86-64: arch_prctl's system call number, its request for an extended state's permission,
 # and the AMX tile data's state number.
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18

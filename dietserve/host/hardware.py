@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .cpu import AMX_FLAGS
+
 
 @dataclass(frozen=True)
 class CpuHardware:
@@ -113,5 +115,5 @@ def detect_cpu(cpu_flags: set[str], sysfs: Path = Path("/sys/devices/system/cpu"
         l1_bytes=_cache_size(1, ("Data",), sysfs) or base.l1_bytes,
         l2_bytes=_cache_size(2, ("Unified", "Data"), sysfs) or base.l2_bytes,
         cores=len(os.sched_getaffinity(0)),
-        matrix_tiles={"amx_tile", "amx_bf16"} <= cpu_flags,
+        matrix_tiles=AMX_FLAGS <= cpu_flags,
     )

@@ -10,7 +10,7 @@ import tvm
 from safetensors.numpy import load_file
 from tvm.runtime.vm import VirtualMachine
 
-from ..host.cpu import cpu_flags, missing_cpu_flags, refused_tile_state
+from ..host.cpu import AMX_FLAGS, cpu_flags, missing_cpu_flags, refused_tile_state
 from .cuda_kernels import FATBIN_FILE, install_prebuilt_kernels
 from .huge_pages import on_huge_pages
 from .manifest import LIBRARY_FILE, PARAMS_FILE, ArtifactError, Manifest, sha256_file
@@ -49,7 +49,7 @@ def choose_device(manifest: Manifest) -> tvm.runtime.Device:
                 f"artifact was compiled for CPU {manifest.target.get('mcpu')!r}; this CPU lacks "
                 f"{', '.join(missing)}. Recompile on this machine (or name an older --mcpu)."
             )
-        if manifest.precision == "bf16" and {"amx_tile", "amx_bf16"} <= set(manifest.required_cpu_flags):
+        if manifest.precision == "bf16" and AMX_FLAGS <= set(manifest.required_cpu_flags):
             # Its kernels may run on AMX tiles, which Linux lends a process only on request: a
             # refusal (a sandbox that blocks arch_prctl) would end the process at the first call.
             refused = refused_tile_state()

@@ -335,7 +335,7 @@ def bf16_peak_rate(target: TargetLike, repeats: int = 5, steps: int = 200_000) -
     @T.prim_func
     def dot_loop(out: T.Buffer((cores, width), "float32")):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-        with T.attr(0, "pragma_import_llvm", bf16.DOT_PAIRS_LLVM):
+        with T.attr(0, "pragma_import_llvm", bf16.BF16_LLVM):
             for task in T.parallel(cores):
                 acc = T.alloc_buffer((width,), "float32", scope="global")
                 for c in T.unroll(FMA_CHAINS):

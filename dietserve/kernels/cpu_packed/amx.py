@@ -40,8 +40,8 @@ from tvm import sym, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ...host.cpu import ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA, target_cpu_flags
-from ..plan.microkernel import AMX_BF16, MicroKernel
+from ...host.cpu import AMX_FLAGS, ARCH_REQ_XCOMP_PERM, SYS_ARCH_PRCTL, XFEATURE_XTILEDATA, target_cpu_flags
+from ..plan.microkernel import AMX_BF16, AMX_TILE, MicroKernel
 from ..tir.build import with_exact_buffers
 from ..tir.matching import ScheduleMismatch
 from . import bf16
@@ -51,25 +51,24 @@ from .tile import PackedOperator, Tile
 if TYPE_CHECKING:
     from .settings import PackedSettings
 
-TILE_ROWS = 16  # rows of a tile register
-TILE_WORDS = 16  # 32-bit words in a row (64 bytes): fp32 sums of C, bf16 pairs of A and B
+TILE_ROWS = AMX_TILE  # rows of a tile register
+TILE_WORDS = AMX_TILE  # 32-bit words in a row (64 bytes): fp32 sums of C, bf16 pairs of A and B
 TILE_REGISTERS = 8
 
 
 def has_matrix_tiles(target) -> bool:
     """Whether ``target`` (a tvm Target) is a CPU with AMX-BF16 tiles."""
-    flags = target_cpu_flags(target) if target.kind.name == "llvm" else set()
-    return {"amx_tile", "amx_bf16"} <= flags
+    return target.kind.name == "llvm" and AMX_FLAGS <= target_cpu_flags(target)
 
 
 def tile_registers(row_tiles: int, column_tiles: int) -> tuple[list[list[int]], list[int], list[int]]:
     """The tile numbers of a register tile of ``row_tiles`` x ``column_tiles`` C tiles: (C by row
     and column, A by row, B: two where they fit, so one loads while the other multiplies)."""
-    sums = row_tiles * column_tiles
-    b_count = min(2, TILE_REGISTERS - sums - row_tiles)
-    if b_count < 1:
+    if not fits_tile_registers(row_tiles, column_tiles):
         raise ScheduleMismatch(f"{row_tiles} x {column_tiles} C tiles with their A and B need more than "
                                f"{TILE_REGISTERS} tile registers")
+    sums = row_tiles * column_tiles
+    b_count = min(2, TILE_REGISTERS - sums - row_tiles)
     c = [[r * column_tiles + col for col in range(column_tiles)] for r in range(row_tiles)]
     a = [sums + r for r in range(row_tiles)]
     return c, a, [sums + row_tiles + n for n in range(b_count)]
@@ -174,7 +173,7 @@ def _stride_bytes(buffer: tirx.Buffer, at) -> tirx.Expr:
     return tirx.Cast("int64", stride) * (buffer.dtype.bits // 8)
 
 
-def configure_tiles(tiles: MatrixTiles) -> tirx.Buffer:
+def configure_tiles(tiles: MatrixTiles) -> None:
     """The 64-byte tile configuration (palette 1, every tile 16 rows of 64 bytes), loaded."""
     config = T.alloc_buffer((64,), "uint8", scope="global")
     with T.serial(0, 64) as byte:
@@ -184,7 +183,6 @@ def configure_tiles(tiles: MatrixTiles) -> tirx.Buffer:
         T.buffer_store(config, tirx.const(TILE_WORDS * 4, "uint8"), [16 + 2 * tile])
         T.buffer_store(config, tirx.const(TILE_ROWS, "uint8"), [48 + tile])
     tiles.configure(config)
-    return config
 
 
 def _activation_blocks(op: PackedOperator, tile: Tile, loop, row_blocks, depth: int) -> tirx.Buffer:

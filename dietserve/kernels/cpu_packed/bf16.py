@@ -32,7 +32,7 @@ DOT_PAIRS = "dietserve_dpbf16ps"
 ADJACENT_PAIRS = "dietserve_cvtne2ps2bf16"
 # linkonce_odr: every kernel of a module imports them, and the copies merge. (The conversion's
 # intrinsic puts its second operand's values first: the low half of each word is the even one.)
-DOT_PAIRS_LLVM = f"""
+BF16_LLVM = f"""
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
 define linkonce_odr <16 x float> @{DOT_PAIRS}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
   %x = bitcast <16 x i32> %a to <32 x bfloat>
@@ -111,10 +111,10 @@ def adjacent_pairs(first, second) -> tirx.Expr:
     return tirx.call_extern(f"uint32x{PAIR_LANES}", ADJACENT_PAIRS, first, second)
 
 
-def importing_dot_pairs(body: tirx.Stmt) -> tirx.Stmt:
+def importing_bf16_functions(body: tirx.Stmt) -> tirx.Stmt:
     """``body`` with the LLVM functions ``dot_pairs`` and ``adjacent_pairs`` call imported into
     its module."""
-    return tirx.AttrStmt(tirx.const(0, "int32"), "pragma_import_llvm", tvm.ir.StringImm(DOT_PAIRS_LLVM), body)
+    return tirx.AttrStmt(tirx.const(0, "int32"), "pragma_import_llvm", tvm.ir.StringImm(BF16_LLVM), body)
 
 
 # -- the PrimFunc ----------------------------------------------------------------------------

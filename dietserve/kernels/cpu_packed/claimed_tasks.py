@@ -99,9 +99,6 @@ def claimed_tasks(extent, workers: int):
                         T.buffer_store(state, 0, [0])
 
 
-__all__ = ["COUNTER_STRIDE", "Claim", "claimed_tasks", "static_tasks"]
-
-
 def task_loop(threads: int, loop, workers: int | None, claimed: bool):
     """A kernel's task loop: ``claimed_tasks`` by ``workers`` where it runs on every core
     (``threads`` != 1) and ``claimed`` (``PackedSettings.claimed_tasks``), else ``static_tasks``
@@ -109,3 +106,6 @@ def task_loop(threads: int, loop, workers: int | None, claimed: bool):
     if threads != 1 and workers and claimed:
         return partial(claimed_tasks, workers=workers)
     return partial(static_tasks, loop)
+
+
+__all__ = ["COUNTER_STRIDE", "Claim", "claimed_tasks", "static_tasks", "task_loop"]

@@ -125,7 +125,7 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
     if prefetch or distance:
         body = tirx.SeqStmt([tirx.DeclBuffer(op.flat_weight, data=op.weight.data), body])
     if op.bf16:
-        body = bf16.importing_dot_pairs(body)
+        body = bf16.importing_bf16_functions(body)
     return with_exact_buffers(func.with_body(body).with_attr("tirx.is_scheduled", True), own_storage=True)
 
 

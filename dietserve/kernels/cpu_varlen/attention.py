@@ -34,7 +34,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pairs, importing_dot_pairs, pair
+from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pairs, importing_bf16_functions, pair
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
@@ -85,7 +85,7 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
                 _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim), tiles, max_len, pairs)
     func = builder.get()
     if pairs:
-        func = func.with_body(importing_dot_pairs(func.body)).with_attr(PRECISION_ATTR, precision)
+        func = func.with_body(importing_bf16_functions(func.body)).with_attr(PRECISION_ATTR, precision)
     return with_exact_buffers(func, own_storage=True)
 
 

@@ -56,7 +56,7 @@ WAKE_S, TASK_S = 4e-6, 0.1e-6  # waking the thread pool; taking one task
 MAX_INTERVALS = 4
 # One tdpbf16ps: 16 x 16 sums over 32 reduction steps, issued every 16 cycles (Intel's figure for its
 # first AMX cores), so 16x an AVX-512 core's fp32 FMA rate.
-AMX_PRODUCT_CYCLES, AMX_PAIR_STEPS = 16, 32
+AMX_PRODUCT_CYCLES, AMX_PRODUCT_STEPS = 16, 32
 DENSE_UP_TO, SAMPLE_STEP = 64, 4  # the values priced: ``sampled``
 
 
@@ -104,7 +104,7 @@ def amx_seconds(kernel: MicroKernel, rows: int, cols: int, depth: int, hw: CpuHa
     mr, panel, pk, panels = packed_tile(kernel)
     row_tiles, column_tiles = amx_tile(kernel)
     tasks = cols // (panel * panels) * -(-rows // mr)
-    task_cycles = panels // pk * depth // AMX_PAIR_STEPS * row_tiles * column_tiles * AMX_PRODUCT_CYCLES
+    task_cycles = panels // pk * depth // AMX_PRODUCT_STEPS * row_tiles * column_tiles * AMX_PRODUCT_CYCLES
     workers = 1 if kernel.threads == 1 else min(hw.cores, tasks)
     compute = math.ceil(tasks / workers) * task_cycles / CLOCK_HZ
     stream = depth // 2 * cols * DTYPE_BYTES / (DRAM_BYTES_PER_CORE_S * workers)
