@@ -1,13 +1,9 @@
 """bf16 builds (``--precision bf16``) against transformers in fp32: the accuracy contract an
-embedding user can rely on. On real text every token's hidden state is within cosine 0.9999 of
-fp32's; at the standard shapes (random tokens, up to 512) the tokens are on average, and each
-sentence embedding everywhere within 0.99995, for MiniLM and bert-base. The dense layers multiply
-bf16 (rounded inputs and weights, fp32 sums); LayerNorm, softmax, GELU, residuals, attention and
-pooling stay fp32. Runs on CPUs with AVX512-BF16.
-
-Why the mean at the standard shapes: 512 random tokens are far from text, and there single tokens
-drift further, in any bf16 build (OpenVINO's default one included; docs/measurements/goals.md,
-"bf16"); a floor of 0.9998 bounds each of them."""
+embedding user can rely on. Every token's hidden state within cosine 0.9999 of fp32's and every
+sentence embedding within 0.99995, on real text and at the standard shapes (random tokens, up to
+512), for MiniLM and bert-base; the largest absolute error is printed. The dense layers and
+attention's two products multiply bf16 (rounded inputs and weights, fp32 sums); LayerNorm,
+softmax, GELU, residuals and pooling stay fp32. Runs on CPUs with AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ from .test_sentence_embedding import SENTENCES
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif("avx512_bf16" not in (cpu_flags() or set()), reason="this CPU has no AVX512-BF16")]
 TOKEN_COSINE, SENTENCE_COSINE = 0.9999, 0.99995
-TOKEN_FLOOR = 0.9998  # any token at the standard shapes
 STANDARD_SHAPES = [(1, 1), (1, 16), (1, 128), (1, 512), (4, 64), (8, 37)]  # (batch, longest sequence)
 PASSAGES = [
     "The packed layout runs each request's tokens one sequence after another, so that no work is "
@@ -75,7 +70,7 @@ def _check_standard_shapes(engine: Engine, reference, seed: int) -> None:
         print(f"{batch}x{seq}: token cosine >= {tokens.min():.6f} (mean {tokens.mean():.6f}), sentence "
               f"{sentences.min():.7f}, "
               f"max abs error {error:.4f}")
-        assert tokens.mean() >= TOKEN_COSINE and tokens.min() >= TOKEN_FLOOR, (batch, seq, tokens.mean(), tokens.min())
+        assert tokens.min() >= TOKEN_COSINE, (batch, seq, tokens.min())
         assert sentences.min() >= SENTENCE_COSINE, (batch, seq, sentences.min())
 
 
