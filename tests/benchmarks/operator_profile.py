@@ -5,10 +5,10 @@ same kernel timed directly after the one that feeds it by kernels_in_isolation.p
 millisecond and more read true. A kernel's gain under the hook need not be the model's: judge
 plans with compare_artifacts.py.
 
-    python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--top 12]
+    python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--batch 1] [--top 12]
 
-prints, per sequence length at batch 1, the run's median latency without the hook, then each
-PrimFunc's median time per run, its calls and its time per call, slowest first.
+prints, per sequence length at the batch given (every sequence that long), the run's median
+latency without the hook, then each PrimFunc's median time per run, its calls and its time per call, slowest first.
 
     python tests/benchmarks/operator_profile.py ARTIFACT_A ARTIFACT_B --only NAME[,NAME] --rounds 6
 
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("artifacts", type=Path, nargs="+", help="compiled artifact directories")
     parser.add_argument("--lengths", default="1,64,512", help="comma-separated sequence lengths")
     parser.add_argument("--repeats", type=int, default=5, help="profiled runs per length")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per run, each of the length (default 1)")
     parser.add_argument("--top", type=int, default=12, help="PrimFuncs shown per length")
     parser.add_argument("--only", default="", help="comma-separated PrimFunc names to compare (two or more artifacts)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds alternating the artifacts (two or more)")
@@ -113,10 +114,11 @@ def main() -> None:
         return
     engine = Engine(load_artifact(args.artifacts[0]))
     for seq in lengths:
-        ids = np.full((1, seq), 1000, np.int64)
+        ids = np.full((args.batch, seq), 1000, np.int64)
         latency = statistics.median(call_seconds(engine.run, (ids,), 15))
-        rows = profile_operators(engine, 1, seq, repeats=args.repeats)
-        print(f"seq {seq}: run {latency * 1e3:.2f} ms, profiled sum {sum(r[1] for r in rows) * 1e3:.2f} ms")
+        rows = profile_operators(engine, args.batch, seq, repeats=args.repeats)
+        profiled = sum(r[1] for r in rows)
+        print(f"batch {args.batch} x seq {seq}: run {latency * 1e3:.2f} ms, profiled sum {profiled * 1e3:.2f} ms")
         for symbol, seconds, calls in rows[: args.top]:
             print(f"  {symbol[:56]:56s} {seconds * 1e3:9.3f} ms {calls:5d} calls {seconds / calls * 1e6:10.1f} us/call")
 
