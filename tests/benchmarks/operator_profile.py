@@ -8,7 +8,8 @@ plans with compare_artifacts.py.
     python tests/benchmarks/operator_profile.py ARTIFACT_DIR --lengths 1,64,512 [--batch 1] [--top 12]
 
 prints, per sequence length at the batch given (every sequence that long), the run's median
-latency without the hook, then each PrimFunc's median time per run, its calls and its time per call, slowest first.
+latency without the hook, then each PrimFunc's median time per run, its calls and its time per
+call, slowest first.
 
     python tests/benchmarks/operator_profile.py ARTIFACT_A ARTIFACT_B --only NAME[,NAME] --rounds 6
 
