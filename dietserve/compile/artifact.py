@@ -77,9 +77,6 @@ class CompileRequest:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.precision != "fp32" and not (self.plans or self.analytic):
-            raise ValueError(f"{self.precision} products are built by planned kernels (--plans analytic or tuned "
-                             f"plans); without plans every operator runs the default rule, in fp32")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.layout is None:
@@ -181,6 +178,11 @@ def compile_artifact(
     progress: Progress = lambda _message: None,
 ) -> Path:
     """Compile ``request`` into ``out_dir`` (default: a content-addressed cache entry)."""
+    # (checked here, not in the request: a request without plans is also what a re-tuning job
+    # builds its tasks from, and links its tuned plans into)
+    if request.precision != "fp32" and not (request.plans or request.analytic):
+        raise ValueError(f"{request.precision} products are built by planned kernels (--plans analytic or tuned "
+                         f"plans); without plans every operator runs the default rule, in fp32")
     checkpoint = open_checkpoint(request, cache_dir)
     folder = checkpoint.folder
     target = build_target(request.target)

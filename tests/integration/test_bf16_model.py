@@ -115,7 +115,7 @@ def test_a_bf16_artifact_records_its_precision_and_refuses_fp32_plans(minilm_bf1
         compile_artifact(CompileRequest(model="default", max_batch=8, plans=(fp32_plan,), precision="bf16"),
                          cache_dir)
     with pytest.raises(ValueError, match="planned kernels"):
-        CompileRequest(model="default", precision="bf16")
+        compile_artifact(CompileRequest(model="default", precision="bf16"), cache_dir)
 
 
 def test_tune_writes_bf16_plans_and_builds_them(cache_dir, tmp_path) -> None:
@@ -139,3 +139,40 @@ def test_tune_writes_bf16_plans_and_builds_them(cache_dir, tmp_path) -> None:
     assert json.loads(attention.read_text())["precision"] == "bf16"
     manifest = Manifest.read(out / "artifact")
     assert manifest.precision == "bf16" and manifest.kernel_plans == "tuned"
+
+
+def test_a_served_bf16_version_is_retuned_as_it_was_built(minilm_bf16, minilm_reference, cache_dir, tmp_path) -> None:
+    """The re-tuning job (a bf16 server's first start runs it, and so does drifted traffic) builds
+    the served version's model from its manifest: it tunes bf16 plans and publishes a bf16 tuned
+    version, which keeps the contract, and which the server's check before a swap accepts beside
+    the cold version (their kernels round some values the other way)."""
+    import subprocess
+    import sys
+
+    from dietserve.runtime.traffic import Traffic
+    from dietserve.runtime.versions import VersionStore
+    from dietserve.server.swap import compare
+
+    store = VersionStore(tmp_path / "store")
+    store.publish(minilm_bf16)
+    traffic = Traffic(half_life_seconds=3600.0, as_of=0.0)
+    for length in (5, 40, 130):
+        traffic.record(1, length, now=0.0)
+    traffic.save(tmp_path / "traffic.json")
+    done = subprocess.run([sys.executable, "-m", "dietserve", "retune", "--store", str(store.root),
+                           "--traffic", str(tmp_path / "traffic.json"), "--trials", "1", "--min-gain", "0",
+                           "--cache-dir", str(cache_dir)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert store.versions() == [1, 2]  # published (a server then verifies and swaps it in)
+    tuned = store.path(2)
+    manifest = Manifest.read(tuned)
+    assert manifest.precision == "bf16" and manifest.kernel_plans == "tuned"
+    assert all(plan.precision == "bf16" for plan in read_plans([tuned / PLANS_DIR]))
+    engine = Engine(load_artifact(tuned))
+    ids, mask, types = padded_batch(np.random.default_rng(2), 2, 128, engine.vocab_size)
+    tokens, sentences, _ = _cosines(engine.run(ids, mask, types).last_hidden_state,
+                                    reference_hidden(minilm_reference, ids, mask, types), mask)
+    assert tokens.min() >= TOKEN_COSINE and sentences.min() >= SENTENCE_COSINE
+    cold, rng = Engine(load_artifact(store.path(1))), np.random.default_rng(3)
+    for shape in [(1, 16), (4, 64), (1, 512), (8, 128)]:  # the swap's sample shapes, and heavier traffic's
+        assert compare(cold, engine, rng.integers(1000, 20000, size=shape)) is None
