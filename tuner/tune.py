@@ -17,6 +17,7 @@ from dietserve.host.hardware import CpuHardware, GpuHardware
 from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan
 from dietserve.kernels.plan.microkernel import MicroKernel
 from dietserve.kernels.space import task_space
+from dietserve.kernels.space.analytic import MAX_INTERVALS
 
 from .cost_model.model import CostModel, adapt
 from .database.records import RecordDatabase, TuningRecord
@@ -26,6 +27,7 @@ from .measurements import Measurements, shape_key
 from .phases import Phase, Probe
 from .phases.commit import CommitPacking
 from .phases.explore import Explore
+from .phases.seed import Seed
 from .phases.verify import Verify
 from .planning import make_plan
 from .planning.weight_stream import DramRates
@@ -33,7 +35,7 @@ from .progress import ProgressBar
 from .search.evolution import EvolutionarySearch
 from .task import TuningTask
 
-TUNER_VERSION = 49  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
+TUNER_VERSION = 50  # bumped when the search, the kernels it times or its plans change: older plans are re-tuned
 PACKING_SHARE = 3 / 8  # of the trial budget explored over every packing before one is committed
 
 
@@ -84,6 +86,7 @@ class Tuner:
         self.task, self.runner, self.database, self.options = task, runner, database, options
         self.log, self.progress_stream, self.cores = log, progress_stream, cores
         self.model = CostModel(cores, options.seed)
+        self.hardware = hardware
         self.space = task_space(space, task.spec.func, hardware)  # (``hardware``: the L2 a task block must fit)
         # Each packing's tallest register tile: how many rows a plan in it covers in one pass.
         self.tallest_tiles = {pack: max(k.tile_sizes("i")[0] for k in self.space if k.pack == pack)
@@ -143,9 +146,11 @@ class Tuner:
         bar = ProgressBar(self.options.trials, self.task.workload, stream=self.progress_stream)
         budget = self.options.trials
         final_check = budget // 8  # kept to verify the plan the later search leads to
+        seeds = min(2 * MAX_INTERVALS, max(2, budget // 4))  # the cold start's kernels, each beside the default
         schedule: list[tuple[Phase, int]] = [
-            (Explore(), int(budget * PACKING_SHARE)), (CommitPacking(), budget - budget // 4),
-            (Explore(), budget - budget // 4), (Verify(), budget - final_check), (Explore(), budget - final_check),
+            (Seed(), self.trials + seeds), (Explore(), int(budget * PACKING_SHARE)),
+            (CommitPacking(), budget - budget // 4), (Explore(), budget - budget // 4),
+            (Verify(), budget - final_check), (Explore(), budget - final_check),
             (Verify(), budget), (Explore(), budget)]
         round_end = budget if self.options.round_trials is None else self.trials + self.options.round_trials
         for phase, until in schedule:

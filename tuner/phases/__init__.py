@@ -1,6 +1,6 @@
-"""The phases of a tune (explore, commit a packing, verify): each proposes what to measure next
-and reads the results from the tuner's measurements, until it has nothing left to propose or its
-share of the budget is spent (``Tuner.run``)."""
+"""The phases of a tune (seed from the cold start's plan, explore, commit a packing, verify):
+each proposes what to measure next and reads the results from the tuner's measurements, until it
+has nothing left to propose or its share of the budget is spent (``Tuner.run``)."""
 
 from __future__ import annotations
 
