@@ -32,7 +32,7 @@ from . import grpc_server
 from .batch_metrics import BatchRecorder
 from .config import ServerConfig
 from .grpc_server import SERVICE_NAME
-from .http_server import HttpServer
+from .http_server import HttpServer, is_inference_route
 from .inference import Inference, ServingState
 from .metrics import ServerMetrics
 from .model import TEXT_MODEL_SUFFIX, ServedModel
@@ -337,9 +337,13 @@ class Server:
     def _say_answered(self) -> None:
         # What the handlers answered: a client can tell a request the server never took (gRPC
         # cancels calls that arrive while it shuts down, before any handler sees them) from a loss.
-        answered = self.metrics.calls_by_code("ModelInfer")
-        self.say("stopped; ModelInfer calls answered: "
-                 + (", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"))
+        def said(answered: dict[str, int]) -> str:
+            return ", ".join(f"{code} {n}" for code, n in sorted(answered.items())) or "none"
+
+        if self.config.http_port is not None:
+            http = self.metrics.http_requests_by_code(is_inference_route)
+            self.say(f"HTTP inference requests answered: {said(http)}")
+        self.say(f"stopped; ModelInfer calls answered: {said(self.metrics.calls_by_code('ModelInfer'))}")
 
 
 def _version_said(served: ServedArtifact) -> str:

@@ -29,9 +29,16 @@ from .status import http_status_of
 
 # Never refused by the cap, and answered without an API key: probes hold none.
 PROBE_ROUTES = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
+# The routes that run the model, whose answers the server reports when it stops.
+INFERENCE_ROUTES = frozenset({"/v1/embeddings", "/rerank", "/v1/rerank", "/predict"})
 UNKNOWN_ROUTE = "unknown"  # one label for every path no route matches: clients cannot mint label values
 CLIENT_CLOSED = 499  # counted for a request whose client went away (nginx's convention; never sent)
 CLOSE_IDLE_SECONDS = 1.0  # after the grace period: how long aiohttp may take to close connections
+
+
+def is_inference_route(route: str) -> bool:
+    """Whether ``route`` (a canonical path, as counted) runs the model: v2 infer, embeddings, rerank."""
+    return route in INFERENCE_ROUTES or route.endswith("/infer")
 
 
 def _route(request: web.Request) -> str:

@@ -155,6 +155,16 @@ class ServerMetrics:
                 for metric in self.requests.collect() for sample in metric.samples
                 if sample.name.endswith("_total") and sample.labels["method"] == method}
 
+    def http_requests_by_code(self, routes) -> dict[str, int]:
+        """How many HTTP requests to routes for which ``routes(route)`` holds ended with each status."""
+        answered: dict[str, int] = {}
+        for metric in self.http_requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and routes(sample.labels["route"]):
+                    code = sample.labels["code"]
+                    answered[code] = answered.get(code, 0) + int(sample.value)
+        return answered
+
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
         """Starts /metrics in a daemon thread; returns (server, bound port)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)

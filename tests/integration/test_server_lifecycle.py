@@ -141,6 +141,8 @@ def test_unexpected_errors_are_internal_without_a_traceback_and_serving_goes_on(
             http_error = over_http.json()["error"]
             assert http_error["type"] == "server_error" and "internal error (reference" in http_error["message"]
             assert "secret" not in over_http.text and "Traceback" not in over_http.text
+            assert requests.post(f"http://{server.http_url}/v1/embeddings", timeout=30,
+                                 json={"model": MODEL, "input": [101, 2000, 102]}).status_code == 200
             for length in (3, 9, 27):  # every batch's metrics recording fails; the answers still go out
                 ids = np.full((1, length), 2000)
                 good = client.infer(MODEL, [_input(ids)]).as_numpy("sentence_embedding")
@@ -154,5 +156,8 @@ def test_unexpected_errors_are_internal_without_a_traceback_and_serving_goes_on(
     reference = raised.value.message().split("reference ")[1].split(" ")[0]
     assert f"reference {reference}" in server.log() and "injected fault: secret" in server.log()
     assert "recording a batch failed; serving continues" in server.log()
+    # On stopping, the server says how each wire's inference requests were answered.
+    assert "HTTP inference requests answered: 200 1, 500 1\n" in server.log()
+    assert ANSWERED.search(server.log()).group(1) == "INTERNAL 1, OK 3"
     http_reference = http_error["message"].split("reference ")[1].split(" ")[0]
     assert f"reference {http_reference}" in server.log()

@@ -26,7 +26,8 @@ def test_a_requested_stop_drains_then_releases_every_port() -> None:
     report = _scenario("requested-stop")
     assert report["ready"] and report["models"] == ["m", "m-text"]
     assert report["accepting_while_serving"] == [True, True, True]  # gRPC, /metrics, HTTP
-    assert _first_words(report["lines"]) == ["listening", "ready", "stopping", "stopping", "stopped;"]
+    assert _first_words(report["lines"]) == ["listening", "ready", "stopping", "stopping", "HTTP", "stopped;"]
+    assert report["lines"][-2] == "HTTP inference requests answered: none"
     assert "serving 0.01 s more" in report["lines"][2]
     assert report["lines"][-1] == "stopped; ModelInfer calls answered: none"  # said once
     assert not report["ready_after"] and report["accepting_after"] == [False, False, False]
@@ -34,14 +35,14 @@ def test_a_requested_stop_drains_then_releases_every_port() -> None:
 
 def test_a_stop_nobody_requested_does_not_drain() -> None:
     report = _scenario("unrequested-stop")
-    assert _first_words(report["lines"]) == ["listening", "ready", "stopping", "stopped;"]
+    assert _first_words(report["lines"]) == ["listening", "ready", "stopping", "HTTP", "stopped;"]
     assert report["accepting_after"] == [False, False, False]
 
 
 def test_a_failed_load_releases_what_start_acquired_and_raises() -> None:
     report = _scenario("failed-load")
     assert report["error"] == "no such artifact"
-    assert _first_words(report["lines"]) == ["listening", "stopping", "stopped;"]
+    assert _first_words(report["lines"]) == ["listening", "stopping", "HTTP", "stopped;"]
     assert report["accepting_after"] == [False, False, False]
 
 
