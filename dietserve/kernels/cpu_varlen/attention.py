@@ -38,7 +38,7 @@ from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pa
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
-from ..tir.fast_exp import softmax_exp
+from ..tir.fast_exp import bf16_softmax_exp, softmax_exp
 from ..tir.row_softmax import LOWEST
 from .tile import LENGTH_VAR, VarlenTile, context_tile
 
@@ -179,26 +179,12 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
                     _tile_loop(mr, nr, lanes, lambda ii, jv, lane: store(ii, jv, lane, False))
                 with T.Else():
                     _tile_loop(mr, nr, lanes, lambda ii, jv, lane: store(ii, jv, lane, True))
-        # exp(score - max), summed: whole vectors, then the last part vector (0 past the real
-        # columns, within the panels)
-        with T.unroll(0, mr) as ii:
-            peak = _lane_reduce(row_max, ii, lanes, tirx.max)
-
-            def exponentials(v, real) -> None:
-                with T.vectorized(0, lanes) as lane:
-                    column = v * lanes + lane
-                    e = softmax_exp(scores[ii, column] - peak)
-                    T.buffer_store(scores, e if real is None else tirx.Select(real(column), e, zero), [ii, column])
-                    T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
-
-            with T.serial(0, length // lanes) as v:
-                exponentials(v, None)
-            with T.If(length % lanes > 0):
-                with T.Then():
-                    exponentials(length // lanes, lambda column: column < length)
-        # context = (e @ V) / sum, the division folded into the store
+        # exp(score - max), summed; bf16: straight into pairs
         if paired is not None:
-            paired.pair_exponentials(scores)
+            paired.exponentiate(scores, row_max, row_sum)
+        else:
+            _exponentials(scores, row_max, row_sum, mr, lanes, length)
+        # context = (e @ V) / sum, the division folded into the store
         with T.unroll(0, head_dim // nc) as co:
             context = T.alloc_buffer((mr, nc), "float32", scope="global")
             _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
@@ -260,32 +246,35 @@ class _PairedProducts:
                     T.buffer_store(acc, dot_pairs(acc[ii, columns], self.queries[ii, d],
                                                   self.keys[jo, d, columns]), [ii, columns])
 
-    def pair_exponentials(self, scores) -> None:
-        """The tile's exponentials as pairs of keys, 32 keys (two vectors) to one
-        ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros (the exponentials' pass
-        left zeros only within its last vector)."""
+    def exponentiate(self, scores, row_max, row_sum) -> None:
+        """The tile's exponentials, exp(score - row max), summed in fp32 into ``row_sum`` and
+        stored as pairs of keys: 32 keys (two vectors) a step, each converted by one
+        ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros. Their exp is
+        ``bf16_softmax_exp``: they are rounded to bf16 next."""
         lanes = PAIR_LANES
         zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
         whole = self.length // (2 * lanes)
 
-        def convert(ii, u, masked: bool) -> None:
-            def vector(first):
+        def step(ii, peak, u, masked: bool) -> None:
+            halves = []
+            for first in (u * 2 * lanes, u * 2 * lanes + lanes):
                 columns = tirx.Ramp(tirx.Cast("int64", first), tirx.const(1, "int64"), lanes)
-                if not masked:
-                    return scores[ii, columns]
-                return tirx.Select(columns < tirx.Broadcast(tirx.Cast("int64", self.length), lanes),
-                                   scores[ii, columns], zeros)
-
+                e = bf16_softmax_exp(scores[ii, columns] - peak)
+                if masked:
+                    e = tirx.Select(columns < tirx.Broadcast(tirx.Cast("int64", self.length), lanes), e, zeros)
+                halves.append(T.bind(e))
+            sums = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
+            T.buffer_store(row_sum, row_sum[ii, sums] + halves[0] + halves[1], [ii, sums])
             words = tirx.Ramp(tirx.Cast("int64", u * lanes), tirx.const(1, "int64"), lanes)
-            T.buffer_store(self.exponentials, adjacent_pairs(vector(u * 2 * lanes), vector(u * 2 * lanes + lanes)),
-                           [ii, words])
+            T.buffer_store(self.exponentials, adjacent_pairs(*halves), [ii, words])
 
         with T.unroll(0, self.tile.mr) as ii:
+            peak = T.bind(tirx.Broadcast(_lane_reduce(row_max, ii, lanes, tirx.max), lanes))
             with T.serial(0, whole) as u:
-                convert(ii, u, masked=False)
+                step(ii, peak, u, masked=False)
             with T.If(self.length % (2 * lanes) > 0):
                 with T.Then():
-                    convert(ii, whole, masked=True)
+                    step(ii, peak, whole, masked=True)
 
     def context(self, context, column0, nc: int) -> None:
         """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
@@ -297,6 +286,27 @@ class _PairedProducts:
                     in_v = tirx.Ramp(column0 + cv * lanes, tirx.const(1, "int32"), lanes)
                     T.buffer_store(context, dot_pairs(context[ii, columns], self.exponentials[ii, j],
                                                       self.values[j, in_v]), [ii, columns])
+
+
+def _exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
+    """exp(score - row max) in place, summed lane by lane into ``row_sum``: whole vectors, then
+    the last part vector (0 past the real columns, within the panels)."""
+    zero = tirx.const(0, "float32")
+    with T.unroll(0, mr) as ii:
+        peak = _lane_reduce(row_max, ii, lanes, tirx.max)
+
+        def exponentials(v, real) -> None:
+            with T.vectorized(0, lanes) as lane:
+                column = v * lanes + lane
+                e = softmax_exp(scores[ii, column] - peak)
+                T.buffer_store(scores, e if real is None else tirx.Select(real(column), e, zero), [ii, column])
+                T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
+
+        with T.serial(0, length // lanes) as v:
+            exponentials(v, None)
+        with T.If(length % lanes > 0):
+            with T.Then():
+                exponentials(length // lanes, lambda column: column < length)
 
 
 def _lane_reduce(lanes_buffer, row, lanes: int, combine) -> tirx.Expr:
