@@ -225,11 +225,12 @@ def _bf16_attention_reference(qkv: np.ndarray, starts: np.ndarray, heads: int, h
 @needs_bf16
 @pytest.mark.parametrize("tile", [VarlenTile(mr=6, nr=32, nc=32, lanes=16), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
                                   VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
-def test_bf16_attention_matches_numpy_on_rounded_operands(tile: VarlenTile) -> None:
+@pytest.mark.parametrize("head_dim", [64, 48])  # (48: K's pairs made from an fp32 copy, not transposed as words)
+def test_bf16_attention_matches_numpy_on_rounded_operands(tile: VarlenTile, head_dim: int) -> None:
     from dietserve.host.cpu import configure_cpu_threads
 
     configure_cpu_threads(2)
-    heads, head_dim, max_len = 2, 64, 512
+    heads, max_len = 2, 512
     func = varlen_attention(heads, head_dim, max_len, tile, precision="bf16").with_attr("global_symbol", "main")
     function = build(tvm.IRModule({"main": func}), TARGET)["main"]
     rng = np.random.default_rng(0)
@@ -244,7 +245,7 @@ def test_bf16_attention_matches_numpy_on_rounded_operands(tile: VarlenTile) -> N
         apart = np.abs(got - expected)
         assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
         if max(lengths) > 1:  # (one key: its weight is exactly 1)
-            assert float(np.abs(got - reference(qkv, starts, heads, head_dim)).max()) > 1e-2  # it does round
+            assert float(np.abs(got - reference(qkv, starts, heads, head_dim)).max()) > 3e-3  # it does round
 
 
 @needs_bf16

@@ -122,26 +122,20 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
     key_tiles = (length + nr - 1) // nr
     # (scope "global": stack arrays, allocated once per task; "local" ones this size would go
     # through the runtime's workspace calls wherever they are declared)
-    # K^T in nr-column panels, each contiguous: a [head_dim, L] array's rows would alias in L1
-    # when L is a power of two, as the reduction walks down them. V rows copied contiguous too:
-    # in the QKV block they lie 3 * heads * head_dim floats apart, a page or more each.
-    keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
-    values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
-    # (bf16: whole 32-column blocks, which ``_PairedProducts.pair_exponentials`` converts at once)
+    # (bf16: whole 32-column blocks, which ``_PairedProducts.exponentiate`` converts at once)
     score_columns = -(-key_columns // (2 * PAIR_LANES)) * 2 * PAIR_LANES if pairs else key_columns
     scores = T.alloc_buffer((mr, score_columns), "float32", scope="global")
     queries = T.alloc_buffer((mr, head_dim), "float32", scope="global")
     row_max = T.alloc_buffer((mr, lanes), "float32", scope="global")
     row_sum = T.alloc_buffer((mr, lanes), "float32", scope="global")
-    with T.serial(0, length) as j:
-        with T.serial(0, head_dim) as d:
-            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
-        with T.vectorized(0, head_dim) as d:
-            T.buffer_store(values, qkv[start + j, v_column + d], [j, d])
-    with T.serial(0, key_tiles * nr - length) as j:  # zeros up to whole panels: their scores are not read
-        with T.serial(0, head_dim) as d:
-            T.buffer_store(keys, zero, [(length + j) // nr, d, (length + j) % nr])
-    paired = _PairedProducts(keys, values, key_columns, score_columns, head_dim, tile, length) if pairs else None
+    keys = values = None
+    if not pairs or not _PairedProducts.transposes(head_dim):
+        keys, values = _copied_keys_and_values(qkv, (start, length), (k_column, v_column), key_columns, head_dim, nr)
+    paired = None
+    if pairs:
+        paired = _PairedProducts(tile, head_dim, length, key_columns, score_columns)
+        paired.copy_keys(qkv, start, k_column, keys)
+        paired.copy_values(qkv, start, v_column)
     with T.serial(0, (length + mr - 1) // mr) as t:
         i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
         rows = tirx.min(length, mr)
@@ -211,25 +205,55 @@ class _PairedProducts:
     V's rows are converted once per task, a tile's queries and exponentials once per tile; the
     running max, exp and sums stay fp32. A pair past the sequence's end holds zeros."""
 
-    def __init__(self, keys, values, key_columns: int, score_columns: int, head_dim: int, tile: VarlenTile,
-                 length):
+    def __init__(self, tile: VarlenTile, head_dim: int, length, key_columns: int, score_columns: int):
         self.tile, self.length, self.half = tile, length, head_dim // 2
         mr, nr = tile.mr, tile.nr
         self.keys = T.alloc_buffer((key_columns // nr, self.half, nr), "uint32", scope="global")
         self.values = T.alloc_buffer(((key_columns + 1) // 2, head_dim), "uint32", scope="global")
         self.queries = T.alloc_buffer((mr, self.half), "uint32", scope="global")
         self.exponentials = T.alloc_buffer((mr, score_columns // 2), "uint32", scope="global")
-        key_tiles = (length + nr - 1) // nr
-        with T.serial(0, key_tiles) as jo:
-            with T.serial(0, self.half) as d:
-                with T.vectorized(0, nr) as j:
-                    T.buffer_store(self.keys, pair(keys[jo, 2 * d, j], keys[jo, 2 * d + 1, j]), [jo, d, j])
+
+    @staticmethod
+    def transposes(head_dim: int) -> bool:
+        """Whether K's pairs are transposed from the QKV block in 16 x 16 blocks of pair words
+        (``copy_keys``): where a head's pairs are whole vectors."""
+        return head_dim % (2 * PAIR_LANES) == 0
+
+    def copy_keys(self, qkv, start, k_column, keys) -> None:
+        """K^T's panels as pairs of head_dim columns, zero past the sequence's end up to whole
+        panels. From ``keys`` (fp32 panels) where given; else straight from the QKV block: each
+        key's row converted to pairs (one ``vcvtne2ps2bf16`` per 16 words), 16 keys' rows
+        transposed in registers (``_transposed``) and stored whole, in place of an element-wise
+        transpose of the fp32 values."""
+        lanes, nr = PAIR_LANES, self.tile.nr
+        if keys is not None:
+            with T.serial(0, (self.length + nr - 1) // nr) as jo:
+                with T.serial(0, self.half) as d:
+                    with T.vectorized(0, nr) as j:
+                        T.buffer_store(self.keys, pair(keys[jo, 2 * d, j], keys[jo, 2 * d + 1, j]), [jo, d, j])
+            return
+        no_words = tirx.Broadcast(tirx.const(0, "uint32"), lanes)
+        with T.serial(0, (self.length + nr - 1) // nr * (nr // lanes)) as group:
+            for block in range(self.half // lanes):
+                rows = []
+                for i in range(lanes):
+                    key = group * lanes + i
+                    row = start + tirx.min(key, self.length - 1)
+                    first = k_column + 2 * lanes * block
+                    words = adjacent_pairs(*(qkv[row, tirx.Ramp(first + lanes * part, 1, lanes)] for part in (0, 1)))
+                    rows.append(T.bind(tirx.Select(tirx.Broadcast(key < self.length, lanes), words, no_words)))
+                for word, column in enumerate(_transposed(rows)):
+                    T.buffer_store(self.keys, column, [group * lanes // nr, block * lanes + word,
+                                                       tirx.Ramp(group * lanes % nr, 1, lanes)])
+
+    def copy_values(self, qkv, start, v_column) -> None:
+        """V's rows as pairs of keys, from the QKV block (the odd key past the end as zero)."""
         zero = tirx.const(0, "float32")
-        with T.serial(0, (length + 1) // 2) as j:
+        with T.serial(0, (self.length + 1) // 2) as j:
             odd = 2 * j + 1
-            with T.vectorized(0, head_dim) as d:
-                T.buffer_store(self.values, pair(values[2 * j, d], tirx.Select(
-                    odd < length, values[tirx.min(odd, length - 1), d], zero)), [j, d])
+            with T.vectorized(0, 2 * self.half) as d:
+                T.buffer_store(self.values, pair(qkv[start + 2 * j, v_column + d], tirx.Select(
+                    odd < self.length, qkv[start + tirx.min(odd, self.length - 1), v_column + d], zero)), [j, d])
 
     def pair_queries(self, queries) -> None:
         with T.unroll(0, self.tile.mr) as ii:
@@ -288,6 +312,25 @@ class _PairedProducts:
                                                       self.values[j, in_v]), [ii, columns])
 
 
+def _copied_keys_and_values(qkv, where, columns, key_columns, head_dim: int, nr: int):
+    """(K^T in ``nr``-column panels, zero up to whole panels; V's rows), copied from the QKV
+    block. The panels are contiguous: a ``[head_dim, L]`` array's rows would alias in L1 when L is
+    a power of two, as the reduction walks down them. V's rows are copied contiguous too: in the
+    QKV block they lie ``3 * heads * head_dim`` floats apart, a page or more each."""
+    (start, length), (k_column, v_column) = where, columns
+    keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
+    values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
+    with T.serial(0, length) as j:
+        with T.serial(0, head_dim) as d:
+            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
+        with T.vectorized(0, head_dim) as d:
+            T.buffer_store(values, qkv[start + j, v_column + d], [j, d])
+    with T.serial(0, (length + nr - 1) // nr * nr - length) as j:  # zeros up to whole panels: scores not read
+        with T.serial(0, head_dim) as d:
+            T.buffer_store(keys, tirx.const(0, "float32"), [(length + j) // nr, d, (length + j) % nr])
+    return keys, values
+
+
 def _exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
     """exp(score - row max) in place, summed lane by lane into ``row_sum``: whole vectors, then
     the last part vector (0 past the real columns, within the panels)."""
@@ -307,6 +350,24 @@ def _exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None
         with T.If(length % lanes > 0):
             with T.Then():
                 exponentials(length // lanes, lambda column: column < length)
+
+
+def _transposed(rows: list) -> list:
+    """The columns of the square matrix whose rows are the vectors ``rows`` (as many as their
+    lanes, a power of two): one bit of (vector, lane) swapped a stage, each new vector a shuffle
+    of two (one ``vpermt2d``), so 16 x 16 words take 64 shuffles."""
+    vectors, bit, lanes = list(rows), 1, len(rows)
+
+    def shuffled(a, b, picks: list[int]):
+        return T.bind(tirx.Shuffle([a, b], [tirx.const(i, "int32") for i in picks]))
+
+    while bit < lanes:
+        for v in (v for v in range(lanes) if not v & bit):
+            a, b = vectors[v], vectors[v | bit]
+            vectors[v] = shuffled(a, b, [lanes + (lane & ~bit) if lane & bit else lane for lane in range(lanes)])
+            vectors[v | bit] = shuffled(a, b, [lanes + lane if lane & bit else lane | bit for lane in range(lanes)])
+        bit <<= 1
+    return vectors
 
 
 def _lane_reduce(lanes_buffer, row, lanes: int, combine) -> tirx.Expr:
