@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.host.cpu import configure_cpu_threads, cpu_flags
+from dietserve.host.cpu import configure_cpu_threads, cpu_flags, host_cpu
 from dietserve.host.hardware import detect_cpu
 from dietserve.kernels.cpu_varlen.attention import varlen_attention
 from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles
@@ -89,7 +89,7 @@ def test_a_tune_times_every_tile_and_its_plan_builds_a_correct_kernel() -> None:
     hardware = detect_cpu(cpu_flags() or set()).with_overrides(cores=2)
     weights = [1.0 if length in (3, 9, 30, 64) else 0.0 for length in range(1, 65)]
     task = AttentionTask(heads=2, head_dim=16, max_len=64, weights=weights)
-    target = {"kind": "llvm", "mcpu": "native", "num-cores": 2}
+    target = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": 2}  # (the ISA the detected tiles are for)
     said: list[str] = []
     tuned = tune_attention(task, target, hardware, 2, TimingPolicy(number=1, repeat=1, min_repeat_ms=1),
                            str(tvm.__version__), 7, timeout_s=600, say=said.append)
@@ -102,7 +102,7 @@ def test_a_tune_times_every_tile_and_its_plan_builds_a_correct_kernel() -> None:
     assert any("chosen" in line for line in said)
     configure_cpu_threads(2)
     func = varlen_attention(2, 16, 64, tuned.varlen_tiles(), tuned.tree).with_attr("global_symbol", "main")
-    kernel = build(tvm.IRModule({"main": func}), tvm.target.Target({"kind": "llvm", "num-cores": 2}))["main"]
+    kernel = build(tvm.IRModule({"main": func}), tvm.target.Target(target))["main"]
     lengths = [1, 3, 4, 9, 10, 30, 31, 64, 2]
     qkv = np.random.default_rng(3).standard_normal((sum(lengths), 96)).astype(np.float32)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

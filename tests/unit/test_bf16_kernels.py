@@ -254,7 +254,7 @@ def test_the_exp_of_bf16_attention_weights_matches_numpy() -> None:
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    from dietserve.kernels.tir.fast_exp import bf16_softmax_exp
+    from dietserve.kernels.tir.fast_exp import avx512_softmax_exp
 
     size = 1 << 16
     with IRBuilder() as builder:
@@ -263,7 +263,7 @@ def test_the_exp_of_bf16_attention_weights_matches_numpy() -> None:
             T.func_attr({"global_symbol": "main"})
             with T.serial(0, size // 16) as v:
                 vector = tirx.Ramp(v * 16, 1, 16)
-                T.buffer_store(y, bf16_softmax_exp(x[vector]), [vector])
+                T.buffer_store(y, avx512_softmax_exp(x[vector]), [vector])
     function = build(tvm.IRModule({"main": builder.get()}), TARGET)["main"]
     rng = np.random.default_rng(0)
     # every range a softmax meets: near 0, across many powers of two, into underflow

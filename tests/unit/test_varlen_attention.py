@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tvm
 
-from dietserve.host.cpu import configure_cpu_threads
+from dietserve.host.cpu import configure_cpu_threads, cpu_flags
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.cpu_varlen.attention import varlen_attention
 from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles, context_tile, same_code, tile_for
@@ -17,10 +17,10 @@ TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 MAX_LEN = 512
 
 
-def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None = None):
+def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None = None, target=TARGET):
     """The kernel alone, as a callable (in a model it is a ``call_tir`` of the forward function)."""
     func = varlen_attention(heads, head_dim, MAX_LEN, tile, tree).with_attr("global_symbol", "main")
-    return build(tvm.IRModule({"main": func}), TARGET)["main"]
+    return build(tvm.IRModule({"main": func}), target)["main"]
 
 
 def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -60,6 +60,24 @@ def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
         out, starts = run(function, qkv, lengths, heads * head_dim)
         expected = reference(qkv, starts, heads, head_dim)
         error = np.abs(out - expected).max() / np.abs(expected).max()  # (float32 sums of up to 512 terms)
+        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.skipif("avx512f" not in (cpu_flags() or set()), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("head_dim", [64, 32, 40])
+def test_avx512_tiles_match_numpy(head_dim: int) -> None:
+    """16-lane tiles, as an AVX-512 CPU's hardware model gives: K transposed 16 x 16 in registers
+    where the head is whole vectors (64, 32) and element by element where not (40), the
+    exponentials by ``vscalefps``."""
+    configure_cpu_threads(2)
+    heads, tile = 2, tile_for(CPU_PRESETS["avx512"])
+    function = built(heads, head_dim, tile, target=tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
+    rng = np.random.default_rng(head_dim)
+    for lengths in MIXES:
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim)
+        expected = reference(qkv, starts, heads, head_dim)
+        error = np.abs(out - expected).max() / np.abs(expected).max()
         assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
 
 

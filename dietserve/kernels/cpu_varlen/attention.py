@@ -38,7 +38,7 @@ from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pa
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
-from ..tir.fast_exp import bf16_softmax_exp, softmax_exp
+from ..tir.fast_exp import AVX512_LANES, avx512_softmax_exp, softmax_exp
 from ..tir.row_softmax import LOWEST
 from .tile import LENGTH_VAR, VarlenTile, context_tile
 
@@ -130,7 +130,8 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
     row_sum = T.alloc_buffer((mr, lanes), "float32", scope="global")
     keys = values = None
     if not pairs or not _PairedProducts.transposes(head_dim):
-        keys, values = _copied_keys_and_values(qkv, (start, length), (k_column, v_column), key_columns, head_dim, nr)
+        keys, values = _copied_keys_and_values(qkv, (start, length), (k_column, v_column), key_columns, head_dim, nr,
+                                               lanes)
     paired = None
     if pairs:
         paired = _PairedProducts(tile, head_dim, length, key_columns, score_columns)
@@ -274,7 +275,7 @@ class _PairedProducts:
         """The tile's exponentials, exp(score - row max), summed in fp32 into ``row_sum`` and
         stored as pairs of keys: 32 keys (two vectors) a step, each converted by one
         ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros. Their exp is
-        ``bf16_softmax_exp``: they are rounded to bf16 next."""
+        ``avx512_softmax_exp``: they are rounded to bf16 next."""
         lanes = PAIR_LANES
         zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
         whole = self.length // (2 * lanes)
@@ -283,7 +284,7 @@ class _PairedProducts:
             halves = []
             for first in (u * 2 * lanes, u * 2 * lanes + lanes):
                 columns = tirx.Ramp(tirx.Cast("int64", first), tirx.const(1, "int64"), lanes)
-                e = bf16_softmax_exp(scores[ii, columns] - peak)
+                e = avx512_softmax_exp(scores[ii, columns] - peak)
                 if masked:
                     e = tirx.Select(columns < tirx.Broadcast(tirx.Cast("int64", self.length), lanes), e, zeros)
                 halves.append(T.bind(e))
@@ -312,20 +313,37 @@ class _PairedProducts:
                                                       self.values[j, in_v]), [ii, columns])
 
 
-def _copied_keys_and_values(qkv, where, columns, key_columns, head_dim: int, nr: int):
+def _copied_keys_and_values(qkv, where, columns, key_columns, head_dim: int, nr: int, lanes: int):
     """(K^T in ``nr``-column panels, zero up to whole panels; V's rows), copied from the QKV
     block. The panels are contiguous: a ``[head_dim, L]`` array's rows would alias in L1 when L is
     a power of two, as the reduction walks down them. V's rows are copied contiguous too: in the
-    QKV block they lie ``3 * heads * head_dim`` floats apart, a page or more each."""
+    QKV block they lie ``3 * heads * head_dim`` floats apart, a page or more each. K is
+    transposed ``lanes`` keys by ``lanes`` columns at a time in registers (``_transposed``) where
+    the head's columns are whole vectors, element by element where not."""
     (start, length), (k_column, v_column) = where, columns
     keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
     values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
     with T.serial(0, length) as j:
-        with T.serial(0, head_dim) as d:
-            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
         with T.vectorized(0, head_dim) as d:
             T.buffer_store(values, qkv[start + j, v_column + d], [j, d])
-    with T.serial(0, (length + nr - 1) // nr * nr - length) as j:  # zeros up to whole panels: scores not read
+    panels = (length + nr - 1) // nr
+    if head_dim % lanes == 0:
+        zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
+        with T.serial(0, panels * (nr // lanes)) as group:
+            for block in range(head_dim // lanes):
+                rows = []
+                for i in range(lanes):
+                    key = group * lanes + i
+                    row = qkv[start + tirx.min(key, length - 1), tirx.Ramp(k_column + block * lanes, 1, lanes)]
+                    rows.append(T.bind(tirx.Select(tirx.Broadcast(key < length, lanes), row, zeros)))
+                for d, column in enumerate(_transposed(rows)):
+                    T.buffer_store(keys, column, [group * lanes // nr, block * lanes + d,
+                                                  tirx.Ramp(group * lanes % nr, 1, lanes)])
+        return keys, values
+    with T.serial(0, length) as j:
+        with T.serial(0, head_dim) as d:
+            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
+    with T.serial(0, panels * nr - length) as j:  # zeros up to whole panels: their scores are not read
         with T.serial(0, head_dim) as d:
             T.buffer_store(keys, tirx.const(0, "float32"), [(length + j) // nr, d, (length + j) % nr])
     return keys, values
@@ -333,23 +351,34 @@ def _copied_keys_and_values(qkv, where, columns, key_columns, head_dim: int, nr:
 
 def _exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
     """exp(score - row max) in place, summed lane by lane into ``row_sum``: whole vectors, then
-    the last part vector (0 past the real columns, within the panels)."""
+    the last part vector (0 past the real columns, within the panels). On 16-lane (AVX-512)
+    tiles by ``avx512_softmax_exp``, otherwise by the fused softmax's ``softmax_exp``."""
     zero = tirx.const(0, "float32")
     with T.unroll(0, mr) as ii:
         peak = _lane_reduce(row_max, ii, lanes, tirx.max)
 
-        def exponentials(v, real) -> None:
+        def exponentials(v, masked: bool) -> None:
+            if lanes == AVX512_LANES:
+                columns = tirx.Ramp(v * lanes, 1, lanes)
+                e = avx512_softmax_exp(scores[ii, columns] - tirx.Broadcast(peak, lanes))
+                if masked:
+                    e = tirx.Select(columns < tirx.Broadcast(length, lanes), e, tirx.Broadcast(zero, lanes))
+                e = T.bind(e)
+                T.buffer_store(scores, e, [ii, columns])
+                sums = tirx.Ramp(0, 1, lanes)
+                T.buffer_store(row_sum, row_sum[ii, sums] + e, [ii, sums])
+                return
             with T.vectorized(0, lanes) as lane:
                 column = v * lanes + lane
                 e = softmax_exp(scores[ii, column] - peak)
-                T.buffer_store(scores, e if real is None else tirx.Select(real(column), e, zero), [ii, column])
+                T.buffer_store(scores, tirx.Select(column < length, e, zero) if masked else e, [ii, column])
                 T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
 
         with T.serial(0, length // lanes) as v:
-            exponentials(v, None)
+            exponentials(v, False)
         with T.If(length % lanes > 0):
             with T.Then():
-                exponentials(length // lanes, lambda column: column < length)
+                exponentials(length // lanes, True)
 
 
 def _transposed(rows: list) -> list:

@@ -54,13 +54,14 @@ def softmax_exp(value: tirx.Expr) -> tirx.Expr:
 _BF16_POLYNOMIAL = (1.0, 0.9999997019767761, 0.4999915063381195, 0.1666763573884964, 0.04189793020486832,
                     0.008290315046906471)
 _SCALEF = "llvm.x86.avx512.mask.scalef.ps.512"
+AVX512_LANES = 16  # float32 lanes of the vectors ``avx512_softmax_exp`` takes
 
 
-def bf16_softmax_exp(vector: tirx.Expr) -> tirx.Expr:
-    """exp of a float32x16 ``vector`` of values at most 0 (attention's weights, rounded to bf16
-    next): ``softmax_exp``'s range reduction, to nearest, with a polynomial of degree 5 in place
-    of 7, and the power of two applied by one AVX-512 ``vscalefps`` (underflowing to 0
-    gracefully) in place of building it from its exponent bits: 10 vector operations, not 16."""
+def avx512_softmax_exp(vector: tirx.Expr) -> tirx.Expr:
+    """exp of a float32x16 ``vector`` of values at most 0 (a score less its row's max):
+    ``softmax_exp``'s range reduction, to nearest, with a polynomial of degree 5 in place of 7,
+    and the power of two applied by one AVX-512 ``vscalefps`` (underflowing to 0 gracefully) in
+    place of building it from its exponent bits: 10 vector operations, not 16."""
     lanes = vector.ty.dtype.lanes
 
     def const(number: float) -> tirx.Expr:
