@@ -10,11 +10,12 @@ output projection reads it.
     tasks over (head, sequence), head-major: an even split hands every core whole heads of
     every sequence, so one long sequence among short ones does not land on one core
         K^T copied once per task, in [head_dim, nr] panels, zero up to whole panels
+        (lanes x lanes blocks transposed in registers where the head is whole vectors)
         for each tile of mr queries (the last starts mr before the end: clamped, no padding)
             Q tile [mr, head_dim], scaled by 1 / sqrt(head_dim)
             scores [mr, L] in mr x nr register tiles: Q broadcast, K^T vectors
             each row's max kept as the scores are stored; then exp(score - max) and its sum
-            in one pass (the model's own fast_exp, ``softmax_exp``)
+            in one pass (``avx512_softmax_exp`` on 16-lane tiles, else ``softmax_exp``)
             context [mr, head_dim] in mr x nc register tiles: exp broadcast, V rows vectors,
             divided by the sum as it is stored for the tile's rows
 

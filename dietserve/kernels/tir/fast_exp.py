@@ -49,10 +49,10 @@ def softmax_exp(value: tirx.Expr) -> tirx.Expr:
 
 
 # exp(r) on |r| <= ln 2 / 2 by a degree-5 polynomial fitted for least relative error, exp(0) = 1
-# exactly (at most 1.8e-7, as fine as TOPI's degree 7: a degree 4, at 2.7e-6, already rounded some weights to the
-# other bf16 and moved single tokens of a bf16 model), lowest order first.
-_BF16_POLYNOMIAL = (1.0, 0.9999997019767761, 0.4999915063381195, 0.1666763573884964, 0.04189793020486832,
-                    0.008290315046906471)
+# exactly, lowest order first: at most 1.8e-7, as fine as TOPI's degree 7 (a degree 4, at 2.7e-6,
+# already rounds some of attention's weights to the other bf16 and moves single tokens of a model).
+_EXP_POLYNOMIAL = (1.0, 0.9999997019767761, 0.4999915063381195, 0.1666763573884964, 0.04189793020486832,
+                   0.008290315046906471)
 _SCALEF = "llvm.x86.avx512.mask.scalef.ps.512"
 AVX512_LANES = 16  # float32 lanes of the vectors ``avx512_softmax_exp`` takes
 
@@ -70,8 +70,8 @@ def avx512_softmax_exp(vector: tirx.Expr) -> tirx.Expr:
     x = tirx.max(vector, const(_LOWEST_INPUT))
     n = tirx.round(x * const(_LOG2E))
     r = x - n * const(_LN2)
-    poly = const(_BF16_POLYNOMIAL[-1])
-    for coefficient in reversed(_BF16_POLYNOMIAL[:-1]):
+    poly = const(_EXP_POLYNOMIAL[-1])
+    for coefficient in reversed(_EXP_POLYNOMIAL[:-1]):
         poly = poly * r + const(coefficient)
     every_lane = tirx.const(-1, "int16")
     return tirx.call_llvm_pure_intrin(f"float32x{lanes}", _SCALEF, poly, n, poly, every_lane,
