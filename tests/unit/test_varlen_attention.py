@@ -64,13 +64,15 @@ def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
 
 
 @pytest.mark.skipif("avx512f" not in (cpu_flags() or set()), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("tile", [tile_for(CPU_PRESETS["avx512"]), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
+                                  VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
 @pytest.mark.parametrize("head_dim", [64, 32, 40])
-def test_avx512_tiles_match_numpy(head_dim: int) -> None:
+def test_avx512_tiles_match_numpy(head_dim: int, tile: VarlenTile) -> None:
     """16-lane tiles, as an AVX-512 CPU's hardware model gives: K transposed 16 x 16 in registers
     where the head is whole vectors (64, 32) and element by element where not (40), the
     exponentials by ``vscalefps``."""
     configure_cpu_threads(2)
-    heads, tile = 2, tile_for(CPU_PRESETS["avx512"])
+    heads = 2
     function = built(heads, head_dim, tile, target=tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
     rng = np.random.default_rng(head_dim)
     for lengths in MIXES:
