@@ -23,7 +23,8 @@ The scores kernel is the dense micro-kernel's shape (broadcast x vector FMAs int
 accumulators); the context reads V copied once per task, a row of head_dim floats each.
 Sequences shorter than ``mr`` run the same code on a zero-filled Q tile and store only their
 rows. The tile sizes are the kernel's parameters (``tile.py``): one tile chosen from the register
-file, or tuned tiles behind a tree over each sequence's length, compiled in.
+file, or tuned tiles behind a tree over each sequence's length, compiled in. The copies are
+``key_panels.py``'s, the softmax ``softmax.py``'s, the bf16 products ``paired.py``'s.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, adjacent_pairs, dot_pairs, importing_bf16_functions, pair
+from ..cpu_packed.bf16 import PAIR_LANES, PRECISION_ATTR, importing_bf16_functions
 from ..plan.decision_tree import TreeError, check_tree
 from ..tir.build import with_exact_buffers
 from ..tir.computed_once import computed_once
-from ..tir.fast_exp import AVX512_LANES, avx512_softmax_exp, softmax_exp
 from ..tir.row_softmax import LOWEST
+from .key_panels import copied_keys, copied_values
+from .paired import PairedProducts
+from .softmax import exponentials, lane_reduce
 from .tile import LENGTH_VAR, VarlenTile, context_tile
 
 VARLEN_ATTENTION = "dietserve.varlen_attention"  # the PrimFunc attribute naming its (heads, head_dim)
@@ -113,7 +116,7 @@ def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longe
 
 
 def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, pairs: bool = False) -> None:
-    """One head of one sequence; ``pairs``: its products on bf16 pairs (``_PairedProducts``)."""
+    """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``)."""
     h, start, length = where
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
@@ -123,21 +126,20 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
     key_tiles = (length + nr - 1) // nr
     # (scope "global": stack arrays, allocated once per task; "local" ones this size would go
     # through the runtime's workspace calls wherever they are declared)
-    # (bf16: whole 32-column blocks, which ``_PairedProducts.exponentiate`` converts at once)
+    # (bf16: whole 32-column blocks, which ``PairedProducts.exponentiate`` converts at once)
     score_columns = -(-key_columns // (2 * PAIR_LANES)) * 2 * PAIR_LANES if pairs else key_columns
     scores = T.alloc_buffer((mr, score_columns), "float32", scope="global")
     queries = T.alloc_buffer((mr, head_dim), "float32", scope="global")
     row_max = T.alloc_buffer((mr, lanes), "float32", scope="global")
     row_sum = T.alloc_buffer((mr, lanes), "float32", scope="global")
-    keys = values = None
-    if not pairs or not _PairedProducts.transposes(head_dim):
-        keys, values = _copied_keys_and_values(qkv, (start, length), (k_column, v_column), key_columns, head_dim, nr,
-                                               lanes)
-    paired = None
+    keys = values = paired = None
     if pairs:
-        paired = _PairedProducts(tile, head_dim, length, key_columns, score_columns)
-        paired.copy_keys(qkv, start, k_column, keys)
+        paired = PairedProducts(tile, head_dim, length, key_columns, score_columns)
+        paired.copy_keys(qkv, start, k_column)
         paired.copy_values(qkv, start, v_column)
+    else:
+        keys = copied_keys(qkv, start, length, k_column, key_columns, head_dim, nr, lanes)
+        values = copied_values(qkv, start, length, v_column, key_columns, head_dim)
     with T.serial(0, (length + mr - 1) // mr) as t:
         i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
         rows = tirx.min(length, mr)
@@ -179,7 +181,7 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
         if paired is not None:
             paired.exponentiate(scores, row_max, row_sum)
         else:
-            _exponentials(scores, row_max, row_sum, mr, lanes, length)
+            exponentials(scores, row_max, row_sum, mr, lanes, length)
         # context = (e @ V) / sum, the division folded into the store
         with T.unroll(0, head_dim // nc) as co:
             context = T.alloc_buffer((mr, nc), "float32", scope="global")
@@ -196,216 +198,9 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
             with T.unroll(0, mr) as ii:
                 with T.If(ii < rows):
                     with T.Then():
-                        inverse = tirx.const(1, "float32") / _lane_reduce(row_sum, ii, lanes, tirx.Add)
+                        inverse = tirx.const(1, "float32") / lane_reduce(row_sum, ii, lanes, tirx.Add)
                         with T.vectorized(0, nc) as cc:
                             T.buffer_store(out, context[ii, cc] * inverse, [start + i0 + ii, q_column + co * nc + cc])
-
-
-class _PairedProducts:
-    """The two products of one (head, sequence) task on bf16 pairs (``kernels/cpu_packed/bf16.py``):
-    the scores over pairs of head_dim columns, the context over pairs of keys. K^T's panels and
-    V's rows are converted once per task, a tile's queries and exponentials once per tile; the
-    running max, exp and sums stay fp32. A pair past the sequence's end holds zeros."""
-
-    def __init__(self, tile: VarlenTile, head_dim: int, length, key_columns: int, score_columns: int):
-        self.tile, self.length, self.half = tile, length, head_dim // 2
-        mr, nr = tile.mr, tile.nr
-        self.keys = T.alloc_buffer((key_columns // nr, self.half, nr), "uint32", scope="global")
-        self.values = T.alloc_buffer(((key_columns + 1) // 2, head_dim), "uint32", scope="global")
-        self.queries = T.alloc_buffer((mr, self.half), "uint32", scope="global")
-        self.exponentials = T.alloc_buffer((mr, score_columns // 2), "uint32", scope="global")
-
-    @staticmethod
-    def transposes(head_dim: int) -> bool:
-        """Whether K's pairs are transposed from the QKV block in 16 x 16 blocks of pair words
-        (``copy_keys``): where a head's pairs are whole vectors."""
-        return head_dim % (2 * PAIR_LANES) == 0
-
-    def copy_keys(self, qkv, start, k_column, keys) -> None:
-        """K^T's panels as pairs of head_dim columns, zero past the sequence's end up to whole
-        panels. From ``keys`` (fp32 panels) where given; else straight from the QKV block: each
-        key's row converted to pairs (one ``vcvtne2ps2bf16`` per 16 words), 16 keys' rows
-        transposed in registers (``_transposed``) and stored whole, in place of an element-wise
-        transpose of the fp32 values."""
-        lanes, nr = PAIR_LANES, self.tile.nr
-        if keys is not None:
-            with T.serial(0, (self.length + nr - 1) // nr) as jo:
-                with T.serial(0, self.half) as d:
-                    with T.vectorized(0, nr) as j:
-                        T.buffer_store(self.keys, pair(keys[jo, 2 * d, j], keys[jo, 2 * d + 1, j]), [jo, d, j])
-            return
-        no_words = tirx.Broadcast(tirx.const(0, "uint32"), lanes)
-        with T.serial(0, (self.length + nr - 1) // nr * (nr // lanes)) as group:
-            for block in range(self.half // lanes):
-                rows = []
-                for i in range(lanes):
-                    key = group * lanes + i
-                    row = start + tirx.min(key, self.length - 1)
-                    first = k_column + 2 * lanes * block
-                    words = adjacent_pairs(*(qkv[row, tirx.Ramp(first + lanes * part, 1, lanes)] for part in (0, 1)))
-                    rows.append(T.bind(tirx.Select(tirx.Broadcast(key < self.length, lanes), words, no_words)))
-                for word, column in enumerate(_transposed(rows)):
-                    T.buffer_store(self.keys, column, [group * lanes // nr, block * lanes + word,
-                                                       tirx.Ramp(group * lanes % nr, 1, lanes)])
-
-    def copy_values(self, qkv, start, v_column) -> None:
-        """V's rows as pairs of keys, from the QKV block (the odd key past the end as zero)."""
-        zero = tirx.const(0, "float32")
-        with T.serial(0, (self.length + 1) // 2) as j:
-            odd = 2 * j + 1
-            with T.vectorized(0, 2 * self.half) as d:
-                T.buffer_store(self.values, pair(qkv[start + 2 * j, v_column + d], tirx.Select(
-                    odd < self.length, qkv[start + tirx.min(odd, self.length - 1), v_column + d], zero)), [j, d])
-
-    def pair_queries(self, queries) -> None:
-        with T.unroll(0, self.tile.mr) as ii:
-            with T.vectorized(0, self.half) as d:
-                T.buffer_store(self.queries, pair(queries[ii, 2 * d], queries[ii, 2 * d + 1]), [ii, d])
-
-    def scores(self, acc, jo) -> None:
-        """``acc`` (``mr x nr``) += the tile's queries times key panel ``jo``."""
-        lanes = PAIR_LANES
-        with T.serial(0, self.half) as d:
-            for ii in range(self.tile.mr):
-                for jv in range(self.tile.nr // lanes):
-                    columns = tirx.Ramp(tirx.const(jv * lanes, "int32"), tirx.const(1, "int32"), lanes)
-                    T.buffer_store(acc, dot_pairs(acc[ii, columns], self.queries[ii, d],
-                                                  self.keys[jo, d, columns]), [ii, columns])
-
-    def exponentiate(self, scores, row_max, row_sum) -> None:
-        """The tile's exponentials, exp(score - row max), summed in fp32 into ``row_sum`` and
-        stored as pairs of keys: 32 keys (two vectors) a step, each converted by one
-        ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros. Their exp is
-        ``avx512_softmax_exp``: they are rounded to bf16 next."""
-        lanes = PAIR_LANES
-        zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
-        whole = self.length // (2 * lanes)
-
-        def step(ii, peak, u, masked: bool) -> None:
-            halves = []
-            for first in (u * 2 * lanes, u * 2 * lanes + lanes):
-                columns = tirx.Ramp(tirx.Cast("int64", first), tirx.const(1, "int64"), lanes)
-                e = avx512_softmax_exp(scores[ii, columns] - peak)
-                if masked:
-                    e = tirx.Select(columns < tirx.Broadcast(tirx.Cast("int64", self.length), lanes), e, zeros)
-                halves.append(T.bind(e))
-            sums = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
-            T.buffer_store(row_sum, row_sum[ii, sums] + halves[0] + halves[1], [ii, sums])
-            words = tirx.Ramp(tirx.Cast("int64", u * lanes), tirx.const(1, "int64"), lanes)
-            T.buffer_store(self.exponentials, adjacent_pairs(*halves), [ii, words])
-
-        with T.unroll(0, self.tile.mr) as ii:
-            peak = T.bind(tirx.Broadcast(_lane_reduce(row_max, ii, lanes, tirx.max), lanes))
-            with T.serial(0, whole) as u:
-                step(ii, peak, u, masked=False)
-            with T.If(self.length % (2 * lanes) > 0):
-                with T.Then():
-                    step(ii, peak, whole, masked=True)
-
-    def context(self, context, column0, nc: int) -> None:
-        """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
-        lanes = PAIR_LANES
-        with T.serial(0, (self.length + 1) // 2) as j:
-            for ii in range(self.tile.mr):
-                for cv in range(nc // lanes):
-                    columns = tirx.Ramp(tirx.const(cv * lanes, "int32"), tirx.const(1, "int32"), lanes)
-                    in_v = tirx.Ramp(column0 + cv * lanes, tirx.const(1, "int32"), lanes)
-                    T.buffer_store(context, dot_pairs(context[ii, columns], self.exponentials[ii, j],
-                                                      self.values[j, in_v]), [ii, columns])
-
-
-def _copied_keys_and_values(qkv, where, columns, key_columns, head_dim: int, nr: int, lanes: int):
-    """(K^T in ``nr``-column panels, zero up to whole panels; V's rows), copied from the QKV
-    block. The panels are contiguous: a ``[head_dim, L]`` array's rows would alias in L1 when L is
-    a power of two, as the reduction walks down them. V's rows are copied contiguous too: in the
-    QKV block they lie ``3 * heads * head_dim`` floats apart, a page or more each. K is
-    transposed ``lanes`` keys by ``lanes`` columns at a time in registers (``_transposed``) where
-    the head's columns are whole vectors, element by element where not."""
-    (start, length), (k_column, v_column) = where, columns
-    keys = T.alloc_buffer((key_columns // nr, head_dim, nr), "float32", scope="global")
-    values = T.alloc_buffer((key_columns, head_dim), "float32", scope="global")
-    with T.serial(0, length) as j:
-        with T.vectorized(0, head_dim) as d:
-            T.buffer_store(values, qkv[start + j, v_column + d], [j, d])
-    panels = (length + nr - 1) // nr
-    if head_dim % lanes == 0:
-        zeros = tirx.Broadcast(tirx.const(0, "float32"), lanes)
-        with T.serial(0, panels * (nr // lanes)) as group:
-            for block in range(head_dim // lanes):
-                rows = []
-                for i in range(lanes):
-                    key = group * lanes + i
-                    row = qkv[start + tirx.min(key, length - 1), tirx.Ramp(k_column + block * lanes, 1, lanes)]
-                    rows.append(T.bind(tirx.Select(tirx.Broadcast(key < length, lanes), row, zeros)))
-                for d, column in enumerate(_transposed(rows)):
-                    T.buffer_store(keys, column, [group * lanes // nr, block * lanes + d,
-                                                  tirx.Ramp(group * lanes % nr, 1, lanes)])
-        return keys, values
-    with T.serial(0, length) as j:
-        with T.serial(0, head_dim) as d:
-            T.buffer_store(keys, qkv[start + j, k_column + d], [j // nr, d, j % nr])
-    with T.serial(0, panels * nr - length) as j:  # zeros up to whole panels: their scores are not read
-        with T.serial(0, head_dim) as d:
-            T.buffer_store(keys, tirx.const(0, "float32"), [(length + j) // nr, d, (length + j) % nr])
-    return keys, values
-
-
-def _exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
-    """exp(score - row max) in place, summed lane by lane into ``row_sum``: whole vectors, then
-    the last part vector (0 past the real columns, within the panels). On 16-lane (AVX-512)
-    tiles by ``avx512_softmax_exp``, otherwise by the fused softmax's ``softmax_exp``."""
-    zero = tirx.const(0, "float32")
-    with T.unroll(0, mr) as ii:
-        peak = _lane_reduce(row_max, ii, lanes, tirx.max)
-
-        def exponentials(v, masked: bool) -> None:
-            if lanes == AVX512_LANES:
-                columns = tirx.Ramp(v * lanes, 1, lanes)
-                e = avx512_softmax_exp(scores[ii, columns] - tirx.Broadcast(peak, lanes))
-                if masked:
-                    e = tirx.Select(columns < tirx.Broadcast(length, lanes), e, tirx.Broadcast(zero, lanes))
-                e = T.bind(e)
-                T.buffer_store(scores, e, [ii, columns])
-                sums = tirx.Ramp(0, 1, lanes)
-                T.buffer_store(row_sum, row_sum[ii, sums] + e, [ii, sums])
-                return
-            with T.vectorized(0, lanes) as lane:
-                column = v * lanes + lane
-                e = softmax_exp(scores[ii, column] - peak)
-                T.buffer_store(scores, tirx.Select(column < length, e, zero) if masked else e, [ii, column])
-                T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
-
-        with T.serial(0, length // lanes) as v:
-            exponentials(v, False)
-        with T.If(length % lanes > 0):
-            with T.Then():
-                exponentials(length // lanes, True)
-
-
-def _transposed(rows: list) -> list:
-    """The columns of the square matrix whose rows are the vectors ``rows`` (as many as their
-    lanes, a power of two): one bit of (vector, lane) swapped a stage, each new vector a shuffle
-    of two (one ``vpermt2d``), so 16 x 16 words take 64 shuffles."""
-    vectors, bit, lanes = list(rows), 1, len(rows)
-
-    def shuffled(a, b, picks: list[int]):
-        return T.bind(tirx.Shuffle([a, b], [tirx.const(i, "int32") for i in picks]))
-
-    while bit < lanes:
-        for v in (v for v in range(lanes) if not v & bit):
-            a, b = vectors[v], vectors[v | bit]
-            vectors[v] = shuffled(a, b, [lanes + (lane & ~bit) if lane & bit else lane for lane in range(lanes)])
-            vectors[v | bit] = shuffled(a, b, [lanes + lane if lane & bit else lane | bit for lane in range(lanes)])
-        bit <<= 1
-    return vectors
-
-
-def _lane_reduce(lanes_buffer, row, lanes: int, combine) -> tirx.Expr:
-    """The ``lanes`` values of ``lanes_buffer[row]`` combined (``tirx.max`` or ``tirx.Add``)."""
-    value = lanes_buffer[row, 0]
-    for lane in range(1, lanes):
-        value = combine(value, lanes_buffer[row, lane])
-    return value
 
 
 def _tile_loop(rows: int, columns: int, lanes: int, store) -> None:
