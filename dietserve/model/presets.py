@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 from .bert import BertModel, PoolingOptions, checkpoint_parts, export_relax, transposed_weight_names
 from .config import BERT_BASE, BertConfig
+from .seeded_weights import seeded_tensors
 
 DEFAULT_MODEL = "default"
 BERT_BASE_MODEL = "bert-base"
@@ -38,30 +39,18 @@ def resolve_model(name_or_folder: str, cache_dir: Path, seed: int = 0) -> Path:
     return Path(name_or_folder)
 
 
-def random_hf_weights(config: BertConfig, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
-    """Weights initialised like Hugging Face's BertPreTrainedModel (normal(0, std=0.02)), seeded.
-
-    Biases and LayerNorm parameters get small noise too, so a test against a reference
-    exercises every tensor rather than zeros and ones.
-    """
+def random_weight_layout(config: BertConfig) -> list[tuple[list[int], list[str], bool]]:
+    """The layout ``seeded_weights.seeded_tensors`` draws a random checkpoint of ``config`` over:
+    (shape, checkpoint tensors, transposed) per parameter, in the model's order."""
     model = BertModel(config, PoolingOptions())
     _, parameters = export_relax(model, max_batch=1)
-    transposed = transposed_weight_names(model)
-    sources = checkpoint_parts(model)
-    rng = np.random.default_rng(seed)
-    weights: dict[str, np.ndarray] = {}
-    for name, shape in parameters:
-        parts = sources[name]  # the checkpoint's tensors, side by side along our last axis
-        shape = (*shape[:-1], shape[-1] // len(parts))
-        for part in parts:
-            if name.endswith("LayerNorm.weight"):
-                tensor = 1.0 + 0.02 * rng.standard_normal(shape)
-            else:
-                tensor = std * rng.standard_normal(shape)
-            if name in transposed:
-                tensor = tensor.T  # checkpoints store linear weights [out, in]
-            weights[part] = np.ascontiguousarray(tensor, dtype=np.float32)
-    return weights
+    transposed, sources = transposed_weight_names(model), checkpoint_parts(model)
+    return [([int(d) for d in shape], list(sources[name]), name in transposed) for name, shape in parameters]
+
+
+def random_hf_weights(config: BertConfig, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
+    """Checkpoint tensors initialised like Hugging Face's BertPreTrainedModel, seeded."""
+    return seeded_tensors(random_weight_layout(config), seed, std)
 
 
 def materialize_random_bert(config: BertConfig, folder: Path, seed: int, std: float = 0.02) -> Path:

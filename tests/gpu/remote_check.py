@@ -3,7 +3,7 @@
 Two entry points:
 
     prepare  (here, the build machine: .venv, nvcc)
-        .venv/bin/python tests/gpu/remote_check.py prepare [--bundle .gpu_carry] [--quick]
+        .venv/bin/python tests/gpu/remote_check.py prepare [--bundle .gpu_carry] [--quick] [--skip-bench]
     run      (the GPU host: python3 with torch + transformers, TVM neither installed nor needed)
         python3 tests/gpu/remote_check.py run [--bundle .gpu_carry] [--out DIR]
 
@@ -20,21 +20,26 @@ Two entry points:
 * ``artifacts/default``: ``dietserve compile --target cuda --arch sm_90 --max-batch 8`` (dlight
   schedules); ``artifacts/tuned``: the same with hand-made CUDA kernel plans linked in (two
   micro-kernels and the default rule, split by row count, for every dense and attention matmul).
+  (Both carried without weights: ``carried_artifacts.py``.)
 * ``kernels/``: CUDA micro-kernels applied with local padding (``dietserve.kernels.cuda.kernel``,
-  tensor-core ones ``cuda.tensor_core``), each exported with its fatbin: the cases of
-  ``test_tuner_cuda_gpu.py`` (checked at ragged lengths) and candidates for MiniLM's 384->1536
-  dense+GELU timed against the default rule and torch.
+  tensor-core ones ``cuda.tensor_core``), each exported with its fatbin (``kernel_bundle.py``):
+  the cases of ``test_tuner_cuda_gpu.py`` (checked at ragged lengths) and a sample of the H100's
+  space for MiniLM's 384->1536 dense+GELU, timed against the default rule and torch.
+* ``bench/``: the GPU benchmark's artifacts (MiniLM and bert-base, fp32 and fp16) and each dense
+  layer's kernels (``tests/benchmarks/bench_gpu.py``).
 * ``local_reference.npz``: transformers on this machine for a few shapes, to check the GPU
   host's own reference (transformers on its CPU) against.
 
 ``run`` installs the wheel and the runtime package under /tmp, re-executes itself with
 ``TVM_USE_RUNTIME_LIB=1``, then, each stage in a child process (a crashing kernel costs only its
 stage), checks both artifacts against transformers (max abs error, bar 1e-4) for batch 1/3/8 x
-seq 1..512, times the model against PyTorch on the same GPU, and checks/times the kernels.
-Results: ``OUT/results.json`` and a summary on stdout. Errors are given over all positions (as
-tests/gpu/test_cuda_numerics.py compares them) and over real, unpadded ones: the outputs at padded
-positions (never used) deviate more, on CPU artifacts too (H100, 2026-11: real <= 6e-6, padded up
-to 2.6e-4 at batch 8 x seq 512; the CPU artifact: 8.7e-6 and 1.2e-4 on the same inputs).
+seq 1..512, runs the benchmark (its end-to-end and dense tables and RESULT line), and checks and
+times the kernels, within ``--budget-s`` (480 s). Results: ``OUT/results.json`` and a summary on
+stdout; ``python tests/benchmarks/bench_gpu.py OUT/results.json`` prints the benchmark's tables
+again. Errors are given over all positions (as tests/gpu/test_cuda_numerics.py compares them)
+and over real, unpadded ones: the outputs at padded positions (never used) deviate more, on CPU
+artifacts too (H100, 2026-11: real <= 6e-6, padded up to 2.6e-4 at batch 8 x seq 512; the CPU
+artifact: 8.7e-6 and 1.2e-4 on the same inputs).
 
 With the device tool: ``run(command="set -o pipefail; python3 tests/gpu/remote_check.py run
 --out $OUT 2>&1 | tee $OUT/log.txt", carry=[".gpu_carry"])``.
@@ -44,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -58,26 +62,33 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-ARCH = "sm_90"
-MAX_BATCH = 8
+if str(REPO) not in sys.path:  # run as a script: tests.gpu and tests.benchmarks import from the tree
+    sys.path.insert(0, str(REPO))
+
+from tests.gpu.carried_artifacts import (  # noqa: E402 - after the tree is on the path
+    ARCH,
+    MAX_BATCH,
+    PARAMS_FILE,
+    carry_artifact,
+    cuda_core_split,
+    hand_plans,
+    restore_params,
+    sha256_file,
+)
+from tests.gpu.kernel_bundle import (  # noqa: E402
+    INDEX_FILE,
+    KERNEL_CHECK_LENGTHS,
+    build_kernels,
+    check_and_time,
+    tensor_core_kernels,
+)
+
 TOLERANCE = 1e-4
 BATCHES = (1, 3, 8)
 SEQS = (1, 7, 64, 127, 300, 512)
-TIMING_SEQS = (1, 8, 16, 32, 64, 128, 256, 384, 512)
-KERNEL_CHECK_LENGTHS = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)  # as test_tuner_cuda_gpu.py
 DENSE_TIMING_ROWS = (1, 16, 64, 128, 512, 2048, 4096)
-TENSOR_CORE_TOLERANCE = 1e-2  # abs, against fp32 sums of fp16-rounded operands
+SAMPLED_KERNELS = (6, 3)  # CUDA-core and tensor-core kernels of the H100's space timed on MiniLM's FFN
 BUNDLE_LIMIT = 62 * 1024 * 1024
-PARAMS_FILE = "params.safetensors"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
 
 # ----------------------------------------------------------------------------------------------
 # prepare (build machine)
@@ -108,84 +119,6 @@ def _rounded_checkpoint(work: Path, bundle: Path) -> Path:
     return folder
 
 
-def _param_map(artifact: Path, checkpoint: Path) -> list[list]:
-    """[artifact param name, [checkpoint tensor names], transposed] for every artifact parameter:
-    the tensors, each transposed if so, side by side along the last axis make the parameter (the
-    fused QKV layer stacks the query, key and value projections). Built from the model's own
-    source map and checked against the artifact's parameters, bit for bit."""
-    from safetensors.numpy import load_file
-
-    from dietserve.model.bert import BertModel, checkpoint_parts, transposed_weight_names
-    from dietserve.model.checkpoint import Checkpoint, canonical_name
-    from dietserve.runtime.manifest import Manifest
-
-    ours = load_file(str(artifact / PARAMS_FILE))
-    theirs = load_file(str(checkpoint / "model.safetensors"))
-    opened = Checkpoint.open(checkpoint)
-    model = BertModel(opened.config, opened.pooling)
-    sources, transposed = checkpoint_parts(model), transposed_weight_names(model)
-    raw_key = {canonical_name(key): key for key in theirs}
-    mapping = []
-    for name, _shape in Manifest.read(artifact).parameters:
-        keys = [raw_key[part] for part in sources[name]]
-        if not np.array_equal(_assemble(theirs, keys, name in transposed), ours[name]):
-            raise ValueError(f"artifact parameter {name} is not {keys} side by side")
-        mapping.append([name, keys, name in transposed])
-    return mapping
-
-
-def _assemble(tensors: dict, keys: list[str], transposed: bool) -> np.ndarray:
-    from dietserve.model.side_by_side import side_by_side  # (numpy only: the GPU host imports it too)
-
-    return side_by_side([tensors[key] for key in keys], transposed)
-
-
-def _copy_artifact(artifact: Path, destination: Path) -> None:
-    shutil.copytree(artifact, destination, ignore=shutil.ignore_patterns(PARAMS_FILE))
-
-
-def _cuda_plans(folder: Path, checkpoint: Path, cache: Path) -> Path:
-    """Hand-made CUDA plans for the model's dense and attention operators: two micro-kernels and
-    the default rule, split by row count (as tests/integration/test_tuned_model.py does on CPU)."""
-    import tvm
-
-    from dietserve.compile.artifact import CompileRequest
-    from dietserve.compile.target import TargetSpec
-    from dietserve.compile.tuning import tuning_tasks
-    from dietserve.kernels.plan.decision_tree import interval_tree
-    from dietserve.kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, plan_path
-    from dietserve.kernels.plan.microkernel import MicroKernel
-    from dietserve.kernels.tir.matching import matmul_axes
-
-    def cuda(tm, ty, tn, tx, bk, vector=4, unroll=64):
-        return MicroKernel(tile=(("i", (tm, ty)), ("j", (tn, tx)), ("k", (bk,))), unroll=unroll, vector=vector,
-                           cache_scopes=("shared", "local")).to_dict()
-
-    # The fastest of the bundle's kernels for MiniLM's 384->1536 dense on an H100 (first run,
-    # 2026-11): "narrow" up to 128 rows, "typical" above. Plus the default rule for 9..16 rows,
-    # so that one operator mixes dlight's kernel and micro-kernels.
-    variants = {"narrow": cuda(4, 2, 2, 16, 32, vector=4, unroll=0), "typical": cuda(4, 8, 4, 16, 16),
-                DEFAULT_VARIANT: None}
-    splits = [(8, "narrow"), (16, DEFAULT_VARIANT), (128, "narrow"), (4096, "typical")]
-    request = CompileRequest(model=str(checkpoint), target=TargetSpec(kind="cuda", arch=ARCH), max_batch=MAX_BATCH)
-    tasks = tuning_tasks(request, cache)
-    shutil.rmtree(folder, ignore_errors=True)
-    for task in tasks.tasks:
-        if task.vary["var"] != "seq_len":
-            # The pooling sum (rows = batch, reduced over seq_len) is no [i,k]x[k,j] product: its
-            # staged operand tile spans i, k and j, and these tiles overflow 48 KiB of shared
-            # memory there (ptxas refuses). The tuner would drop such candidates; we leave it out.
-            continue
-        axes = matmul_axes(tvm.ir.load_json(task.func))
-        plan = KernelPlan(workload=task.workload, operator=task.operator, shape_vars=["batch", "seq_len"], axes=axes,
-                          target=tasks.target, tvm_version=str(tvm.__version__), variants=variants,
-                          tree=interval_tree(axes["i"], [v for v, _ in splits], [n for _, n in splits]),
-                          tuned_range={"var": axes["i"], "min": 1, "max": 4096},
-                          provenance={"model": {"name": "remote_check hand-made CUDA plan"}})
-        plan.write(plan_path(folder, task.workload))
-    return folder
-
-
 def _kernel_cases(quick: bool) -> list[dict]:
     """(operator, kernel, loop partition, what to do) for the kernel bundle."""
     import random
@@ -210,7 +143,7 @@ def _kernel_cases(quick: bool) -> list[dict]:
         "attention_scores": attention_scores,
         "attention_context": attention_context,
     }
-    tensor_cores = _tensor_core_kernels()
+    tensor_cores = tensor_core_kernels()
     named.update(tensor_cores)
     cases = []
     for op, build in checked.items():
@@ -222,8 +155,9 @@ def _kernel_cases(quick: bool) -> list[dict]:
                               "loop_partition": partition, "check": KERNEL_CHECK_LENGTHS, "time": ()})
     # MiniLM's FFN up-projection: the default rule, the named kernels and a sample of the space.
     minilm = lambda: dense(384, 1536, "bias_gelu")  # noqa: E731
-    sample = random.Random(0).sample([k for k in h100 if k.cache_scopes[0] == "shared"], 6 if quick else 40)
-    tc_sample = random.Random(0).sample(tensor_core_space(GPU_PRESETS["h100"]), 3 if quick else 12)
+    # (each model's dense layers are timed against cuBLAS in bench_gpu.py's table)
+    sample = random.Random(0).sample([k for k in h100 if k.cache_scopes[0] == "shared"], SAMPLED_KERNELS[0])
+    tc_sample = random.Random(0).sample(tensor_core_space(GPU_PRESETS["h100"]), SAMPLED_KERNELS[1])
     timed = [("default", None), *named.items(), *((f"h100_space_{i}", k) for i, k in enumerate(sample)),
              *((f"h100_tc_space_{i}", k) for i, k in enumerate(tc_sample))]
     for name, kernel in timed:
@@ -231,59 +165,6 @@ def _kernel_cases(quick: bool) -> list[dict]:
                       "loop_partition": False, "check": (1, 7, 129, 512), "time": DENSE_TIMING_ROWS})
     return cases
 
-
-def _tensor_core_kernels() -> dict:
-    """The tensor-core kernels of test_tuner_cuda_gpu.py (fp16 operands: checked against numpy on
-    fp16-rounded operands, within ``TENSOR_CORE_TOLERANCE``)."""
-    from dietserve.host.hardware import GPU_PRESETS
-    from dietserve.kernels.space.gpu_tensor_core import (
-        registers_per_thread,
-        shared_memory_bytes,
-        tensor_core_kernel,
-        tensor_core_space,
-    )
-
-    space = tensor_core_space(GPU_PRESETS["a100"])
-    return {"tc_typical": tensor_core_kernel(2, 2, 2, 2, 2), "tc_largest_shared": max(space, key=shared_memory_bytes),
-            "tc_most_registers": max(space, key=registers_per_thread), "tc_one_warp": tensor_core_kernel(1, 1, 1, 1, 1)}
-
-
-def _build_kernels(folder: Path, quick: bool) -> None:
-    import tvm
-    from tvm.target import Target
-
-    from dietserve.compile.cuda import compile_fatbin, source_digest
-    from dietserve.kernels.apply import apply_default, apply_kernel
-    from dietserve.kernels.cuda.source import find_cuda_source
-
-    folder.mkdir(parents=True)
-    target = Target({"kind": "cuda", "arch": ARCH}, host={"kind": "llvm", "mcpu": "x86-64"})
-    index = []
-    for number, case in enumerate(_kernel_cases(quick)):
-        spec = case["spec"]()
-        entry = {key: case[key] for key in ("op", "kernel_name", "loop_partition", "check", "time")}
-        entry.update(id=f"k{number:03d}", workload=spec.name, kind=spec.kind, epilogue=spec.epilogue,
-                     kernel=None if case["kernel"] is None else case["kernel"].to_dict())
-        lengths = sorted(set(case["check"]) | set(case["time"]))
-        entry["shapes"] = {str(t): {"inputs": [list(s) for s in spec.input_shapes({"T": t})],
-                                    "output": list(spec.output_shape({"T": t})),
-                                    "flops": spec.flops({"T": t})} for t in lengths}
-        try:
-            if case["kernel"] is None:
-                scheduled = apply_default(spec.func, target)
-            else:
-                scheduled = apply_kernel(spec.func, case["kernel"], target, loop_partition=case["loop_partition"])
-            executable = tvm.compile(scheduled, target)
-            source = find_cuda_source(executable.mod)
-            executable.export_library(str(folder / f"{entry['id']}.so"))
-            (folder / f"{entry['id']}.fatbin").write_bytes(compile_fatbin(source, target))
-            entry["source_sha256"] = source_digest(source)
-        except Exception as err:  # noqa: BLE001 - a kernel that does not build is a result
-            entry["build_error"] = f"{type(err).__name__}: {err}"[:1000]
-        print(f"  kernel {entry['id']} {entry['op']} {entry['kernel_name']} lp={entry['loop_partition']}: "
-              f"{entry.get('build_error', 'built')}", flush=True)
-        index.append(entry)
-    (folder / "index.json").write_text(json.dumps(index, indent=1))
 
 
 def _runtime_package(bundle: Path) -> None:
@@ -307,7 +188,7 @@ def _local_reference(bundle: Path, checkpoint: Path) -> None:
     np.savez_compressed(bundle / "local_reference.npz", **arrays)
 
 
-def prepare(bundle: Path, quick: bool) -> None:
+def prepare(bundle: Path, quick: bool, skip_bench: bool = False, bench_plans: Path | None = None) -> None:
     from dietserve.compile.artifact import CompileRequest, compile_artifact
     from dietserve.compile.target import TargetSpec
 
@@ -324,16 +205,20 @@ def prepare(bundle: Path, quick: bool) -> None:
     print("compiling the CUDA artifact", flush=True)
     default = compile_artifact(request, cache, work / "artifact-default", progress=print)
     print("compiling the CUDA artifact with hand-made kernel plans", flush=True)
-    plans = _cuda_plans(work / "plans", checkpoint, cache)
+    plans = hand_plans(work / "plans", checkpoint, cache, cuda_core_split())
     tuned = compile_artifact(dataclasses.replace(request, plans=(plans,)), cache, work / "artifact-tuned",
                              progress=print)
     compiled = work / "compiled"  # artifacts, kernels, reference: carried as one .tgz
     shutil.rmtree(compiled, ignore_errors=True)
     for name, artifact in (("default", default), ("tuned", tuned)):
-        _copy_artifact(artifact, compiled / "artifacts" / name)
-        (compiled / "artifacts" / name / "param_map.json").write_text(json.dumps(_param_map(artifact, checkpoint)))
+        carry_artifact(artifact, checkpoint, compiled / "artifacts" / name)
     print("compiling the kernel bundle", flush=True)
-    _build_kernels(compiled / "kernels", quick)
+    build_kernels(compiled / "kernels", _kernel_cases(quick), ARCH)
+    if not skip_bench:
+        from tests.benchmarks.bench_gpu import prepare_bench
+
+        print("the GPU benchmark's artifacts and kernels (tests/benchmarks/bench_gpu.py)", flush=True)
+        prepare_bench(compiled / "bench", work, checkpoint, cache, quick, bench_plans)
     print("local transformers reference", flush=True)
     _local_reference(compiled, checkpoint)
     with tarfile.open(bundle / "compiled.tgz", "w:gz") as archive:
@@ -398,8 +283,6 @@ def _materialize(bundle: Path, work: Path) -> dict:
     """float32 checkpoint for transformers and each artifact's params.safetensors, from float16."""
     from safetensors.numpy import load_file, save_file
 
-    from dietserve.runtime.manifest import Manifest
-
     checkpoint = work / "checkpoint"
     if not (checkpoint / "model.safetensors").exists():
         checkpoint.mkdir(parents=True, exist_ok=True)
@@ -408,17 +291,9 @@ def _materialize(bundle: Path, work: Path) -> dict:
         save_file(full, str(checkpoint / "model.safetensors"))
         shutil.copy(bundle / "model" / "config.json", checkpoint / "config.json")
     full = load_file(str(checkpoint / "model.safetensors"))
-    report = {}
-    for source in sorted((bundle / "artifacts").iterdir()):
-        target = work / "artifacts" / source.name
-        if not (target / PARAMS_FILE).exists():
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(source, target)
-            mapping = json.loads((source / "param_map.json").read_text())
-            params = {name: _assemble(full, keys, transposed) for name, keys, transposed in mapping}
-            save_file(params, str(target / PARAMS_FILE))
-        expected = Manifest.read(target).files[PARAMS_FILE]
-        report[source.name] = {"params_sha256_matches_manifest": sha256_file(target / PARAMS_FILE) == expected}
+    report = {source.name: {"params_sha256_matches_manifest": restore_params(source, work / "artifacts" / source.name,
+                                                                             full)}
+              for source in sorted((bundle / "artifacts").iterdir())}
     return {"checkpoint": str(checkpoint), "artifacts": report}
 
 
@@ -499,185 +374,6 @@ def _stage_model(bundle: Path, work: Path, name: str) -> dict:
     return result
 
 
-def _median_ms(call, sync, repeats: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        call()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
-
-
-def _stage_timing(bundle: Path, work: Path) -> dict:
-    import torch
-    from transformers import BertModel
-
-    _cuda_runtime()
-    import tvm
-
-    from dietserve.runtime.artifact import load_artifact
-    from dietserve.runtime.engine import Engine
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    device = tvm.cuda(0)
-    engines, errors = {}, {}
-    for name in ("default", "tuned"):
-        try:
-            engines[name] = Engine(load_artifact(work / "artifacts" / name, verify_hashes=False))
-        except Exception as err:  # noqa: BLE001 - the other one may still run
-            errors[name] = f"{type(err).__name__}: {err}"[:1000]
-    models = {impl: BertModel.from_pretrained(str(work / "checkpoint"), attn_implementation=impl,
-                                              dtype=torch.float32).eval().cuda() for impl in ("sdpa", "eager")}
-    rows = []
-    rng = np.random.default_rng(0)
-    for seq in TIMING_SEQS:
-        ids = rng.integers(1000, 30000, (1, seq)).astype(np.int64)
-        mask, types = np.ones_like(ids), np.zeros_like(ids)
-        row = {"seq": seq}
-        repeats = 50
-        for name, engine in list(engines.items()):
-            positions = np.arange(seq, dtype=np.int64)
-            inputs = [tvm.runtime.tensor(a, device) for a in (ids, mask, types, positions)]
-            forward, params = engine.artifact.vm["forward"], engine.artifact.params
-            try:
-                row[f"tvm_{name}_ms"] = _median_ms(lambda f=forward, i=inputs, p=params: f(*i, *p), device.sync,
-                                                   repeats)
-                row[f"tvm_{name}_e2e_ms"] = _median_ms(lambda e=engine, a=(ids, mask, types): e.run(*a),
-                                                       device.sync, repeats)
-            except Exception as err:  # noqa: BLE001
-                errors[f"{name}@{seq}"] = f"{type(err).__name__}: {err}"[:1000]
-                del engines[name]
-        tensors = [torch.from_numpy(a).cuda() for a in (ids, mask, types)]
-        for impl, model in models.items():
-            with torch.inference_mode():
-                row[f"torch_{impl}_ms"] = _median_ms(
-                    lambda m=model, t=tensors: m(input_ids=t[0], attention_mask=t[1], token_type_ids=t[2]),
-                    torch.cuda.synchronize, repeats)
-        for name in engines:  # above 1: TVM is faster
-            for impl in models:
-                row[f"torch_{impl}_over_tvm_{name}"] = row[f"torch_{impl}_ms"] / row[f"tvm_{name}_ms"]
-        print("  " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        rows.append(row)
-    return {"method": "wall clock + device sync, median of 50 after 5 warm-ups; batch 1; inputs on the GPU "
-                      "(e2e: Engine.run from numpy to numpy); torch fp32, TF32 off", "rows": rows, "errors": errors}
-
-
-def _events_seconds(call, number: int = 20, repeat: int = 5) -> float:
-    """Seconds per call: CUDA events around ``number`` calls, median of ``repeat`` (as TVM's
-    time_evaluator does it), after a warm-up."""
-    import torch
-
-    call()
-    torch.cuda.synchronize()
-    results = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(number):
-            call()
-        end.record()
-        end.synchronize()
-        results.append(start.elapsed_time(end) / 1e3 / number)
-    return float(np.median(results))
-
-
-def _kernel_inputs(shapes: list, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)  # as tuner.ops.random_inputs
-    return [rng.uniform(-1, 1, size).astype("float32") for size in shapes]
-
-
-def _kernel_reference(entry: dict, inputs: list[np.ndarray]) -> np.ndarray:
-    if (entry.get("kernel") or {}).get("mma"):  # tensor cores: fp16 product operands, fp32 sums
-        inputs = [x.astype(np.float16).astype(np.float32) if i < 2 else x for i, x in enumerate(inputs)]
-    if entry["kind"] != "dense":
-        return inputs[0] @ inputs[1]
-    from scipy.special import erf
-
-    y = inputs[0] @ inputs[1]
-    if entry["epilogue"] != "none":
-        y = y + inputs[2]
-    if entry["epilogue"] == "bias_residual":
-        y = y + inputs[3]
-    if entry["epilogue"] == "bias_gelu":
-        y = (0.5 * y * (1.0 + erf(y.astype(np.float64) / np.sqrt(2.0)))).astype(np.float32)
-    return y
-
-
-def _stage_kernels(bundle: Path, work: Path, start: int, results: Path) -> dict:
-    """Check and time kernels from index ``start``; one JSON line per kernel in ``results``."""
-    import torch
-
-    _cuda_runtime()
-    import tvm
-
-    from dietserve.runtime.cuda_kernels import install_prebuilt_kernels
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = tvm.cuda(0)
-    index = json.loads((bundle / "kernels" / "index.json").read_text())
-    for entry in index[start:]:
-        out = {"id": entry["id"], "op": entry["op"], "kernel_name": entry["kernel_name"],
-               "loop_partition": entry["loop_partition"]}
-        with open(results, "a") as handle:  # a marker: if this process dies, the parent knows where
-            handle.write(json.dumps({**out, "started": True}) + "\n")
-        try:
-            if "build_error" in entry:
-                raise RuntimeError(f"did not build: {entry['build_error']}")
-            install_prebuilt_kernels(bundle / "kernels" / f"{entry['id']}.fatbin", entry["source_sha256"])
-            module = tvm.runtime.load_module(str(bundle / "kernels" / f"{entry['id']}.so"))
-            errors = {}
-            tolerance = (0.0, TENSOR_CORE_TOLERANCE) if (entry.get("kernel") or {}).get("mma") else (1e-3, 1e-3)
-            for length in entry["check"]:
-                shape = entry["shapes"][str(length)]
-                inputs = _kernel_inputs(shape["inputs"], seed=length)
-                output = tvm.runtime.tensor(np.full(shape["output"], np.nan, "float32"), device)
-                module["main"](*[tvm.runtime.tensor(x, device) for x in inputs], output)
-                device.sync()
-                got, expected = output.numpy(), _kernel_reference(entry, inputs)
-                if np.isnan(got).any():
-                    errors[length] = "NaN: elements left unwritten"
-                elif not np.allclose(got, expected, rtol=tolerance[0], atol=tolerance[1]):
-                    errors[length] = f"max abs error {float(np.abs(got - expected).max()):.3g}"
-            out["check_ok"] = not errors
-            if errors:
-                out["check_errors"] = errors
-            timings = {}
-            for rows in entry["time"]:
-                shape = entry["shapes"][str(rows)]
-                inputs = [tvm.runtime.tensor(x, device) for x in _kernel_inputs(shape["inputs"], seed=rows)]
-                output = tvm.runtime.tensor(np.empty(shape["output"], "float32"), device)
-                timer = module.time_evaluator("main", device, number=20, repeat=5)
-                module["main"](*inputs, output)
-                seconds = float(np.median(timer(*inputs, output).results))
-                timings[rows] = {"us": seconds * 1e6, "tflops": shape["flops"] / seconds / 1e12}
-            if timings:
-                out["timings"] = timings
-        except Exception as err:  # noqa: BLE001
-            out["error"] = f"{type(err).__name__}: {err}"[:1500]
-        print(f"  {json.dumps(out)}", flush=True)
-        with open(results, "a") as handle:
-            handle.write(json.dumps(out) + "\n")
-        if "CUDA" in out.get("error", "") or "cuda" in out.get("error", ""):
-            os._exit(3)  # the context may be poisoned: the parent goes on in a fresh process
-    if any(entry["time"] for entry in index):  # torch for the timed operator, same shapes
-        timed = next(entry for entry in index if entry["time"])
-        torch_times = {}
-        for rows in timed["time"]:
-            shape = timed["shapes"][str(rows)]
-            x, w, b = [torch.from_numpy(a).cuda() for a in _kernel_inputs(shape["inputs"], seed=rows)]
-            seconds = _events_seconds(lambda a=(b, x, w): torch.nn.functional.gelu(torch.addmm(*a)))
-            torch_times[rows] = {"us": seconds * 1e6, "tflops": shape["flops"] / seconds / 1e12}
-        with open(results, "a") as handle:
-            handle.write(json.dumps({"id": "torch", "op": timed["op"], "kernel_name": "torch addmm+gelu",
-                                     "timings": torch_times,
-                                     "note": "CUDA events around 20 calls, median of 5 (as time_evaluator)"}) + "\n")
-    return {}
-
 
 def _run_stage(stage: str, args: argparse.Namespace, extra: list[str], timeout: float) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "stage", stage, "--bundle", str(args.bundle),
@@ -695,15 +391,17 @@ def _run_stage(stage: str, args: argparse.Namespace, extra: list[str], timeout: 
     return result
 
 
-def _kernels_with_restarts(args: argparse.Namespace, deadline: float) -> list[dict]:
-    """The kernel stage, restarted after the last kernel it reached whenever its process dies or
-    quits after a CUDA error (the CUDA context is unusable after an illegal access)."""
-    results = args.out / "kernels.jsonl"
+def _kernels_with_restarts(args: argparse.Namespace, folder: Path, deadline: float) -> list[dict]:
+    """The kernel stage over ``folder`` (``kernel_bundle.py``), restarted after the last kernel it
+    reached whenever its process dies or quits after a CUDA error (the CUDA context is unusable
+    after an illegal access)."""
+    results = args.out / f"{folder.relative_to(args.bundle).as_posix().replace('/', '_')}.jsonl"
     results.unlink(missing_ok=True)
-    count = len(json.loads((args.bundle / "kernels" / "index.json").read_text()))
+    count = len(json.loads((folder / INDEX_FILE).read_text()))
     start = 0
     while start < count and time.monotonic() < deadline:
-        outcome = _run_stage("kernels", args, ["--start", str(start)], max(10.0, deadline - time.monotonic()))
+        outcome = _run_stage("kernels", args, ["--start", str(start), "--kernels", str(folder), "--results",
+                                               str(results)], max(10.0, deadline - time.monotonic()))
         lines = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
         done = {line["id"] for line in lines if "started" not in line}
         for line in lines:
@@ -743,8 +441,6 @@ def _summary(results: dict) -> None:
                   f"valid={value.get('valid_max_abs_err')} padded={value.get('padded_max_abs_err')} "
                   f"emb={value.get('embedding_max_abs_err')} vs_default={value.get('vs_default_max_abs')} "
                   f"hostref-vs-buildref={value.get('host_ref_vs_build_ref')}")
-    for row in results.get("timing", {}).get("rows", []):
-        print("   " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     kernels = results.get("kernels", [])
     if kernels:
         checked = [k for k in kernels if "check_ok" in k]
@@ -754,13 +450,13 @@ def _summary(results: dict) -> None:
             if "error" in k or not k.get("check_ok", True):
                 print(f"   FAIL {k['id']} {k['op']} {k['kernel_name']} lp={k.get('loop_partition')}: "
                       f"{k.get('error') or k.get('check_errors')}")
-        timed = [k for k in kernels if k.get("timings") and (k["id"] == "torch" or k.get("check_ok"))]
-        torch_row = next((k for k in timed if k["id"] == "torch"), None)
+        timed = [k for k in kernels if k.get("timings") and (k["id"].startswith("torch") or k.get("check_ok"))]
+        torch_row = next((k for k in timed if k["id"] == "torch-minilm_dense_bias_gelu-fp32"), None)
         default = next((k for k in timed if k.get("kernel_name") == "default"), None)
         if torch_row and default:
-            print("   dense 384->1536 + bias + GELU, us (torch / ours: above 1, ours is faster):")
+            print("   dense 384->1536 + bias + GELU, us (torch fp32 / ours: above 1, ours is faster):")
             for rows in torch_row["timings"]:
-                ours = [k for k in timed if k["id"] != "torch" and rows in k["timings"]]
+                ours = [k for k in timed if not k["id"].startswith("torch") and rows in k["timings"]]
                 best = min(ours, key=lambda k: k["timings"][rows]["us"])
                 t, d, b = (x["timings"][rows]["us"] for x in (torch_row, default, best))
                 print(f"   T={rows:>5}: torch {t:8.2f}  default rule {d:8.2f} ({t / d:4.2f}x)  best {b:8.2f} "
@@ -776,12 +472,19 @@ def run(args: argparse.Namespace) -> None:
     for name in ("default", "tuned"):
         if (args.bundle / "artifacts" / name).is_dir() and time.monotonic() < deadline:
             results[f"model_{name}"] = _run_stage(f"model_{name}", args, [], max(10.0, deadline - time.monotonic()))
-    if not args.skip_timing and time.monotonic() < deadline:
-        results["timing"] = _run_stage("timing", args, [], max(10.0, deadline - time.monotonic()))
+    bench = args.bundle / "bench"
+    if bench.is_dir() and not args.skip_bench and time.monotonic() < deadline:
+        results["bench_models"] = _run_stage("bench", args, [], max(10.0, deadline - time.monotonic()))
+        if time.monotonic() < deadline:
+            results["bench_kernels"] = _kernels_with_restarts(args, bench / "kernels", deadline)
     if (args.bundle / "kernels").is_dir() and time.monotonic() < deadline:
-        results["kernels"] = _kernels_with_restarts(args, deadline)
+        results["kernels"] = _kernels_with_restarts(args, args.bundle / "kernels", deadline)
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     _summary(results)
+    if "bench_models" in results:
+        from tests.benchmarks.bench_gpu import report
+
+        report(results["bench_models"], results.get("bench_kernels", []))
 
 
 def stage(args: argparse.Namespace) -> None:
@@ -792,10 +495,14 @@ def stage(args: argparse.Namespace) -> None:
             result = _stage_env(args.bundle, work)
         elif args.name.startswith("model_"):
             result = _stage_model(args.bundle, work, args.name.removeprefix("model_"))
-        elif args.name == "timing":
-            result = _stage_timing(args.bundle, work)
+        elif args.name == "bench":
+            from tests.benchmarks.bench_gpu import run_models
+
+            _cuda_runtime()
+            result = run_models(args.bundle / "bench", work)
         elif args.name == "kernels":
-            _stage_kernels(args.bundle, work, args.start, args.out / "kernels.jsonl")
+            _cuda_runtime()
+            check_and_time(args.kernels, args.start, args.results)
             return
         else:
             raise SystemExit(f"unknown stage {args.name}")
@@ -810,20 +517,26 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="build the bundle (build machine)")
     p.add_argument("--bundle", type=Path, default=REPO / ".gpu_carry")
-    p.add_argument("--quick", action="store_true", help="fewer kernels (no loop partition, 6 sampled)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer kernels (no loop partition; the benchmark: fewer candidates a dense layer)")
+    p.add_argument("--skip-bench", action="store_true", help="leave bench_gpu.py's artifacts and kernels out")
+    p.add_argument("--bench-plans", type=Path,
+                   help="bench_gpu.py: DIR/<model>-<precision>/ plan folders to use in place of hand-made ones")
     r = commands.add_parser("run", help="check and time on the GPU host")
     r.add_argument("--bundle", type=Path, default=REPO / ".gpu_carry")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/remote-check-out")))
     r.add_argument("--budget-s", type=float, default=480.0, help="stop starting stages after this long")
-    r.add_argument("--skip-timing", action="store_true")
+    r.add_argument("--skip-bench", action="store_true", help="leave bench_gpu.py's tables out")
     s = commands.add_parser("stage", help=argparse.SUPPRESS)
     s.add_argument("name")
     s.add_argument("--bundle", type=Path, required=True)
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--start", type=int, default=0)
+    s.add_argument("--kernels", type=Path, help="kernels: the folder of the kernels to check and time")
+    s.add_argument("--results", type=Path, help="kernels: the JSON lines file to append to")
     args = parser.parse_args()
     if args.command == "prepare":
-        prepare(args.bundle, args.quick)
+        prepare(args.bundle, args.quick, args.skip_bench, args.bench_plans)
     elif args.command == "run":
         args.bundle, args.out = args.bundle.resolve(), args.out.resolve()
         _bootstrap(args.bundle)
