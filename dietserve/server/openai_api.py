@@ -77,8 +77,8 @@ class EmbeddingsRequest:
     """The body's fields, checked."""
 
     def __init__(self, body: dict, served: tuple[str, ...]):
-        self.model = body.get("model")
-        if not isinstance(self.model, str):
+        self.model = body.get("model")  # None: the only embedding model served (as vLLM and TEI take it)
+        if self.model is not None and not isinstance(self.model, str):
             raise FieldError("model", "model must name a served model: " + ", ".join(served))
         if "input" not in body:
             raise FieldError("input", "the body needs 'input': the text(s) or token ids to embed")
@@ -158,7 +158,15 @@ class OpenAIRoutes:
             for name in self.core.state.model_names]})
 
     def _model(self, parsed: EmbeddingsRequest) -> ServedModel:
-        """The named model's artifact, as its text or its ids model by the input's kind."""
+        """The named model's artifact (without a name, the only embedding model's; ``parsed.model``
+        then names it), as its text or its ids model by the input's kind."""
+        if parsed.model is None:
+            embedders = [model.artifact for model in self.core.text_models() if not model.engine.is_classifier]
+            if len(embedders) != 1:
+                served = ", ".join(f"'{name}'" for name in embedders) or "none"
+                raise FieldError("model", "the body needs 'model' when the server serves other than one embedding "
+                                          f"model; embedding models served: {served}")
+            parsed.model = embedders[0]
         return self.core.model_for(parsed.model, parsed.takes_text)
 
     async def embeddings(self, request: web.Request) -> web.Response:

@@ -95,6 +95,15 @@ def test_openai_client_embeds_strings_as_grpc_does_and_as_the_reference(openai_c
     np.testing.assert_allclose([d.embedding for d in many.data], reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("body", [{}, {"model": None}], ids=["no model", "model null"])
+def test_openai_embeddings_without_a_model_take_the_only_one_served(server, grpc_client, body):
+    answer = requests.post(f"http://{server.http_url}/v1/embeddings", json={**body, "input": SENTENCES}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == MODEL
+    np.testing.assert_allclose([d["embedding"] for d in answer.json()["data"]],
+                               grpc_text_embeddings(grpc_client, SENTENCES), atol=SAME)
+
+
 def test_openai_base64_is_little_endian_float32(openai_client, grpc_client, server):
     expected = grpc_text_embeddings(grpc_client, SENTENCES)
     # OpenAI's client asks for base64 by default and decodes it itself.

@@ -84,6 +84,8 @@ BAD_REQUESTS = {
     "openai bad encoding": ("POST", EMBED, {"model": MODEL, "input": "hi", "encoding_format": "base85"}, {}, 400,
                             "encoding_format must be 'float' or 'base64'"),
     "openai no input": ("POST", EMBED, {"model": MODEL}, {}, 400, "needs 'input'"),
+    "openai model not a name": ("POST", EMBED, {"model": 7, "input": "hi"}, {}, 400,
+                                "model must name a served model: minilm"),
     "openai empty input": ("POST", EMBED, {"model": MODEL, "input": []}, {}, 400, "not empty"),
     "openai token out of vocabulary": ("POST", EMBED, {"model": MODEL, "input": [101, 10 ** 6]}, {}, 400,
                                        "token id 1000000"),

@@ -81,6 +81,14 @@ def test_each_model_answers_as_it_does_alone(server, expected_embeddings, expect
                                rtol=0, atol=SCORE_ATOL)
 
 
+def test_embeddings_without_a_model_take_the_only_embedding_model(server, expected_embeddings):
+    answer = _post(server, "/v1/embeddings", {"input": SENTENCES})  # the reranker is no candidate
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == EMBEDDER
+    got = np.array([entry["embedding"] for entry in answer.json()["data"]])
+    np.testing.assert_allclose(got, expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
+
+
 def test_routes_refuse_the_other_kind_of_model_by_name(server):
     embedding_of_reranker = _post(server, "/v1/embeddings", {"model": RERANKER, "input": ["Hi"]})
     assert embedding_of_reranker.status_code == 400
@@ -138,6 +146,9 @@ def test_with_several_classifiers_tei_routes_need_the_model_named(two_classifier
     unnamed = _post(server, "/rerank", {"query": QUERY, "texts": DOCUMENTS})
     assert unnamed.status_code == 400
     assert "several classifiers ('reranker', 'nli'): name one with 'model'" in unnamed.json()["error"]
+    no_embedder = _post(server, "/v1/embeddings", {"input": SENTENCES})
+    assert no_embedder.status_code == 400
+    assert "embedding models served: none" in no_embedder.json()["error"]["message"]
     np.testing.assert_allclose(_rerank_scores(server, f"/rerank?model={RERANKER}"), expected_scores, rtol=0,
                                atol=SCORE_ATOL)
     pairs = [("A man is eating food.", "A man eats."), ("A man is eating food.", "The sky is green.")]
