@@ -49,9 +49,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .explain import explain_rows, format_explain, write_explain_plot
+    from .explain import explain_attention, explain_rows, format_explain, write_explain_plot
 
     print(format_explain(explain_rows(args.artifact, args.batch, args.seq), args.batch, args.seq))
+    attention = explain_attention(args.artifact, args.seq)
+    if attention:
+        print(attention)
     if args.plot:
         say(f"plot: {write_explain_plot(args.artifact, args.plot, batch=args.batch)}")
     return 0

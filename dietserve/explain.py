@@ -1,7 +1,8 @@
 """Why an artifact runs what it runs: per dynamic operator, the kernel variant its decision tree
 picks at one (batch, seq_len), that micro-kernel's padding waste, and what the tuning plan knows
 about its latency there (measured, the tuner's prediction, or scaled from the nearest tuned
-shape). Pure Python: reads manifest.json and plans/, needs no TVM.
+shape); for a packed artifact, the attention kernel's tile at that sequence length. Pure Python:
+reads manifest.json and plans/, needs no TVM.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .host.hardware import detect_cpu
 from .kernels.cpu_packed.kernel import computed_extent
+from .kernels.cpu_varlen.tile import LENGTH_VAR, tile_for
+from .kernels.plan.attention_plan import ATTENTION_SUFFIX, read_attention_plans
 from .kernels.plan.decision_tree import TreeError, choose, evaluate_text
 from .kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, read_plans
 from .kernels.plan.microkernel import MicroKernel
-from .runtime.manifest import PLANS_DIR, Manifest
+from .runtime.manifest import LAYOUT_PACKED, PLANS_DIR, Manifest
 from .runtime.variant_by_shape import dispatch_shape
 
 DEFAULT_KERNEL_TEXT = "default rule"
@@ -82,6 +86,35 @@ def format_explain(rows: list[ExplainRow], batch: int, seq_len: int) -> str:
     lines.append(_total("default", [(r.default_latency_s, r.calls) for r in rows]))
     lines.append("latency per execution; measured: timed when tuning; predicted: the tuner's model or the nearest "
                  "tuned shape's throughput; extrapolated: beyond the tuned range; -: unknown")
+    return "\n".join(lines)
+
+
+def explain_attention(directory: Path, seq_len: int) -> str | None:
+    """The packed attention kernel's tile for a sequence of ``seq_len`` tokens (each sequence of a
+    batch takes the branch of its own length), and what tuning timed there; None for a padded
+    artifact, whose attention is two dispatched products like any other."""
+    manifest = Manifest.read(Path(directory))
+    if manifest.layout != LAYOUT_PACKED:
+        return None
+    heads = int(manifest.model_config["num_attention_heads"])
+    head_dim = int(manifest.model_config["hidden_size"]) // heads
+    lines = [f"attention: the packed kernel, {heads} heads of {head_dim}, each sequence by its own length "
+             f"({manifest.precision} build)"]
+    plans = read_attention_plans(sorted((Path(directory) / PLANS_DIR).glob("*" + ATTENTION_SUFFIX)))
+    if not plans:
+        tile = tile_for(detect_cpu(set(manifest.required_cpu_flags)))
+        lines.append(f"  length {seq_len} -> {tile.describe()}: no attention plan, the tile the CPU's registers fit")
+        return "\n".join(lines)
+    plan = plans[0]
+    name = choose(plan.tree, {LENGTH_VAR: seq_len})
+    lines.append(f"  length {seq_len} -> {name}: attention plan, {len(plan.tiles)} tile(s) over lengths "
+                 f"({plan.provenance.get('weights', 'unknown')} weights)")
+    group = next((entry for entry in plan.lengths if seq_len <= entry["up_to"]), None)
+    if group is not None:
+        default = group.get("default_latency_s")
+        lines.append(f"  timed at length {group['length']} (lengths up to {group['up_to']}): "
+                     f"{group['latency_s'] * 1e3:.4f} ms a sequence, the CPU's tile "
+                     f"{'-' if default is None else f'{default * 1e3:.4f} ms'}")
     return "\n".join(lines)
 
 

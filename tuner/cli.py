@@ -125,7 +125,9 @@ def _tune_attention_op(args: argparse.Namespace, variable: ShapeVar, where) -> i
     max_len = max(variable.values)
     weights = _weights(args.weights, variable) or [1.0] * len(variable.values)
     by_length = dict(zip(variable.values, weights, strict=True))
-    task = AttentionTask(args.heads, args.head_dim, max_len, [by_length.get(n, 0.0) for n in range(1, max_len + 1)])
+    per_length = [by_length.get(n, 0.0) for n in range(1, max_len + 1)]
+    uniform = args.weights is None and len(by_length) == max_len  # every length alike: no weights
+    task = AttentionTask(args.heads, args.head_dim, max_len, [] if uniform else per_length)
     out = Path(args.plan) if args.plan else attention_plan_path(Path(args.db).parent, args.heads, args.head_dim)
     timing = _timing(args)
     plan = tune_attention(task, where.target, where.hardware, where.cores, timing, str(tvm.__version__),

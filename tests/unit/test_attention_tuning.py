@@ -110,3 +110,17 @@ def test_a_tune_times_every_tile_and_its_plan_builds_a_correct_kernel() -> None:
     kernel(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), out)
     expected = reference(qkv, starts, 2, 16)
     assert np.abs(out.numpy() - expected).max() / np.abs(expected).max() < 1e-5
+
+
+def test_the_command_line_tune_without_weights_records_every_length_alike(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "tuner", "tune", "--op", "varlen_attention", "--heads", "2",
+                           "--head-dim", "16", "--t", "1:24", "--db", str(tmp_path / "records.jsonl")],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (written,) = read_attention_plans([attention_plan_path(tmp_path, 2, 16)])
+    assert written.provenance["weights"] == "uniform"
+    assert {entry["up_to"] for entry in written.lengths} >= {24} and written.heads == 2

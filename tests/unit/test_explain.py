@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dietserve.explain import explain_rows, format_explain, write_explain_plot
+from dietserve.explain import explain_attention, explain_rows, format_explain, write_explain_plot
 from dietserve.kernels.plan.decision_tree import choose, interval_tree
 from dietserve.kernels.plan.kernel_plan import KernelPlan
 from dietserve.kernels.plan.microkernel import MicroKernel
@@ -162,3 +162,50 @@ def test_plot_without_plans(tmp_path: Path) -> None:
         write_explain_plot(directory, tmp_path / "explain.png")
     rows = {row.operator: row for row in explain_rows(directory, 1, 37)}
     assert rows["fused_matmul"].latency_s is None and "not in plans/" in rows["fused_matmul"].note
+
+
+def _packed_manifest(directory: Path, flags: list[str], layout: str = "packed") -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(model_name="test-model", model_config={"num_attention_heads": 12, "hidden_size": 384},
+                        normalize_embeddings=False, target={"kind": "llvm", "mcpu": "test-cpu"}, tvm_version="test",
+                        cache_key="test", bounds={"batch": 8, "seq_len": 512}, parameters=[], files={}, dispatch={},
+                        required_cpu_flags=flags, layout=layout, precision="bf16")
+    (directory / "manifest.json").write_text(manifest.to_json())
+
+
+@pytest.mark.parametrize(("flags", "tile"), [(["avx2", "fma", "avx512f"], "varlen:6x32,32/16"),
+                                             (["avx2", "fma"], "varlen:4x16,16/8")])
+def test_attention_without_a_plan_names_the_tile_the_cpu_registers_fit(tmp_path: Path, flags, tile) -> None:
+    # AVX-512: 12 accumulators of 6 rows in 32 registers; AVX2: 8 of 4 rows in 16 (cpu_varlen/tile.py)
+    _packed_manifest(tmp_path / "art", flags)
+    text = explain_attention(tmp_path / "art", 100)
+    assert "12 heads of 32" in text and "(bf16 build)" in text
+    assert f"length 100 -> {tile}: no attention plan" in text
+
+
+def test_attention_with_a_plan_names_the_tile_of_the_sequence_length_and_its_timing(tmp_path: Path) -> None:
+    from dietserve.kernels.cpu_varlen.tile import LENGTH_VAR, VarlenTile
+    from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path
+
+    short, long = VarlenTile(mr=4, nr=16, nc=32, lanes=16), VarlenTile(mr=6, nr=32, nc=32, lanes=16)
+    lengths = [{"length": 30, "up_to": 64, "weight": 0.5, "tile": short.describe(), "latency_s": 1.0e-5,
+                "default_latency_s": 1.5e-5},
+               {"length": 200, "up_to": 512, "weight": 0.5, "tile": long.describe(), "latency_s": 2.0e-4,
+                "default_latency_s": None}]
+    plan = AttentionPlan(heads=12, head_dim=32, target={"kind": "llvm", "mcpu": "test-cpu", "num-cores": 2},
+                         tvm_version="test", tiles={t.describe(): t.to_dict() for t in (short, long)},
+                         tree=interval_tree(LENGTH_VAR, [64, 512], [short.describe(), long.describe()]),
+                         lengths=lengths, provenance={"weights": "observed"}, precision="bf16")
+    directory = tmp_path / "art"
+    _packed_manifest(directory, ["avx2", "fma", "avx512f"])
+    plan.write(attention_plan_path(directory / "plans", 12, 32))
+    short_text, long_text = explain_attention(directory, 64), explain_attention(directory, 65)
+    assert f"length 64 -> {short.describe()}: attention plan, 2 tile(s)" in short_text
+    assert "timed at length 30 (lengths up to 64): 0.0100 ms a sequence, the CPU's tile 0.0150 ms" in short_text
+    assert f"length 65 -> {long.describe()}" in long_text
+    assert "timed at length 200 (lengths up to 512): 0.2000 ms a sequence, the CPU's tile -" in long_text
+
+
+def test_a_padded_artifact_has_no_attention_kernel_to_explain(tmp_path: Path) -> None:
+    _packed_manifest(tmp_path / "art", ["avx2", "fma"], layout="padded")
+    assert explain_attention(tmp_path / "art", 100) is None
