@@ -16,7 +16,7 @@ from dietserve.host.cpu import cpu_flags
 from dietserve.host.hardware import CPU_PRESETS
 from dietserve.kernels.apply import apply_kernel
 from dietserve.kernels.cpu_packed import bf16
-from dietserve.kernels.cpu_packed.kernel import packed_tile
+from dietserve.kernels.cpu_packed.kernel import crowding_rows, packed_tile
 from dietserve.kernels.cpu_varlen.attention import bf16_attention_fits, varlen_attention
 from dietserve.kernels.cpu_varlen.tile import VarlenTile
 from dietserve.kernels.plan.kernel_plan import KernelPlan, PlanError
@@ -135,6 +135,18 @@ def test_bf16_kernels_in_reduction_blocks_match_numpy() -> None:
     _check_against_numpy(spec, list(chosen.values()), (1, 5, 64, 130, 512))
 
 
+@needs_bf16
+@pytest.mark.parametrize("depth", [200, 2048], ids=["pair steps not whole vectors", "pair rows crowding a set"])
+def test_bf16_kernels_copying_rows_k_major_match_numpy(depth: int) -> None:
+    """Where X's rows cannot be converted to pairs a vector at a time (100 pair steps), or their
+    4 KB rows would crowd one L1 set, a bf16 kernel copies them k-major instead."""
+    spec = dense(depth, 96, "bias_residual", precision="bf16")
+    kernels = task_space(packed_cpu_space(AVX512), spec.func, AVX512)
+    chosen = {packed_tile(kernel)[0]: kernel for kernel in kernels if kernel.tile_sizes("k")[0] == 1}
+    assert crowding_rows(14, depth * 2) is not None or depth % 32
+    _check_against_numpy(spec, [chosen[mr] for mr in (1, 6, 14) if mr in chosen], (1, 5, 64, 130))
+
+
 def _check_against_numpy(spec, kernels: list, lengths) -> None:
     functions = build_each(spec.func, kernels, TARGET, where=TARGET)
     apart_from_fp32 = 0.0
@@ -153,6 +165,8 @@ def test_a_bf16_kernel_multiplies_pairs_with_vdpbf16ps_on_half_the_weight_bytes(
     kernel = next(k for k in task_space(packed_cpu_space(AVX512), wide.func, AVX512) if packed_tile(k)[0] == 6)
     asm = build(apply_kernel(wide.func, kernel, TARGET), TARGET).mod.inspect_source("asm")
     assert asm.count("vdpbf16ps") >= 6  # (a 6-row tile: one per row and vector, the call inlined)
+    # X's rows become pairs 16 at a time, stored contiguously: no scatter of words a row apart
+    assert "vcvtne2ps2bf16" in asm and "vpscatter" not in asm
     assert "dietserve_dpbf16ps" not in asm  # inlined: no call, no copy of the function left
     with pytest.raises(ScheduleMismatch, match="AVX512-BF16"):
         apply_kernel(wide.func, kernel, tvm.target.Target({"kind": "llvm", "mcpu": "znver3"}))

@@ -57,7 +57,7 @@ from ..tir.matching import ScheduleMismatch
 from ..tir.rebuild import expression_size
 from . import bf16
 from .claimed_tasks import task_loop
-from .loop_nests import blocked_reduction, packed_rows, whole_reduction
+from .loop_nests import blocked_reduction, packed_rows, paired_rows, whole_reduction
 from .prefetch import CACHE_LINE_BYTES
 from .settings import PackedSettings
 from .tile import PackedOperator, Tile, remainder_heights
@@ -107,7 +107,10 @@ def apply_cpu_packed(func: tirx.PrimFunc, kernel: MicroKernel, workers: int | No
             whole_reduction(tile, tasks, int(panels) // nb, nb, depth, prefetch, distance, spread)
 
     with IRBuilder() as builder, T.seq_scope():
-        if op.bf16:  # its rows converted to pairs once, not once per panel group
+        if op.bf16 and crowding is None and op.pairs_by_vector(int(depth)):
+            # its rows converted to pairs once, not once per panel group, in place of X's
+            reduction(tile.with_paired_rows(paired_rows(tile, loop, int(depth))))
+        elif op.bf16:  # (k-major: the rows as pairs would crowd a set, or be no whole vectors)
             reduction(tile.with_rows_copied(packed_rows(tile, loop, int(depth))))
         elif crowding is None:
             reduction(tile)

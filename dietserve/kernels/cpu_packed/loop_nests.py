@@ -1,5 +1,6 @@
 """The packed GEMM kernel's loop nests (``kernel.py``): the tasks and row passes of the
-whole and the blocked reduction, and the k-major copy of crowding rows."""
+whole and the blocked reduction, the k-major copy of crowding rows, and a bf16 kernel's rows
+converted to pairs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from ..tir.computed_once import computed_once
+from . import bf16
 from .prefetch import NextBlock, stream_ahead
 from .tile import Tile
 
@@ -30,6 +32,24 @@ def packed_rows(tile: Tile, loop, depth: int):
                 T.buffer_store(packed, tile.op.activation_at(tile.clamped_row(i0, r), k0 + kk),
                                [i0 * depth + (k0 + kk) * tile.mr + r])
     return packed
+
+
+def paired_rows(tile: Tile, loop, depth: int):
+    """bf16: X's rows as pairs of steps, row ``i``'s pair step ``k`` at ``i * depth + k``
+    (``depth``: pair steps). Each job converts a chunk of a row 16 pairs at a time, from two
+    vector loads to one contiguous vector store (the k-major copy scatters its stores, one
+    word a row apart)."""
+    lanes = bf16.PAIR_LANES
+    chunk = math.gcd(depth, PACK_CHUNK)
+    chunks = depth // chunk
+    pairs = T.alloc_buffer((tile.rows * depth,), "uint32")
+    with loop(0, tile.rows * chunks) as job:
+        row, k0 = job // chunks, job % chunks * chunk
+        with T.serial(0, chunk // lanes) as v:
+            first = k0 + v * lanes
+            T.buffer_store(pairs, tile.op.activation_pairs(row, first),
+                           [tirx.Ramp(row * depth + first, tirx.const(1, first.ty.dtype), lanes)])
+    return pairs
 
 
 def _reduce(tile: Tile, accs, i0, panel0, k_first, extent, ahead: NextBlock | None = None, unit=0,

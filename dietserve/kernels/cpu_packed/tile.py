@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import tvm_ffi
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
@@ -79,6 +80,20 @@ class PackedOperator(MatmulExpressions):
         loads = {} if activation is None else {self.activation.source: activation}
         return rebuild(self.product, dict(zip(self.iter_vars, [row, panel, lane, k], strict=True)), loads)
 
+    def pairs_by_vector(self, depth: int) -> bool:
+        """Whether a bf16 product's rows convert to pairs a vector at a time (``activation_pairs``):
+        its activation is X itself, rounded, and ``depth`` pair steps are whole vectors."""
+        return self.bf16 and depth % bf16.PAIR_LANES == 0 and tvm_ffi.structural_equal(
+            self._x_side, bf16.rounded(self.activation), map_free_vars=True)
+
+    def activation_pairs(self, row, k0) -> tirx.Expr:
+        """bf16: the 16 pairs of X's row from pair step ``k0``, as one vector (one
+        ``bf16.adjacent_pairs`` of two vector loads; ``pairs_by_vector``)."""
+        at = lambda first: rebuild(self.activation, {self.iter_vars[0]: row, self.iter_vars[3]: tirx.Ramp(  # noqa: E731
+            first, tirx.const(1, first.ty.dtype), bf16.PAIR_LANES)})
+        step = 2 * k0
+        return bf16.adjacent_pairs(at(step), at(step + bf16.PAIR_LANES))
+
     def activation_at(self, row, k) -> tirx.Expr:
         """X[row, k]; bf16: the pair of its steps 2k and 2k + 1, rounded (``bf16.pair``)."""
         if self.bf16:
@@ -113,6 +128,7 @@ class Tile:
         self.stride = mr  # rows per row pass: the row tiles' spacing, also in the k-major copy
         self.remainder = False  # a remainder pass's tile (``remainder_tile``)
         self.packed = None  # the row tiles' activations, k-major (``packed_rows``), if copied
+        self.paired_rows = None  # bf16: X's rows as pairs, row-major (``paired_rows``), if copied
         self.in_place_below = None  # remainder tiles of fewer rows read X in place (``with_rows_copied``)
         self.fewer_than = None  # a bound the row count is known to be below (``with_fewer_rows_than``)
 
@@ -186,6 +202,13 @@ class Tile:
         budget = register_footprint(self.mr, vectors)
         return max(width for width in range(1, groups + 1)
                    if groups % width == 0 and register_footprint(height, width * vectors) <= budget)
+
+    def with_paired_rows(self, pairs) -> Tile:
+        """This bf16 tile reading its rows from ``pairs``, X's rows as pairs (``paired_rows``):
+        each row's steps contiguous, so the copy's stores are too."""
+        tile = copy.copy(self)
+        tile.paired_rows = pairs
+        return tile
 
     def with_rows_copied(self, packed, in_place_below: int | None = None) -> Tile:
         """This tile reading its rows from ``packed``, the k-major copy of ``packed_rows``; its
@@ -268,6 +291,8 @@ class Tile:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
             x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
+            if self.paired_rows is not None:
+                x = self.paired_rows[row * self.op.extents[3] + k]
             if self.op.bf16:  # (its rows are always copied as pairs first: ``kernel.py``)
                 self.vectors(lambda p, c, acc=acc, x=x: T.buffer_store(
                     acc[p], bf16.dot_pairs(acc[p][c], x, self.op.weight[panel0 + p, k, c]), [c]))
