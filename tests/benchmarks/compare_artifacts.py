@@ -1,8 +1,8 @@
 """Two or more compiled artifacts of one model side by side, in one process: latency per sequence
-length at batch 1, rounds interleaved (every artifact at every length in each round, in turn), so
-a slow spell of the shared machine falls on all of them alike. For judging a change of plans
-(e.g. tuned with the weight cached vs streamed from DRAM) where separate runs differ by more
-than the change.
+length at batch 1 (``--batch``: N sequences of it), rounds interleaved (every artifact at every
+length in each round, in turn), so a slow spell of the shared machine falls on all of them alike.
+For judging a change of plans (e.g. tuned with the weight cached vs streamed from DRAM) where
+separate runs differ by more than the change.
 
     python tests/benchmarks/compare_artifacts.py BASELINE_DIR CANDIDATE_DIR [...] \
         --lengths 1,7,13,31,64,128 --runs 10 --rounds 5 [--control]
@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="model runs per artifact, length and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1, help="sequences a run, each of the length (default 1)")
     parser.add_argument("--control", action="store_true", help="time the baseline twice (the noise floor)")
     parser.add_argument("--tvm-allocated", action="store_true",
                         help="baseline: the first artifact with its weights where TVM allocates them")
@@ -65,7 +66,7 @@ def main() -> int:
         control = len(loaded) - 1
     engines = [Engine(artifact, threads=args.threads) for artifact in loaded]
     rng = np.random.default_rng(0)
-    inputs = {seq: rng.integers(1000, engines[0].vocab_size, (1, seq)).astype(np.int64) for seq in lengths}
+    inputs = {seq: rng.integers(1000, engines[0].vocab_size, (args.batch, seq)).astype(np.int64) for seq in lengths}
     for engine in engines:
         for ids in inputs.values():
             for _ in range(WARMUP_RUNS):
@@ -79,6 +80,7 @@ def main() -> int:
     labels = [f"#{index}" for index in range(len(engines))]
     for index, path in enumerate(args.artifacts):
         print(f"# {labels[index]}: {path}{' (control: the baseline again)' if index == control else ''}")
+    print(f"# batch {args.batch}")
     print(f"{'seq':>5} " + " ".join(f"{label + ' ms':>10}" for label in labels)
           + " " + " ".join(f"{label + '/#0':>8}" for label in labels[1:]))
     ratios: dict[int, list[float]] = {index: [] for index in range(1, len(engines))}
