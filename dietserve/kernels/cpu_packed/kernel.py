@@ -37,6 +37,9 @@ a k-major copy made first, in parallel (``packed_rows``; the padded rows again r
 real one): each step's broadcasts then come from one line. Its remainder tiles too short to
 crowd a set read their rows in place (``PackedSettings.remainder_rows_in_place``).
 
+A bf16 kernel (``bf16.py``) converts X's rows to pairs first, row-major and a vector at a time
+(``paired_rows``), or k-major where those rows would crowd a set (``packed_rows``).
+
 The parts: ``tile`` (the operator's expressions, the register tile and its remainder tiles),
 ``loop_nests`` (the two reduction loop nests, the row copy), ``prefetch`` (``NextBlock``,
 ``stream_ahead``), ``claimed_tasks`` (the task loop), ``settings`` (what is switched on).
