@@ -7,8 +7,8 @@ Two entry points:
     run      (the GPU host: python3 with torch + transformers, TVM neither installed nor needed)
         python3 tests/gpu/remote_check.py run [--bundle .gpu_carry] [--out DIR]
 
-``prepare`` writes a bundle (< 64 MiB; keep its folder ignored by git, e.g. ``/.gpu_carry/`` in
-``.git/info/exclude``):
+``prepare`` (``prepare_bundle.py``) writes a bundle (< 64 MiB; keep its folder ignored by git,
+e.g. ``/.gpu_carry/`` in ``.git/info/exclude``):
 
 * ``tvm-runtime.tgz``: the installed ``tvm`` package without ``libtvm_compiler.so``, ``src/``,
   ``include/``, ``3rdparty/``; ``whl/``: the cp312 ``apache-tvm-ffi==0.1.14.post0`` wheel.
@@ -48,7 +48,6 @@ With the device tool: ``run(command="set -o pipefail; python3 tests/gpu/remote_c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -65,185 +64,16 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: tests.gpu and tests.benchmarks import from the tree
     sys.path.insert(0, str(REPO))
 
-from tests.gpu.carried_artifacts import (  # noqa: E402 - after the tree is on the path
-    ARCH,
-    MAX_BATCH,
-    PARAMS_FILE,
-    carry_artifact,
-    cuda_core_split,
-    hand_plans,
-    restore_params,
-    sha256_file,
-)
-from tests.gpu.kernel_bundle import (  # noqa: E402
-    INDEX_FILE,
-    KERNEL_CHECK_LENGTHS,
-    build_kernels,
-    check_and_time,
-    tensor_core_kernels,
-)
+from tests.gpu.carried_artifacts import PARAMS_FILE, restore_params, sha256_file  # noqa: E402 - after the path
+from tests.gpu.kernel_bundle import INDEX_FILE, check_and_time  # noqa: E402
+from tests.gpu.prepare_bundle import BATCHES, SEQS, prepare  # noqa: E402
 
 TOLERANCE = 1e-4
-BATCHES = (1, 3, 8)
-SEQS = (1, 7, 64, 127, 300, 512)
-DENSE_TIMING_ROWS = (1, 16, 64, 128, 512, 2048, 4096)
-SAMPLED_KERNELS = (6, 3)  # CUDA-core and tensor-core kernels of the H100's space timed on MiniLM's FFN
-BUNDLE_LIMIT = 62 * 1024 * 1024
-
-# ----------------------------------------------------------------------------------------------
-# prepare (build machine)
-# ----------------------------------------------------------------------------------------------
-
-def _rounded_checkpoint(work: Path, bundle: Path) -> Path:
-    """The default checkpoint with weights rounded to float16: float32 copy (compiled from, and
-    the local reference) in ``work``, float16 copy in the bundle."""
-    from safetensors.numpy import load_file, save_file
-
-    from dietserve.model.presets import default_model_folder
-
-    source = default_model_folder()
-    folder = work / "minilm-f16-rounded"
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.safetensors", "README.md", "data_config.json"))
-    weights = load_file(str(source / "model.safetensors"))
-    half = {name: tensor.astype(np.float16) if tensor.dtype == np.float32 else tensor
-            for name, tensor in weights.items()}
-    for name, tensor in half.items():
-        if tensor.dtype == np.float16 and not np.isfinite(tensor).all():
-            raise ValueError(f"{name} does not fit float16")
-    save_file({n: t.astype(np.float32) if t.dtype == np.float16 else t for n, t in half.items()},
-              str(folder / "model.safetensors"))
-    (bundle / "model").mkdir(parents=True)
-    save_file(half, str(bundle / "model" / "model.f16.safetensors"))
-    shutil.copy(folder / "config.json", bundle / "model" / "config.json")
-    return folder
-
-
-def _kernel_cases(quick: bool) -> list[dict]:
-    """(operator, kernel, loop partition, what to do) for the kernel bundle."""
-    import random
-
-    from dietserve.host.hardware import GPU_PRESETS
-    from dietserve.kernels.plan.microkernel import MicroKernel
-    from dietserve.kernels.space.gpu import gpu_space, shared_memory_bytes
-    from dietserve.kernels.space.gpu_tensor_core import tensor_core_space
-    from tuner.ops import attention_context, attention_scores, dense
-
-    h100, t4 = ([k for k in gpu_space(GPU_PRESETS[name]) if not k.mma] for name in ("h100", "t4"))
-    named = {  # the kernels of test_tuner_cuda_gpu.py
-        "typical": MicroKernel(tile=(("i", (4, 8)), ("j", (4, 16)), ("k", (16,))), unroll=64, vector=4,
-                               cache_scopes=("shared", "local")),
-        "t4_largest_shared": max(t4, key=shared_memory_bytes),
-        "h100_largest_shared": max(h100, key=shared_memory_bytes),  # dynamic shared memory
-        "smallest_tile": min(t4, key=lambda k: (k.tile_of("i") * k.tile_of("j"), -k.vector, k.unroll)),
-    }
-    checked = {
-        "dense_bias_gelu": lambda: dense(768, 3072, "bias_gelu"),
-        "dense_bias_ragged": lambda: dense(200, 100, "bias"),
-        "attention_scores": attention_scores,
-        "attention_context": attention_context,
-    }
-    tensor_cores = tensor_core_kernels()
-    named.update(tensor_cores)
-    cases = []
-    for op, build in checked.items():
-        for name, kernel in named.items():
-            for partition in (False, True):
-                if quick and partition:
-                    continue
-                cases.append({"op": op, "spec": build, "kernel_name": name, "kernel": kernel,
-                              "loop_partition": partition, "check": KERNEL_CHECK_LENGTHS, "time": ()})
-    # MiniLM's FFN up-projection: the default rule, the named kernels and a sample of the space.
-    minilm = lambda: dense(384, 1536, "bias_gelu")  # noqa: E731
-    # (each model's dense layers are timed against cuBLAS in bench_gpu.py's table)
-    sample = random.Random(0).sample([k for k in h100 if k.cache_scopes[0] == "shared"], SAMPLED_KERNELS[0])
-    tc_sample = random.Random(0).sample(tensor_core_space(GPU_PRESETS["h100"]), SAMPLED_KERNELS[1])
-    timed = [("default", None), *named.items(), *((f"h100_space_{i}", k) for i, k in enumerate(sample)),
-             *((f"h100_tc_space_{i}", k) for i, k in enumerate(tc_sample))]
-    for name, kernel in timed:
-        cases.append({"op": "minilm_dense_bias_gelu", "spec": minilm, "kernel_name": name, "kernel": kernel,
-                      "loop_partition": False, "check": (1, 7, 129, 512), "time": DENSE_TIMING_ROWS})
-    return cases
-
-
-
-def _runtime_package(bundle: Path) -> None:
-    from dietserve.runtime.tvm_runtime_only import write_runtime_package
-
-    write_runtime_package(bundle)  # tvm-runtime.tgz and whl/, as the tuner's bundles carry them
-
-
-def _local_reference(bundle: Path, checkpoint: Path) -> None:
-    """transformers on this machine for batch 1 at every length and batch 3 up to 127."""
-    sys.path.insert(0, str(REPO))
-    from tests.integration.reference import padded_batch, reference_hidden, reference_model
-
-    model = reference_model(checkpoint)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    arrays = {}
-    for batch, seq in [(1, s) for s in SEQS] + [(3, s) for s in SEQS if s <= 127]:
-        ids, mask, types = padded_batch(np.random.default_rng(seq + batch), batch, seq, vocab)
-        arrays[f"hidden_{batch}x{seq}"] = reference_hidden(model, ids, mask, types)
-        arrays[f"ids_{batch}x{seq}"] = ids
-    np.savez_compressed(bundle / "local_reference.npz", **arrays)
-
-
-def prepare(bundle: Path, quick: bool, skip_bench: bool = False, bench_plans: Path | None = None) -> None:
-    from dietserve.compile.artifact import CompileRequest, compile_artifact
-    from dietserve.compile.target import TargetSpec
-
-    started = time.perf_counter()
-    bundle = bundle.resolve()
-    work = REPO / "build" / "remote_check"
-    shutil.rmtree(bundle, ignore_errors=True)
-    bundle.mkdir(parents=True)
-    work.mkdir(parents=True, exist_ok=True)
-    print("rounding the default checkpoint to float16", flush=True)
-    checkpoint = _rounded_checkpoint(work, bundle)
-    cache = work / "cache"
-    request = CompileRequest(model=str(checkpoint), target=TargetSpec(kind="cuda", arch=ARCH), max_batch=MAX_BATCH)
-    print("compiling the CUDA artifact", flush=True)
-    default = compile_artifact(request, cache, work / "artifact-default", progress=print)
-    print("compiling the CUDA artifact with hand-made kernel plans", flush=True)
-    plans = hand_plans(work / "plans", checkpoint, cache, cuda_core_split())
-    tuned = compile_artifact(dataclasses.replace(request, plans=(plans,)), cache, work / "artifact-tuned",
-                             progress=print)
-    compiled = work / "compiled"  # artifacts, kernels, reference: carried as one .tgz
-    shutil.rmtree(compiled, ignore_errors=True)
-    for name, artifact in (("default", default), ("tuned", tuned)):
-        carry_artifact(artifact, checkpoint, compiled / "artifacts" / name)
-    print("compiling the kernel bundle", flush=True)
-    build_kernels(compiled / "kernels", _kernel_cases(quick), ARCH)
-    if not skip_bench:
-        from tests.benchmarks.bench_gpu import prepare_bench
-
-        print("the GPU benchmark's artifacts and kernels (tests/benchmarks/bench_gpu.py)", flush=True)
-        prepare_bench(compiled / "bench", work, checkpoint, cache, quick, bench_plans)
-    print("local transformers reference", flush=True)
-    _local_reference(compiled, checkpoint)
-    with tarfile.open(bundle / "compiled.tgz", "w:gz") as archive:
-        for part in sorted(compiled.iterdir()):
-            archive.add(part, arcname=part.name)
-    print("packing the TVM runtime and the tvm-ffi wheel", flush=True)
-    _runtime_package(bundle)
-    total = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    for part in sorted(bundle.iterdir()):
-        size = sum(p.stat().st_size for p in part.rglob("*") if p.is_file()) if part.is_dir() else part.stat().st_size
-        print(f"  {part.name:28s} {size / 2**20:7.2f} MiB")
-    print(f"bundle {bundle}: {total / 2**20:.1f} MiB in {time.perf_counter() - started:.0f} s")
-    if total > BUNDLE_LIMIT:
-        raise SystemExit(f"bundle is {total / 2**20:.1f} MiB, over the {BUNDLE_LIMIT / 2**20:.0f} MiB budget")
-
-
-# ----------------------------------------------------------------------------------------------
-# run (GPU host)
-# ----------------------------------------------------------------------------------------------
 
 def _bootstrap(bundle: Path) -> None:
     """Install the runtime under /tmp/dietserve-rt and re-execute with it (once)."""
     if os.environ.get("REMOTE_CHECK_READY") == "1":
         return
-    sys.path.insert(0, str(REPO))
     from tuner.measure.bundle_device import install_runtime
 
     runtime_env = install_runtime(bundle, Path("/tmp/dietserve-rt"))
@@ -327,7 +157,6 @@ def _reference_model(work: Path):
 
 
 def _stage_model(bundle: Path, work: Path, name: str) -> dict:
-    sys.path.insert(0, str(REPO))
     from tests.integration.reference import padded_batch, reference_hidden
 
     _cuda_runtime()
