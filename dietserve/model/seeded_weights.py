@@ -1,7 +1,7 @@
 """Seeded random checkpoint tensors for a parameter layout, drawn as Hugging Face's
 BertPreTrainedModel initialises them (normal(0, std); LayerNorm weights about 1). Numpy only: the
-GPU host, which has no TVM compiler, regenerates bert-base's weights from a compiled artifact's
-parameter list with it rather than carrying 440 MB (``tests/benchmarks/bench_gpu.py``)."""
+GPU host, which has no TVM compiler, regenerates bert-base's weights with it from the carried
+layout (``presets.random_weight_layout``) rather than carrying 440 MB (``tests/benchmarks/bench_gpu.py``)."""
 
 from __future__ import annotations
 
