@@ -73,8 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bert_baselines  # noqa: E402
 import kernel_baselines  # noqa: E402
+from agreement import token_agreement  # noqa: E402
 from operator_profile import profile_operators  # noqa: E402
-from timing import busy_rounds, call_seconds, paired_ratio, rotated  # noqa: E402
+from timing import busy_rounds, call_seconds, geomean, paired_ratio, rotated  # noqa: E402
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import read_plans  # noqa: E402
@@ -162,10 +163,6 @@ class WeightFloor:
                 f" GFLOP/s"
                 f" over the rounds, DRAM read {min(self.dram):.1f}-{max(self.dram):.1f} GB/s"
                 f" (median {statistics.median(self.dram):.1f}) over the points and rounds")
-
-
-def geomean(values: list[float]) -> float:
-    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
 
 
 def peers(model: str, args: argparse.Namespace, with_torch: bool) -> dict:
@@ -434,8 +431,7 @@ def _token_cosines(hidden: np.ndarray, reference, inputs) -> float:
     with torch.no_grad():
         expected = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                              token_type_ids=torch.from_numpy(types)).last_hidden_state.numpy()
-    a, b = hidden.reshape(-1, hidden.shape[-1]), expected.reshape(-1, expected.shape[-1])
-    return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+    return token_agreement(hidden, expected)[0]
 
 
 def over_models(bench, args: argparse.Namespace, keys) -> dict[str, list[float]]:

@@ -42,6 +42,8 @@ import numpy as np
 if __name__ == "__main__":  # run as a script: tests.gpu imports from the tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.benchmarks.agreement import token_agreement  # noqa: E402
+from tests.benchmarks.timing import geomean  # noqa: E402
 from tests.gpu.carried_artifacts import (  # noqa: E402 - after the tree is on the path
     ARCH,
     MAX_BATCH,
@@ -146,13 +148,6 @@ def prepare_bench(bench: Path, work: Path, minilm_checkpoint: Path, cache: Path,
 # ----------------------------------------------------------------------------------------------
 # run (GPU host; the CPU in tests)
 # ----------------------------------------------------------------------------------------------
-
-def token_agreement(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """(the worst token's cosine, the max abs error) of hidden states [batch, seq, hidden]."""
-    a, b = ours.reshape(-1, ours.shape[-1]).astype(np.float64), reference.reshape(-1, ours.shape[-1])
-    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(cosine.min()), float(np.abs(a - b).max())
-
 
 def device_forward(engine, ids: np.ndarray, mask: np.ndarray, types: np.ndarray):
     """A call of the artifact's forward on inputs already on its device (as torch is timed)."""
@@ -260,11 +255,6 @@ def run_models(bench: Path, work: Path) -> dict:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-
-def geomean(values) -> float:
-    values = [v for v in values if v and math.isfinite(v)]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
-
 
 def dense_ratios(kernels: list[dict]) -> list[dict]:
     """Per dense layer, precision and T: cuBLAS's time over the fastest correct carried kernel's."""

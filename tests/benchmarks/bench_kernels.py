@@ -44,6 +44,7 @@ import kernel_baselines as baselines  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
+from timing import geomean  # noqa: E402
 
 from dietserve.kernels.decision_tree_func import dispatched_prim_func  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import KernelPlan  # noqa: E402
@@ -144,10 +145,6 @@ def interleaved(timers: dict, rounds: int, pause_s: float = baselines.SETTLE_S) 
                 samples[point][name].append(timer())
     return {point: {name: statistics.median(values) for name, values in methods.items()}
             for point, methods in samples.items()}
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
 
 
 def _cell(value: float | None, fmt: str, width: int) -> str:

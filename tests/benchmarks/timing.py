@@ -1,10 +1,18 @@
-"""The timing loop the end-to-end benchmarks share: wall-clock seconds of back-to-back calls."""
+"""The timing loop the end-to-end benchmarks share: wall-clock seconds of back-to-back calls, and
+the summaries of their ratios."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+
+
+def geomean(values) -> float:
+    """The geometric mean of positive ``values``; NaN for none."""
+    values = list(values)
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
 
 
 def call_seconds(fn: Callable, args: Sequence = (), runs: int = 10, warmup: int = 0) -> list[float]:

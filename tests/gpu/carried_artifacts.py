@@ -106,8 +106,7 @@ def tensor_core_split() -> tuple[dict, list]:
     CUDA cores, where a 16-row tensor-core tile would be mostly padding."""
     from dietserve.kernels.space.gpu_tensor_core import tensor_core_kernel
 
-    variants = {"narrow": cuda_core_kernel(4, 2, 2, 16, 32, vector=4, unroll=0),
-                "tc": tensor_core_kernel(2, 2, 2, 2, 2).to_dict()}
+    variants = {"narrow": cuda_core_split()[0]["narrow"], "tc": tensor_core_kernel(2, 2, 2, 2, 2).to_dict()}
     return variants, [(16, "narrow"), (4096, "tc")]
 
 

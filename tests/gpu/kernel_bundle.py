@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.benchmarks.timing import call_seconds
+
 KERNEL_CHECK_LENGTHS = (1, 2, 7, 13, 64, 127, 128, 129, 300, 512)  # as test_tuner_cuda_gpu.py
 TENSOR_CORE_TOLERANCE = 1e-2  # abs, against fp32 sums of fp16-rounded operands
 INDEX_FILE = "index.json"
@@ -80,18 +82,11 @@ def build_kernels(folder: Path, cases: list[dict], arch: str) -> None:
 
 def median_ms(call, sync, repeats: int, warmup: int = 5) -> float:
     """Wall clock around each call and a device sync, median of ``repeats`` after warm-ups."""
-    import time
-
-    for _ in range(warmup):
-        call()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def synced() -> None:
         call()
         sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
+
+    return float(np.median(call_seconds(synced, runs=repeats, warmup=warmup)) * 1e3)
 
 
 def events_seconds(call, number: int = 20, repeat: int = 5) -> float:

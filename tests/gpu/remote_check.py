@@ -279,17 +279,15 @@ def _summary(results: dict) -> None:
             if "error" in k or not k.get("check_ok", True):
                 print(f"   FAIL {k['id']} {k['op']} {k['kernel_name']} lp={k.get('loop_partition')}: "
                       f"{k.get('error') or k.get('check_errors')}")
-        timed = [k for k in kernels if k.get("timings") and (k["id"].startswith("torch") or k.get("check_ok"))]
-        torch_row = next((k for k in timed if k["id"] == "torch-minilm_dense_bias_gelu-fp32"), None)
-        default = next((k for k in timed if k.get("kernel_name") == "default"), None)
-        if torch_row and default:
+        from tests.benchmarks.bench_gpu import dense_ratios
+
+        default = next((k for k in kernels if k.get("kernel_name") == "default" and k.get("check_ok")), None)
+        if default is not None:
             print("   dense 384->1536 + bias + GELU, us (torch fp32 / ours: above 1, ours is faster):")
-            for rows in torch_row["timings"]:
-                ours = [k for k in timed if not k["id"].startswith("torch") and rows in k["timings"]]
-                best = min(ours, key=lambda k: k["timings"][rows]["us"])
-                t, d, b = (x["timings"][rows]["us"] for x in (torch_row, default, best))
-                print(f"   T={rows:>5}: torch {t:8.2f}  default rule {d:8.2f} ({t / d:4.2f}x)  best {b:8.2f} "
-                      f"({t / b:4.2f}x, {best['kernel_name']}, {best['timings'][rows]['tflops']:.1f} TFLOP/s)")
+            for best in dense_ratios(kernels):
+                t, d = best["torch_us"], default["timings"][str(best["rows"])]["us"]
+                print(f"   T={best['rows']:>5}: torch {t:8.2f}  default rule {d:8.2f} ({t / d:4.2f}x)  best "
+                      f"{best['ours_us']:8.2f} ({best['ratio']:4.2f}x, {best['kernel']})")
 
 
 def run(args: argparse.Namespace) -> None:

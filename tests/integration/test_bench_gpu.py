@@ -16,7 +16,8 @@ import pytest
 from dietserve.model.config import BERT_BASE
 from dietserve.model.presets import random_weight_layout, resolve_model
 from dietserve.model.seeded_weights import seeded_tensors
-from tests.benchmarks.bench_gpu import dense_ratios, measure_shapes, report, token_agreement
+from tests.benchmarks.agreement import token_agreement
+from tests.benchmarks.bench_gpu import dense_ratios, measure_shapes, report
 from tests.gpu.carried_artifacts import carry_artifact, restore_params
 
 

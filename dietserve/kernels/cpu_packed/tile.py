@@ -290,9 +290,10 @@ class Tile:
     def multiply_add(self, accs, i0, panel0, k) -> None:
         for r, acc in enumerate(accs):
             row = self.row(i0, r)
-            x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
             if self.paired_rows is not None:
                 x = self.paired_rows[row * self.op.extents[3] + k]
+            else:
+                x = None if self.packed is None else self.packed[i0 * self.op.extents[3] + k * self.stride + r]
             if self.op.bf16:  # (its rows are always copied as pairs first: ``kernel.py``)
                 self.vectors(lambda p, c, acc=acc, x=x: T.buffer_store(
                     acc[p], bf16.dot_pairs(acc[p][c], x, self.op.weight[panel0 + p, k, c]), [c]))
