@@ -41,6 +41,18 @@ def vector_lanes(source, staged, lanes: int) -> int:
     return 1
 
 
+def operand_stage(sch: s_tir.Schedule, block, index: int, scope: str):
+    """(the block that stages the product's operand ``index`` in ``scope``, the buffer the product
+    reads): the padded copy ``pad_to_tiles`` made (zeros past the real extent), else a plain
+    copy."""
+    staged = sch.get(block).reads[index].source
+    pads = [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(staged)]
+    if pads:
+        sch.set_scope(pads[0], 0, scope)
+        return pads[0], staged
+    return sch.cache_read(block, index, scope), staged
+
+
 def fill_tile(sch: s_tir.Schedule, block, at, threads: tuple[int, int], lanes: int) -> None:
     """A shared-memory tile filled cooperatively by the block's threads at reduction step ``at``."""
     sch.compute_at(block, at, preserve_unit_loops=True)
@@ -95,13 +107,7 @@ def apply_cuda(func: tirx.PrimFunc, kernel: MicroKernel, loop_partition: bool = 
 
     # Operand tiles in shared memory, refilled by all threads at every reduction step.
     for index, operand in enumerate(operands):
-        staged = sch.get(block).reads[index].source
-        pads = [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(staged)]
-        if pads:
-            stage = pads[0]
-            sch.set_scope(stage, 0, operand_scope)
-        else:
-            stage = sch.cache_read(block, index, operand_scope)
+        stage, staged = operand_stage(sch, block, index, operand_scope)
         fill_tile(sch, stage, k_step, (ty, tx), vector_lanes(operand, staged, kernel.vector))
 
     sch.decompose_reduction(block, k_step)

@@ -28,7 +28,7 @@ from tvm import s_tir, tirx
 from ..plan.microkernel import MMA_FRAGMENT, MicroKernel
 from ..tir.loops import loops_below, static_extent
 from ..tir.matching import ScheduleMismatch, find_matmul, pad_to_tiles
-from .kernel import fill_tile, vector_lanes
+from .kernel import fill_tile, operand_stage, vector_lanes
 from .wmma import wmma_intrinsics
 
 __all__ = ["apply_tensor_core"]
@@ -72,17 +72,11 @@ def _split_loops(sch: s_tir.Schedule, block, fm: int, wy: int, fn: int, wx: int,
 
 def _stage_operands(sch: s_tir.Schedule, block, operands: list, k_step, warps: int, kernel: MicroKernel) -> list:
     """Both ``operands`` as fp16 shared-memory tiles filled by all threads at each reduction step:
-    the padded copies ``pad_einsum`` made (zeros past the real extent), else plain copies."""
+    ``operand_stage``'s copies."""
     scope, dtype = kernel.cache_scopes[0], _INPUT_DTYPES[kernel.mma]
     fills = []
     for index, operand in enumerate(operands):
-        staged = sch.get(block).reads[index].source
-        pads = [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(staged)]
-        if pads:
-            stage = pads[0]
-            sch.set_scope(stage, 0, scope)
-        else:
-            stage = sch.cache_read(block, index, scope)
+        stage, staged = operand_stage(sch, block, index, scope)
         sch.unsafe_set_dtype(stage, 0, dtype)
         fill_tile(sch, stage, k_step, (warps, WARP), vector_lanes(operand, staged, kernel.vector))
         sch.storage_align(stage, 0, axis=-2, factor=16, offset=_OPERAND_ROW_PAD)
