@@ -327,7 +327,10 @@ class Server:
     def _say_ready(self) -> None:
         config = self.config
         rows = max(served.batcher.max_batch_size for served in self.artifacts.values())
-        batching = (f"batching up to {rows} rows, {config.max_queue_delay_ms} ms delay"
+        # (a packed artifact's batches are bounded by their tokens too)
+        tokens = f" and {config.max_batch_tokens} tokens" \
+            if any(served.batcher.engine.packed for served in self.artifacts.values()) else ""
+        batching = (f"batching up to {rows} rows{tokens}, {config.max_queue_delay_ms} ms delay"
                     if config.batching else "batching off")
         models = ", ".join(f"'{name}' (token ids) and '{name}{TEXT_MODEL_SUFFIX}' (text){_version_said(served)}"
                            for name, served in self.artifacts.items())

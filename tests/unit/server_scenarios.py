@@ -41,8 +41,16 @@ class Engine:
         pass
 
 
+class PackedEngine(Engine):
+    packed = True
+
+
 def load_engine():
     return Engine(), None
+
+
+def load_packed_engine():
+    return PackedEngine(), None
 
 
 def fail_to_load():
@@ -64,7 +72,7 @@ async def run(scenario: str) -> dict:
                           drain_seconds=0.01 if scenario == "requested-stop" else 30)
     sources = [ModelSource("m", fail_to_load if scenario == "failed-load" else load_engine)]
     if scenario == "two-models":
-        sources.append(ModelSource("n", load_engine))
+        sources.append(ModelSource("n", load_packed_engine))
     server = Server(config, sources, lines.append)
     report: dict = {"lines": lines}
     try:

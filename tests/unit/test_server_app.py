@@ -29,6 +29,7 @@ def test_a_requested_stop_drains_then_releases_every_port() -> None:
     assert _first_words(report["lines"]) == ["listening", "ready", "stopping", "stopping", "HTTP", "stopped;"]
     assert report["lines"][-2] == "HTTP inference requests answered: none"
     assert "serving 0.01 s more" in report["lines"][2]
+    assert "; batching up to 4 rows, 2.0 ms delay;" in report["lines"][1]  # padded: rows bound its batches
     assert report["lines"][-1] == "stopped; ModelInfer calls answered: none"  # said once
     assert not report["ready_after"] and report["accepting_after"] == [False, False, False]
 
@@ -51,4 +52,6 @@ def test_several_artifacts_are_each_served_as_two_models_and_ready_once_all_are_
     assert report["ready"] and report["models"] == ["m", "m-text", "n", "n-text"]
     assert report["lines"][1].startswith("ready: models 'm' (token ids) and 'm-text' (text), "
                                          "'n' (token ids) and 'n-text' (text);")
+    # 'n' is packed: its batches are bounded by their tokens as well
+    assert "; batching up to 4 rows and 2048 tokens, 2.0 ms delay;" in report["lines"][1]
     assert report["accepting_after"] == [False, False, False]
