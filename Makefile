@@ -40,7 +40,7 @@ bench-bert: $(TEST_STAMP) ## latency per sequence length vs PyTorch, ONNX Runtim
 	$(PY) tests/benchmarks/bench_bert.py $(BENCH_FLAGS)
 
 bench-serve: $(TEST_STAMP) $(PROTO_STAMP) ## gRPC load test: throughput, p50/p99, batching on vs off, server overhead
-	$(PY) tests/benchmarks/bench_serve.py
+	$(PY) tests/benchmarks/bench_serve.py $(BENCH_FLAGS)
 
 bench-kernels: $(TEST_STAMP) ## tuned kernels vs PyTorch, numpy, the default rule, MetaSchedule and the ceiling (long)
 	$(PY) tests/benchmarks/bench_kernels.py $(BENCH_FLAGS)

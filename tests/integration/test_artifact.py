@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -94,15 +95,25 @@ def test_not_an_artifact_is_explained(tmp_path: Path) -> None:
         load_artifact(tmp_path)
 
 
-def test_artifact_loads_in_a_fresh_process(minilm_artifact: Path) -> None:
+def test_artifact_loads_in_a_fresh_process_that_never_imports_torch(minilm_artifact: Path) -> None:
     texts = ["dynamic shapes", "static shapes are easy"]
+    # ``python -m dietserve embed ...``, then what it left in sys.modules (on stderr)
+    command = ("import runpy, sys\n"
+               "try:\n    runpy.run_module('dietserve', run_name='__main__', alter_sys=True)\n"
+               "except SystemExit:\n    pass\n"
+               "print(sorted(m for m in sys.modules if sys.modules[m] is not None), file=sys.stderr)")
     completed = subprocess.run(
-        [sys.executable, "-m", "dietserve", "embed", "--artifact", str(minilm_artifact), "--json", *texts],
+        [sys.executable, "-c", command, "embed", "--artifact", str(minilm_artifact), "--json", *texts],
         capture_output=True, text=True, timeout=300, check=True,
     )
     theirs = np.array(json.loads(completed.stdout)["embeddings"])
     ours = Embedder(Engine(load_artifact(minilm_artifact))).embed(texts)
     np.testing.assert_allclose(theirs, ours, atol=1e-6)
+    # torch is installed here (the references need it), and tvm_ffi imports it where it is
+    # (``dietserve/host/startup.py``): a command never does.
+    loaded = ast.literal_eval(completed.stderr.strip().splitlines()[-1])
+    assert "tvm" in loaded and "tvm_ffi" in loaded
+    assert not [name for name in loaded if name.split(".")[0] == "torch"]
 
 
 def test_a_load_leaves_the_weights_resident_once(minilm_artifact: Path) -> None:

@@ -1,7 +1,7 @@
 """A measurement worker starts without importing PyTorch: tvm_ffi imports it wherever it is
 installed (as here, for the tests), and that import is most of a worker's start, paid by every
-tune and every worker restarted after a crash. The tuner's own process (and
-this one) keep torch importable."""
+tune and every worker restarted after a crash. The tuner imported as a library (as in this
+process) keeps torch importable."""
 
 from __future__ import annotations
 

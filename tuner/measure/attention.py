@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import sys
 
+from dietserve.host.startup import keep_torch_out
+
 if __name__ == "__main__":  # a worker process: before TVM is imported
-    sys.modules.setdefault("torch", None)  # tvm_ffi imports torch if installed: most of a start, unused
+    keep_torch_out()
 
 import json
 import math

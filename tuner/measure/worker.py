@@ -4,10 +4,10 @@ generated code) runs here, never in the tuner's own process."""
 
 from __future__ import annotations
 
-import sys
+from dietserve.host.startup import keep_torch_out
 
 if __name__ == "__main__":  # a worker process: before TVM is imported
-    sys.modules.setdefault("torch", None)  # tvm_ffi imports torch if installed: most of a start, unused
+    keep_torch_out()
 
 import importlib
 import os
