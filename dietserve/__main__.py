@@ -9,6 +9,7 @@
     python -m dietserve rollback --store STORE
     python -m dietserve retune --store STORE --traffic TRAFFIC.json [--trials 64]
     python -m dietserve cache [--prune] [--keep 2]
+    python -m dietserve target [--mcpu NAME] [--num-cores N]   # what a build here targets (JSON)
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           time_budget_s=args.time_budget, lengths=lengths, tokens=tokens,
                           rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     print(tune_model(request, args.cache_dir, progress=say))
+    return 0
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    from .compile.target import build_target, target_description
+
+    print(json.dumps(target_description(build_target(compile_request(args).target))))
     return 0
 
 
@@ -151,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune_parser.add_argument("--tasks-only", action="store_true",
                              help="write OUT/tasks.json and stop (tune it elsewhere: python -m tuner bundle)")
     tune_parser.set_defaults(run=cmd_tune)
+
+    target_parser = commands.add_parser(
+        "target", help="print what a build with these flags compiles for (JSON, as manifests record it)")
+    add_build_flags(target_parser)
+    target_parser.set_defaults(run=cmd_target)
 
     explain_parser = commands.add_parser("explain", help="which kernel variant each dynamic operator runs at a shape")
     explain_parser.add_argument("--artifact", type=Path, required=True, help="compiled artifact directory")

@@ -32,14 +32,6 @@ def tuner_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in TUNER_MODULES)
 
 
-def host_target(args: argparse.Namespace) -> dict:
-    """What a build here targets (kind, mcpu, num-cores), as a manifest records it."""
-    from ..compile.target import build_target, target_description
-    from .common import compile_request
-
-    return target_description(build_target(compile_request(args).target))
-
-
 def default_store(args: argparse.Namespace, target: dict) -> Path:
     """One store per model and host: hosts sharing a cache folder never swap each other's versions."""
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(args.model)).strip("_") or "model"

@@ -5,20 +5,52 @@ the host's own tuning (``auto_tune.py``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ..host.cpu_turns import CpuTurns
-from .common import add_build_flags, add_plans_flag, build_argv, compile_request, say
+from .common import add_build_flags, add_plans_flag, build_argv, say
 
 # TVM's pool threads spin 300000 yields after each parallel kernel by default: a re-tuning job's
 # timing, in its turn right after a batch (``host/cpu_turns.py``), would share a core with them.
 # A few thousand still bridge the gaps between one execution's kernels and between batches under
 # load (docs/design/serving.md).
 SHORT_SPIN = "3000"
+
+
+def runtime_only(environ) -> dict[str, str]:
+    """Serving loads TVM's runtime library alone, never its compiler (the larger part of what
+    ``import tvm`` maps): it compiles in a child process, as the re-tuning job builds in its own.
+    Returns the environment those children run with: ``environ`` as it was."""
+    compiler_environment = dict(environ)
+    environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # (read when TVM is first imported)
+    return compiler_environment
+
+
+def in_child(command: list[str], environment: dict[str, str]) -> str:
+    """The last line ``python -m dietserve COMMAND...`` prints; what it says on stderr (progress,
+    errors) goes to this process's."""
+    done = subprocess.run([sys.executable, "-m", "dietserve", *command], stdout=subprocess.PIPE, text=True,
+                          env=environment, check=False)
+    if done.returncode != 0:  # (its error said above; its status kept: 2 for a user's error)
+        print(f"error: `python -m dietserve {command[0]}` failed (exit {done.returncode})", file=sys.stderr)
+        raise SystemExit(done.returncode)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def compiled_in_child(args: argparse.Namespace, environment: dict[str, str]) -> Path:
+    """The artifact (a cache entry) ``compile`` makes of the build flags of ``args``."""
+    command = ["compile", *build_argv(args), "--precision", args.precision]
+    if args.layout:
+        command += ["--layout", args.layout]
+    for plans in args.plans or []:
+        command += ["--plans", plans]
+    return Path(in_child(command, environment))
 
 
 def short_pool_spin(args: argparse.Namespace, auto_tune: bool, environ) -> None:
@@ -41,16 +73,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     auto_tune = _auto_tune(args, stores)
     _check_sources(args, given, stores, auto_tune)
     short_pool_spin(args, auto_tune, os.environ)  # before any kernel starts TVM's pool
+    compiler_environment = runtime_only(os.environ)  # before anything imports TVM
     start_reason = None
     if auto_tune:
-        store, version, start_reason = _open_auto_tuned_store(args, stores)
+        store, version, start_reason = _open_auto_tuned_store(args, stores, compiler_environment)
         served_stores = [(store, version)]
     else:
         served_stores = [_open_store(root) for root in stores]
     if not given and not served_stores:
-        from ..compile.artifact import compile_artifact
-
-        given = [compile_artifact(compile_request(args), args.cache_dir, None, progress=say)]
+        given = [compiled_in_child(args, compiler_environment)]
     directories = given + [store.path(version) for store, version in served_stores]
     config = dataclasses.replace(config, artifact=directories[0])
     names = [config.model_name or Manifest.read(directory).model_name for directory in directories]
@@ -63,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hot_swaps = [None] * len(given) + [HotSwap(store, version, load_engine, args.watch_seconds, args.swap_min_gain)
                                        for store, version in served_stores]
     sources = _model_sources(names, directories, hot_swaps, load_engine)
-    retune = retune_settings(args, start_reason) if args.retune or start_reason else None
+    retune = retune_settings(args, start_reason, compiler_environment) if args.retune or start_reason else None
     try:
         return asyncio.run(serve(config, sources, say, retune=retune))
     finally:
@@ -172,22 +203,21 @@ def _open_store(root: Path):
         raise SystemExit(f"error: --artifact-store: {err}") from None
 
 
-def _open_auto_tuned_store(args: argparse.Namespace, stores: list[Path]):
+def _open_auto_tuned_store(args: argparse.Namespace, stores: list[Path], compiler_environment: dict[str, str]):
     """(store, version to serve, why to tune at once or None)."""
-    from ..compile.artifact import compile_artifact
     from ..runtime.versions import VersionStore
-    from .auto_tune import default_store, host_target, version_to_serve
+    from .auto_tune import default_store, version_to_serve
 
-    target = host_target(args)
+    target = json.loads(in_child(["target", *build_argv(args)], compiler_environment))
     store = VersionStore(stores[0] if stores else default_store(args, target))
-    version, reason = version_to_serve(
-        store, target, lambda: compile_artifact(compile_request(args), args.cache_dir, None, progress=say), say)
+    version, reason = version_to_serve(store, target, lambda: compiled_in_child(args, compiler_environment), say)
     say(f"serving version {version} of {store.root}" + (f"; {reason}: tuning it in the background" if reason else
                                                          ", tuned for this host"))
     return store, version, reason
 
 
-def retune_settings(args: argparse.Namespace, start_reason: str | None = None):
+def retune_settings(args: argparse.Namespace, start_reason: str | None = None,
+                    environment: dict[str, str] | None = None):
     """The re-tuning job and when it runs: on drift (``--retune``), and at once given ``start_reason``."""
     from ..server.retune import RetuneSettings
 
@@ -209,7 +239,8 @@ def retune_settings(args: argparse.Namespace, start_reason: str | None = None):
     return RetuneSettings(command=command, drift_threshold=args.retune_drift if args.retune else math.inf,
                           min_rows=args.retune_min_rows, min_interval_seconds=args.retune_min_interval,
                           check_seconds=args.retune_check_seconds, time_budget_seconds=args.retune_time_budget,
-                          cpus=cpus, nice=args.retune_nice, start_reason=start_reason, cpu_turns=cpu_turns)
+                          cpus=cpus, nice=args.retune_nice, start_reason=start_reason, cpu_turns=cpu_turns,
+                          environment=environment)
 
 
 def add_serve_command(commands) -> None:

@@ -38,7 +38,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +72,9 @@ class RetuneSettings:
     # A lock file on this machine through which the server's batches and the job's timings take
     # turns on the CPUs (``host/cpu_turns.py``); None: the job measures elsewhere (RPC).
     cpu_turns: Path | None = None
+    # The job's environment (None: this process's): it builds kernels, which this process,
+    # serving on TVM's runtime alone, cannot.
+    environment: Mapping[str, str] | None = None
 
 
 _OPERATOR_LINE = re.compile(rb"\[(\d+)/(\d+)\] ")
@@ -216,7 +219,8 @@ class RetunePolicy:
             self.traffic.traffic.save(snapshot)
             with log_path.open("w") as job_log:
                 self.process = subprocess.Popen(self.settings.command(self.hot_swap.store.root, snapshot),
-                                                stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+                                                stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                env=self.settings.environment)
         except BaseException:
             self._store_lock.release()  # no job: the other servers may run theirs
             raise

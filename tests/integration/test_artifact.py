@@ -116,6 +116,17 @@ def test_artifact_loads_in_a_fresh_process_that_never_imports_torch(minilm_artif
     assert not [name for name in loaded if name.split(".")[0] == "torch"]
 
 
+def test_the_target_command_names_what_a_compile_here_targets(minilm_artifact: Path) -> None:
+    """What ``serve`` asks of ``python -m dietserve target`` to choose its host's version store and
+    versions (it has TVM's runtime alone): the target the compile here wrote in the manifest."""
+    done = subprocess.run([sys.executable, "-m", "dietserve", "target"], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert json.loads(done.stdout) == Manifest.read(minilm_artifact).target
+    cores = subprocess.run([sys.executable, "-m", "dietserve", "target", "--num-cores", "3", "--mcpu", "x86-64"],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(cores.stdout) == {"kind": "llvm", "mcpu": "x86-64", "num-cores": "3"}
+
+
 def test_a_load_leaves_the_weights_resident_once(minilm_artifact: Path) -> None:
     """What the load frees (the stored weights, read from the file and copied onto huge pages)
     goes back to the system: it left 83 MiB resident beside MiniLM's 86 MiB of weights."""

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,18 @@ def test_the_server_answers_without_the_compiler(runtime_site: Path, minilm_arti
         server.stop()
     real = mask.astype(bool)
     assert np.abs(answer - reference_hidden(minilm_reference, ids, mask, types))[real].max() <= 1e-4
+
+
+def test_a_server_from_the_full_install_loads_the_runtime_library_alone(minilm_artifact: Path) -> None:
+    """Installed with the compiler (as by ``make serve``), ``serve`` still maps only TVM's runtime
+    library: it compiles in a child process, as the re-tuning job builds in its own."""
+    server = ServerProcess(minilm_artifact)
+    try:
+        maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        server.stop()
+    libraries = {Path(line.split()[-1]).name for line in maps.splitlines() if ".so" in line}
+    assert "libtvm_runtime.so" in libraries
+    assert COMPILER_LIBRARY not in libraries
