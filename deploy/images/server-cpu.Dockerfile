@@ -6,7 +6,9 @@
 # and serves it at once, then tunes it for that CPU in the background and swaps the tuned version
 # in (serve --auto-tune, the default): so this image, unlike the GPU server's, keeps TVM's
 # compiler, the tuner's packages (the `tune` extra) and g++ (TVM links the kernels it builds
-# with it). The versions live on the data volume, one store per CPU kind and core count.
+# with it); the serving process itself loads TVM's runtime library alone, the compile and the
+# tune run in processes of their own. The versions live on the data volume, one store per CPU
+# kind and core count.
 
 # --- build: install the package into a venv, generate the protocol code into it -------------
 FROM python:3.11.14-slim-trixie AS build
