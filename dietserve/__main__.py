@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ if __name__ == "__main__":
     keep_torch_out()
 
 from .commands.common import DEFAULT_CACHE, add_build_flags, add_plans_flag, compile_request, say
-from .commands.serve import add_serve_command
+from .commands.serve import add_serve_command, runtime_only
 from .commands.store import add_store_commands
 
 
@@ -74,6 +75,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
+    if args.artifact is not None:  # nothing to compile: TVM's runtime library alone, as serve
+        runtime_only(os.environ)
     import numpy as np
 
     from .runtime.artifact import load_artifact
