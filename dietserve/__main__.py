@@ -25,8 +25,8 @@ from .host.startup import keep_torch_out
 if __name__ == "__main__":
     keep_torch_out()
 
-from .commands.common import DEFAULT_CACHE, add_build_flags, add_plans_flag, compile_request, say
-from .commands.serve import add_serve_command, runtime_only
+from .commands.common import DEFAULT_CACHE, add_build_flags, add_plans_flag, compile_request, runtime_only, say
+from .commands.serve import add_serve_command
 from .commands.store import add_store_commands
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,4 +93,28 @@ def build_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--num-cores", str(args.num_cores)]
     if args.pooling:
         argv += ["--pooling", ",".join(args.pooling)]
+    if getattr(args, "layout", None):
+        argv += ["--layout", args.layout]
+    if getattr(args, "precision", None):
+        argv += ["--precision", args.precision]
     return argv
+
+
+def runtime_only(environ) -> dict[str, str]:
+    """This process loads TVM's runtime library alone, never its compiler (the larger part of
+    what ``import tvm`` maps): what needs the compiler runs in a child process (``in_child``).
+    Returns the environment those children run with: ``environ`` as it was."""
+    compiler_environment = dict(environ)
+    environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # (read when TVM is first imported)
+    return compiler_environment
+
+
+def in_child(command: list[str], environment: dict[str, str]) -> str:
+    """The last line ``python -m dietserve COMMAND...`` prints; what it says on stderr (progress,
+    errors) goes to this process's."""
+    done = subprocess.run([sys.executable, "-m", "dietserve", *command], stdout=subprocess.PIPE, text=True,
+                          env=environment, check=False)
+    if done.returncode != 0:  # (its error said above; its status kept: 2 for a user's error)
+        print(f"error: `python -m dietserve {command[0]}` failed (exit {done.returncode})", file=sys.stderr)
+        raise SystemExit(done.returncode)
+    return done.stdout.strip().splitlines()[-1]

@@ -8,13 +8,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ..host.cpu_turns import CpuTurns
-from .common import add_build_flags, add_plans_flag, build_argv, say
+from .common import add_build_flags, add_plans_flag, build_argv, in_child, runtime_only, say
 
 # TVM's pool threads spin 300000 yields after each parallel kernel by default: a re-tuning job's
 # timing, in its turn right after a batch (``host/cpu_turns.py``), would share a core with them.
@@ -23,31 +22,10 @@ from .common import add_build_flags, add_plans_flag, build_argv, say
 SHORT_SPIN = "3000"
 
 
-def runtime_only(environ) -> dict[str, str]:
-    """Serving loads TVM's runtime library alone, never its compiler (the larger part of what
-    ``import tvm`` maps): it compiles in a child process, as the re-tuning job builds in its own.
-    Returns the environment those children run with: ``environ`` as it was."""
-    compiler_environment = dict(environ)
-    environ.setdefault("TVM_USE_RUNTIME_LIB", "1")  # (read when TVM is first imported)
-    return compiler_environment
-
-
-def in_child(command: list[str], environment: dict[str, str]) -> str:
-    """The last line ``python -m dietserve COMMAND...`` prints; what it says on stderr (progress,
-    errors) goes to this process's."""
-    done = subprocess.run([sys.executable, "-m", "dietserve", *command], stdout=subprocess.PIPE, text=True,
-                          env=environment, check=False)
-    if done.returncode != 0:  # (its error said above; its status kept: 2 for a user's error)
-        print(f"error: `python -m dietserve {command[0]}` failed (exit {done.returncode})", file=sys.stderr)
-        raise SystemExit(done.returncode)
-    return done.stdout.strip().splitlines()[-1]
-
-
 def compiled_in_child(args: argparse.Namespace, environment: dict[str, str]) -> Path:
-    """The artifact (a cache entry) ``compile`` makes of the build flags of ``args``."""
-    command = ["compile", *build_argv(args), "--precision", args.precision]
-    if args.layout:
-        command += ["--layout", args.layout]
+    """The artifact (a cache entry) ``compile`` makes of the build flags of ``args``, in a child
+    process: serving loads TVM's runtime alone (``runtime_only``)."""
+    command = ["compile", *build_argv(args)]
     for plans in args.plans or []:
         command += ["--plans", plans]
     return Path(in_child(command, environment))

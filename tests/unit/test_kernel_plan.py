@@ -143,6 +143,10 @@ def test_the_server_s_job_takes_turns_with_its_batches_unless_it_measures_elsewh
         environ: dict[str, str] = {}
         short_pool_spin(args, True, environ)  # (TVM's pool threads would spin through the job's turn)
         assert environ == ({"TVM_THREAD_POOL_SPIN_COUNT": SHORT_SPIN} if turns else {})
+    # the job's fallback build (a version without a build record) is the server's own, precision and layout too
+    args = dietserve_parser().parse_args(["serve", "--precision", "bf16", "--layout", "padded", "--seed", "3"])
+    job = dietserve_parser().parse_args(retune_settings(args).command(Path("/s"), Path("/s/t.json"))[3:])
+    assert (job.precision, job.layout, job.seed) == ("bf16", "padded", 3)
     environ = {"TVM_THREAD_POOL_SPIN_COUNT": "7"}  # the user's own setting stays
     short_pool_spin(dietserve_parser().parse_args(["serve"]), True, environ)
     assert environ == {"TVM_THREAD_POOL_SPIN_COUNT": "7"}
