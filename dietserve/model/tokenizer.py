@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..runtime.errors import InputTooLong
+from ..runtime.errors import InputError, InputTooLong
 
 # A server reads at most this many bytes per token of the model's maximum length of each text
 # (the rest could only add tokens past the maximum): English averages 4-6 bytes a token, so
@@ -95,6 +95,31 @@ class TextTokenizer:
                                        strict=True):
                 batch[index] = encoding
         return self._padded(batch)
+
+    def tokens(self, text: str, add_special_tokens: bool = True) -> list[dict]:
+        """``text``'s tokens as text embeddings inference's ``/tokenize`` lists them: id, text,
+        special, and start and stop as byte offsets into the UTF-8 text (None for special
+        tokens, whose text is the token itself). Not truncated."""
+        encoding = self._whole.encode(text, add_special_tokens=add_special_tokens)
+        byte_at = np.cumsum([0] + [len(char.encode("utf-8", "surrogatepass")) for char in text]).tolist()
+        tokens = []
+        for token_id, (start, stop), special, token in zip(encoding.ids, encoding.offsets,
+                                                           encoding.special_tokens_mask, encoding.tokens, strict=True):
+            if special:
+                tokens.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+            else:
+                tokens.append({"id": token_id, "text": text[start:stop], "special": False, "start": byte_at[start],
+                               "stop": byte_at[stop]})
+        return tokens
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, what: str = "ids") -> str:
+        """Token ids -> text; an id outside the vocabulary is refused (the tokenizer would drop it),
+        naming ``what`` held it."""
+        vocabulary = self._whole.get_vocab_size()
+        for position, token_id in enumerate(ids):
+            if not 0 <= token_id < vocabulary:
+                raise InputError(f"{what}[{position}] is {token_id}, outside the vocabulary [0, {vocabulary})")
+        return self._whole.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def _too_long(self, what: str, tokens: int, clipped: bool) -> str:
         hint = f"shorten it, or send truncate=true to use its first {self.max_length} tokens"

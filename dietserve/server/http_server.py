@@ -1,5 +1,6 @@
 """The HTTP port: KServe v2 REST (``http_v2.py``), OpenAI embeddings and ``/health``
-(``openai_api.py``), rerank and classification (``rerank_api.py``), in an aiohttp application on
+(``openai_api.py``), rerank and classification (``rerank_api.py``), TEI's embedding routes
+(``tei_api.py``), in an aiohttp application on
 the gRPC server's event loop, over the same ``inference.Inference`` core: same models, batcher,
 limits and metrics.
 
@@ -17,7 +18,7 @@ import ssl
 from aiohttp import web
 
 from ..runtime.errors import Overloaded, Unauthenticated
-from . import openai_api
+from . import openai_api, tei_api
 from .auth import AUTHORIZATION, CHALLENGE
 from .config import ServerConfig
 from .http_body import json_response
@@ -26,11 +27,13 @@ from .inference import Inference
 from .openai_api import OpenAIRoutes
 from .rerank_api import RerankRoutes
 from .status import http_status_of
+from .tei_api import TeiRoutes
 
 # Never refused by the cap, and answered without an API key: probes hold none.
-PROBE_ROUTES = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
+PROBE_ROUTES = frozenset({"/health", "/ping", "/v2/health/live", "/v2/health/ready"})
 # The routes that run the model, whose answers the server reports when it stops.
-INFERENCE_ROUTES = frozenset({"/v1/embeddings", "/rerank", "/v1/rerank", "/predict"})
+INFERENCE_ROUTES = frozenset({"/v1/embeddings", "/rerank", "/v1/rerank", "/predict", "/", "/invocations", "/embed",
+                              "/embed_all"})
 UNKNOWN_ROUTE = "unknown"  # one label for every path no route matches: clients cannot mint label values
 CLIENT_CLOSED = 499  # counted for a request whose client went away (nginx's convention; never sent)
 CLOSE_IDLE_SECONDS = 1.0  # after the grace period: how long aiohttp may take to close connections
@@ -52,14 +55,18 @@ def _explain(request: web.Request, err: web.HTTPException) -> str:
         return f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(err.allowed_methods))}"
     if isinstance(err, web.HTTPNotFound):
         return (f"no route {request.method} {request.path}: this server answers /v2/... (KServe v2), "
-                "/v1/embeddings and /v1/models (OpenAI), /rerank and /predict (TEI), /v1/rerank (Cohere) and /health")
+                "/v1/embeddings and /v1/models (OpenAI), /embed, /embed_all, /rerank, /predict, /tokenize, /decode and "
+                "/info (TEI), /v1/rerank (Cohere) and /health")
     return err.text or err.reason
 
 
 def error_response(request: web.Request, status: int, message: str, err: Exception | None) -> web.Response:
-    """OpenAI's error shape under /v1/, the v2 protocol's elsewhere; a 401 says the scheme."""
+    """OpenAI's error shape under /v1/, TEI's on its routes, the v2 protocol's elsewhere; a 401
+    says the scheme."""
     if request.path.startswith("/v1/"):
         response = json_response(openai_api.error_body(status, message, err), status)
+    elif _route(request) in tei_api.TEI_ROUTES:
+        response = json_response(tei_api.error_body(status, message), status)
     else:
         response = json_response({"error": message}, status)
     if isinstance(err, Unauthenticated):
@@ -86,7 +93,9 @@ class HttpServer:
         app = web.Application(client_max_size=core.state.config.max_request_bytes, middlewares=[self._serve])
         V2Routes(core).add_to(app)
         OpenAIRoutes(core).add_to(app)
-        RerankRoutes(core).add_to(app)
+        rerank = RerankRoutes(core)
+        rerank.add_to(app)
+        TeiRoutes(core, rerank.rerank, rerank.predict).add_to(app)
         # handler_cancellation: a request whose client has gone leaves the batcher's queue, as over gRPC.
         self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=CLOSE_IDLE_SECONDS)

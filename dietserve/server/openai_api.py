@@ -1,4 +1,5 @@
-"""OpenAI's embeddings API (``POST /v1/embeddings``, ``GET /v1/models``) and ``GET /health``.
+"""OpenAI's embeddings API (``POST /v1/embeddings``, ``GET /v1/models``) and ``GET /health``
+(also ``/ping``).
 
 ``input`` is a string, a list of strings (tokenized by the server, as the ``-text`` model), a list
 of token ids or a list of such lists (run as given, as the ids model: the caller's ids include
@@ -25,7 +26,7 @@ from ..runtime.errors import InputTooLong, ServingError, Unauthenticated, Unknow
 from ..runtime.request import EncoderRequest
 from . import codec
 from .http_body import FieldError, json_response, parse_object, read_body
-from .inference import Inference
+from .inference import Answer, Inference
 from .model import ServedModel
 
 EMBEDDING = "sentence_embedding"
@@ -55,21 +56,22 @@ def _token_lists(value: list) -> list[list[int]] | None:
     return None
 
 
-def parse_input(value: object) -> list[str] | list[list[int]]:
-    """A string, strings, token ids or lists of token ids -> texts or token id sequences."""
+def parse_input(value: object, field: str = "input") -> list[str] | list[list[int]]:
+    """A string, strings, token ids or lists of token ids -> texts or token id sequences;
+    ``field`` names the body field in errors."""
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list) or not value:
-        raise FieldError("input", "input must be a string, a list of strings, a list of token ids or a list of "
-                                  "lists of token ids, and not empty")
+        raise FieldError(field, f"{field} must be a string, a list of strings, a list of token ids or a list of "
+                                "lists of token ids, and not empty")
     if all(isinstance(item, str) for item in value):
         return value
     tokens = _token_lists(value)
     if tokens is None:
-        raise FieldError("input", "input mixes types: give strings only, or token ids (integers) only")
+        raise FieldError(field, f"{field} mixes types: give strings only, or token ids (integers) only")
     for index, sequence in enumerate(tokens):
         if not sequence:
-            raise FieldError("input", f"input[{index}] is an empty list of token ids")
+            raise FieldError(field, f"{field}[{index}] is an empty list of token ids")
     return tokens
 
 
@@ -113,17 +115,19 @@ def _ids_rows(sequences: list[list[int]], max_length: int, truncate: bool, first
 
 
 def shorten(embeddings: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
-    """The first ``dimensions`` of each row; re-normalised if the model normalises (as
-    torch.nn.functional.normalize: x / max(||x||, 1e-12))."""
+    """The first ``dimensions`` of each row; re-normalised if the model normalises."""
     if dimensions is None or dimensions == embeddings.shape[1]:
         return embeddings
     if dimensions > embeddings.shape[1]:
         raise FieldError("dimensions", f"dimensions is {dimensions}, over this model's {embeddings.shape[1]}")
     short = embeddings[:, :dimensions]
-    if normalized:
-        norms = np.linalg.norm(short.astype(np.float64), axis=1, keepdims=True)
-        short = (short / np.maximum(norms, 1e-12)).astype(np.float32)
-    return short
+    return l2_normalized(short) if normalized else short
+
+
+def l2_normalized(embeddings: np.ndarray) -> np.ndarray:
+    """Each row over its L2 norm, as torch.nn.functional.normalize: x / max(||x||, 1e-12)."""
+    norms = np.linalg.norm(embeddings.astype(np.float64), axis=1, keepdims=True)
+    return (embeddings / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
 def encode_embeddings(embeddings: np.ndarray, parsed: EmbeddingsRequest, tokens: int) -> dict:
@@ -146,7 +150,8 @@ class OpenAIRoutes:
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
+        for path in ("/health", "/ping"):  # /ping: SageMaker's name, which TEI answers too
+            app.router.add_get(path, self.health)
 
     async def health(self, request: web.Request) -> web.Response:
         ready = self.core.state.ready
@@ -177,34 +182,51 @@ class OpenAIRoutes:
             raise FieldError("model", f"the served model '{parsed.model}' is a classifier (cross-encoder), not an "
                                       "embedding model: it gives scores, not embeddings; use /rerank, /v1/rerank or "
                                       "/predict")
-        step = model.engine.max_batch
-        chunks = [(start, parsed.inputs[start : start + step]) for start in range(0, len(parsed.inputs), step)]
-        large = len(body) > (codec.INLINE_TEXT_BYTES if parsed.takes_text else codec.INLINE_MESSAGE_BYTES)
-        answers = await asyncio.gather(*(self.core.infer(self._receive(model, parsed, first, chunk, large))
-                                         for first, chunk in chunks))
-        embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer, _ in answers])
-        embeddings = shorten(embeddings, parsed.dimensions, _normalizes(model))
-        tokens = sum(answer.request.tokens for answer, _ in answers)
+        large = is_large(body, parsed.takes_text)
+        answers = await infer_inputs(self.core, model, parsed.inputs, parsed.truncate, large, (EMBEDDING,))
+        embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer in answers])
+        embeddings = shorten(embeddings, parsed.dimensions, normalizes(model))
+        tokens = sum(answer.request.tokens for answer in answers)
         return json_response(await self.core.off_loop(large, encode_embeddings, embeddings, parsed, tokens))
 
-    async def _receive(self, model: ServedModel, parsed: EmbeddingsRequest, first: int, inputs: list,
-                       large: bool) -> tuple[ServedModel, EncoderRequest, None]:
-        return model, await self.core.off_loop(large, self._decode, model, parsed, first, inputs), None
 
-    def _decode(self, model: ServedModel, parsed: EmbeddingsRequest, first: int, inputs: list) -> EncoderRequest:
-        truncate = self.core.truncate(parsed.truncate)
-        if parsed.takes_text:
-            # Lone surrogates (JSON allows them) pass through to codec's UTF-8 check, which names them.
-            tensor = codec.InputTensor(codec.TEXT_INPUT, "BYTES", [len(inputs)],
-                                       values=[text.encode("utf-8", "surrogatepass") for text in inputs])
-            how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first)
-            return codec.encoder_request(codec.decode_tensors([tensor]), (EMBEDDING,), how)
-        ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first)
-        ids, mask, types = model.engine.validate(ids, mask)
-        return EncoderRequest(ids, mask, types, (EMBEDDING,))
+def is_large(body: bytes, takes_text: bool) -> bool:
+    """Whether a body is worth decoding off the event loop (``Inference.off_loop``)."""
+    return len(body) > (codec.INLINE_TEXT_BYTES if takes_text else codec.INLINE_MESSAGE_BYTES)
 
 
-def _normalizes(model: ServedModel) -> bool:
+async def infer_inputs(core: Inference, model: ServedModel, inputs: list, truncate: bool | None, large: bool,
+                       outputs: tuple[str, ...]) -> list[Answer]:
+    """Texts or token id sequences (``parse_input``) through ``model`` (its text or its ids
+    model, as the inputs are), in batch-sized requests the batcher may run together; the
+    answers in the inputs' order."""
+    step, truncate = model.engine.max_batch, core.truncate(truncate)
+
+    async def received(first: int) -> tuple[ServedModel, EncoderRequest, None]:
+        chunk = inputs[first : first + step]
+        return model, await core.off_loop(large, decode_inputs, model, chunk, first, truncate, outputs), None
+
+    answers = await asyncio.gather(*(core.infer(received(first)) for first in range(0, len(inputs), step)))
+    return [answer for answer, _ in answers]
+
+
+def decode_inputs(model: ServedModel, inputs: list, first: int, truncate: bool,
+                  outputs: tuple[str, ...]) -> EncoderRequest:
+    """Texts (tokenized as the ``-text`` model's) or token id sequences (run as given) -> a
+    request; ``first`` numbers the inputs in messages as the client's request does."""
+    if isinstance(inputs[0], str):
+        # Lone surrogates (JSON allows them) pass through to codec's UTF-8 check, which names them.
+        tensor = codec.InputTensor(codec.TEXT_INPUT, "BYTES", [len(inputs)],
+                                   values=[text.encode("utf-8", "surrogatepass") for text in inputs])
+        how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first)
+        return codec.encoder_request(codec.decode_tensors([tensor]), outputs, how)
+    ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first)
+    ids, mask, types = model.engine.validate(ids, mask)
+    return EncoderRequest(ids, mask, types, outputs)
+
+
+def normalizes(model: ServedModel) -> bool:
+    """Whether the model's graph L2-normalises its sentence embeddings (a Normalize module)."""
     return bool(model.engine.artifact.manifest.normalize_embeddings)
 
 

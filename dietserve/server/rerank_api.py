@@ -31,6 +31,7 @@ from . import codec
 from .http_body import FieldError, json_response, parse_object, read_body
 from .inference import Inference
 from .model import ServedModel
+from .tei_api import chosen_model, flag_field, other_routes, string_field, wrong_kind
 
 LOGITS = "logits"
 Item = str | tuple[str, str]  # a text, or a (text, text_pair) pair
@@ -50,21 +51,6 @@ def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- request fields
-
-
-def _string(body: dict, key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str):
-        got = type(value).__name__ if key in body else "nothing"
-        raise FieldError(key, f"{key} must be a string, got {got}")
-    return value
-
-
-def _flag(body: dict, key: str, default: bool | None) -> bool | None:
-    value = body.get(key, default)
-    if value is not None and not isinstance(value, bool):
-        raise FieldError(key, f"{key} must be true or false, got {value!r}")
-    return value
 
 
 def _texts(body: dict, key: str) -> list[str]:
@@ -121,29 +107,12 @@ class RerankRoutes:
         body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
         return parse_object(body, "the request body"), len(body) > codec.INLINE_TEXT_BYTES
 
-    def _chosen(self, route: str, request: web.Request, body: dict) -> ServedModel:
-        """TEI's routes: the model named in the body or the query, else the only classifier."""
-        name = request.query.get("model") if "model" not in body else _string(body, "model")
-        if name is not None:
-            return self.core.model_for(name, takes_text=True)
-        models = self.core.text_models()
-        classifiers = [model for model in models if model.engine.is_classifier]
-        if len(classifiers) == 1 or len(models) == 1:
-            return (classifiers or models)[0]
-        if not classifiers:
-            served = ", ".join(f"'{model.artifact}'" for model in models)
-            raise InputError(f"{route} needs a classifier (cross-encoder); the served models ({served}) are "
-                             "embedding models: use /v1/embeddings or the v2 infer routes")
-        named = ", ".join(f"'{model.artifact}'" for model in classifiers)
-        raise FieldError("model", f"this server serves several classifiers ({named}): name one with 'model' in the "
-                                  "body or ?model= in the URL")
-
     def _classifier(self, route: str, one_label: bool, model: ServedModel) -> ServedModel:
         """``model``, once it is known to be a classifier (with one label, to rerank)."""
         engine = model.engine
         if not engine.is_classifier:
-            raise InputError(f"{route} needs a classifier (cross-encoder); the served model '{model.name}' is an "
-                             "embedding model: use /v1/embeddings or the v2 infer routes")
+            raise InputError(f"{route} needs {wrong_kind(True)}; the served model '{model.name}' is an embedding "
+                             f"model: {other_routes(True)}")
         if one_label and len(engine.labels) != 1:
             raise InputError(f"{route} needs a classifier with one label (a relevance score); '{model.artifact}' has "
                              f"{len(engine.labels)} ({', '.join(engine.labels)}): use /predict")
@@ -152,10 +121,11 @@ class RerankRoutes:
     async def rerank(self, request: web.Request) -> web.Response:
         """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best first."""
         body, large = await self._body(request)
-        model = self._classifier("/rerank", True, self._chosen("/rerank", request, body))
-        query, texts = _string(body, "query"), _texts(body, "texts")
-        raw, with_text = _flag(body, "raw_scores", False), _flag(body, "return_text", False)
-        logits, _ = await self._logits(model, [(query, text) for text in texts], _flag(body, "truncate", None), large)
+        model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", request, body, classifier=True))
+        query, texts = string_field(body, "query"), _texts(body, "texts")
+        raw, with_text = flag_field(body, "raw_scores", False), flag_field(body, "return_text", False)
+        truncate = flag_field(body, "truncate", None)
+        logits, _ = await self._logits(model, [(query, text) for text in texts], truncate, large)
         ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
         return json_response([{"index": index, "score": score, **({"text": texts[index]} if with_text else {})}
                               for index, score in ranked])
@@ -163,14 +133,14 @@ class RerankRoutes:
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         """Cohere: {model, query, documents, top_n, return_documents} -> {id, results, meta}."""
         body, large = await self._body(request)
-        model = self._classifier("/v1/rerank", True, self.core.model_for(_string(body, "model"), takes_text=True))
-        query, documents = _string(body, "query"), _texts(body, "documents")
+        model = self._classifier("/v1/rerank", True, self.core.model_for(string_field(body, "model"), takes_text=True))
+        query, documents = string_field(body, "query"), _texts(body, "documents")
         top_n = body.get("top_n", len(documents))
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
             raise FieldError("top_n", f"top_n must be a positive integer, got {top_n!r}")
-        with_documents = _flag(body, "return_documents", False)
+        with_documents = flag_field(body, "return_documents", False)
         logits, tokens = await self._logits(model, [(query, document) for document in documents],
-                                            _flag(body, "truncate", None), large)
+                                            flag_field(body, "truncate", None), large)
         ranked = sorted(enumerate(scores(logits, False)[:, 0].tolist()), key=lambda entry: -entry[1])[:top_n]
         results = [{"index": index, "relevance_score": score,
                     **({"document": {"text": documents[index]}} if with_documents else {})}
@@ -182,12 +152,12 @@ class RerankRoutes:
     async def predict(self, request: web.Request) -> web.Response:
         """TEI: {inputs, raw_scores, truncate} -> [{label, score}] per input, best first."""
         body, large = await self._body(request)
-        model = self._classifier("/predict", False, self._chosen("/predict", request, body))
+        model = self._classifier("/predict", False, chosen_model(self.core, "/predict", request, body, classifier=True))
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
         items, batch = predict_inputs(body["inputs"])
-        raw = _flag(body, "raw_scores", False)
-        logits, _ = await self._logits(model, items, _flag(body, "truncate", None), large)
+        raw = flag_field(body, "raw_scores", False)
+        logits, _ = await self._logits(model, items, flag_field(body, "truncate", None), large)
         labels = model.engine.labels
         answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
                           key=lambda entry: -entry["score"])

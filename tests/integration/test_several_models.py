@@ -190,3 +190,24 @@ def test_one_traffic_file_for_several_models_and_retune_without_a_store_are_refu
                        "--traffic-file", str(tmp_path / "traffic.json"))
     assert "--traffic-file records one artifact's traffic" in message and "with 2 artifacts" in message
     assert "--retune needs --artifact-store" in _refused("--artifact", str(minilm_artifact), "--retune")
+
+
+def test_tei_root_route_follows_the_body_and_tei_routes_pick_their_kind(server, expected_embeddings,
+                                                                        expected_scores):
+    # /embed names no model: the only embedding model answers, as /rerank takes the only classifier.
+    embedded = _post(server, "/embed", {"inputs": SENTENCES})
+    assert embedded.status_code == 200, embedded.text
+    np.testing.assert_allclose(embedded.json(), expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
+    np.testing.assert_allclose(_rerank_scores(server, "/"), expected_scores, rtol=0, atol=SCORE_ATOL)
+    unnamed = _post(server, "/", {"inputs": SENTENCES})  # embed or predict: the kinds served differ
+    assert unnamed.status_code == 400 and "serves embedding models and classifiers" in unnamed.json()["error"]
+    np.testing.assert_allclose(_post(server, "/", {"inputs": SENTENCES, "model": EMBEDDER}).json(),
+                               expected_embeddings, rtol=0, atol=EMBEDDING_ATOL)
+    pair = [QUERY, DOCUMENTS[0]]
+    predicted = _post(server, f"/invocations?model={RERANKER}", {"inputs": pair, "raw_scores": True})
+    assert predicted.status_code == 200, predicted.text
+    assert predicted.json() == _post(server, "/predict", {"inputs": pair, "raw_scores": True}).json()
+    info = requests.get(f"http://{server.http_url}/info?model={RERANKER}", timeout=30).json()
+    assert info["model_id"] == RERANKER and list(info["model_type"]) == ["reranker"]
+    wrong = _post(server, f"/embed?model={RERANKER}", {"inputs": ["Hi"]})
+    assert wrong.status_code == 400 and f"'{RERANKER}' is a classifier" in wrong.json()["error"]

@@ -1,0 +1,234 @@
+"""Text embeddings inference's (TEI) embedding routes, for clients written against TEI
+(huggingface_hub's ``InferenceClient.feature_extraction``, LangChain's Hugging Face endpoint
+embeddings): ``POST /embed``, ``/embed_all``, ``/tokenize``, ``/decode``, ``GET /info``, and
+``POST /`` with its SageMaker name ``/invocations``. TEI answers ``/`` by what its one model is;
+here the body decides: a ``query`` is reranked, ``inputs`` are embedded by an embedding model and
+classified by a classifier. TEI's classifier routes, ``/rerank`` and ``/predict``, are in
+``rerank_api.py``; both modules pick the model with :func:`chosen_model`.
+
+Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
+every route. What an artifact cannot do as TEI does is refused, naming it: ``normalize: false``
+for a model that normalises inside its graph (sentence-transformers' Normalize module),
+``prompt_name`` (no prompts are compiled in) and left truncation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from aiohttp import web
+
+from .. import __version__
+from ..runtime.errors import InputError
+from ..runtime.request import OUTPUTS
+from .http_body import FieldError, json_response, parse_object, read_body
+from .inference import DECODE_THREADS, Inference
+from .model import ServedModel
+from .openai_api import EMBEDDING, infer_inputs, is_large, l2_normalized, normalizes, parse_input, shorten
+
+LAST_HIDDEN_STATE = OUTPUTS[0]
+# The routes whose errors take TEI's shape, and TEI's name for the kind of each error.
+TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank",
+                        "/predict"})
+ERROR_TYPES = {429: "Overloaded", 503: "Unhealthy"}  # other 4xx: Validation; 5xx: Backend
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = ERROR_TYPES.get(status, "Validation" if status < 500 else "Backend")
+    return {"error": message, "error_type": kind}
+
+
+def string_field(body: dict, key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str):
+        got = type(value).__name__ if key in body else "nothing"
+        raise FieldError(key, f"{key} must be a string, got {got}")
+    return value
+
+
+def flag_field(body: dict, key: str, default: bool | None) -> bool | None:
+    value = body.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise FieldError(key, f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def chosen_model(core: Inference, route: str, request: web.Request, body: dict, classifier: bool) -> ServedModel:
+    """The text model a TEI route runs (TEI serves one model): the one ``model`` names in the
+    body or ``?model=``, else the only served model of the kind the route needs (a classifier or
+    an embedding model), else the only model (which the route then refuses, naming its kind)."""
+    name = request.query.get("model") if "model" not in body else string_field(body, "model")
+    if name is not None:
+        return core.model_for(name, takes_text=True)
+    models = core.text_models()
+    fitting = [model for model in models if model.engine.is_classifier == classifier]
+    if len(fitting) == 1 or len(models) == 1:
+        return (fitting or models)[0]
+    served = ", ".join(f"'{model.artifact}'" for model in fitting or models)
+    if not fitting:
+        served_kind = "embedding models" if classifier else "classifiers"
+        raise InputError(f"{route} needs {wrong_kind(classifier)}; the served models ({served}) are {served_kind}: "
+                         f"{other_routes(classifier)}")
+    kind = "classifiers" if classifier else "embedding models"
+    raise FieldError("model", f"this server serves several {kind} ({served}): name one with 'model' in the body or "
+                              "?model= in the URL")
+
+
+def wrong_kind(classifier: bool) -> str:
+    return "a classifier (cross-encoder)" if classifier else "an embedding model"
+
+
+def other_routes(classifier: bool) -> str:
+    """Where a request for the other kind of model goes."""
+    if classifier:
+        return "use /v1/embeddings, /embed or the v2 infer routes"
+    return "a classifier gives scores, not embeddings; use /rerank, /v1/rerank or /predict"
+
+
+def _dimensions(body: dict) -> int | None:
+    value = body.get("dimensions")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise FieldError("dimensions", f"dimensions must be a positive integer, got {value!r}")
+    return value
+
+
+def _unsupported(body: dict) -> None:
+    """TEI's fields an artifact cannot honour, refused rather than ignored."""
+    if body.get("prompt_name") is not None:
+        raise FieldError("prompt_name", "prompt_name is not supported: a compiled artifact keeps no "
+                                        "sentence-transformers prompts; prepend the prompt to each text")
+    direction = body.get("truncation_direction")
+    if direction is not None and direction not in ("right", "Right"):
+        raise FieldError("truncation_direction", f"truncation_direction {direction!r} is not supported: texts are "
+                                                 "truncated on the right (their first tokens kept)")
+
+
+def _ids_lists(value: object) -> tuple[list[list[int]], bool]:
+    """``/decode``'s ``ids``: token ids, or a non-empty list of them -> (sequences, whether a batch)."""
+    def ids(item: object) -> bool:
+        return isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item)
+
+    if ids(value) and value:
+        return [value], False
+    if isinstance(value, list) and value and all(ids(item) for item in value):
+        return value, True
+    raise FieldError("ids", "ids must be a list of token ids (integers), or a non-empty list of such lists")
+
+
+class TeiRoutes:
+    """``rerank`` and ``predict``: the classifier routes' handlers, which ``POST /`` hands a
+    classifier's body to."""
+
+    def __init__(self, core: Inference, rerank, predict):
+        self.core = core
+        self.config = core.state.config
+        self._rerank, self._predict = rerank, predict
+
+    def add_to(self, app: web.Application) -> None:
+        for path in ("/", "/invocations"):
+            app.router.add_post(path, self.root)
+        app.router.add_post("/embed", self.embed)
+        app.router.add_post("/embed_all", self.embed_all)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/decode", self.decode)
+        app.router.add_get("/info", self.info)
+
+    async def _body(self, request: web.Request) -> tuple[dict, bytes]:
+        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        return parse_object(body, "the request body"), body
+
+    async def root(self, request: web.Request) -> web.Response:
+        """A ``query`` is reranked; ``inputs`` go to /predict or /embed, by the named model's kind
+        or, where none is named, the kind every served model is."""
+        body, _ = await self._body(request)
+        if "query" in body:
+            return await self._rerank(request)
+        name = request.query.get("model") if "model" not in body else string_field(body, "model")
+        if name is not None:
+            classifier = self.core.model_for(name, takes_text=True).engine.is_classifier
+        else:
+            kinds = {model.engine.is_classifier for model in self.core.text_models()}
+            if len(kinds) != 1:
+                raise FieldError("model", f"{request.path} serves one model's kind, and this server serves embedding "
+                                          "models and classifiers: name one with 'model' in the body or ?model= in "
+                                          "the URL, or use /embed, /predict or /rerank")
+            classifier = kinds.pop()
+        return await (self._predict(request) if classifier else self.embed(request))
+
+    async def _embedded(self, request: web.Request, route: str, output: str) -> tuple[dict, list, ServedModel]:
+        """The body, the outputs of its ``inputs`` (one array per batch-sized request) and the model."""
+        body, raw = await self._body(request)
+        model = chosen_model(self.core, route, request, body, classifier=False)
+        if model.engine.is_classifier:
+            raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
+                             f"{other_routes(False)}")
+        if "inputs" not in body:
+            raise FieldError("inputs", "the body needs 'inputs': the text(s) or token ids to embed")
+        _unsupported(body)
+        inputs = parse_input(body["inputs"], "inputs")
+        takes_text = isinstance(inputs[0], str)
+        model = self.core.model_for(model.artifact, takes_text)
+        truncate = flag_field(body, "truncate", None)
+        answers = await infer_inputs(self.core, model, inputs, truncate, is_large(raw, takes_text), (output,))
+        return body, answers, model
+
+    async def embed(self, request: web.Request) -> web.Response:
+        """{inputs, normalize, truncate, dimensions} -> one embedding per input."""
+        body, answers, model = await self._embedded(request, "/embed", EMBEDDING)
+        normalize, dimensions = flag_field(body, "normalize", True), _dimensions(body)
+        if not normalize and normalizes(model):
+            raise FieldError("normalize", f"normalize=false is not available: '{model.artifact}' normalises its "
+                                          "embeddings inside the compiled model (its Normalize module)")
+        embeddings = shorten(np.concatenate([answer.outputs[EMBEDDING] for answer in answers]), dimensions,
+                             normalizes(model))
+        if normalize and not normalizes(model):
+            embeddings = l2_normalized(embeddings)
+        return json_response(embeddings.tolist())
+
+    async def embed_all(self, request: web.Request) -> web.Response:
+        """{inputs, truncate} -> each input's token embeddings (the last hidden state, its own length)."""
+        _, answers, _ = await self._embedded(request, "/embed_all", LAST_HIDDEN_STATE)
+        return json_response([hidden[:length].tolist() for answer in answers
+                              for hidden, length in zip(answer.outputs[LAST_HIDDEN_STATE],
+                                                        answer.request.attention_mask.sum(axis=1), strict=True)])
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """{inputs, add_special_tokens} -> each text's tokens (``TextTokenizer.tokens``)."""
+        body, raw = await self._body(request)
+        model = chosen_model(self.core, "/tokenize", request, body, classifier=False)
+        _unsupported(body)
+        texts = body.get("inputs")
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+            raise FieldError("inputs", "inputs must be a text or a non-empty list of texts")
+        special = flag_field(body, "add_special_tokens", True)
+        tokens = await self.core.off_loop(is_large(raw, True), lambda: [model.tokenizer.tokens(text, special)
+                                                                         for text in texts])
+        return json_response(tokens)
+
+    async def decode(self, request: web.Request) -> web.Response:
+        """{ids, skip_special_tokens} -> one text per list of ids."""
+        body, _ = await self._body(request)
+        model = chosen_model(self.core, "/decode", request, body, classifier=False)
+        sequences, batch = _ids_lists(body.get("ids"))
+        skip = flag_field(body, "skip_special_tokens", True)
+        return json_response([model.tokenizer.decode(ids, skip, f"ids[{index}]" if batch else "ids")
+                              for index, ids in enumerate(sequences)])
+
+    async def info(self, request: web.Request) -> web.Response:
+        """TEI's ``/info``, for the model ``?model=`` names or the only one."""
+        model = chosen_model(self.core, "/info", request, {}, classifier=False)
+        engine, manifest, config = model.engine, model.engine.artifact.manifest, self.config
+        if engine.is_classifier:
+            kind = "reranker" if len(engine.labels) == 1 else "classifier"
+            model_type = {kind: {"id2label": dict(enumerate(engine.labels)),
+                                 "label2id": {label: index for index, label in enumerate(engine.labels)}}}
+        else:
+            model_type = {"embedding": {"pooling": ",".join((manifest.pooling or {}).get("modes") or ["mean"])}}
+        return json_response({
+            "model_id": model.artifact, "model_sha": None, "served_model_name": model.artifact,
+            "model_dtype": "bfloat16" if manifest.precision == "bf16" else "float32", "model_type": model_type,
+            "max_concurrent_requests": config.max_concurrent_rpcs, "max_input_length": engine.max_seq_len,
+            "max_batch_tokens": config.max_batch_tokens, "max_batch_requests": config.max_batch_size,
+            "max_client_batch_size": config.max_queue_rows, "auto_truncate": config.truncate,
+            "tokenization_workers": DECODE_THREADS, "version": __version__, "sha": None, "docker_label": None})
