@@ -1,10 +1,11 @@
 """Text embeddings inference's (TEI) embedding routes, for clients written against TEI
-(huggingface_hub's ``InferenceClient.feature_extraction``, LangChain's Hugging Face endpoint
-embeddings): ``POST /embed``, ``/embed_all``, ``/tokenize``, ``/decode``, ``GET /info``, and
+(huggingface_hub's ``InferenceClient``, LangChain's Hugging Face endpoint embeddings):
+``POST /embed``, ``/embed_all``, ``/similarity``, ``/tokenize``, ``/decode``, ``GET /info``, and
 ``POST /`` with its SageMaker name ``/invocations``. TEI answers ``/`` by what its one model is;
-here the body decides: a ``query`` is reranked, ``inputs`` are embedded by an embedding model and
-classified by a classifier. TEI's classifier routes, ``/rerank`` and ``/predict``, are in
-``rerank_api.py``; both modules pick the model with :func:`chosen_model`.
+here the body decides: a ``query`` is reranked, ``inputs`` holding a ``source_sentence`` are
+compared, other ``inputs`` are embedded by an embedding model and classified by a classifier.
+TEI's classifier routes, ``/rerank`` and ``/predict``, are in ``rerank_api.py``; both modules
+pick the model with :func:`chosen_model`.
 
 Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
 every route. What an artifact cannot do as TEI does is refused, naming it: ``normalize: false``
@@ -27,8 +28,8 @@ from .openai_api import EMBEDDING, infer_inputs, is_large, l2_normalized, normal
 
 LAST_HIDDEN_STATE = OUTPUTS[0]
 # The routes whose errors take TEI's shape, and TEI's name for the kind of each error.
-TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank",
-                        "/predict"})
+TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/info",
+                        "/rerank", "/predict"})
 ERROR_TYPES = {429: "Overloaded", 503: "Unhealthy"}  # other 4xx: Validation; 5xx: Backend
 
 
@@ -128,6 +129,7 @@ class TeiRoutes:
             app.router.add_post(path, self.root)
         app.router.add_post("/embed", self.embed)
         app.router.add_post("/embed_all", self.embed_all)
+        app.router.add_post("/similarity", self.similarity)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/decode", self.decode)
         app.router.add_get("/info", self.info)
@@ -142,6 +144,8 @@ class TeiRoutes:
         body, _ = await self._body(request)
         if "query" in body:
             return await self._rerank(request)
+        if isinstance(body.get("inputs"), dict):
+            return await self.similarity(request)
         name = request.query.get("model") if "model" not in body else string_field(body, "model")
         if name is not None:
             classifier = self.core.model_for(name, takes_text=True).engine.is_classifier
@@ -157,19 +161,43 @@ class TeiRoutes:
     async def _embedded(self, request: web.Request, route: str, output: str) -> tuple[dict, list, ServedModel]:
         """The body, the outputs of its ``inputs`` (one array per batch-sized request) and the model."""
         body, raw = await self._body(request)
+        if "inputs" not in body:
+            raise FieldError("inputs", "the body needs 'inputs': the text(s) or token ids to embed")
+        answers, model = await self._run(request, route, body, raw, parse_input(body["inputs"], "inputs"), body, output)
+        return body, answers, model
+
+    async def _run(self, request: web.Request, route: str, body: dict, raw: bytes, inputs: list, options: dict,
+                   output: str) -> tuple[list, ServedModel]:
+        """``inputs`` through the embedding model the route takes; ``options`` holds truncate and
+        the fields refused by ``_unsupported``."""
         model = chosen_model(self.core, route, request, body, classifier=False)
         if model.engine.is_classifier:
             raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
                              f"{other_routes(False)}")
-        if "inputs" not in body:
-            raise FieldError("inputs", "the body needs 'inputs': the text(s) or token ids to embed")
-        _unsupported(body)
-        inputs = parse_input(body["inputs"], "inputs")
+        _unsupported(options)
         takes_text = isinstance(inputs[0], str)
         model = self.core.model_for(model.artifact, takes_text)
-        truncate = flag_field(body, "truncate", None)
-        answers = await infer_inputs(self.core, model, inputs, truncate, is_large(raw, takes_text), (output,))
-        return body, answers, model
+        truncate = flag_field(options, "truncate", None)
+        return await infer_inputs(self.core, model, inputs, truncate, is_large(raw, takes_text), (output,)), model
+
+    async def similarity(self, request: web.Request) -> web.Response:
+        """{inputs: {source_sentence, sentences}, parameters: {truncate}} -> the cosine similarity
+        of each sentence's embedding to the source sentence's."""
+        body, raw = await self._body(request)
+        pair = body.get("inputs")
+        sentences = pair.get("sentences") if isinstance(pair, dict) else None
+        if not (isinstance(pair, dict) and isinstance(pair.get("source_sentence"), str) and isinstance(sentences, list)
+                and sentences and all(isinstance(sentence, str) for sentence in sentences)):
+            raise FieldError("inputs", "inputs must be {\"source_sentence\": text, \"sentences\": [text, ...]}, "
+                                       "with at least one sentence")
+        options = body.get("parameters") or {}
+        if not isinstance(options, dict):
+            raise FieldError("parameters", f"parameters must be an object, got {type(options).__name__}")
+        answers, _ = await self._run(request, "/similarity", body, raw, [pair["source_sentence"], *sentences],
+                                     options, EMBEDDING)
+        embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer in answers]).astype(np.float64)
+        norms = np.maximum(np.linalg.norm(embeddings, axis=1), 1e-12)
+        return json_response((embeddings[1:] @ embeddings[0] / (norms[1:] * norms[0])).tolist())
 
     async def embed(self, request: web.Request) -> web.Response:
         """{inputs, normalize, truncate, dimensions} -> one embedding per input."""

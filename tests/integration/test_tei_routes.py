@@ -67,6 +67,16 @@ def test_huggingface_hub_client_embeds_as_the_reference_and_as_openai_route(serv
     np.testing.assert_allclose(short, expected, atol=REFERENCE_ATOL)
 
 
+def test_huggingface_hub_sentence_similarity_is_the_references_cosine(server, minilm_reference):
+    client = InferenceClient(model=f"http://{server.http_url}")
+    similarity = client.sentence_similarity(SENTENCES[0], other_sentences=SENTENCES[1:])
+    reference, _ = _reference_embeddings(minilm_reference, SENTENCES)
+    expected = [float(reference[0] @ row / np.linalg.norm(reference[0]) / np.linalg.norm(row)) for row in reference[1:]]
+    np.testing.assert_allclose(similarity, expected, atol=REFERENCE_ATOL)
+    body = {"inputs": {"source_sentence": SENTENCES[0], "sentences": SENTENCES[1:]}, "parameters": {"truncate": True}}
+    np.testing.assert_allclose(_ok(_post(server, "/similarity", body)), similarity, atol=SAME)
+
+
 def test_embed_invocations_and_token_ids_agree(server):
     expected = _openai(server, SENTENCES)
     for path in ("/embed", "/invocations", "/"):
@@ -132,6 +142,9 @@ def test_info_describes_the_model(server, minilm_engine):
     ("/decode", {"ids": [[101], [30522]]}, "ids[1][0] is 30522, outside the vocabulary [0, 30522)"),
     ("/decode", {"ids": "101"}, "ids must be a list of token ids"),
     ("/embed", {"inputs": "hi", "model": "nope"}, "unknown model 'nope'"),
+    ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": []}}, "with at least one sentence"),
+    ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}, "parameters": {"prompt_name": "q"}},
+     "prompt_name is not supported"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("/") else None)
 def test_errors_name_what_was_wrong_in_tei_shape_and_the_server_keeps_serving(server, path, body, field):
     answer = _post(server, path, body)
