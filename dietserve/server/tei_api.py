@@ -19,9 +19,10 @@ import numpy as np
 from aiohttp import web
 
 from .. import __version__
-from ..runtime.errors import InputError
+from ..runtime.errors import InputError, ReplyTooLarge
 from ..runtime.request import OUTPUTS
-from .http_body import FieldError, json_response, parse_object, read_body
+from . import codec
+from .http_body import JSON_TYPE, FieldError, dumps, json_response, parse_object, read_body
 from .inference import DECODE_THREADS, Inference
 from .model import ServedModel
 from .openai_api import EMBEDDING, infer_inputs, is_large, l2_normalized, normalizes, parse_input, shorten
@@ -213,11 +214,19 @@ class TeiRoutes:
         return json_response(embeddings.tolist())
 
     async def embed_all(self, request: web.Request) -> web.Response:
-        """{inputs, truncate} -> each input's token embeddings (the last hidden state, its own length)."""
+        """{inputs, truncate} -> each input's token embeddings (the last hidden state, its own
+        length). Each batch-sized request passed the reply limit; the whole answer must too."""
         _, answers, _ = await self._embedded(request, "/embed_all", LAST_HIDDEN_STATE)
-        return json_response([hidden[:length].tolist() for answer in answers
-                              for hidden, length in zip(answer.outputs[LAST_HIDDEN_STATE],
-                                                        answer.request.attention_mask.sum(axis=1), strict=True)])
+        hidden = [rows[:length] for answer in answers
+                  for rows, length in zip(answer.outputs[LAST_HIDDEN_STATE], answer.request.attention_mask.sum(axis=1),
+                                          strict=True)]
+        size, limit = 4 * sum(rows.size for rows in hidden), self.config.max_response_bytes
+        if size > limit:
+            raise ReplyTooLarge(f"the token embeddings would be {size} bytes as float32, over this server's limit of "
+                                f"{limit} (--max-response-bytes); send fewer inputs")
+        payload = await self.core.off_loop(size > codec.INLINE_MESSAGE_BYTES,
+                                           lambda: dumps([rows.tolist() for rows in hidden]))
+        return web.Response(body=payload, content_type=JSON_TYPE)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """{inputs, add_special_tokens} -> each text's tokens (``TextTokenizer.tokens``)."""

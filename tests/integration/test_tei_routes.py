@@ -25,11 +25,12 @@ SENTENCES = ["A man is eating food.", "The new movie is awesome and everyone sho
 UNICODE = "Héllo wörld, naïve café ☕!"
 SAME = 1e-6  # one server, one input: two routes must give the same numbers
 REFERENCE_ATOL = 1e-4  # against transformers, as the other wires' tests
+RESPONSE_LIMIT = 1_000_000  # --max-response-bytes: a batch of 8 rows of 40 tokens passes, three of them do not
 
 
 @pytest.fixture(scope="module")
 def server(minilm_artifact: Path):
-    process = ServerProcess(minilm_artifact)
+    process = ServerProcess(minilm_artifact, "--max-response-bytes", str(RESPONSE_LIMIT))
     yield process
     process.stop()
 
@@ -98,6 +99,16 @@ def test_embed_all_answers_each_texts_own_tokens(server, minilm_reference):
                                     encoded["token_type_ids"])[0]
         assert np.array(ours).shape == expected.shape  # no padding rows
         np.testing.assert_allclose(ours, expected, atol=REFERENCE_ATOL)
+
+
+def test_embed_all_answers_within_the_reply_limit_as_a_whole(server, minilm_engine):
+    text = " ".join(["word"] * 38)  # 40 tokens with [CLS] and [SEP]: 8 rows of them are 491,520 bytes
+    hidden = minilm_engine.output_shapes["last_hidden_state"][-1]
+    refused = _post(server, "/embed_all", {"inputs": [text] * 24})
+    assert refused.status_code == 400
+    assert f"would be {24 * 40 * hidden * 4} bytes as float32, over this server's limit of {RESPONSE_LIMIT}" in \
+        refused.json()["error"]
+    assert [len(rows) for rows in _ok(_post(server, "/embed_all", {"inputs": [text] * 8}))] == [40] * 8
 
 
 def test_tokenize_and_decode_agree_with_the_checkpoints_tokenizer(server):
