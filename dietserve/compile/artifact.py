@@ -26,7 +26,8 @@ from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.heads import parse_pooling_modes
-from ..model.presets import PRESET_DISPLAY_NAMES, TOKENIZER_FILES, resolve_model
+from ..model.presets import PRESET_DISPLAY_NAMES, resolve_model
+from ..model.tokenizer import TOKENIZER_FILES
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
     LAYOUT_PACKED,
@@ -145,6 +146,8 @@ def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch:
         "config": checkpoint.config.to_dict(),
         "head": checkpoint.head_description(),
         "weights": weights_sha,
+        "text_files": {name: sha256_file(checkpoint.folder / name) for name in TOKENIZER_FILES
+                       if (checkpoint.folder / name).is_file()},
         "target": target_description(target),
         "tvm": tvm_version(),
         "compiler": compiler_source_hash(),

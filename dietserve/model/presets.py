@@ -14,13 +14,13 @@ from safetensors.numpy import save_file
 from .bert import BertModel, PoolingOptions, checkpoint_parts, export_relax, transposed_weight_names
 from .config import BERT_BASE, BertConfig
 from .seeded_weights import seeded_tensors
+from .tokenizer import TOKENIZER_FILES
 
 DEFAULT_MODEL = "default"
 BERT_BASE_MODEL = "bert-base"
 PRESETS = (DEFAULT_MODEL, BERT_BASE_MODEL)
 # What an artifact (and the server) calls each preset's model.
 PRESET_DISPLAY_NAMES = {DEFAULT_MODEL: "all-MiniLM-L6-v2", BERT_BASE_MODEL: "bert-base"}
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def default_model_folder() -> Path:

@@ -16,6 +16,10 @@ from ..runtime.errors import InputError, InputTooLong
 # (the rest could only add tokens past the maximum): English averages 4-6 bytes a token, so
 # this bounds a request's tokenizing time without changing the answer for ordinary text.
 TEXT_BYTES_PER_TOKEN = 64
+# What turns text into token ids, copied into an artifact: the tokenizer, and the
+# sentence-transformers prompts (text prefixes a request may name, ``TextTokenizer.prompts``).
+PROMPTS_FILE = "config_sentence_transformers.json"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json", PROMPTS_FILE)
 
 
 class TokenizerError(ValueError):
@@ -29,13 +33,27 @@ class Encoded:
     token_type_ids: np.ndarray  # int64 [batch, seq]
 
 
+def _prompts(path: Path) -> dict[str, str]:
+    """sentence-transformers' ``prompts`` (name -> prefix) from ``path``, if the model has any."""
+    if not path.is_file():
+        return {}
+    try:
+        prompts = json.loads(path.read_text()).get("prompts") or {}
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise TokenizerError(f"{path} is not a JSON object: {err}") from None
+    if not isinstance(prompts, dict) or not all(isinstance(text, str) for text in prompts.values()):
+        raise TokenizerError(f"{path}: 'prompts' must map names to texts, got {prompts!r:.80}")
+    return prompts
+
+
 class TextTokenizer:
     """Pads a batch to its longest member. A text (or pair) over ``max_length`` tokens is
     truncated to ``max_length`` (as the checkpoint's tokenizer truncates: special tokens kept)
     when the caller asks for it, and refused with :class:`InputTooLong` otherwise."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int):
+    def __init__(self, tokenizer: Tokenizer, max_length: int, prompts: dict[str, str] | None = None):
         self.max_length = max_length
+        self.prompts = dict(prompts or {})  # name -> text prepended to a text the request names it for
         # Two copies, each configured once: toggling one tokenizer's truncation per call would
         # race between the server's decoding threads.
         self._whole = Tokenizer.from_str(tokenizer.to_str())
@@ -57,8 +75,9 @@ class TextTokenizer:
         """``tokenizer.json`` when present; otherwise a WordPiece tokenizer from ``vocab.txt``
         (older BERT checkpoints), lower-casing as ``tokenizer_config.json`` says."""
         folder = Path(folder)
+        prompts = _prompts(folder / PROMPTS_FILE)
         if (folder / "tokenizer.json").is_file():
-            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length)
+            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts)
         if (folder / "vocab.txt").is_file():
             from tokenizers import BertWordPieceTokenizer
 
@@ -70,7 +89,7 @@ class TextTokenizer:
                 strip_accents=settings.get("strip_accents"),
                 handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
             )
-            return cls(wordpiece._tokenizer, max_length)
+            return cls(wordpiece._tokenizer, max_length, prompts)
         raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
     def encode(self, texts: Sequence[str | tuple[str, str]], truncate: bool = True, clipped: Collection[int] = (),

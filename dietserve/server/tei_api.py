@@ -8,9 +8,9 @@ TEI's classifier routes, ``/rerank`` and ``/predict``, are in ``rerank_api.py``;
 pick the model with :func:`chosen_model`.
 
 Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
-every route. What an artifact cannot do as TEI does is refused, naming it: ``normalize: false``
-for a model that normalises inside its graph (sentence-transformers' Normalize module),
-``prompt_name`` (no prompts are compiled in) and left truncation.
+every route. ``prompt_name`` names one of the checkpoint's sentence-transformers prompts. What
+an artifact cannot do as TEI does is refused, naming it: ``normalize: false`` for a model that
+normalises inside its graph (sentence-transformers' Normalize module) and left truncation.
 """
 
 from __future__ import annotations
@@ -93,11 +93,24 @@ def _dimensions(body: dict) -> int | None:
     return value
 
 
+def _prompted(options: dict, model: ServedModel, inputs: list) -> list:
+    """``inputs`` with the prompt ``prompt_name`` names prepended to each text (sentence-transformers'
+    ``prompts``, kept in the artifact: ``TextTokenizer.prompts``)."""
+    name = options.get("prompt_name")
+    if name is None:
+        return inputs
+    prompts = model.tokenizer.prompts
+    if not isinstance(name, str) or name not in prompts:
+        known = ", ".join(f"'{known}'" for known in prompts) or "none (its config_sentence_transformers.json has none)"
+        raise FieldError("prompt_name", f"prompt_name {name!r} is not one of the prompts of '{model.artifact}': "
+                                        f"{known}")
+    if not isinstance(inputs[0], str):
+        raise FieldError("prompt_name", "prompt_name prefixes texts; token ids are run as given")
+    return [prompts[name] + text for text in inputs]
+
+
 def _unsupported(body: dict) -> None:
     """TEI's fields an artifact cannot honour, refused rather than ignored."""
-    if body.get("prompt_name") is not None:
-        raise FieldError("prompt_name", "prompt_name is not supported: a compiled artifact keeps no "
-                                        "sentence-transformers prompts; prepend the prompt to each text")
     direction = body.get("truncation_direction")
     if direction is not None and direction not in ("right", "Right"):
         raise FieldError("truncation_direction", f"truncation_direction {direction!r} is not supported: texts are "
@@ -169,13 +182,14 @@ class TeiRoutes:
 
     async def _run(self, request: web.Request, route: str, body: dict, raw: bytes, inputs: list, options: dict,
                    output: str) -> tuple[list, ServedModel]:
-        """``inputs`` through the embedding model the route takes; ``options`` holds truncate and
-        the fields refused by ``_unsupported``."""
+        """``inputs`` through the embedding model the route takes; ``options`` holds truncate, the
+        prompt's name and the fields refused by ``_unsupported``."""
         model = chosen_model(self.core, route, request, body, classifier=False)
         if model.engine.is_classifier:
             raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
                              f"{other_routes(False)}")
         _unsupported(options)
+        inputs = _prompted(options, model, inputs)
         takes_text = isinstance(inputs[0], str)
         model = self.core.model_for(model.artifact, takes_text)
         truncate = flag_field(options, "truncate", None)
@@ -238,6 +252,7 @@ class TeiRoutes:
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
             raise FieldError("inputs", "inputs must be a text or a non-empty list of texts")
+        texts = _prompted(body, model, texts)
         special = flag_field(body, "add_special_tokens", True)
         tokens = await self.core.off_loop(is_large(raw, True), lambda: [model.tokenizer.tokens(text, special)
                                                                          for text in texts])

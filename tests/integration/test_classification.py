@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
-from dietserve.model.presets import TOKENIZER_FILES, default_model_folder
+from dietserve.model.presets import default_model_folder
+from dietserve.model.tokenizer import TOKENIZER_FILES
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.engine import Engine
 

@@ -1,10 +1,12 @@
 """TEI's embedding routes, end to end: a real server process and a real TEI client
 (huggingface_hub's InferenceClient, which posts to ``/``), checked against transformers (with
 the checkpoint's pooling), its tokenizer, and the same server's OpenAI route for the same input.
-A second, small checkpoint without a Normalize module shows ``normalize`` as TEI applies it."""
+A second, small checkpoint without a Normalize module, with sentence-transformers prompts, shows
+``normalize`` as TEI applies it and ``prompt_name`` as sentence-transformers applies it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +145,7 @@ def test_info_describes_the_model(server, minilm_engine):
 
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("/embed", {"inputs": "hi", "normalize": False}, "normalize=false is not available: 'minilm' normalises"),
-    ("/embed", {"inputs": "hi", "prompt_name": "query"}, "prompt_name is not supported"),
+    ("/embed", {"inputs": "hi", "prompt_name": "query"}, "'query' is not one of the prompts of 'minilm': none"),
     ("/", {"inputs": "hi", "truncation_direction": "left"}, "truncation_direction 'left' is not supported"),
     ("/embed", {"inputs": []}, "inputs must be a string, a list of strings"),
     ("/embed", {"inputs": "hi", "dimensions": 0}, "dimensions must be a positive integer"),
@@ -155,7 +157,7 @@ def test_info_describes_the_model(server, minilm_engine):
     ("/embed", {"inputs": "hi", "model": "nope"}, "unknown model 'nope'"),
     ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": []}}, "with at least one sentence"),
     ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}, "parameters": {"prompt_name": "q"}},
-     "prompt_name is not supported"),
+     "'q' is not one of the prompts of 'minilm': none"),
 ], ids=lambda value: value if isinstance(value, str) and value.startswith("/") else None)
 def test_errors_name_what_was_wrong_in_tei_shape_and_the_server_keeps_serving(server, path, body, field):
     answer = _post(server, path, body)
@@ -176,12 +178,23 @@ def test_a_text_over_the_maximum_is_refused_unless_truncated(server, minilm_engi
 # ---------------------------------------------------------------------------- normalize
 
 
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+
 @pytest.fixture(scope="module")
 def unnormalised(tmp_path_factory, cache_dir: Path):
-    """A small random checkpoint with no sentence-transformers modules: mean pooling, no Normalize."""
+    """A small random checkpoint saved by sentence-transformers with two prompts: mean pooling,
+    no Normalize module."""
+    from sentence_transformers import SentenceTransformer
+
     config = BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=80, max_position_embeddings=64)
-    folder = materialize_random_bert(config, tmp_path_factory.mktemp("tei") / "plain", seed=5, std=0.3)
+    root = tmp_path_factory.mktemp("tei")
+    model = SentenceTransformer(str(materialize_random_bert(config, root / "random", seed=5, std=0.3)), device="cpu")
+    model.prompts = PROMPTS
+    folder = root / "plain"
+    model.save(str(folder))
+    assert json.loads((folder / "config_sentence_transformers.json").read_text())["prompts"] == PROMPTS
     process = ServerProcess(compile_artifact(CompileRequest(model=str(folder), max_batch=4), cache_dir),
                             model_name="plain")
     yield folder, process
@@ -207,3 +220,21 @@ def test_normalize_is_applied_as_tei_applies_it(unnormalised):
     short = _ok(_post(server, "/embed", {"inputs": SENTENCES, "dimensions": 8}))
     np.testing.assert_allclose(short, unit(pooled[:, :8]), atol=REFERENCE_ATOL)
     np.testing.assert_allclose(_openai(server, SENTENCES), pooled, atol=REFERENCE_ATOL)  # OpenAI's: as the model is
+
+
+def test_prompt_name_prefixes_texts_as_sentence_transformers_does(unnormalised):
+    from sentence_transformers import SentenceTransformer
+
+    folder, server = unnormalised
+    reference = SentenceTransformer(str(folder), device="cpu")
+    expected = reference.encode(SENTENCES, prompt_name="query", convert_to_numpy=True)
+    ours = _ok(_post(server, "/embed", {"inputs": SENTENCES, "prompt_name": "query", "normalize": False}))
+    np.testing.assert_allclose(ours, expected, atol=REFERENCE_ATOL)
+    assert not np.allclose(ours, _ok(_post(server, "/embed", {"inputs": SENTENCES, "normalize": False})), atol=1e-3)
+    tokens = _ok(_post(server, "/tokenize", {"inputs": "Hi", "prompt_name": "passage"}))[0]
+    assert [token["id"] for token in tokens] == _tokenizer()("passage: Hi")["input_ids"]
+    unknown = _post(server, "/embed", {"inputs": "Hi", "prompt_name": "document"})
+    assert unknown.status_code == 400
+    assert "'document' is not one of the prompts of 'plain': 'passage', 'query'" in unknown.json()["error"]
+    ids = _post(server, "/embed", {"inputs": [101, 7632, 102], "prompt_name": "query"})
+    assert ids.status_code == 400 and "token ids are run as given" in ids.json()["error"]

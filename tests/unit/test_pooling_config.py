@@ -204,3 +204,21 @@ def test_classifier_labels_default_and_are_checked(tmp_path: Path) -> None:
     gap = _checkpoint(tmp_path / "b", ("BertForSequenceClassification",), id2label={"0": "a", "2": "c"})
     with pytest.raises(CheckpointError, match=r"id2label has ids \[0, 2\]"):
         Checkpoint.open(gap)
+
+
+def test_the_cache_key_follows_the_tokenizer_and_prompt_files(tmp_path: Path) -> None:
+    """An artifact carries the checkpoint's tokenizer and prompts: editing either is a new build."""
+    folder = _checkpoint(tmp_path / "ck")
+    target = build_target(TargetSpec())
+
+    def key() -> str:
+        return cache_key(Checkpoint.open(folder), ["w"], target, 4)
+
+    keys = [key()]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    keys.append(key())
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "query: "}}))
+    keys.append(key())
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "q: "}}))
+    keys.append(key())
+    assert len(set(keys)) == 4 and key() == keys[-1]
