@@ -44,7 +44,7 @@ def error_body(status: int, message: str, err: Exception | None) -> dict:
                       "param": getattr(err, "param", param), "code": code}}
 
 
-def _token_lists(value: list) -> list[list[int]] | None:
+def token_lists(value: list) -> list[list[int]] | None:
     """``value`` as token id sequences, or None if it is not made of integers."""
     def ints(items: list) -> bool:
         return all(isinstance(i, int) and not isinstance(i, bool) for i in items)
@@ -66,7 +66,7 @@ def parse_input(value: object, field: str = "input") -> list[str] | list[list[in
                                 "lists of token ids, and not empty")
     if all(isinstance(item, str) for item in value):
         return value
-    tokens = _token_lists(value)
+    tokens = token_lists(value)
     if tokens is None:
         raise FieldError(field, f"{field} mixes types: give strings only, or token ids (integers) only")
     for index, sequence in enumerate(tokens):
@@ -89,11 +89,16 @@ class EmbeddingsRequest:
         self.encoding = body.get("encoding_format") or "float"
         if self.encoding not in ENCODINGS:
             raise FieldError("encoding_format", f"encoding_format must be 'float' or 'base64', got {self.encoding!r}")
-        self.dimensions = body.get("dimensions")
-        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
-                                            or self.dimensions < 1):
-            raise FieldError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
+        self.dimensions = dimensions_field(body)
         self.truncate = codec.check_truncate(body.get(codec.TRUNCATE_PARAMETER))
+
+
+def dimensions_field(body: dict) -> int | None:
+    """``dimensions``: how many of each embedding's first dimensions to answer (None: all)."""
+    value = body.get("dimensions")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise FieldError("dimensions", f"dimensions must be a positive integer, got {value!r}")
+    return value
 
 
 def _ids_rows(sequences: list[list[int]], max_length: int, truncate: bool, first: int):

@@ -25,7 +25,17 @@ from . import codec
 from .http_body import JSON_TYPE, FieldError, dumps, json_response, parse_object, read_body
 from .inference import DECODE_THREADS, Inference
 from .model import ServedModel
-from .openai_api import EMBEDDING, infer_inputs, is_large, l2_normalized, normalizes, parse_input, shorten
+from .openai_api import (
+    EMBEDDING,
+    dimensions_field,
+    infer_inputs,
+    is_large,
+    l2_normalized,
+    normalizes,
+    parse_input,
+    shorten,
+    token_lists,
+)
 
 LAST_HIDDEN_STATE = OUTPUTS[0]
 # The routes whose errors take TEI's shape, and TEI's name for the kind of each error.
@@ -86,13 +96,6 @@ def other_routes(classifier: bool) -> str:
     return "a classifier gives scores, not embeddings; use /rerank, /v1/rerank or /predict"
 
 
-def _dimensions(body: dict) -> int | None:
-    value = body.get("dimensions")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise FieldError("dimensions", f"dimensions must be a positive integer, got {value!r}")
-    return value
-
-
 def _prompted(options: dict, model: ServedModel, inputs: list) -> list:
     """``inputs`` with the prompt ``prompt_name`` names prepended to each text (sentence-transformers'
     ``prompts``, kept in the artifact: ``TextTokenizer.prompts``)."""
@@ -118,15 +121,11 @@ def _unsupported(body: dict) -> None:
 
 
 def _ids_lists(value: object) -> tuple[list[list[int]], bool]:
-    """``/decode``'s ``ids``: token ids, or a non-empty list of them -> (sequences, whether a batch)."""
-    def ids(item: object) -> bool:
-        return isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item)
-
-    if ids(value) and value:
-        return [value], False
-    if isinstance(value, list) and value and all(ids(item) for item in value):
-        return value, True
-    raise FieldError("ids", "ids must be a list of token ids (integers), or a non-empty list of such lists")
+    """``/decode``'s ``ids``: token ids, or a list of them -> (sequences, whether a batch)."""
+    sequences = token_lists(value) if isinstance(value, list) and value else None
+    if sequences is None or not all(sequences):
+        raise FieldError("ids", "ids must be a list of token ids (integers), or a non-empty list of such lists")
+    return sequences, isinstance(value[0], list)
 
 
 class TeiRoutes:
@@ -210,14 +209,13 @@ class TeiRoutes:
             raise FieldError("parameters", f"parameters must be an object, got {type(options).__name__}")
         answers, _ = await self._run(request, "/similarity", body, raw, [pair["source_sentence"], *sentences],
                                      options, EMBEDDING)
-        embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer in answers]).astype(np.float64)
-        norms = np.maximum(np.linalg.norm(embeddings, axis=1), 1e-12)
-        return json_response((embeddings[1:] @ embeddings[0] / (norms[1:] * norms[0])).tolist())
+        unit = l2_normalized(np.concatenate([answer.outputs[EMBEDDING] for answer in answers])).astype(np.float64)
+        return json_response((unit[1:] @ unit[0]).tolist())
 
     async def embed(self, request: web.Request) -> web.Response:
         """{inputs, normalize, truncate, dimensions} -> one embedding per input."""
         body, answers, model = await self._embedded(request, "/embed", EMBEDDING)
-        normalize, dimensions = flag_field(body, "normalize", True), _dimensions(body)
+        normalize, dimensions = flag_field(body, "normalize", True), dimensions_field(body)
         if not normalize and normalizes(model):
             raise FieldError("normalize", f"normalize=false is not available: '{model.artifact}' normalises its "
                                           "embeddings inside the compiled model (its Normalize module)")
