@@ -223,7 +223,7 @@ class TeiRoutes:
                              normalizes(model))
         if normalize and not normalizes(model):
             embeddings = l2_normalized(embeddings)
-        return json_response(embeddings.tolist())
+        return await self._answer(embeddings.nbytes, embeddings.tolist)
 
     async def embed_all(self, request: web.Request) -> web.Response:
         """{inputs, truncate} -> each input's token embeddings (the last hidden state, its own
@@ -236,8 +236,11 @@ class TeiRoutes:
         if size > limit:
             raise ReplyTooLarge(f"the token embeddings would be {size} bytes as float32, over this server's limit of "
                                 f"{limit} (--max-response-bytes); send fewer inputs")
-        payload = await self.core.off_loop(size > codec.INLINE_MESSAGE_BYTES,
-                                           lambda: dumps([rows.tolist() for rows in hidden]))
+        return await self._answer(size, lambda: [rows.tolist() for rows in hidden])
+
+    async def _answer(self, size: int, value) -> web.Response:
+        """JSON of ``value()``, made off the event loop when ``size`` bytes of floats make it slow."""
+        payload = await self.core.off_loop(size > codec.INLINE_MESSAGE_BYTES, lambda: dumps(value()))
         return web.Response(body=payload, content_type=JSON_TYPE)
 
     async def tokenize(self, request: web.Request) -> web.Response:
