@@ -54,14 +54,16 @@ class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, max_length: int, prompts: dict[str, str] | None = None):
         self.max_length = max_length
         self.prompts = dict(prompts or {})  # name -> text prepended to a text the request names it for
-        # Two copies, each configured once: toggling one tokenizer's truncation per call would
-        # race between the server's decoding threads.
+        # A copy per truncation, each configured once: toggling one tokenizer's truncation per
+        # call would race between the server's decoding threads.
         self._whole = Tokenizer.from_str(tokenizer.to_str())
         self._whole.no_truncation()
         self._whole.no_padding()
-        self._truncating = Tokenizer.from_str(tokenizer.to_str())
-        self._truncating.enable_truncation(max_length)
-        self._truncating.no_padding()
+        self._truncating = {}  # keeping the first tokens ("right") or the last ("left")
+        for direction in ("right", "left"):
+            self._truncating[direction] = Tokenizer.from_str(tokenizer.to_str())
+            self._truncating[direction].enable_truncation(max_length, direction=direction)
+            self._truncating[direction].no_padding()
         pad_id = tokenizer.token_to_id("[PAD]")
         self._pad_id = 0 if pad_id is None else pad_id
 
@@ -93,13 +95,14 @@ class TextTokenizer:
         raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
     def encode(self, texts: Sequence[str | tuple[str, str]], truncate: bool = True, clipped: Collection[int] = (),
-               first: int = 0) -> Encoded:
+               first: int = 0, keep_last: bool = False) -> Encoded:
         """Each item a text, or a (text, text_pair) pair encoded as the checkpoint's tokenizer
         encodes pairs (``[CLS] a [SEP] b [SEP]``, token_type_ids 0 then 1; truncated
         ``longest_first``, as sentence-transformers' CrossEncoder does). ``clipped``: indices of
         items the caller cut to :attr:`byte_limit` bytes (a pair: either text) before tokenizing.
         Without ``truncate`` they are refused even if the part read fits, since the whole text was
-        not counted. ``first``: the index of ``texts[0]`` in the caller's request, for messages."""
+        not counted. ``first``: the index of ``texts[0]`` in the caller's request, for messages.
+        ``keep_last``: truncation keeps a text's last tokens (its special tokens still added)."""
         if not texts:
             raise TokenizerError("no texts to encode")
         items = list(texts)
@@ -110,8 +113,8 @@ class TextTokenizer:
             what = "pair" if isinstance(items[index], tuple) else "text"
             raise InputTooLong(self._too_long(f"{what} {first + index}", len(batch[index].ids), index in clipped))
         if too_long:
-            for index, encoding in zip(too_long, self._truncating.encode_batch([items[i] for i in too_long]),
-                                       strict=True):
+            truncating = self._truncating["left" if keep_last else "right"]
+            for index, encoding in zip(too_long, truncating.encode_batch([items[i] for i in too_long]), strict=True):
                 batch[index] = encoding
         return self._padded(batch)
 

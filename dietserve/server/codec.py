@@ -261,16 +261,22 @@ def in_pairs(inputs: Sequence[TensorHeader]) -> bool:
     return any(tensor.name == TEXT_INPUT and list(tensor.shape)[1:] == [PAIR_WIDTH] for tensor in inputs)
 
 
-def texts_of(datatype: str, data: list[bytes], byte_limit: int) -> tuple[list[str], set[int]]:
-    """UTF-8 texts, each cut to ``byte_limit`` bytes (at a character boundary), and the indices
-    of those cut."""
+def texts_of(datatype: str, data: list[bytes], byte_limit: int, keep_last: bool = False) -> tuple[list[str], set[int]]:
+    """UTF-8 texts, each cut to ``byte_limit`` bytes (its first, or its last with ``keep_last``;
+    at a character boundary), and the indices of those cut."""
     if datatype != "BYTES":
         raise InputError(f"input 'text' has datatype {datatype}; expected BYTES")
     texts, clipped = [], set()
     for index, item in enumerate(data):
-        if len(item) > byte_limit:
+        if len(item) > byte_limit and keep_last:
+            cut = len(item) - byte_limit
+            while cut < len(item) and (item[cut] & 0xC0) == 0x80:  # do not split a UTF-8 character
+                cut += 1
+            item = item[cut:]
+            clipped.add(index)
+        elif len(item) > byte_limit:
             cut = byte_limit
-            while cut > 0 and (item[cut] & 0xC0) == 0x80:  # do not split a UTF-8 character
+            while cut > 0 and (item[cut] & 0xC0) == 0x80:
                 cut -= 1
             item = item[:cut]
             clipped.add(index)
@@ -292,6 +298,7 @@ class Decoding:
     deadline: float | None = None
     pairs: bool = False  # the text input holds (text, text_pair) rows: see in_pairs
     first: int = 0  # the index of the first row in the client's request (a request split in parts), for messages
+    keep_last: bool = False  # truncation keeps a text's last tokens (TEI's truncation_direction "left")
 
 
 def encoder_request(inputs: dict[str, tuple[str, np.ndarray | list[bytes]]], outputs: tuple[str, ...],
@@ -299,11 +306,12 @@ def encoder_request(inputs: dict[str, tuple[str, np.ndarray | list[bytes]]], out
     """Inputs that passed :func:`check_shapes`, decoded (name -> (datatype, data)) -> validated
     token tensors (may tokenize)."""
     if how.tokenizer is not None:
-        texts, clipped = texts_of(*inputs[TEXT_INPUT], byte_limit=how.tokenizer.byte_limit)
+        texts, clipped = texts_of(*inputs[TEXT_INPUT], byte_limit=how.tokenizer.byte_limit, keep_last=how.keep_last)
         if how.pairs:  # row-major [batch, 2]: a row's two texts are neighbours
             texts = list(zip(texts[0::PAIR_WIDTH], texts[1::PAIR_WIDTH], strict=True))
             clipped = {index // PAIR_WIDTH for index in clipped}
-        encoded = how.tokenizer.encode(texts, truncate=how.truncate, clipped=clipped, first=how.first)
+        encoded = how.tokenizer.encode(texts, truncate=how.truncate, clipped=clipped, first=how.first,
+                                       keep_last=how.keep_last)
         arrays = (encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     else:
         arrays = []

@@ -101,13 +101,14 @@ def dimensions_field(body: dict) -> int | None:
     return value
 
 
-def _ids_rows(sequences: list[list[int]], max_length: int, truncate: bool, first: int):
-    """Token id sequences -> padded ids and mask (rows from input ``first`` on)."""
+def _ids_rows(sequences: list[list[int]], max_length: int, truncate: bool, first: int, keep_last: bool = False):
+    """Token id sequences -> padded ids and mask (rows from input ``first`` on); truncation
+    keeps each sequence's first ids, or its last with ``keep_last``."""
     for index, sequence in enumerate(sequences):
         if len(sequence) > max_length and not truncate:
             raise InputTooLong(f"input[{first + index}] has {len(sequence)} tokens, over the model's maximum of "
                                f"{max_length}; shorten it, or send truncate=true to embed its first {max_length}")
-    rows = [sequence[:max_length] for sequence in sequences]
+    rows = [sequence[-max_length:] if keep_last else sequence[:max_length] for sequence in sequences]
     seq = max(len(row) for row in rows)
     ids, mask = np.zeros((len(rows), seq), np.int64), np.zeros((len(rows), seq), np.int64)
     for index, row in enumerate(rows):
@@ -201,31 +202,32 @@ def is_large(body: bytes, takes_text: bool) -> bool:
 
 
 async def infer_inputs(core: Inference, model: ServedModel, inputs: list, truncate: bool | None, large: bool,
-                       outputs: tuple[str, ...]) -> list[Answer]:
+                       outputs: tuple[str, ...], keep_last: bool = False) -> list[Answer]:
     """Texts or token id sequences (``parse_input``) through ``model`` (its text or its ids
     model, as the inputs are), in batch-sized requests the batcher may run together; the
-    answers in the inputs' order."""
+    answers in the inputs' order. ``keep_last``: truncation keeps the last tokens."""
     step, truncate = model.engine.max_batch, core.truncate(truncate)
 
     async def received(first: int) -> tuple[ServedModel, EncoderRequest, None]:
         chunk = inputs[first : first + step]
-        return model, await core.off_loop(large, decode_inputs, model, chunk, first, truncate, outputs), None
+        request = await core.off_loop(large, decode_inputs, model, chunk, first, truncate, outputs, keep_last)
+        return model, request, None
 
     answers = await asyncio.gather(*(core.infer(received(first)) for first in range(0, len(inputs), step)))
     return [answer for answer, _ in answers]
 
 
-def decode_inputs(model: ServedModel, inputs: list, first: int, truncate: bool,
-                  outputs: tuple[str, ...]) -> EncoderRequest:
+def decode_inputs(model: ServedModel, inputs: list, first: int, truncate: bool, outputs: tuple[str, ...],
+                  keep_last: bool = False) -> EncoderRequest:
     """Texts (tokenized as the ``-text`` model's) or token id sequences (run as given) -> a
     request; ``first`` numbers the inputs in messages as the client's request does."""
     if isinstance(inputs[0], str):
         # Lone surrogates (JSON allows them) pass through to codec's UTF-8 check, which names them.
         tensor = codec.InputTensor(codec.TEXT_INPUT, "BYTES", [len(inputs)],
                                    values=[text.encode("utf-8", "surrogatepass") for text in inputs])
-        how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first)
+        how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first, keep_last=keep_last)
         return codec.encoder_request(codec.decode_tensors([tensor]), outputs, how)
-    ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first)
+    ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first, keep_last)
     ids, mask, types = model.engine.validate(ids, mask)
     return EncoderRequest(ids, mask, types, outputs)
 

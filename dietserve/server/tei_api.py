@@ -10,7 +10,7 @@ pick the model with :func:`chosen_model`.
 Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
 every route. ``prompt_name`` names one of the checkpoint's sentence-transformers prompts. What
 an artifact cannot do as TEI does is refused, naming it: ``normalize: false`` for a model that
-normalises inside its graph (sentence-transformers' Normalize module) and left truncation.
+normalises inside its graph (sentence-transformers' Normalize module).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ LAST_HIDDEN_STATE = OUTPUTS[0]
 TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/info",
                         "/rerank", "/predict"})
 ERROR_TYPES = {429: "Overloaded", 503: "Unhealthy"}  # other 4xx: Validation; 5xx: Backend
+DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}  # -> whether the last tokens are kept
 
 
 def error_body(status: int, message: str) -> dict:
@@ -112,12 +113,13 @@ def _prompted(options: dict, model: ServedModel, inputs: list) -> list:
     return [prompts[name] + text for text in inputs]
 
 
-def _unsupported(body: dict) -> None:
-    """TEI's fields an artifact cannot honour, refused rather than ignored."""
-    direction = body.get("truncation_direction")
-    if direction is not None and direction not in ("right", "Right"):
-        raise FieldError("truncation_direction", f"truncation_direction {direction!r} is not supported: texts are "
-                                                 "truncated on the right (their first tokens kept)")
+def _keeps_last(options: dict) -> bool:
+    """TEI's ``truncation_direction``: "right" (the default) keeps a text's first tokens, "left"
+    its last."""
+    direction = options.get("truncation_direction", "right")
+    if not isinstance(direction, str) or direction not in DIRECTIONS:
+        raise FieldError("truncation_direction", f"truncation_direction must be 'right' or 'left', got {direction!r}")
+    return DIRECTIONS[direction]
 
 
 def _ids_lists(value: object) -> tuple[list[list[int]], bool]:
@@ -181,18 +183,19 @@ class TeiRoutes:
 
     async def _run(self, request: web.Request, route: str, body: dict, raw: bytes, inputs: list, options: dict,
                    output: str) -> tuple[list, ServedModel]:
-        """``inputs`` through the embedding model the route takes; ``options`` holds truncate, the
-        prompt's name and the fields refused by ``_unsupported``."""
+        """``inputs`` through the embedding model the route takes; ``options`` holds truncate, its
+        direction and the prompt's name."""
         model = chosen_model(self.core, route, request, body, classifier=False)
         if model.engine.is_classifier:
             raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
                              f"{other_routes(False)}")
-        _unsupported(options)
+        keep_last = _keeps_last(options)
         inputs = _prompted(options, model, inputs)
         takes_text = isinstance(inputs[0], str)
         model = self.core.model_for(model.artifact, takes_text)
         truncate = flag_field(options, "truncate", None)
-        return await infer_inputs(self.core, model, inputs, truncate, is_large(raw, takes_text), (output,)), model
+        large = is_large(raw, takes_text)
+        return await infer_inputs(self.core, model, inputs, truncate, large, (output,), keep_last), model
 
     async def similarity(self, request: web.Request) -> web.Response:
         """{inputs: {source_sentence, sentences}, parameters: {truncate}} -> the cosine similarity
@@ -247,7 +250,6 @@ class TeiRoutes:
         """{inputs, add_special_tokens} -> each text's tokens (``TextTokenizer.tokens``)."""
         body, raw = await self._body(request)
         model = chosen_model(self.core, "/tokenize", request, body, classifier=False)
-        _unsupported(body)
         texts = body.get("inputs")
         if isinstance(texts, str):
             texts = [texts]

@@ -146,7 +146,7 @@ def test_info_describes_the_model(server, minilm_engine):
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("/embed", {"inputs": "hi", "normalize": False}, "normalize=false is not available: 'minilm' normalises"),
     ("/embed", {"inputs": "hi", "prompt_name": "query"}, "'query' is not one of the prompts of 'minilm': none"),
-    ("/", {"inputs": "hi", "truncation_direction": "left"}, "truncation_direction 'left' is not supported"),
+    ("/", {"inputs": "hi", "truncation_direction": "up"}, "truncation_direction must be 'right' or 'left', got 'up'"),
     ("/embed", {"inputs": []}, "inputs must be a string, a list of strings"),
     ("/embed", {"inputs": "hi", "dimensions": 0}, "dimensions must be a positive integer"),
     ("/embed", {"inputs": "hi", "dimensions": 385}, "dimensions is 385, over this model's 384"),
@@ -167,12 +167,18 @@ def test_errors_name_what_was_wrong_in_tei_shape_and_the_server_keeps_serving(se
     assert len(_ok(_post(server, "/embed", {"inputs": "still serving"}))) == 1
 
 
-def test_a_text_over_the_maximum_is_refused_unless_truncated(server, minilm_engine):
-    long_text = "word " * (minilm_engine.max_seq_len + 10)
-    refused = _post(server, "/embed", {"inputs": [SENTENCES[0], long_text]})
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_a_text_over_the_maximum_is_refused_unless_truncated_from_the_side_asked(server, minilm_engine, direction):
+    from transformers import AutoTokenizer
+
+    long_text = " ".join(f"w{index}" for index in range(minilm_engine.max_seq_len))  # over 512 tokens
+    refused = _post(server, "/embed", {"inputs": [SENTENCES[0], long_text], "truncation_direction": direction})
     assert refused.status_code == 413 and "text 1 has" in refused.json()["error"]
-    truncated = _ok(_post(server, "/embed", {"inputs": [SENTENCES[0], long_text], "truncate": True}))
-    assert len(truncated) == 2
+    truncated = _ok(_post(server, "/embed", {"inputs": [SENTENCES[0], long_text], "truncate": True,
+                                             "truncation_direction": direction}))
+    reference = AutoTokenizer.from_pretrained(str(default_model_folder()), truncation_side=direction)
+    ids = reference([long_text], truncation=True, max_length=minilm_engine.max_seq_len)["input_ids"]
+    np.testing.assert_allclose(truncated[1], _ok(_post(server, "/embed", {"inputs": ids}))[0], atol=SAME)
 
 
 # ---------------------------------------------------------------------------- normalize

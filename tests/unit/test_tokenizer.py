@@ -78,6 +78,26 @@ def test_a_text_cut_to_the_byte_limit_is_too_long_without_truncation() -> None:
     assert tokenizer.encode([english], truncate=True, clipped={0}).input_ids.shape == (1, 8)
 
 
+def test_truncation_keeping_the_last_tokens_equals_transformers_left_truncation() -> None:
+    from transformers import AutoTokenizer
+
+    texts = TEXTS + ["one two three four five six seven eight nine ten eleven twelve"]
+    encoded = TextTokenizer.from_folder(default_model_folder(), 8).encode(texts, truncate=True, keep_last=True)
+    reference = AutoTokenizer.from_pretrained(str(default_model_folder()), truncation_side="left")
+    expected = reference(texts, truncation=True, max_length=8, padding=True)["input_ids"]
+    np.testing.assert_array_equal(encoded.input_ids, expected)
+    assert encoded.input_ids[-1, 1] == reference.convert_tokens_to_ids("seven")  # [CLS] seven ... twelve [SEP]
+
+
+def test_a_text_over_the_byte_limit_keeps_its_first_or_last_bytes_whole_characters() -> None:
+    from dietserve.server.codec import texts_of  # what a server reads of a text before tokenizing
+
+    text = ("é" * 5 + "abc").encode()  # 13 bytes; 6 kept: whole characters only
+    assert texts_of("BYTES", [text, b"ok"], 6) == (["ééé", "ok"], {0})
+    assert texts_of("BYTES", [text, b"ok"], 6, keep_last=True) == (["éabc", "ok"], {0})
+    assert texts_of("BYTES", [text], 13, keep_last=True) == ([text.decode()], set())
+
+
 PAIRS = [("How many people live in Berlin?", "Berlin has a population of 3,520,031 registered inhabitants."),
          ("A man is eating food.", "A man is eating a piece of bread.")]
 
