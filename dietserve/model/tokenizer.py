@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -59,13 +60,19 @@ class TextTokenizer:
         self._whole = Tokenizer.from_str(tokenizer.to_str())
         self._whole.no_truncation()
         self._whole.no_padding()
-        self._truncating = {}  # keeping the first tokens ("right") or the last ("left")
-        for direction in ("right", "left"):
-            self._truncating[direction] = Tokenizer.from_str(tokenizer.to_str())
-            self._truncating[direction].enable_truncation(max_length, direction=direction)
-            self._truncating[direction].no_padding()
+        self._truncating = self._truncated_copy("right")  # keeps a text's first tokens
         pad_id = tokenizer.token_to_id("[PAD]")
         self._pad_id = 0 if pad_id is None else pad_id
+
+    def _truncated_copy(self, direction: str) -> Tokenizer:
+        copy = Tokenizer.from_str(self._whole.to_str())
+        copy.enable_truncation(self.max_length, direction=direction)
+        return copy
+
+    @cached_property
+    def _keeping_last(self) -> Tokenizer:
+        """Made on first use (a copy is megabytes); two threads making it at once make two."""
+        return self._truncated_copy("left")
 
     @property
     def byte_limit(self) -> int:
@@ -113,7 +120,7 @@ class TextTokenizer:
             what = "pair" if isinstance(items[index], tuple) else "text"
             raise InputTooLong(self._too_long(f"{what} {first + index}", len(batch[index].ids), index in clipped))
         if too_long:
-            truncating = self._truncating["left" if keep_last else "right"]
+            truncating = self._keeping_last if keep_last else self._truncating
             for index, encoding in zip(too_long, truncating.encode_batch([items[i] for i in too_long]), strict=True):
                 batch[index] = encoding
         return self._padded(batch)
