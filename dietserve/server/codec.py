@@ -261,6 +261,22 @@ def in_pairs(inputs: Sequence[TensorHeader]) -> bool:
     return any(tensor.name == TEXT_INPUT and list(tensor.shape)[1:] == [PAIR_WIDTH] for tensor in inputs)
 
 
+def _clipped(item: bytes, limit: int, keep_last: bool) -> bytes:
+    """``item``'s first (or last) ``limit`` bytes, less a UTF-8 character the cut would split."""
+    def inside_a_character(at: int) -> bool:
+        return (item[at] & 0xC0) == 0x80  # a continuation byte
+
+    if keep_last:
+        cut = len(item) - limit
+        while cut < len(item) and inside_a_character(cut):
+            cut += 1
+        return item[cut:]
+    cut = limit
+    while cut > 0 and inside_a_character(cut):
+        cut -= 1
+    return item[:cut]
+
+
 def texts_of(datatype: str, data: list[bytes], byte_limit: int, keep_last: bool = False) -> tuple[list[str], set[int]]:
     """UTF-8 texts, each cut to ``byte_limit`` bytes (its first, or its last with ``keep_last``;
     at a character boundary), and the indices of those cut."""
@@ -268,17 +284,8 @@ def texts_of(datatype: str, data: list[bytes], byte_limit: int, keep_last: bool 
         raise InputError(f"input 'text' has datatype {datatype}; expected BYTES")
     texts, clipped = [], set()
     for index, item in enumerate(data):
-        if len(item) > byte_limit and keep_last:
-            cut = len(item) - byte_limit
-            while cut < len(item) and (item[cut] & 0xC0) == 0x80:  # do not split a UTF-8 character
-                cut += 1
-            item = item[cut:]
-            clipped.add(index)
-        elif len(item) > byte_limit:
-            cut = byte_limit
-            while cut > 0 and (item[cut] & 0xC0) == 0x80:
-                cut -= 1
-            item = item[:cut]
+        if len(item) > byte_limit:
+            item = _clipped(item, byte_limit, keep_last)
             clipped.add(index)
         try:
             texts.append(item.decode("utf-8"))

@@ -255,6 +255,11 @@ class TeiRoutes:
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
             raise FieldError("inputs", "inputs must be a text or a non-empty list of texts")
+        for index, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate, which JSON allows
+                raise FieldError("inputs", f"inputs[{index}] is not UTF-8 text: {err.reason} at {err.start}") from None
         texts = _prompted(body, model, texts)
         special = flag_field(body, "add_special_tokens", True)
         tokens = await self.core.off_loop(is_large(raw, True), lambda: [model.tokenizer.tokens(text, special)

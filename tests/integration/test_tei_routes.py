@@ -152,6 +152,8 @@ def test_info_describes_the_model(server, minilm_engine):
     ("/embed", {"inputs": "hi", "dimensions": 385}, "dimensions is 385, over this model's 384"),
     ("/embed_all", {"input": "hi"}, "the body needs 'inputs'"),
     ("/tokenize", {"inputs": [3]}, "inputs must be a text or a non-empty list of texts"),
+    ("/tokenize", {"inputs": ["ok", "a\ud800"]}, "inputs[1] is not UTF-8 text: surrogates not allowed at 1"),
+    ("/embed", {"inputs": ["ok", "a\ud800"]}, "element 1 is not UTF-8"),
     ("/decode", {"ids": [[101], [30522]]}, "ids[1][0] is 30522, outside the vocabulary [0, 30522)"),
     ("/decode", {"ids": "101"}, "ids must be a list of token ids"),
     ("/embed", {"inputs": "hi", "model": "nope"}, "unknown model 'nope'"),
