@@ -101,8 +101,8 @@ def _add_address_flags(group: argparse._ArgumentGroup, defaults: ServerConfig) -
                        help=f"address to bind gRPC and HTTP to (default {defaults.host}; 0.0.0.0 in a pod)")
     group.add_argument("--port", type=int, default=defaults.port, help=f"gRPC port (default {defaults.port}; 0: any)")
     group.add_argument("--http-port", type=int, default=defaults.http_port,
-                       help=f"HTTP port: KServe v2 REST, OpenAI /v1/embeddings, /health (default {defaults.http_port}; "
-                            "0: any)")
+                       help=f"HTTP port: KServe v2 REST, OpenAI /v1/embeddings, TEI's /embed, /health (default "
+                            f"{defaults.http_port}; 0: any)")
     group.add_argument("--no-http", dest="http_port", action="store_const", const=None,
                        help="serve gRPC only")
     group.add_argument("--http-body-timeout-seconds", type=float, default=defaults.http_body_timeout_seconds,

@@ -99,12 +99,14 @@ def test_promql_parses_with_promtool(tmp_path: Path) -> None:
 
 def test_alerts_cover_latency_errors_queue_and_readiness() -> None:
     alerts = {rule["alert"]: rule for rule in alert_rules()}
-    assert set(alerts) == {"DietserveLatencyP99OverSLO", "DietserveErrorRatioHigh", "DietserveQueueGrowing",
-                           "DietserveQueueNearlyFull", "DietserveNotReady"}
+    assert set(alerts) == {"DietserveLatencyP99OverSLO", "DietserveErrorRatioHigh", "DietserveHttpServerErrorsHigh",
+                           "DietserveQueueGrowing", "DietserveQueueNearlyFull", "DietserveNotReady"}
     latency = alerts["DietserveLatencyP99OverSLO"]["expr"]
     assert "histogram_quantile(0.99" in latency and "dietserve_request_duration_seconds_bucket" in latency
     errors = alerts["DietserveErrorRatioHigh"]["expr"]
     assert 'code!="OK"' in errors and errors.count("dietserve_requests_total") == 2
+    http_errors = alerts["DietserveHttpServerErrorsHigh"]["expr"]
+    assert 'code=~"5.."' in http_errors and http_errors.count("dietserve_http_requests_total") == 2
     assert "dietserve_queued_rows" in alerts["DietserveQueueGrowing"]["expr"]
     assert alerts["DietserveNotReady"]["expr"].strip() == "dietserve_ready == 0"
     for rule in alerts.values():

@@ -98,6 +98,11 @@ def test_server_ports_match_the_container_ports_and_the_probes(source: str, reso
     grpc_port = ports.get("grpc", ports.get("h2c"))
     assert config.host == "0.0.0.0", "a pod's server must listen beyond loopback"
     assert config.port == grpc_port == ServerConfig(artifact=None).port
+    # The HTTP port (HTTPS with the gRPC port's TLS) is declared where it is open, and open only where declared.
+    http_name = "https" if config.tls else "http"
+    assert ports.get(http_name) == config.http_port, "declare the HTTP port the server opens, or pass --no-http"
+    if config.http_port is not None:
+        assert config.http_port == ServerConfig(artifact=None).http_port
     if "metrics" in ports:
         assert config.metrics_port == ports["metrics"] == ServerConfig(artifact=None).metrics_port
         assert config.metrics_host == "0.0.0.0", "Prometheus scrapes the pod IP: /metrics must listen beyond loopback"
@@ -170,7 +175,7 @@ def test_services_budgets_autoscaler_and_policies_select_the_server_pods(overlay
         assert selects(service["spec"]["selector"])
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
     service = find(resources, "Service", "dietserve-server")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001, "metrics": 8002}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001, "https": 8000, "metrics": 8002}
     assert selects(find(resources, "PodDisruptionBudget", "dietserve-server")["spec"]["selector"]["matchLabels"])
     assert selects(find(resources, "NetworkPolicy", "dietserve-server")["spec"]["podSelector"]["matchLabels"])
     target = find(resources, "HorizontalPodAutoscaler", "dietserve-server")["spec"]["scaleTargetRef"]
@@ -186,11 +191,12 @@ def test_services_budgets_autoscaler_and_policies_select_the_server_pods(overlay
     assert claims == {r["metadata"]["name"] for r in resources if r["kind"] == "PersistentVolumeClaim"}
 
 
-def test_network_policy_admits_grpc_from_client_namespaces_and_metrics_from_monitoring() -> None:
+def test_network_policy_admits_grpc_and_https_from_client_namespaces_and_metrics_from_monitoring() -> None:
     policy = find(rendered("overlay-gpu"), "NetworkPolicy", "dietserve-server")
-    rules = {rule["ports"][0]["port"]: rule["from"][0]["namespaceSelector"]["matchLabels"]
-             for rule in policy["spec"]["ingress"]}
-    assert rules == {8001: {"dietserve.io/client": "true"}, 8002: {"kubernetes.io/metadata.name": "monitoring"}}
+    rules = {port["port"]: rule["from"][0]["namespaceSelector"]["matchLabels"]
+             for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+    clients = {"dietserve.io/client": "true"}
+    assert rules == {8001: clients, 8000: clients, 8002: {"kubernetes.io/metadata.name": "monitoring"}}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
 
 
