@@ -155,6 +155,8 @@ def test_dashboard_shows_latency_throughput_errors_batching_lengths_and_kernel_v
         assert some(f"histogram_quantile({quantile}", "dietserve_request_duration_seconds_bucket"), quantile
     assert some("rate(dietserve_requests_total", 'method="ModelInfer"'), "throughput"
     assert some("dietserve_requests_total", 'code!="OK"', "by (method, code)"), "errors"
+    assert some("rate(dietserve_http_requests_total"), "HTTP throughput"
+    assert some("dietserve_http_requests_total", 'code=~"[45].."', "by (route, code)"), "HTTP errors"
     assert some("dietserve_batch_size_"), "batch size"
     assert some("dietserve_request_sequence_length_bucket"), "sequence-length mix"
     assert some("dietserve_kernel_dispatch_total", "by (operator, variant)"), "kernel variants"
