@@ -268,12 +268,15 @@ class TeiRoutes:
 
     async def decode(self, request: web.Request) -> web.Response:
         """{ids, skip_special_tokens} -> one text per list of ids."""
-        body, _ = await self._body(request)
+        body, raw = await self._body(request)
         model = chosen_model(self.core, "/decode", request, body, classifier=False)
         sequences, batch = _ids_lists(body.get("ids"))
         skip = flag_field(body, "skip_special_tokens", True)
-        return json_response([model.tokenizer.decode(ids, skip, f"ids[{index}]" if batch else "ids")
-                              for index, ids in enumerate(sequences)])
+        def decoded() -> list[str]:
+            return [model.tokenizer.decode(ids, skip, f"ids[{index}]" if batch else "ids")
+                    for index, ids in enumerate(sequences)]
+
+        return json_response(await self.core.off_loop(is_large(raw, False), decoded))
 
     async def info(self, request: web.Request) -> web.Response:
         """TEI's ``/info``, for the model ``?model=`` names or the only one."""
