@@ -154,8 +154,9 @@ class TeiRoutes:
         return parse_object(body, "the request body"), body
 
     async def root(self, request: web.Request) -> web.Response:
-        """A ``query`` is reranked; ``inputs`` go to /predict or /embed, by the named model's kind
-        or, where none is named, the kind every served model is."""
+        """A ``query`` is reranked, ``inputs`` holding a ``source_sentence`` compared; other
+        ``inputs`` go to /predict or /embed, by the named model's kind or, where none is named,
+        the kind every served model is. The handler it hands to reads the (cached) body again."""
         body, _ = await self._body(request)
         if "query" in body:
             return await self._rerank(request)
