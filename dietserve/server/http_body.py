@@ -12,6 +12,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from ..runtime.errors import InputError, RequestIncomplete, RequestTooLarge
 
 JSON_TYPE = "application/json"
+_PARSED_BODY = "dietserve.parsed_body"  # where read_object keeps a request's parsed body
 
 
 class FieldError(InputError):
@@ -53,6 +54,16 @@ def parse_object(data: bytes | memoryview, what: str) -> dict:
     if not isinstance(value, dict):
         raise InputError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+async def read_object(request: web.Request, limit: int, timeout: float) -> tuple[dict, bytes]:
+    """The body as a JSON object, and its bytes: read and parsed once per request, so a route that
+    hands its request to another (TEI's ``POST /``) does not parse it again."""
+    cached = request.get(_PARSED_BODY)
+    if cached is None:
+        body = await read_body(request, limit, timeout)
+        cached = request[_PARSED_BODY] = (parse_object(body, "the request body"), body)
+    return cached
 
 
 def dumps(value: object) -> bytes:

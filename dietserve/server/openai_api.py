@@ -25,7 +25,7 @@ from aiohttp import web
 from ..runtime.errors import InputTooLong, ServingError, Unauthenticated, UnknownModel
 from ..runtime.request import EncoderRequest
 from . import codec
-from .http_body import FieldError, json_response, parse_object, read_body
+from .http_body import FieldError, json_response, read_object
 from .inference import Answer, Inference
 from .model import ServedModel
 
@@ -181,8 +181,8 @@ class OpenAIRoutes:
         return self.core.model_for(parsed.model, parsed.takes_text)
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
-        parsed = EmbeddingsRequest(parse_object(body, "the request body"), self.core.state.model_names)
+        fields, body = await read_object(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        parsed = EmbeddingsRequest(fields, self.core.state.model_names)
         model = self._model(parsed)
         if model.engine.is_classifier:
             raise FieldError("model", f"the served model '{parsed.model}' is a classifier (cross-encoder), not an "

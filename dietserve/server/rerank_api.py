@@ -28,7 +28,7 @@ from aiohttp import web
 from ..runtime.errors import InputError
 from ..runtime.request import EncoderRequest
 from . import codec
-from .http_body import FieldError, json_response, parse_object, read_body
+from .http_body import FieldError, json_response, read_object
 from .inference import Inference
 from .model import ServedModel
 from .tei_api import chosen_model, flag_field, other_routes, string_field, wrong_kind
@@ -104,8 +104,8 @@ class RerankRoutes:
 
     async def _body(self, request: web.Request) -> tuple[dict, bool]:
         """The JSON body, and whether it is large enough to tokenize off the event loop."""
-        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
-        return parse_object(body, "the request body"), len(body) > codec.INLINE_TEXT_BYTES
+        fields, body = await read_object(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        return fields, len(body) > codec.INLINE_TEXT_BYTES
 
     def _classifier(self, route: str, one_label: bool, model: ServedModel) -> ServedModel:
         """``model``, once it is known to be a classifier (with one label, to rerank)."""

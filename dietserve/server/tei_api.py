@@ -22,7 +22,7 @@ from .. import __version__
 from ..runtime.errors import InputError, ReplyTooLarge
 from ..runtime.request import OUTPUTS
 from . import codec
-from .http_body import JSON_TYPE, FieldError, dumps, json_response, parse_object, read_body
+from .http_body import JSON_TYPE, FieldError, dumps, json_response, read_object
 from .inference import DECODE_THREADS, Inference
 from .model import ServedModel
 from .openai_api import (
@@ -65,11 +65,16 @@ def flag_field(body: dict, key: str, default: bool | None) -> bool | None:
     return value
 
 
+def named_model(request: web.Request, body: dict) -> str | None:
+    """The model a TEI route's request names: ``model`` in the body, else ``?model=``, else none."""
+    return request.query.get("model") if "model" not in body else string_field(body, "model")
+
+
 def chosen_model(core: Inference, route: str, request: web.Request, body: dict, classifier: bool) -> ServedModel:
     """The text model a TEI route runs (TEI serves one model): the one ``model`` names in the
     body or ``?model=``, else the only served model of the kind the route needs (a classifier or
     an embedding model), else the only model (which the route then refuses, naming its kind)."""
-    name = request.query.get("model") if "model" not in body else string_field(body, "model")
+    name = named_model(request, body)
     if name is not None:
         return core.model_for(name, takes_text=True)
     models = core.text_models()
@@ -150,19 +155,18 @@ class TeiRoutes:
         app.router.add_get("/info", self.info)
 
     async def _body(self, request: web.Request) -> tuple[dict, bytes]:
-        body = await read_body(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
-        return parse_object(body, "the request body"), body
+        return await read_object(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
 
     async def root(self, request: web.Request) -> web.Response:
         """A ``query`` is reranked, ``inputs`` holding a ``source_sentence`` compared; other
         ``inputs`` go to /predict or /embed, by the named model's kind or, where none is named,
-        the kind every served model is. The handler it hands to reads the (cached) body again."""
+        the kind every served model is. The handler it hands to finds the body parsed already."""
         body, _ = await self._body(request)
         if "query" in body:
             return await self._rerank(request)
         if isinstance(body.get("inputs"), dict):
             return await self.similarity(request)
-        name = request.query.get("model") if "model" not in body else string_field(body, "model")
+        name = named_model(request, body)
         if name is not None:
             classifier = self.core.model_for(name, takes_text=True).engine.is_classifier
         else:
