@@ -302,7 +302,7 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         target=target_description(target),
         tvm_version=tvm_version(),
         cache_key=key,
-        bounds={"batch": request.max_batch, "seq_len": checkpoint.config.max_position_embeddings},
+        bounds={"batch": request.max_batch, "seq_len": checkpoint.config.max_length},
         parameters=[[n, list(shape)] for n, shape in parameters],
         files=files,
         required_cpu_flags=required_cpu_flags(target.host if request.target.kind == "cuda" else target),
@@ -333,7 +333,7 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     # bf16 where every tile's products can run on pairs (16-lane vectors); else attention stays fp32
     named = tiles if isinstance(tiles, dict) else {"tile": tiles}
     paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
-    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_position_embeddings, tiles,
+    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles,
                               tree, precision="bf16" if paired else "fp32")
     return export_relax(model, request.max_batch, kernel)
 

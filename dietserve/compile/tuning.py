@@ -119,7 +119,7 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
         legalized = tvm.transform.Sequential([*fast_math_passes(), *legalize_passes()])(mod)
     calls = call_counts(legalized)
     softmaxed = softmaxed_operators(legalized) if target.kind.name == "llvm" else set()
-    max_len = checkpoint.config.max_position_embeddings
+    max_len = checkpoint.config.max_length
     values = list(range(1, max_len + 1))
     weights = _weights(lengths, values)
     token_weights = _weights(tokens, values) if tokens else weights

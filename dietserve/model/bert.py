@@ -86,7 +86,7 @@ def activation(x: nn.Tensor, name: str) -> nn.Tensor:
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.position_embeddings = Embedding(cfg.max_length, cfg.hidden_size)  # (RoBERTa: rows past its offset)
         self.token_type_embeddings = Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
@@ -225,7 +225,7 @@ class BertPooler(nn.Module):
 
 class BertModel(nn.Module):
     """Returns ``(last_hidden_state [b, s, h], sentence_embedding [b, e])``, or with a
-    ``classifier`` (BertForSequenceClassification) ``(last_hidden_state, logits [b, labels])``."""
+    ``classifier`` (a sequence-classification checkpoint) ``(last_hidden_state, logits [b, labels])``."""
 
     def __init__(self, cfg: BertConfig, pooling: PoolingOptions | None = None,
                  classifier: ClassifierOptions | None = None):
@@ -337,7 +337,7 @@ def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.Pr
     order; they follow the inputs as function arguments, so weights stay out of the compiled
     library. The symbolic upper bounds let memory planning allocate statically.
     """
-    max_len = model.config.max_position_embeddings
+    max_len = model.config.max_length
     bounds = {SHAPE_VARS[0]: max_batch, SHAPE_VARS[1]: max_len}
     padded = nn.spec.Tensor(list(SHAPE_VARS), "int64")
     if packed_attention is None:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint folder -> parameters in the layout of our Relax BERT, with what sits
 on top of the encoder: a sentence-transformers recipe (modules.json) or, for a
-BertForSequenceClassification checkpoint, its pooler and classifier."""
+sequence-classification checkpoint (BERT's or RoBERTa's family), its pooler and classifier."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ from .config import BertConfig, ModelConfigError
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions
 from .side_by_side import side_by_side
 
-# Prefixes under which task heads (BertForMaskedLM, ...) nest the encoder.
-_ENCODER_PREFIXES = ("bert.", "model.")
+# Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
+_ENCODER_PREFIXES = ("bert.", "roberta.", "model.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
-CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
+CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                                 "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification")
+# RoBERTa's classification head is BERT's pooler and classifier under other names: a dense
+# layer and tanh on the first token, then the output projection.
+_ROBERTA_HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
+_POSITIONS = "embeddings.position_embeddings.weight"
 WEIGHTS_FILE = "model.safetensors"
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
@@ -77,7 +82,7 @@ class Checkpoint:
     def with_pooling_modes(self, modes: tuple[str, ...]) -> Checkpoint:
         """This checkpoint pooled with ``modes`` in place of its own (``--pooling``)."""
         if self.classifier is not None:
-            raise CheckpointError(f"{self.folder} is a {CLASSIFICATION_ARCHITECTURE} checkpoint: its logits come "
+            raise CheckpointError(f"{self.folder} is a sequence-classification checkpoint: its logits come "
                                   "from the [CLS] row, and --pooling applies to sentence-embedding models only")
         pooling = dataclasses.replace(self.pooling, modes=modes)
         _check_dense_inputs(pooling, self.config.hidden_size, f"--pooling {','.join(modes)}")
@@ -95,13 +100,13 @@ class Checkpoint:
         if not (folder / WEIGHTS_FILE).is_file():
             raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} (pytorch_model.bin is not read)")
         raw = json.loads((folder / "config.json").read_text())
-        if CLASSIFICATION_ARCHITECTURE in (raw.get("architectures") or []):
+        if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
             return cls(folder, config, classifier=read_classifier(raw, folder))
         return cls(folder, config, read_pooling_options(folder, config.hidden_size))
 
 
 def read_classifier(raw: dict, folder: Path) -> ClassifierOptions:
-    """The labels of a BertForSequenceClassification config (``id2label``, ``num_labels``)."""
+    """The labels of a sequence-classification config (``id2label``, ``num_labels``)."""
     id2label = raw.get("id2label") or {}
     count = int(raw.get("num_labels") or len(id2label) or 2)  # transformers' default is 2
     try:
@@ -229,6 +234,11 @@ def load_parameters(
     layer computes side by side (the query, key and value projections) and check every shape."""
     raw = {canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
     raw.update(_dense_tensors(checkpoint))
+    config = checkpoint.config
+    if config.position_offset and _POSITIONS in raw:
+        raw[_POSITIONS] = raw[_POSITIONS][config.position_offset:]
+    if config.model_type != "bert" and checkpoint.classifier is not None:
+        raw = {_roberta_head_name(name): tensor for name, tensor in raw.items()}
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}
@@ -246,6 +256,13 @@ def load_parameters(
             )
         params[name] = tensor
     return params
+
+
+def _roberta_head_name(name: str) -> str:
+    for theirs, ours in _ROBERTA_HEAD_NAMES.items():
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
 
 
 def _dense_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:

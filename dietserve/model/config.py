@@ -1,4 +1,6 @@
-"""BERT hyper-parameters as read from a Hugging Face ``config.json``."""
+"""Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, and RoBERTa's
+family (RoBERTa, XLM-RoBERTa, CamemBERT), the same encoder whose positions start past the
+padding index."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from pathlib import Path
 # Activation names used by real BERT-family checkpoints. "gelu" is the exact erf form;
 # the tanh approximation appears under several names.
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
+# model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+MODEL_TYPES = ("bert", *ROBERTA_TYPES)
 
 
 class ModelConfigError(ValueError):
@@ -27,8 +32,12 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    model_type: str = "bert"
 
     def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ModelConfigError(f"model_type={self.model_type!r} is not supported; dietserve compiles "
+                                   f"{', '.join(MODEL_TYPES)} checkpoints")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelConfigError(
                 f"hidden_act={self.hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
@@ -42,19 +51,30 @@ class BertConfig:
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_length <= 0:
+            raise ModelConfigError(f"max_position_embeddings={self.max_position_embeddings} leaves no position "
+                                   f"after the {self.position_offset} a {self.model_type} checkpoint skips")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def position_offset(self) -> int:
+        """Rows of the checkpoint's position table before the first token's: RoBERTa numbers
+        positions from ``pad_token_id + 1`` (the rows below serve padding only)."""
+        return self.pad_token_id + 1 if self.model_type in ROBERTA_TYPES else 0
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence, in tokens, the position table holds."""
+        return self.max_position_embeddings - self.position_offset
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: dict) -> BertConfig:
-        model_type = raw.get("model_type", "bert")
-        if model_type != "bert":
-            raise ModelConfigError(f"model_type={model_type!r} is not a BERT checkpoint")
         position_kind = raw.get("position_embedding_type", "absolute")
         if position_kind != "absolute":
             raise ModelConfigError(
@@ -62,8 +82,8 @@ class BertConfig:
             )
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
-        if kwargs.get("pad_token_id") is None:
-            kwargs.pop("pad_token_id", None)
+        if kwargs.get("pad_token_id") is None:  # transformers' default for the model type
+            kwargs["pad_token_id"] = 1 if kwargs.get("model_type") in ROBERTA_TYPES else 0
         return cls(**kwargs)
 
     @classmethod

@@ -73,7 +73,7 @@ class PoolingOptions:
 
 @dataclass(frozen=True)
 class ClassifierOptions:
-    """A BertForSequenceClassification head: ``labels[i]`` names logit ``i``."""
+    """A sequence-classification head (BERT's or RoBERTa's family): ``labels[i]`` names logit ``i``."""
 
     labels: tuple[str, ...]
 

@@ -61,8 +61,8 @@ class TextTokenizer:
         self._whole.no_truncation()
         self._whole.no_padding()
         self._truncating = self._truncated_copy("right")  # keeps a text's first tokens
-        pad_id = tokenizer.token_to_id("[PAD]")
-        self._pad_id = 0 if pad_id is None else pad_id
+        pad_ids = [tokenizer.token_to_id(token) for token in ("[PAD]", "<pad>")]  # BERT's, RoBERTa's
+        self._pad_id = next((token_id for token_id in pad_ids if token_id is not None), 0)
 
     def _truncated_copy(self, direction: str) -> Tokenizer:
         copy = Tokenizer.from_str(self._whole.to_str())

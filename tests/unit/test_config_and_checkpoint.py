@@ -31,7 +31,8 @@ def test_config_reads_checkpoint_options() -> None:
     [
         ({"hidden_act": "mish"}, "hidden_act='mish' is not supported"),
         ({"hidden_size": 100, "num_attention_heads": 12}, "not divisible"),
-        ({"model_type": "roberta"}, "not a BERT checkpoint"),
+        ({"model_type": "distilbert"}, "model_type='distilbert' is not supported; .* bert, roberta, xlm-roberta"),
+        ({"model_type": "xlm-roberta", "max_position_embeddings": 2}, "leaves no position after the 2"),
         ({"position_embedding_type": "relative_key"}, "only 'absolute'"),
         ({"num_hidden_layers": 0}, "must be positive"),
     ],
@@ -39,6 +40,16 @@ def test_config_reads_checkpoint_options() -> None:
 def test_config_rejects_what_we_cannot_run(raw: dict, message: str) -> None:
     with pytest.raises(ModelConfigError, match=message):
         BertConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert"])
+def test_roberta_positions_start_past_the_padding_index(model_type: str) -> None:
+    """transformers numbers a RoBERTa token's position from ``pad_token_id + 1`` (its default
+    pad id 1): a 514-row table holds 512 tokens."""
+    config = BertConfig.from_dict({"model_type": model_type, "max_position_embeddings": 514})
+    assert (config.pad_token_id, config.position_offset, config.max_length) == (1, 2, 512)
+    bert = BertConfig.from_dict({"max_position_embeddings": 512})
+    assert (bert.model_type, bert.position_offset, bert.max_length) == ("bert", 0, 512)
 
 
 def _write_checkpoint(folder: Path, weights: dict[str, np.ndarray], config: BertConfig = TINY) -> Path:

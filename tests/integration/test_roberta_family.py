@@ -1,0 +1,155 @@
+"""RoBERTa's family (XLM-RoBERTa here, as multilingual-e5, bge-m3 and the bge rerankers are):
+BERT's layers with positions numbered from past the padding index, one token type and the
+classification head under other names. A sentence-transformers embedder and a cross-encoder,
+randomly initialised and saved by their own libraries, compile through the same pipeline and
+answer as transformers and sentence-transformers do, at every length up to the last position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.embedder import Embedder
+from dietserve.runtime.engine import Engine
+
+from .reference import as_layout_answers
+
+MAX_LENGTH = 128  # tokens; the position table holds two more (RoBERTa's padding index is 1)
+TEXTS = [
+    "A man is eating food.",
+    "Ein Mann isst ein Stück Brot.",
+    "La fille porte un bébé.",
+    "東京は日本の首都です。",
+    "How many people live in Berlin? " * 40,  # truncated to the last position the table holds
+]
+PAIRS = [
+    ("How many people live in Berlin?", "Berlin has a population of 3,520,031 registered inhabitants."),
+    ("How many people live in Berlin?", "New York City is famous for the Metropolitan Museum of Art."),
+    ("Wie viele Menschen leben in Berlin?", "Berlin hat 3.520.031 Einwohner. " * 30),
+]
+
+
+def _tokenizer_folder(folder: Path) -> Path:
+    """A SentencePiece-style (Unigram) tokenizer laid out as XLM-RoBERTa's: <s> <pad> </s> <unk>
+    at ids 0-3, pairs as ``<s> a </s></s> b </s>``, one token type; trained here, saved by
+    transformers."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import XLMRobertaTokenizerFast
+
+    corpus = [text for text in TEXTS[:4]] + [text for pair in PAIRS for text in pair]
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tokenizer.train_from_iterator(corpus * 4, trainers.UnigramTrainer(vocab_size=400, special_tokens=special,
+                                                                      unk_token="<unk>"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    XLMRobertaTokenizerFast(tokenizer_object=tokenizer, model_max_length=MAX_LENGTH).save_pretrained(str(folder))
+    return folder
+
+
+def _config(vocab_size: int, **labels):
+    from transformers import XLMRobertaConfig
+
+    return XLMRobertaConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=MAX_LENGTH + 2, type_vocab_size=1,
+                            pad_token_id=1, bos_token_id=0, eos_token_id=2, initializer_range=0.1, **labels)
+
+
+@pytest.fixture(scope="module")
+def embedder_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An XLMRobertaModel under sentence-transformers' mean pooling and Normalize, saved by
+    sentence-transformers."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    encoder = _tokenizer_folder(tmp_path_factory.mktemp("xlmr-encoder"))
+    torch.manual_seed(11)
+    XLMRobertaModel(_config(len(AutoTokenizer.from_pretrained(str(encoder))))).eval().save_pretrained(str(encoder))
+    transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
+    pooling = models.Pooling(transformer.get_embedding_dimension(), "mean")
+    folder = tmp_path_factory.mktemp("xlmr-embedder") / "model"
+    SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def embedder(embedder_folder: Path, cache_dir: Path) -> Embedder:
+    return Embedder(Engine(load_artifact(compile_artifact(CompileRequest(model=str(embedder_folder), max_batch=8),
+                                                          cache_dir))))
+
+
+def test_hidden_states_match_transformers(embedder, embedder_folder) -> None:
+    """Every token's state, the longest text's reaching the table's last position."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedder_folder))
+    expected_ids = tokenizer(TEXTS, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="np")
+    encoded = embedder.tokenizer.encode(TEXTS)
+    np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
+                                  expected_ids["input_ids"] * expected_ids["attention_mask"])
+    assert encoded.input_ids.shape[1] == MAX_LENGTH
+    reference = XLMRobertaModel.from_pretrained(str(embedder_folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(expected_ids["input_ids"]),
+                             attention_mask=torch.from_numpy(expected_ids["attention_mask"])).last_hidden_state.numpy()
+    ours = embedder.encode(TEXTS).last_hidden_state
+    assert np.abs(expected).max() > 0.5
+    np.testing.assert_allclose(ours, as_layout_answers(embedder.engine, expected, encoded.attention_mask),
+                               rtol=0, atol=1e-4)
+
+
+def test_embeddings_match_sentence_transformers(embedder, embedder_folder) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(embedder_folder), device="cpu", local_files_only=True)
+    assert reference.max_seq_length == MAX_LENGTH
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    ours = embedder.embed(TEXTS)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-5)
+    assert embedder.engine.max_seq_len == MAX_LENGTH
+    manifest = embedder.engine.artifact.manifest
+    assert manifest.model_config["model_type"] == "xlm-roberta"
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, Engine]:
+    """An XLMRobertaForSequenceClassification with one label, as the bge rerankers are."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaForSequenceClassification
+
+    folder = _tokenizer_folder(tmp_path_factory.mktemp("xlmr-reranker") / "model")
+    config = _config(len(AutoTokenizer.from_pretrained(str(folder))), num_labels=1)
+    torch.manual_seed(5)
+    XLMRobertaForSequenceClassification(config).eval().save_pretrained(str(folder))
+    artifact = compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)
+    return folder, Engine(load_artifact(artifact))
+
+
+def test_cross_encoder_scores_match(cross_encoder) -> None:
+    """The pairs tokenized as the server tokenizes them; logits against transformers, scores
+    against sentence-transformers' CrossEncoder (a sigmoid over the one logit)."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import XLMRobertaForSequenceClassification
+
+    folder, engine = cross_encoder
+    encoded = TextTokenizer.from_folder(engine.artifact.directory, engine.max_seq_len).encode(PAIRS)
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    reference = XLMRobertaForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
+    assert np.abs(logits).max() > 0.1
+    np.testing.assert_allclose(output.logits, logits, rtol=0, atol=1e-4)
+    scores = CrossEncoder(str(folder), device="cpu", local_files_only=True, max_length=MAX_LENGTH).predict(PAIRS)
+    np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), scores, rtol=0, atol=1e-5)
+    assert engine.artifact.manifest.task == "classification"
