@@ -94,7 +94,7 @@ def _model_sources(names: list[str], directories: list[Path], hot_swaps: list, l
     """A ``ModelSource`` per artifact (loaded on the server's worker thread), with its hot swap
     where it comes from a version store; a name two artifacts would share is refused here, before
     anything loads."""
-    from ..model.tokenizer import TextTokenizer
+    from ..runtime.embedder import artifact_tokenizer
     from ..server.model import served_names
     from ..server.served_artifact import ModelSource
 
@@ -107,7 +107,7 @@ def _model_sources(names: list[str], directories: list[Path], hot_swaps: list, l
         def load_model():
             say(f"loading {directory}")
             engine = load_engine(directory)
-            return engine, TextTokenizer.from_folder(directory, engine.max_seq_len)
+            return engine, artifact_tokenizer(engine)
 
         return load_model
 

@@ -212,15 +212,18 @@ class BertEncoder(nn.Module):
 
 
 class BertPooler(nn.Module):
-    """Hugging Face's pooler: ``tanh(dense(hidden[:, 0]))``, the [CLS] row whatever the mask."""
+    """Hugging Face's pooler: ``tanh(dense(hidden[:, 0]))``, the [CLS] row whatever the mask
+    (DistilBERT's ``pre_classifier``: a ReLU in place of the tanh)."""
 
     def __init__(self, cfg: BertConfig):
         self.dense = TransposedLinear(cfg.hidden_size, cfg.hidden_size)
+        self.activation = cfg.pooler_activation
 
     def forward(self, hidden: nn.Tensor) -> nn.Tensor:
         batch, _, width = hidden.shape
         first = nn.op.wrap_nested(relax.op.strided_slice(hidden._expr, [1], [0], [1]), "cls_row")
-        return op.tanh(self.dense(op.reshape(first, (batch, width))))
+        pooled = self.dense(op.reshape(first, (batch, width)))
+        return op.tanh(pooled) if self.activation == "tanh" else op.relu(pooled)
 
 
 class BertModel(nn.Module):

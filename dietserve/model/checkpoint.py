@@ -13,20 +13,30 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
-from .config import BertConfig, ModelConfigError
+from .config import DISTILBERT, ROBERTA_TYPES, BertConfig, ModelConfigError
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions
 from .side_by_side import side_by_side
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
-_ENCODER_PREFIXES = ("bert.", "roberta.", "model.")
+_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "model.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                                 "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification")
-# RoBERTa's classification head is BERT's pooler and classifier under other names: a dense
-# layer and tanh on the first token, then the output projection.
-_ROBERTA_HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
+                                 "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification",
+                                 "DistilBertForSequenceClassification")
+# Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
+# BERT's pooler and classifier under other names (a dense layer and tanh on the first token,
+# then the output projection); DistilBERT names each layer its own way.
+_ROBERTA_NAMES = (("classifier.dense.", "pooler.dense."), ("classifier.out_proj.", "classifier."))
+_DISTILBERT_NAMES = (
+    ("transformer.layer.", "encoder.layer."), (".attention.q_lin.", ".attention.self.query."),
+    (".attention.k_lin.", ".attention.self.key."), (".attention.v_lin.", ".attention.self.value."),
+    (".attention.out_lin.", ".attention.output.dense."), (".sa_layer_norm.", ".attention.output.LayerNorm."),
+    (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
+    (".output_layer_norm.", ".output.LayerNorm."), ("pre_classifier.", "pooler.dense."),
+)
 _POSITIONS = "embeddings.position_embeddings.weight"
+_TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 WEIGHTS_FILE = "model.safetensors"
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
@@ -232,13 +242,9 @@ def load_parameters(
 ) -> dict[str, np.ndarray]:
     """Read the checkpoint's tensors, rename, transpose linear weights, concatenate the ones a
     layer computes side by side (the query, key and value projections) and check every shape."""
-    raw = {canonical_name(k): v for k, v in load_file(str(checkpoint.weights_file)).items()}
+    stored = load_file(str(checkpoint.weights_file))
+    raw = _as_bert(checkpoint.config, {canonical_name(name): tensor for name, tensor in stored.items()})
     raw.update(_dense_tensors(checkpoint))
-    config = checkpoint.config
-    if config.position_offset and _POSITIONS in raw:
-        raw[_POSITIONS] = raw[_POSITIONS][config.position_offset:]
-    if config.model_type != "bert" and checkpoint.classifier is not None:
-        raw = {_roberta_head_name(name): tensor for name, tensor in raw.items()}
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}
@@ -258,11 +264,18 @@ def load_parameters(
     return params
 
 
-def _roberta_head_name(name: str) -> str:
-    for theirs, ours in _ROBERTA_HEAD_NAMES.items():
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
+def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's position
+    table without the rows before its first token's, DistilBERT's with one token type, all zero."""
+    renames = _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ()
+    if config.model_type == DISTILBERT:
+        renames = _DISTILBERT_NAMES
+        tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
+    for theirs, ours in renames:
+        tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
+    if config.position_offset and _POSITIONS in tensors:
+        tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:]
+    return tensors
 
 
 def _dense_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:

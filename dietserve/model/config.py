@@ -1,6 +1,6 @@
-"""Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, and RoBERTa's
-family (RoBERTa, XLM-RoBERTa, CamemBERT), the same encoder whose positions start past the
-padding index."""
+"""Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, RoBERTa's family
+(RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder, its positions numbered past the padding
+index) and DistilBERT (the same layers under other names, with no token types)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from pathlib import Path
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
-MODEL_TYPES = ("bert", *ROBERTA_TYPES)
+DISTILBERT = "distilbert"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT)
+# DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
+_DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers", 6),
+                    "n_heads": ("num_attention_heads", 12), "hidden_dim": ("intermediate_size", 3072),
+                    "activation": ("hidden_act", "gelu")}
 
 
 class ModelConfigError(ValueError):
@@ -66,6 +71,12 @@ class BertConfig:
         return self.pad_token_id + 1 if self.model_type in ROBERTA_TYPES else 0
 
     @property
+    def pooler_activation(self) -> str:
+        """What a classifier's head applies to its dense layer on the first token: BERT's pooler
+        and RoBERTa's head a tanh, DistilBERT's ``pre_classifier`` a ReLU."""
+        return "relu" if self.model_type == DISTILBERT else "tanh"
+
+    @property
     def max_length(self) -> int:
         """The longest sequence, in tokens, the position table holds."""
         return self.max_position_embeddings - self.position_offset
@@ -80,6 +91,9 @@ class BertConfig:
             raise ModelConfigError(
                 f"position_embedding_type={position_kind!r} is not supported (only 'absolute')"
             )
+        if raw.get("model_type") == DISTILBERT:
+            renamed = {ours: raw.get(theirs, default) for theirs, (ours, default) in _DISTILBERT_KEYS.items()}
+            raw = {**raw, **renamed, "type_vocab_size": 1, "layer_norm_eps": 1e-12}
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type

@@ -52,8 +52,12 @@ class TextTokenizer:
     truncated to ``max_length`` (as the checkpoint's tokenizer truncates: special tokens kept)
     when the caller asks for it, and refused with :class:`InputTooLong` otherwise."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int, prompts: dict[str, str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, max_length: int, prompts: dict[str, str] | None = None,
+                 token_types: bool = True):
         self.max_length = max_length
+        # False: the model has one token type, whatever its tokenizer numbers a pair's second
+        # text (DistilBERT's numbers it 1, as BERT's does); every id is 0.
+        self.token_types = token_types
         self.prompts = dict(prompts or {})  # name -> text prepended to a text the request names it for
         # A copy per truncation, each configured once: toggling one tokenizer's truncation per
         # call would race between the server's decoding threads.
@@ -80,13 +84,13 @@ class TextTokenizer:
         return self.max_length * TEXT_BYTES_PER_TOKEN
 
     @classmethod
-    def from_folder(cls, folder: Path, max_length: int) -> TextTokenizer:
+    def from_folder(cls, folder: Path, max_length: int, token_types: bool = True) -> TextTokenizer:
         """``tokenizer.json`` when present; otherwise a WordPiece tokenizer from ``vocab.txt``
         (older BERT checkpoints), lower-casing as ``tokenizer_config.json`` says."""
         folder = Path(folder)
         prompts = _prompts(folder / PROMPTS_FILE)
         if (folder / "tokenizer.json").is_file():
-            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts)
+            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts, token_types)
         if (folder / "vocab.txt").is_file():
             from tokenizers import BertWordPieceTokenizer
 
@@ -98,7 +102,7 @@ class TextTokenizer:
                 strip_accents=settings.get("strip_accents"),
                 handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)),
             )
-            return cls(wordpiece._tokenizer, max_length, prompts)
+            return cls(wordpiece._tokenizer, max_length, prompts, token_types)
         raise TokenizerError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
     def encode(self, texts: Sequence[str | tuple[str, str]], truncate: bool = True, clipped: Collection[int] = (),
@@ -167,5 +171,6 @@ class TextTokenizer:
             length = len(encoding.ids)
             ids[row, :length] = encoding.ids
             mask[row, :length] = encoding.attention_mask
-            types[row, :length] = encoding.type_ids
+            if self.token_types:
+                types[row, :length] = encoding.type_ids
         return Encoded(ids, mask, types)

@@ -8,13 +8,19 @@ from ..model.tokenizer import TextTokenizer
 from .engine import EncoderOutput, Engine
 
 
+def artifact_tokenizer(engine: Engine) -> TextTokenizer:
+    """The artifact's tokenizer, truncating at the engine's maximum length, numbering token types
+    only where the model has more than one."""
+    return TextTokenizer.from_folder(engine.artifact.directory, engine.max_seq_len, engine.type_vocab_size > 1)
+
+
 class Embedder:
     def __init__(self, engine: Engine):
         if engine.is_classifier:
             raise ValueError(f"{engine.artifact.directory} is a classifier (cross-encoder): it scores texts and pairs "
                              "instead of embedding them; serve it and use /rerank or /predict")
         self.engine = engine
-        self.tokenizer = TextTokenizer.from_folder(engine.artifact.directory, engine.max_seq_len)
+        self.tokenizer = artifact_tokenizer(engine)
 
     def encode(self, texts: list[str]) -> EncoderOutput:
         """Runs in chunks of the artifact's maximum batch."""

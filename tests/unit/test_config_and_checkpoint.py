@@ -31,7 +31,7 @@ def test_config_reads_checkpoint_options() -> None:
     [
         ({"hidden_act": "mish"}, "hidden_act='mish' is not supported"),
         ({"hidden_size": 100, "num_attention_heads": 12}, "not divisible"),
-        ({"model_type": "distilbert"}, "model_type='distilbert' is not supported; .* bert, roberta, xlm-roberta"),
+        ({"model_type": "mpnet"}, "model_type='mpnet' is not supported; .* bert, roberta, xlm-roberta"),
         ({"model_type": "xlm-roberta", "max_position_embeddings": 2}, "leaves no position after the 2"),
         ({"position_embedding_type": "relative_key"}, "only 'absolute'"),
         ({"num_hidden_layers": 0}, "must be positive"),
@@ -50,6 +50,18 @@ def test_roberta_positions_start_past_the_padding_index(model_type: str) -> None
     assert (config.pad_token_id, config.position_offset, config.max_length) == (1, 2, 512)
     bert = BertConfig.from_dict({"max_position_embeddings": 512})
     assert (bert.model_type, bert.position_offset, bert.max_length) == ("bert", 0, 512)
+
+
+def test_distilbert_config_reads_as_berts() -> None:
+    """DistilBERT's own key names, its defaults where a key is missing, one token type, its fixed
+    LayerNorm epsilon and its classifier head's ReLU."""
+    config = BertConfig.from_dict({"model_type": "distilbert", "dim": 64, "n_heads": 4, "hidden_dim": 128,
+                                   "activation": "relu", "vocab_size": 100, "hidden_size": 999})
+    assert (config.hidden_size, config.num_attention_heads, config.intermediate_size, config.hidden_act) == \
+        (64, 4, 128, "relu")
+    assert (config.num_hidden_layers, config.type_vocab_size, config.layer_norm_eps) == (6, 1, 1e-12)
+    assert (config.pooler_activation, BertConfig().pooler_activation) == ("relu", "tanh")
+    assert config.position_offset == 0 and config.max_length == 512
 
 
 def _write_checkpoint(folder: Path, weights: dict[str, np.ndarray], config: BertConfig = TINY) -> Path:

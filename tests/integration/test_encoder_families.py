@@ -1,8 +1,11 @@
-"""RoBERTa's family (XLM-RoBERTa here, as multilingual-e5, bge-m3 and the bge rerankers are):
-BERT's layers with positions numbered from past the padding index, one token type and the
-classification head under other names. A sentence-transformers embedder and a cross-encoder,
-randomly initialised and saved by their own libraries, compile through the same pipeline and
-answer as transformers and sentence-transformers do, at every length up to the last position."""
+"""BERT's relatives, randomly initialised and saved by their own libraries, compile through the
+same pipeline and answer as transformers and sentence-transformers do:
+- RoBERTa's family (XLM-RoBERTa here, as multilingual-e5, bge-m3 and the bge rerankers are):
+  BERT's layers with positions numbered from past the padding index, one token type, the
+  classification head under other names; an embedder and a cross-encoder, at every length up to
+  the table's last position;
+- DistilBERT: BERT's layers under other names, no token types, a ReLU in its classifier's head;
+  a sentiment classifier (as distilbert-base-uncased-finetuned-sst-2-english) and an embedder."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import numpy as np
 import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
-from dietserve.model.tokenizer import TextTokenizer
+from dietserve.model.presets import default_model_folder
 from dietserve.runtime.artifact import load_artifact
-from dietserve.runtime.embedder import Embedder
+from dietserve.runtime.embedder import Embedder, artifact_tokenizer
 from dietserve.runtime.engine import Engine
 
 from .reference import as_layout_answers
@@ -142,7 +145,7 @@ def test_cross_encoder_scores_match(cross_encoder) -> None:
     from transformers import XLMRobertaForSequenceClassification
 
     folder, engine = cross_encoder
-    encoded = TextTokenizer.from_folder(engine.artifact.directory, engine.max_seq_len).encode(PAIRS)
+    encoded = artifact_tokenizer(engine).encode(PAIRS)
     output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     reference = XLMRobertaForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
@@ -153,3 +156,70 @@ def test_cross_encoder_scores_match(cross_encoder) -> None:
     scores = CrossEncoder(str(folder), device="cpu", local_files_only=True, max_length=MAX_LENGTH).predict(PAIRS)
     np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), scores, rtol=0, atol=1e-5)
     assert engine.artifact.manifest.task == "classification"
+
+
+def _distilbert_folder(folder: Path, model_class, **labels) -> Path:
+    """A small DistilBERT of ``model_class`` with the default checkpoint's WordPiece vocabulary,
+    its tokenizer saved as DistilBERT's (no token_type_ids among its outputs)."""
+    import torch
+    from transformers import DistilBertConfig, DistilBertTokenizerFast
+
+    config = DistilBertConfig(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                              max_position_embeddings=MAX_LENGTH, initializer_range=0.1, **labels)
+    torch.manual_seed(3)
+    model_class(config).eval().save_pretrained(str(folder))
+    DistilBertTokenizerFast.from_pretrained(str(default_model_folder())).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def distilbert_classifier(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, Engine]:
+    from transformers import DistilBertForSequenceClassification
+
+    labels = {0: "NEGATIVE", 1: "POSITIVE"}
+    folder = _distilbert_folder(tmp_path_factory.mktemp("distilbert-sst2") / "model",
+                                DistilBertForSequenceClassification, id2label=labels,
+                                label2id={name: i for i, name in labels.items()})
+    return folder, Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
+
+
+@pytest.mark.parametrize("items", [TEXTS, PAIRS], ids=["texts", "pairs"])
+def test_distilbert_logits_match_transformers(distilbert_classifier, items) -> None:
+    """The server's tokenizing (a pair's second text would be token type 1 by the WordPiece
+    post-processor; DistilBERT has none) against the checkpoint's own tokenizer and model."""
+    import torch
+    from transformers import AutoTokenizer, DistilBertForSequenceClassification
+
+    folder, engine = distilbert_classifier
+    assert engine.labels == ("NEGATIVE", "POSITIVE")
+    encoded = artifact_tokenizer(engine).encode(items)
+    assert not encoded.token_type_ids.any()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    texts = [item if isinstance(item, str) else item[0] for item in items]
+    pairs = None if isinstance(items[0], str) else [item[1] for item in items]
+    expected_ids = tokenizer(texts, pairs, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
+                                  (expected_ids["input_ids"] * expected_ids["attention_mask"]).numpy())
+    reference = DistilBertForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = reference(**expected_ids, output_hidden_states=True)
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    assert np.abs(expected.logits.numpy()).max() > 0.1
+    np.testing.assert_allclose(output.logits, expected.logits.numpy(), rtol=0, atol=1e-4)
+    hidden = as_layout_answers(engine, expected.hidden_states[-1].numpy(), encoded.attention_mask)
+    np.testing.assert_allclose(output.last_hidden_state, hidden, rtol=0, atol=1e-4)
+
+
+def test_distilbert_embeddings_match_sentence_transformers(tmp_path: Path, cache_dir: Path) -> None:
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import DistilBertModel
+
+    encoder = _distilbert_folder(tmp_path / "encoder", DistilBertModel)
+    transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
+    folder = tmp_path / "embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), "mean")],
+                        device="cpu").save(str(folder))
+    expected = SentenceTransformer(str(folder), device="cpu", local_files_only=True).encode(TEXTS)
+    engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
+    assert engine.type_vocab_size == 1
+    np.testing.assert_allclose(Embedder(engine).embed(TEXTS), expected, rtol=0, atol=1e-4)
