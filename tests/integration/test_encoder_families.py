@@ -21,6 +21,7 @@ from dietserve.runtime.embedder import Embedder, artifact_tokenizer
 from dietserve.runtime.engine import Engine
 
 from .reference import as_layout_answers
+from .server_process import ServerProcess
 
 MAX_LENGTH = 128  # tokens; the position table holds two more (RoBERTa's padding index is 1)
 TEXTS = [
@@ -78,7 +79,7 @@ def embedder_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     XLMRobertaModel(_config(len(AutoTokenizer.from_pretrained(str(encoder))))).eval().save_pretrained(str(encoder))
     transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
     pooling = models.Pooling(transformer.get_embedding_dimension(), "mean")
-    folder = tmp_path_factory.mktemp("xlmr-embedder") / "model"
+    folder = tmp_path_factory.mktemp("embedders") / "xlmr-embedder"
     SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu").save(str(folder))
     return folder
 
@@ -129,7 +130,7 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> 
     import torch
     from transformers import AutoTokenizer, XLMRobertaForSequenceClassification
 
-    folder = _tokenizer_folder(tmp_path_factory.mktemp("xlmr-reranker") / "model")
+    folder = _tokenizer_folder(tmp_path_factory.mktemp("rerankers") / "xlmr-reranker")
     config = _config(len(AutoTokenizer.from_pretrained(str(folder))), num_labels=1)
     torch.manual_seed(5)
     XLMRobertaForSequenceClassification(config).eval().save_pretrained(str(folder))
@@ -177,7 +178,7 @@ def distilbert_classifier(tmp_path_factory: pytest.TempPathFactory, cache_dir: P
     from transformers import DistilBertForSequenceClassification
 
     labels = {0: "NEGATIVE", 1: "POSITIVE"}
-    folder = _distilbert_folder(tmp_path_factory.mktemp("distilbert-sst2") / "model",
+    folder = _distilbert_folder(tmp_path_factory.mktemp("classifiers") / "distilbert-sst2",
                                 DistilBertForSequenceClassification, id2label=labels,
                                 label2id={name: i for i, name in labels.items()})
     return folder, Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
@@ -223,3 +224,45 @@ def test_distilbert_embeddings_match_sentence_transformers(tmp_path: Path, cache
     engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
     assert engine.type_vocab_size == 1
     np.testing.assert_allclose(Embedder(engine).embed(TEXTS), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_one_server_serves_each_family(embedder, embedder_folder, cross_encoder, distilbert_classifier) -> None:
+    """The three artifacts served by one real server process, each through its HTTP route:
+    TEI's /embed, /rerank and /predict, against sentence-transformers and transformers' pipeline."""
+    import requests
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+    from transformers import pipeline
+
+    artifacts = [embedder.engine.artifact.directory, cross_encoder[1].artifact.directory,
+                 distilbert_classifier[1].artifact.directory]
+    server = ServerProcess(None, *[flag for artifact in artifacts for flag in ("--artifact", str(artifact))],
+                           model_name=None)
+    try:
+        def post(route: str, model: str, body: dict):
+            answer = requests.post(f"http://{server.http_url}{route}?model={model}", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        embedded = np.array(post("/embed", "xlmr-embedder", {"inputs": TEXTS, "truncate": True}))
+        expected = SentenceTransformer(str(embedder_folder), device="cpu", local_files_only=True).encode(TEXTS)
+        np.testing.assert_allclose(embedded, expected, rtol=0, atol=1e-4)
+
+        query, documents = PAIRS[0][0], [document for _, document in PAIRS]
+        ranked = post("/rerank", "xlmr-reranker", {"query": query, "texts": documents, "truncate": True})
+        scores = CrossEncoder(str(cross_encoder[0]), device="cpu", local_files_only=True,
+                              max_length=MAX_LENGTH).predict([(query, document) for document in documents])
+        assert [entry["index"] for entry in ranked] == list(np.argsort(-scores))
+        np.testing.assert_allclose([entry["score"] for entry in ranked], np.sort(scores)[::-1], rtol=0, atol=1e-5)
+
+        # texts, and pairs (which DistilBERT's WordPiece tokenizer numbers as BERT's: type 1 for the second)
+        inputs = [*TEXTS[:4], *[list(pair) for pair in PAIRS[:2]]]
+        predicted = post("/predict", "distilbert-sst2", {"inputs": inputs})
+        classify = pipeline("text-classification", model=str(distilbert_classifier[0]), device="cpu", top_k=None)
+        expected = classify([*TEXTS[:4], *[{"text": a, "text_pair": b} for a, b in PAIRS[:2]]])
+        for ours, theirs in zip(predicted, expected, strict=True):
+            assert [entry["label"] for entry in ours] == [entry["label"] for entry in theirs]
+            np.testing.assert_allclose([entry["score"] for entry in ours], [entry["score"] for entry in theirs],
+                                       rtol=0, atol=1e-5)
+    finally:
+        server.stop()
