@@ -106,10 +106,11 @@ class BertEmbeddings(nn.Module):
 class PaddedAttention:
     """Attention over ``[batch, seq]`` rows, padding masked out by an additive bias
     (``[batch, 1, 1, seq]``): two batch matmuls and a softmax, the dynamic operators the tuner
-    plans."""
+    plans. ``position_bias`` (MPNet's, ``[1, heads, seq, seq]``) is added to the scores too."""
 
-    def __init__(self, mask_bias: nn.Tensor):
+    def __init__(self, mask_bias: nn.Tensor, position_bias: nn.Tensor | None = None):
         self.mask_bias = mask_bias
+        self.position_bias = position_bias
 
     def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
         batch, _, _, seq = self.mask_bias.shape
@@ -126,6 +127,8 @@ class PaddedAttention:
         k = op.permute_dims(part(1), [0, 2, 3, 1])  # b h d s
         v = op.permute_dims(part(2), [0, 2, 1, 3])  # b h s d
         scores = op.matmul(q, k) * (1.0 / math.sqrt(head_dim)) + self.mask_bias
+        if self.position_bias is not None:
+            scores = scores + self.position_bias
         probs = op.softmax(scores, axis=-1)
         context = op.matmul(probs, v)  # b h s d
         return op.reshape(op.permute_dims(context, [0, 2, 1, 3]), (batch * seq, width))
@@ -134,14 +137,16 @@ class PaddedAttention:
 class PackedAttention:
     """Attention over packed sequences (``[T]`` rows, ``starts``: where each sequence begins, the
     last entry T): each attends to itself over its own length, no mask and no padded work, in
-    one kernel (``kernel``: ``kernels/cpu_varlen/attention.py``, built for the target)."""
+    one kernel (``kernel``: ``kernels/cpu_varlen/attention.py``, built for the target), which adds
+    ``relative_bias`` (MPNet's, by distance: ``BertEncoder.relative_bias``) where there is one."""
 
-    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc):
+    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc, relative_bias: nn.Tensor | None = None):
         self.starts, self.kernel = starts, kernel
+        self.relative_bias = () if relative_bias is None else (relative_bias,)
 
     def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
         out = nn.Tensor.placeholder((qkv.shape[0], heads * head_dim), "float32")
-        return op.tensor_ir_op(self.kernel, "varlen_attention", [qkv, self.starts], out)
+        return op.tensor_ir_op(self.kernel, "varlen_attention", [qkv, self.starts, *self.relative_bias], out)
 
 
 class BertSelfAttention(nn.Module):
@@ -204,6 +209,24 @@ class BertLayer(nn.Module):
 class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.layer = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.max_length = cfg.max_length
+        # MPNet's bias by relative position, shared by every layer: ``relative_bias[h, j - i +
+        # max_length - 1]`` for query i and key j (its buckets' values spread over every distance at load)
+        self.relative_bias = None
+        if cfg.relative_attention_num_buckets:
+            self.relative_bias = nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1), "float32")
+
+    def position_bias(self, position_ids: nn.Tensor) -> nn.Tensor | None:
+        """``[1, heads, seq, seq]``: each head's bias for each query and key of ``[seq]``
+        positions; None without one."""
+        if self.relative_bias is None:
+            return None
+        seq = position_ids.shape[0]
+        distance = op.reshape(position_ids, (1, seq)) - op.reshape(position_ids, (seq, 1))
+        index = op.reshape(distance, (-1,)) + op.full((1,), self.max_length - 1, "int64")
+        rows = nn.op.wrap_nested(relax.op.take(self.relative_bias._expr, index._expr, axis=1, mode="clip"),
+                                 "position_bias")
+        return op.reshape(rows, (1, self.relative_bias.shape[0], seq, seq))
 
     def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
         for layer in self.layer:
@@ -265,7 +288,7 @@ class BertModel(nn.Module):
         mask = op.astype(attention_mask, "float32")
         mask_bias = op.reshape((1.0 - mask) * MASK_FILL, (batch, 1, 1, seq))
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
-        hidden = self.encoder(hidden, PaddedAttention(mask_bias))
+        hidden = self.encoder(hidden, PaddedAttention(mask_bias, self.encoder.position_bias(position_ids)))
         return self._heads(op.reshape(hidden, (batch, seq, hidden.shape[-1])), mask, position_ids)
 
     def forward_packed(
@@ -284,7 +307,7 @@ class BertModel(nn.Module):
         layout, ``unpack[b, s]`` naming the packed row of each slot (T: padding, a zero row), and
         the heads read it with ``attention_mask`` and ``padded_positions`` as ``forward``'s do."""
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
-        hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention))
+        hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention, self.encoder.relative_bias))
         batch, seq = unpack.shape
         width = hidden.shape[-1]
         with_zero_row = op.concat([hidden, op.zeros((1, width), "float32")], dim=0)

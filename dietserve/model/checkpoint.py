@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,17 +14,17 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
-from .config import DISTILBERT, ROBERTA_TYPES, BertConfig, ModelConfigError
+from .config import DISTILBERT, MPNET, MPNET_MAX_DISTANCE, ROBERTA_TYPES, BertConfig, ModelConfigError
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions
 from .side_by_side import side_by_side
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
-_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "model.")
+_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                  "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification",
-                                 "DistilBertForSequenceClassification")
+                                 "DistilBertForSequenceClassification", "MPNetForSequenceClassification")
 # Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
 # BERT's pooler and classifier under other names (a dense layer and tanh on the first token,
 # then the output projection); DistilBERT names each layer its own way.
@@ -35,8 +36,14 @@ _DISTILBERT_NAMES = (
     (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
     (".output_layer_norm.", ".output.LayerNorm."), ("pre_classifier.", "pooler.dense."),
 )
+_MPNET_NAMES = (
+    (".attention.attn.q.", ".attention.self.query."), (".attention.attn.k.", ".attention.self.key."),
+    (".attention.attn.v.", ".attention.self.value."), (".attention.attn.o.", ".attention.output.dense."),
+    (".attention.LayerNorm.", ".attention.output.LayerNorm."), *_ROBERTA_NAMES,
+)
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
+_BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
 WEIGHTS_FILE = "model.safetensors"
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
@@ -265,17 +272,37 @@ def load_parameters(
 
 
 def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's position
-    table without the rows before its first token's, DistilBERT's with one token type, all zero."""
-    renames = _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ()
-    if config.model_type == DISTILBERT:
-        renames = _DISTILBERT_NAMES
+    """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's and MPNet's
+    position tables without the rows before the first token's, DistilBERT's and MPNet's with one
+    token type, all zero, and MPNet's bias by relative position bucket spread over every distance."""
+    renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES}.get(
+        config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
+    if config.model_type in (DISTILBERT, MPNET):
         tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
+    if config.relative_attention_num_buckets and _BUCKET_BIAS in tensors:
+        distances = np.arange(1 - config.max_length, config.max_length)
+        buckets = relative_position_buckets(distances, config.relative_attention_num_buckets)
+        tensors[_RELATIVE_BIAS] = np.ascontiguousarray(tensors.pop(_BUCKET_BIAS)[buckets].T)
     for theirs, ours in renames:
         tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
     if config.position_offset and _POSITIONS in tensors:
         tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:]
     return tensors
+
+
+def relative_position_buckets(distance: np.ndarray, num_buckets: int,
+                              max_distance: int = MPNET_MAX_DISTANCE) -> np.ndarray:
+    """transformers' MPNet bucket of each key-minus-query ``distance``: half the buckets for keys
+    after the query and half for those before, each half exact for the nearest quarter of its
+    buckets, then logarithmic up to ``max_distance``, computed in float32 as transformers does."""
+    half = num_buckets // 2
+    exact = half // 2
+    n = np.abs(distance)
+    far = np.maximum(n, exact).astype(np.float32)
+    logarithmic = (np.log(far / np.float32(exact)) / np.float32(math.log(max_distance / exact))
+                   * np.float32(half - exact)).astype(np.int64)
+    within = np.where(n < exact, n, np.minimum(exact + logarithmic, half - 1))
+    return np.where(distance > 0, half, 0) + within
 
 
 def _dense_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 """Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, RoBERTa's family
 (RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder, its positions numbered past the padding
-index) and DistilBERT (the same layers under other names, with no token types)."""
+index), DistilBERT (the same layers under other names, with no token types) and MPNet
+(RoBERTa's numbering, no token types, and a bias on attention scores by relative position)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
-DISTILBERT = "distilbert"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT)
+DISTILBERT, MPNET = "distilbert", "mpnet"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET)
+# MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
+MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
 _DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers", 6),
                     "n_heads": ("num_attention_heads", 12), "hidden_dim": ("intermediate_size", 3072),
@@ -38,6 +41,8 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
     model_type: str = "bert"
+    # MPNet's: buckets of relative position whose learned bias each head adds to its scores; 0: none
+    relative_attention_num_buckets: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -68,6 +73,8 @@ class BertConfig:
     def position_offset(self) -> int:
         """Rows of the checkpoint's position table before the first token's: RoBERTa numbers
         positions from ``pad_token_id + 1`` (the rows below serve padding only)."""
+        if self.model_type == MPNET:
+            return 2  # (transformers' MPNet numbers from its fixed padding index 1, whatever the config says)
         return self.pad_token_id + 1 if self.model_type in ROBERTA_TYPES else 0
 
     @property
@@ -94,6 +101,8 @@ class BertConfig:
         if raw.get("model_type") == DISTILBERT:
             renamed = {ours: raw.get(theirs, default) for theirs, (ours, default) in _DISTILBERT_KEYS.items()}
             raw = {**raw, **renamed, "type_vocab_size": 1, "layer_norm_eps": 1e-12}
+        elif raw.get("model_type") == MPNET:
+            raw = {"relative_attention_num_buckets": 32, **raw, "type_vocab_size": 1}
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type

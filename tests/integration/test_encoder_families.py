@@ -5,7 +5,9 @@ same pipeline and answer as transformers and sentence-transformers do:
   classification head under other names; an embedder and a cross-encoder, at every length up to
   the table's last position;
 - DistilBERT: BERT's layers under other names, no token types, a ReLU in its classifier's head;
-  a sentiment classifier (as distilbert-base-uncased-finetuned-sst-2-english) and an embedder."""
+  a sentiment classifier (as distilbert-base-uncased-finetuned-sst-2-english) and an embedder;
+- MPNet (as all-mpnet-base-v2): RoBERTa's numbering, no token types, and a learned bias on the
+  scores by relative position bucket, in both layouts, at distances past the last bucket's."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.model.checkpoint import relative_position_buckets
 from dietserve.model.presets import default_model_folder
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.embedder import Embedder, artifact_tokenizer
@@ -266,3 +269,65 @@ def test_one_server_serves_each_family(embedder, embedder_folder, cross_encoder,
                                        rtol=0, atol=1e-5)
     finally:
         server.stop()
+
+
+MPNET_LENGTH = 256  # past 128, the distance from which every farther key shares the last bucket
+
+
+@pytest.fixture(scope="module")
+def mpnet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MPNetModel under mean pooling and Normalize, as all-mpnet-base-v2, saved by
+    sentence-transformers."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, MPNetConfig, MPNetModel
+
+    encoder = _tokenizer_folder(tmp_path_factory.mktemp("mpnet-encoder"))
+    config = MPNetConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(encoder))), hidden_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                         max_position_embeddings=MPNET_LENGTH + 2, initializer_range=0.1)
+    torch.manual_seed(13)
+    MPNetModel(config).eval().save_pretrained(str(encoder))
+    transformer = models.Transformer(str(encoder), max_seq_length=MPNET_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "mpnet-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), "mean"),
+                                 models.Normalize()], device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_mpnet_matches_transformers_and_sentence_transformers(mpnet_folder, cache_dir, layout) -> None:
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer, MPNetModel
+
+    request = CompileRequest(model=str(mpnet_folder), max_batch=8, layout=layout)
+    embedder = Embedder(Engine(load_artifact(compile_artifact(request, cache_dir))))
+    assert embedder.engine.max_seq_len == MPNET_LENGTH and embedder.engine.packed == (layout == "packed")
+    encoded = embedder.tokenizer.encode(TEXTS)
+    assert encoded.input_ids.shape[1] == MPNET_LENGTH
+    reference = MPNetModel.from_pretrained(str(mpnet_folder), attn_implementation="eager").eval()
+    expected_ids = AutoTokenizer.from_pretrained(str(mpnet_folder))(
+        TEXTS, padding=True, truncation=True, max_length=MPNET_LENGTH, return_tensors="pt")
+    np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
+                                  (expected_ids["input_ids"] * expected_ids["attention_mask"]).numpy())
+    with torch.no_grad():
+        expected = reference(input_ids=expected_ids["input_ids"],
+                             attention_mask=expected_ids["attention_mask"]).last_hidden_state.numpy()
+    output = embedder.encode(TEXTS)
+    # (at padding transformers numbers MPNet's positions, as RoBERTa's, by the padding index: rows
+    # no output reads, so only the tokens' are compared)
+    mask = encoded.attention_mask[..., None]
+    np.testing.assert_allclose(output.last_hidden_state * mask, expected * mask, rtol=0, atol=1e-4)
+    sentence = SentenceTransformer(str(mpnet_folder), device="cpu", local_files_only=True).encode(TEXTS)
+    np.testing.assert_allclose(output.sentence_embedding, sentence, rtol=0, atol=1e-5)
+
+
+def test_mpnet_buckets_are_transformers() -> None:
+    """Every distance a 1,024-token sequence reaches falls in transformers' bucket."""
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    distances = np.arange(-1023, 1024)
+    expected = MPNetEncoder.relative_position_bucket(torch.from_numpy(distances), num_buckets=32).numpy()
+    np.testing.assert_array_equal(relative_position_buckets(distances, 32), expected)

@@ -31,7 +31,7 @@ def test_config_reads_checkpoint_options() -> None:
     [
         ({"hidden_act": "mish"}, "hidden_act='mish' is not supported"),
         ({"hidden_size": 100, "num_attention_heads": 12}, "not divisible"),
-        ({"model_type": "mpnet"}, "model_type='mpnet' is not supported; .* bert, roberta, xlm-roberta"),
+        ({"model_type": "modernbert"}, "model_type='modernbert' is not supported; .* bert, roberta, xlm-roberta"),
         ({"model_type": "xlm-roberta", "max_position_embeddings": 2}, "leaves no position after the 2"),
         ({"position_embedding_type": "relative_key"}, "only 'absolute'"),
         ({"num_hidden_layers": 0}, "must be positive"),
@@ -62,6 +62,12 @@ def test_distilbert_config_reads_as_berts() -> None:
     assert (config.num_hidden_layers, config.type_vocab_size, config.layer_norm_eps) == (6, 1, 1e-12)
     assert (config.pooler_activation, BertConfig().pooler_activation) == ("relu", "tanh")
     assert config.position_offset == 0 and config.max_length == 512
+
+
+def test_mpnet_config_has_relative_buckets_and_roberta_positions() -> None:
+    config = BertConfig.from_dict({"model_type": "mpnet", "max_position_embeddings": 514, "pad_token_id": 0})
+    assert (config.relative_attention_num_buckets, config.type_vocab_size) == (32, 1)
+    assert (config.position_offset, config.max_length) == (2, 512)  # transformers' padding index 1, not the config's
 
 
 def _write_checkpoint(folder: Path, weights: dict[str, np.ndarray], config: BertConfig = TINY) -> Path:

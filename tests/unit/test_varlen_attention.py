@@ -17,14 +17,16 @@ TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 MAX_LEN = 512
 
 
-def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None = None, target=TARGET):
+def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None = None, target=TARGET, **options):
     """The kernel alone, as a callable (in a model it is a ``call_tir`` of the forward function)."""
-    func = varlen_attention(heads, head_dim, MAX_LEN, tile, tree).with_attr("global_symbol", "main")
+    func = varlen_attention(heads, head_dim, MAX_LEN, tile, tree, **options).with_attr("global_symbol", "main")
     return build(tvm.IRModule({"main": func}), target)["main"]
 
 
-def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    """Per sequence and head: softmax(q k^T / sqrt(d)) v, in float64."""
+def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int, bias: np.ndarray | None = None,
+              ) -> np.ndarray:
+    """Per sequence and head: softmax(q k^T / sqrt(d) + relative bias) v, in float64; ``bias``
+    ``[heads, 2 * MAX_LEN - 1]``, indexed by key - query."""
     width = heads * head_dim
     out = np.zeros((qkv.shape[0], width))
     for first, end in zip(starts[:-1], starts[1:], strict=True):
@@ -32,15 +34,18 @@ def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int) ->
         for h in range(heads):
             q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
             scores = q @ k.T / np.sqrt(head_dim)
+            if bias is not None:
+                positions = np.arange(end - first)
+                scores += bias[h][positions[None, :] - positions[:, None] + MAX_LEN - 1]
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[first:end, h * head_dim:(h + 1) * head_dim] = (weights / weights.sum(axis=1, keepdims=True)) @ v
     return out
 
 
-def run(function, qkv: np.ndarray, lengths: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+def run(function, qkv: np.ndarray, lengths: list[int], width: int, *bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     out = tvm.runtime.tensor(np.full((qkv.shape[0], width), np.nan, np.float32))
-    function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), out)
+    function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), *[tvm.runtime.tensor(b) for b in bias], out)
     return out.numpy(), starts
 
 
@@ -60,6 +65,29 @@ def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
         out, starts = run(function, qkv, lengths, heads * head_dim)
         expected = reference(qkv, starts, heads, head_dim)
         error = np.abs(out - expected).max() / np.abs(expected).max()  # (float32 sums of up to 512 terms)
+        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=3, nr=24, nc=32), tile_for(CPU_PRESETS["avx512"])],
+                         ids=lambda t: t.describe())
+def test_relative_position_bias_is_added_by_distance(tile: VarlenTile) -> None:
+    """MPNet's bias: each head's score of query i for key j gains ``bias[h, j - i + MAX_LEN - 1]``;
+    every distance a 512-token sequence reaches holds a different value, so a wrong index shows."""
+    target = TARGET
+    if tile.lanes == 16:
+        if "avx512f" not in (cpu_flags() or set()):
+            pytest.skip("this CPU has no AVX-512")
+        target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    configure_cpu_threads(2)
+    heads, head_dim = 2, 64
+    function = built(heads, head_dim, tile, target=target, relative_bias=True)
+    rng = np.random.default_rng(1)
+    bias = (rng.standard_normal((heads, 2 * MAX_LEN - 1)) * 2).astype(np.float32)
+    for lengths in MIXES:
+        qkv = rng.standard_normal((sum(lengths), 3 * heads * head_dim)).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim, bias)
+        expected = reference(qkv, starts, heads, head_dim, bias)
+        error = np.abs(out - expected).max() / np.abs(expected).max()
         assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
 
 

@@ -53,9 +53,11 @@ Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 
 def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
-                     parallel: bool = True, precision: str = "fp32") -> tirx.PrimFunc:
+                     parallel: bool = True, precision: str = "fp32", relative_bias: bool = False) -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
     head_dim])``; ``max_len`` bounds a sequence's length (the position table's size).
+    ``relative_bias`` (MPNet's): a ``bias [heads, 2 * max_len - 1]`` argument after ``starts``,
+    ``bias[h, j - i + max_len - 1]`` added to head h's score of query i for key j.
 
     ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
     (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
@@ -78,6 +80,7 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
         with T.prim_func():
             qkv = T.arg("qkv", T.Buffer((tokens, 3 * width), "float32"))
             starts = T.arg("starts", T.Buffer((segments,), "int64"))
+            bias = T.arg("bias", T.Buffer((heads, 2 * max_len - 1), "float32")) if relative_bias else None
             out = T.arg("out", T.Buffer((tokens, width), "float32"))
             # scheduled as written: the default rules leave it alone
             T.func_attr({VARLEN_ATTENTION: [heads, head_dim], "tirx.is_scheduled": True})
@@ -86,7 +89,7 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
             with loop(0, heads * sequences) as task:
                 h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim), tiles, max_len, pairs)
+                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim, bias, max_len), tiles, max_len, pairs)
     func = builder.get()
     if pairs:
         func = func.with_body(importing_bf16_functions(func.body)).with_attr(PRECISION_ATTR, precision)
@@ -115,8 +118,10 @@ def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longe
             _dispatch(node["else"], call, tiles, longest, pairs)
 
 
-def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, pairs: bool = False) -> None:
-    """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``)."""
+def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile: VarlenTile,
+              pairs: bool = False) -> None:
+    """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``);
+    ``bias``: the relative position bias, or None."""
     h, start, length = where
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
@@ -167,6 +172,9 @@ def _sequence(qkv, out, where, heads, head_dim, key_columns, tile: VarlenTile, p
             def store(ii, jv, lane, masked: bool):
                 column = jo * nr + jv * lanes + lane
                 score = acc[ii, jv * lanes + lane]
+                if bias is not None:  # (columns past the end, whose score is masked, read the last one's)
+                    key = tirx.min(column, length - 1) if masked else column
+                    score = score + bias[h, key - (i0 + tirx.min(ii, rows - 1)) + (max_len - 1)]
                 T.buffer_store(scores, score, [ii, column])
                 T.buffer_store(row_max, tirx.max(row_max[ii, lane], tirx.Select(column < length, score, lowest)
                                                  if masked else score), [ii, lane])
