@@ -26,7 +26,8 @@ from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.heads import parse_pooling_modes
-from ..model.presets import PRESET_DISPLAY_NAMES, resolve_model
+from ..model.hub import hub_id
+from ..model.presets import PRESET_DISPLAY_NAMES, display_name, resolve_model
 from ..model.tokenizer import TOKENIZER_FILES
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
@@ -92,7 +93,8 @@ class CompileRequest:
     def build_record(self) -> dict:
         """What the manifest keeps of this request (``Manifest.build``), plans aside: enough for a
         re-tuning job to build the same model again. A folder is kept as an absolute path."""
-        model = self.model if self.model in PRESET_DISPLAY_NAMES else str(Path(self.model).resolve())
+        named = self.model in PRESET_DISPLAY_NAMES or hub_id(self.model) is not None
+        model = self.model if named else str(Path(self.model).resolve())
         spec = self.target
         return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
                 "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
@@ -159,10 +161,6 @@ def cache_key(checkpoint: Checkpoint, weights_sha: list[str], target, max_batch:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def model_display_name(request: CompileRequest, folder: Path) -> str:
-    return PRESET_DISPLAY_NAMES.get(request.model, folder.name)
-
-
 def default_artifact_dir(cache_dir: Path, name: str, kind: str, key: str) -> Path:
     return cache_dir / ARTIFACTS_DIR / f"{name}-{kind}-{key[:16]}"
 
@@ -208,7 +206,7 @@ def compile_artifact(
             progress(f"no analytic plans for a {target.kind.name} target: its operators keep the default rule")
     key = cache_key(checkpoint, weights_sha, target, request.max_batch, plans, hardware, request.layout, attention,
                     request.precision)
-    name = model_display_name(request, folder)
+    name = display_name(request.model, folder)
     out_dir = Path(out_dir) if out_dir else default_artifact_dir(cache_dir, name, request.target.kind, key)
     if _is_current(out_dir, key):
         mark_used(out_dir)

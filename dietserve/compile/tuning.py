@@ -25,11 +25,12 @@ from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predi
 from ..kernels.plan.task_file import AttentionTask, TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import PACKED_VARS, SHAPE_VARS
+from ..model.presets import display_name
 from ..runtime.manifest import LAYOUT_PACKED
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
 from ..runtime.variant_by_shape import dispatch_shape
-from .artifact import CompileRequest, compile_artifact, export_model, model_display_name, open_checkpoint
+from .artifact import CompileRequest, compile_artifact, export_model, open_checkpoint
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
@@ -145,7 +146,7 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
             workload=key, operator=gvar.name_hint, calls=calls.get(gvar.name_hint, 0),
             func=tvm.ir.save_json(func), vary=vary, fixed=fixed, weights=task_weights,
             softmax=gvar.name_hint in softmaxed)
-    model = {"name": model_display_name(request, folder), "config": checkpoint.config.to_dict()}
+    model = {"name": display_name(request.model, folder), "config": checkpoint.config.to_dict()}
     attention = None
     if request.layout == LAYOUT_PACKED and target.kind.name == "llvm":
         config = checkpoint.config

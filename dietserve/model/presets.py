@@ -1,4 +1,5 @@
-"""Named models: the default real checkpoint and a seeded random-weight BERT-base."""
+"""Named models: the default real checkpoint, a seeded random-weight BERT-base, and a checkpoint
+named by its Hugging Face Hub id (``hub.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from . import hub
 from .bert import BertModel, PoolingOptions, checkpoint_parts, export_relax, transposed_weight_names
 from .config import BERT_BASE, BertConfig
 from .seeded_weights import seeded_tensors
@@ -31,12 +33,20 @@ def default_model_folder() -> Path:
 
 
 def resolve_model(name_or_folder: str, cache_dir: Path, seed: int = 0) -> Path:
-    """Map ``default`` / ``bert-base`` / a folder path to a Hugging Face checkpoint folder."""
+    """Map ``default`` / ``bert-base`` / a folder path / a Hugging Face Hub id (``hub.py``) to a
+    Hugging Face checkpoint folder."""
     if name_or_folder == DEFAULT_MODEL:
         return default_model_folder()
     if name_or_folder == BERT_BASE_MODEL:
         return materialize_random_bert(BERT_BASE, cache_dir / "models" / f"bert-base-random-seed{seed}", seed)
+    if hub.hub_id(name_or_folder) is not None:
+        return hub.fetch(name_or_folder, cache_dir)
     return Path(name_or_folder)
+
+
+def display_name(name_or_folder: str, folder: Path) -> str:
+    """What an artifact (and the server) calls the model ``resolve_model`` found in ``folder``."""
+    return PRESET_DISPLAY_NAMES.get(name_or_folder) or hub.display_name(name_or_folder) or folder.name
 
 
 def random_weight_layout(config: BertConfig) -> list[tuple[list[int], list[str], bool]]:

@@ -17,10 +17,12 @@ from ..runtime.errors import InputError, InputTooLong
 # (the rest could only add tokens past the maximum): English averages 4-6 bytes a token, so
 # this bounds a request's tokenizing time without changing the answer for ordinary text.
 TEXT_BYTES_PER_TOKEN = 64
-# What turns text into token ids, copied into an artifact: the tokenizer, and the
-# sentence-transformers prompts (text prefixes a request may name, ``TextTokenizer.prompts``).
-PROMPTS_FILE = "config_sentence_transformers.json"
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json", PROMPTS_FILE)
+# What turns text into token ids, copied into an artifact: the tokenizer, the sentence-transformers
+# prompts (text prefixes a request may name, ``TextTokenizer.prompts``) and its settings, whose
+# ``max_seq_length`` is where sentence-transformers (and TEI) cut a text.
+PROMPTS_FILE, SETTINGS_FILE = "config_sentence_transformers.json", "sentence_bert_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json", PROMPTS_FILE,
+                   SETTINGS_FILE)
 
 
 class TokenizerError(ValueError):
@@ -32,6 +34,22 @@ class Encoded:
     input_ids: np.ndarray  # int64 [batch, seq]
     attention_mask: np.ndarray  # int64 [batch, seq]
     token_type_ids: np.ndarray  # int64 [batch, seq]
+
+
+def _text_length(path: Path, max_length: int) -> int:
+    """``max_length``, or sentence-transformers' shorter ``max_seq_length`` in ``path``: the model's
+    authors' bound (all-MiniLM-L6-v2: 256 of 512 positions), which its users' embeddings obey."""
+    if not path.is_file():
+        return max_length
+    try:
+        limit = json.loads(path.read_text()).get("max_seq_length")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise TokenizerError(f"{path} is not a JSON object: {err}") from None
+    if limit is None:
+        return max_length
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise TokenizerError(f"{path}: max_seq_length must be a positive integer, got {limit!r}")
+    return min(limit, max_length)
 
 
 def _prompts(path: Path) -> dict[str, str]:
@@ -86,9 +104,11 @@ class TextTokenizer:
     @classmethod
     def from_folder(cls, folder: Path, max_length: int, token_types: bool = True) -> TextTokenizer:
         """``tokenizer.json`` when present; otherwise a WordPiece tokenizer from ``vocab.txt``
-        (older BERT checkpoints), lower-casing as ``tokenizer_config.json`` says."""
+        (older BERT checkpoints), lower-casing as ``tokenizer_config.json`` says. Texts are cut at
+        ``max_length`` tokens, or at sentence-transformers' ``max_seq_length`` where that is shorter."""
         folder = Path(folder)
         prompts = _prompts(folder / PROMPTS_FILE)
+        max_length = _text_length(folder / SETTINGS_FILE, max_length)
         if (folder / "tokenizer.json").is_file():
             return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts, token_types)
         if (folder / "vocab.txt").is_file():

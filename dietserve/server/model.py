@@ -105,6 +105,12 @@ class ServedModel:
     def takes_text(self) -> bool:
         return self.tokenizer is not None
 
+    @property
+    def max_input_tokens(self) -> int:
+        """The longest input it takes: a text model's text bound (sentence-transformers' where the
+        checkpoint sets one), else the artifact's."""
+        return self.tokenizer.max_length if self.tokenizer is not None else self.engine.max_seq_len
+
     def metadata(self) -> pb.ModelMetadataResponse:
         tensor = pb.ModelMetadataResponse.TensorMetadata
         if self.takes_text:

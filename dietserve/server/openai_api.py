@@ -227,7 +227,7 @@ def decode_inputs(model: ServedModel, inputs: list, first: int, truncate: bool, 
                                    values=[text.encode("utf-8", "surrogatepass") for text in inputs])
         how = codec.Decoding(model.engine, model.tokenizer, truncate, first=first, keep_last=keep_last)
         return codec.encoder_request(codec.decode_tensors([tensor]), outputs, how)
-    ids, mask = _ids_rows(inputs, model.engine.max_seq_len, truncate, first, keep_last)
+    ids, mask = _ids_rows(inputs, model.max_input_tokens, truncate, first, keep_last)
     ids, mask, types = model.engine.validate(ids, mask)
     return EncoderRequest(ids, mask, types, outputs)
 

@@ -296,7 +296,7 @@ class TeiRoutes:
         return json_response({
             "model_id": model.artifact, "model_sha": None, "served_model_name": model.artifact,
             "model_dtype": "bfloat16" if manifest.precision == "bf16" else "float32", "model_type": model_type,
-            "max_concurrent_requests": config.max_concurrent_rpcs, "max_input_length": engine.max_seq_len,
+            "max_concurrent_requests": config.max_concurrent_rpcs, "max_input_length": model.max_input_tokens,
             "max_batch_tokens": config.max_batch_tokens, "max_batch_requests": config.max_batch_size,
             "max_client_batch_size": config.max_queue_rows, "auto_truncate": config.truncate,
             "tokenization_workers": DECODE_THREADS, "version": __version__, "sha": None, "docker_label": None})

@@ -13,15 +13,16 @@ import pytest
 import requests
 import tritonclient.grpc as triton_grpc
 
-from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.embedder import artifact_tokenizer
 
 from .server_process import ServerProcess
+from .test_sentence_embedding import sentence_transformers_length
 
 pytestmark = pytest.mark.slow
 MODEL = "minilm"
 TEXT_MODEL = "minilm-text"
 LIMIT = 1 << 20
-LONG_TEXT = "word " * 600  # 600 tokens + [CLS] and [SEP], over MiniLM's 512
+LONG_TEXT = "word " * 600  # 600 tokens + [CLS] and [SEP], over MiniLM's 512 positions and its 256-token text bound
 SAME = 1e-6
 
 
@@ -149,7 +150,7 @@ def test_too_long_text_is_refused_on_every_wire_naming_the_counts(server, grpc_c
     with pytest.raises(triton_grpc.InferenceServerException) as raised:
         _grpc_text(grpc_client, LONG_TEXT)
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
-    expected = "text 0 has 602 tokens, over the model's maximum of 512"
+    expected = f"text 0 has 602 tokens, over the model's maximum of {sentence_transformers_length()}"
     assert expected in raised.value.message()
     v2 = requests.post(f"http://{server.http_url}/v2/models/{TEXT_MODEL}/infer", json=_v2_text(LONG_TEXT), timeout=30)
     assert v2.status_code == 413 and expected in v2.json()["error"]
@@ -161,9 +162,8 @@ def test_too_long_text_is_refused_on_every_wire_naming_the_counts(server, grpc_c
     assert ids.status_code == 413 and "input[0] has 600 tokens" in ids.json()["error"]["message"]
 
 
-def test_a_text_over_the_byte_bound_is_too_long_without_truncation(server, grpc_client, minilm_artifact,
-                                                                   minilm_engine):
-    tokenizer = TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len)
+def test_a_text_over_the_byte_bound_is_too_long_without_truncation(server, grpc_client, minilm_engine):
+    tokenizer = artifact_tokenizer(minilm_engine)
     huge = "a" * (tokenizer.byte_limit + 10)  # one word: a single [UNK] in the part read, yet never counted whole
     with pytest.raises(triton_grpc.InferenceServerException) as raised:
         _grpc_text(grpc_client, huge)
@@ -172,11 +172,10 @@ def test_a_text_over_the_byte_bound_is_too_long_without_truncation(server, grpc_
     assert _grpc_text(grpc_client, huge, truncate=True).shape == (1, 384)
 
 
-def test_truncate_true_embeds_the_first_tokens_on_every_wire(server, grpc_client, minilm_artifact, minilm_engine):
+def test_truncate_true_embeds_the_first_tokens_on_every_wire(server, grpc_client, minilm_engine):
     truncated = _grpc_text(grpc_client, LONG_TEXT, truncate=True)
-    tokenizer = TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len)
-    encoded = tokenizer.encode([LONG_TEXT], truncate=True)
-    assert encoded.input_ids.shape == (1, 512)
+    encoded = artifact_tokenizer(minilm_engine).encode([LONG_TEXT], truncate=True)
+    assert encoded.input_ids.shape == (1, sentence_transformers_length())
     np.testing.assert_allclose(truncated, minilm_engine.run(encoded.input_ids).sentence_embedding, atol=1e-4)
     body = _v2_text(LONG_TEXT) | {"parameters": {"truncate": True}, "outputs": [{"name": "sentence_embedding"}]}
     v2 = requests.post(f"http://{server.http_url}/v2/models/{TEXT_MODEL}/infer", json=body, timeout=30)
@@ -184,7 +183,7 @@ def test_truncate_true_embeds_the_first_tokens_on_every_wire(server, grpc_client
     embed = requests.post(f"http://{server.http_url}{EMBED}", timeout=30,
                           json={"model": MODEL, "input": LONG_TEXT, "truncate": True}).json()
     np.testing.assert_allclose([embed["data"][0]["embedding"]], truncated, atol=SAME)
-    assert embed["usage"]["prompt_tokens"] == 512  # the tokens used, special tokens included
+    assert embed["usage"]["prompt_tokens"] == sentence_transformers_length()  # special tokens included
 
 
 def test_the_server_default_flag_flips_truncation(minilm_artifact):
@@ -196,7 +195,7 @@ def test_the_server_default_flag_flips_truncation(minilm_artifact):
                 _grpc_text(client, LONG_TEXT, truncate=False)
         embed = requests.post(f"http://{process.http_url}{EMBED}", json={"model": MODEL, "input": LONG_TEXT},
                               timeout=30)
-        assert embed.status_code == 200 and embed.json()["usage"]["prompt_tokens"] == 512
+        assert embed.status_code == 200 and embed.json()["usage"]["prompt_tokens"] == sentence_transformers_length()
     finally:
         process.stop()
 

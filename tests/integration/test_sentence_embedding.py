@@ -3,6 +3,7 @@ modules: masked mean over tokens, then L2 normalisation) computed with transform
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -49,6 +50,28 @@ def test_embeddings_match_sentence_transformers_pooling(minilm_engine, minilm_re
     cosine = (ours * expected).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(expected, axis=1))
     assert cosine.min() >= 0.9999, cosine
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+@functools.cache
+def sentence_transformers_length() -> int:
+    """Where sentence-transformers cuts the default model's texts: its own loader's reading of the
+    checkpoint, not ours."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True).max_seq_length
+
+
+def test_long_texts_are_cut_where_sentence_transformers_cuts_them(minilm_engine) -> None:
+    """all-MiniLM-L6-v2 holds 512 positions, but its authors' sentence-transformers recipe cuts a
+    text at 256 tokens (``sentence_bert_config.json``), as TEI does: so does the text path."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = [SENTENCES[0], " ".join(SENTENCES * 12)]  # the second: about 400 tokens
+    embedder = Embedder(minilm_engine)
+    assert embedder.tokenizer.max_length == sentence_transformers_length() < minilm_engine.max_seq_len
+    assert embedder.tokenizer.encode(texts).input_ids.shape[1] == embedder.tokenizer.max_length
+    expected = SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True).encode(texts)
+    np.testing.assert_allclose(embedder.embed(texts), expected, rtol=0, atol=1e-5)
 
 
 def test_similar_sentences_score_higher(minilm_engine) -> None:

@@ -14,7 +14,7 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.embedder import artifact_tokenizer
 
 from .scrape import metrics, wait_for
 from .server_process import ServerProcess
@@ -82,10 +82,10 @@ def test_health_answers_within_200_ms_while_a_16_mib_text_is_handled(server, cha
     embedding = _embedding(pending.result())
     assert latencies, "the request finished before a health check could be sent"
     assert max(latencies) < 0.2, f"health took up to {max(latencies) * 1e3:.0f} ms"
-    # Truncation keeps the first 512 tokens, which a 100 kB prefix already holds.
-    tokenizer = TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len)
+    # Truncation keeps the first tokens the model's text bound allows, which a 100 kB prefix already holds.
+    tokenizer = artifact_tokenizer(minilm_engine)
     encoded = tokenizer.encode([text[:100_000].decode()])
-    assert encoded.input_ids.shape[1] == minilm_engine.max_seq_len
+    assert encoded.input_ids.shape[1] == tokenizer.max_length
     expected = minilm_engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     np.testing.assert_allclose(embedding, expected.sentence_embedding, atol=ATOL)
 

@@ -20,7 +20,7 @@ from dietserve.model.presets import default_model_folder, materialize_random_ber
 
 from .reference import reference_hidden, reference_model
 from .server_process import ServerProcess
-from .test_sentence_embedding import _reference_embeddings
+from .test_sentence_embedding import _reference_embeddings, sentence_transformers_length
 
 pytestmark = pytest.mark.slow
 SENTENCES = ["A man is eating food.", "The new movie is awesome and everyone should see it twice.", "Hi"]
@@ -138,7 +138,7 @@ def test_tokenize_and_decode_agree_with_the_checkpoints_tokenizer(server):
 def test_info_describes_the_model(server, minilm_engine):
     info = _ok(requests.get(f"http://{server.http_url}/info", timeout=10))
     assert info["model_id"] == "minilm" and info["model_type"] == {"embedding": {"pooling": "mean"}}
-    assert info["model_dtype"] == "float32" and info["max_input_length"] == minilm_engine.max_seq_len
+    assert info["model_dtype"] == "float32" and info["max_input_length"] == sentence_transformers_length()
     assert info["max_batch_tokens"] == 2048 and info["auto_truncate"] is False
     assert requests.get(f"http://{server.http_url}/ping", timeout=10).json() == {"status": "ready"}
 
@@ -179,7 +179,7 @@ def test_a_text_over_the_maximum_is_refused_unless_truncated_from_the_side_asked
     truncated = _ok(_post(server, "/embed", {"inputs": [SENTENCES[0], long_text], "truncate": True,
                                              "truncation_direction": direction}))
     reference = AutoTokenizer.from_pretrained(str(default_model_folder()), truncation_side=direction)
-    ids = reference([long_text], truncation=True, max_length=minilm_engine.max_seq_len)["input_ids"]
+    ids = reference([long_text], truncation=True, max_length=sentence_transformers_length())["input_ids"]
     np.testing.assert_allclose(truncated[1], _ok(_post(server, "/embed", {"inputs": ids}))[0], atol=SAME)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 from dietserve.model.presets import default_model_folder
-from dietserve.model.tokenizer import TextTokenizer, TokenizerError
+from dietserve.model.tokenizer import TEXT_BYTES_PER_TOKEN, TextTokenizer, TokenizerError
 from dietserve.runtime.errors import InputTooLong
 
 TEXTS = ["Hello, World!", "Dynamic shapes need shape-generic micro-kernels.", "naïve café"]
@@ -29,6 +31,25 @@ def test_batch_is_padded_and_truncated() -> None:
     assert encoded.input_ids.shape == (2, 8)
     assert encoded.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert encoded.input_ids[1, -1] == 102  # [SEP] kept at the end after truncation
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"max_seq_length": 8}, 8), ({"max_seq_length": 1000}, 512), ({"do_lower_case": False}, 512), (None, 512),
+    ({"max_seq_length": "8"}, "max_seq_length must be a positive integer, got '8'"),
+    ({"max_seq_length": 0}, "max_seq_length must be a positive integer, got 0"), ([8], "is not a JSON object"),
+])
+def test_sentence_transformers_max_seq_length_bounds_the_text(tmp_path: Path, settings, expected) -> None:
+    """sentence-transformers' ``max_seq_length`` cuts texts where it is shorter than the positions."""
+    shutil.copy(default_model_folder() / "tokenizer.json", tmp_path / "tokenizer.json")
+    if settings is not None:
+        (tmp_path / "sentence_bert_config.json").write_text(json.dumps(settings))
+    if isinstance(expected, str):
+        with pytest.raises(TokenizerError, match=re.escape(expected)):
+            TextTokenizer.from_folder(tmp_path, 512)
+        return
+    tokenizer = TextTokenizer.from_folder(tmp_path, 512)
+    assert tokenizer.max_length == expected and tokenizer.byte_limit == TEXT_BYTES_PER_TOKEN * expected
+    assert tokenizer.encode(["word " * 600]).input_ids.shape == (1, expected)
 
 
 def test_folder_without_tokenizer_is_explained(tmp_path: Path) -> None:

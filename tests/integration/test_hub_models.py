@@ -1,0 +1,74 @@
+"""A checkpoint named by its Hugging Face Hub id, as TEI's ``--model-id`` names one. The Hub cannot
+be reached from the test machines, so huggingface_hub's cache is laid out as a download leaves it
+(``refs/main`` naming a snapshot folder) and the real command resolves the id through
+huggingface_hub, offline; the download itself is huggingface_hub's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dietserve.model.hub import HUB_DIR, display_name, hub_id
+from dietserve.model.presets import default_model_folder
+
+from .server_process import REPO_ROOT
+
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cached(cache_dir: Path, repo: str, folder: Path) -> None:
+    """``folder`` as huggingface_hub's cache under ``cache_dir`` holds a download of ``repo``."""
+    root = cache_dir / HUB_DIR / f"models--{repo.replace('/', '--')}"
+    if not root.exists():
+        shutil.copytree(folder, root / "snapshots" / SNAPSHOT)
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text(SNAPSHOT)
+
+
+def _dietserve(*args: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "dietserve", *args], cwd=REPO_ROOT, env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_hub_id_embeds_as_sentence_transformers_does(cache_dir: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    repo, texts = "sentence-transformers/all-MiniLM-L6-v2", ["A man is eating food.", "Ein Mann isst Brot."]
+    _cached(cache_dir, repo, default_model_folder())
+    done = _dietserve("embed", "--model", repo, "--cache-dir", str(cache_dir), "--json", *texts)
+    assert done.returncode == 0, done.stderr
+    ours = np.array(json.loads(done.stdout.strip().splitlines()[-1])["embeddings"])
+    expected = SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True).encode(texts)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-5)
+    assert f"models--sentence-transformers--all-MiniLM-L6-v2/snapshots/{SNAPSHOT}" in done.stderr
+
+
+def test_a_hub_id_neither_reachable_nor_fetched_is_refused_naming_it(tmp_path: Path) -> None:
+    done = _dietserve("compile", "--model", "acme/not-fetched", "--cache-dir", str(tmp_path))
+    assert done.returncode != 0
+    assert "acme/not-fetched: the Hugging Face Hub cannot be reached and no snapshot was fetched before" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("name", "expected", "served_as"), [
+    ("BAAI/bge-small-en-v1.5", ("BAAI/bge-small-en-v1.5", None), "bge-small-en-v1.5"),
+    ("intfloat/multilingual-e5-small@refs/pr/3", ("intfloat/multilingual-e5-small", "refs/pr/3"),
+     "multilingual-e5-small"),
+    ("default", None, None), ("/abs/folder", None, None), ("./org/name", None, None), ("a/b/c", None, None),
+])
+def test_what_reads_as_a_hub_id(name: str, expected, served_as) -> None:
+    assert hub_id(name) == expected and display_name(name) == served_as
+
+
+def test_an_existing_folder_is_not_a_hub_id(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert hub_id("org/name") is None
