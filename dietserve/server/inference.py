@@ -108,10 +108,22 @@ class Inference:
 
     def model_for(self, name: str, takes_text: bool) -> ServedModel:
         """The model of ``name``'s artifact that takes text or token ids (the OpenAI and rerank
-        APIs accept either model's name and choose by the input)."""
+        APIs accept either model's name and choose by the input), or of the artifact built from
+        the Hugging Face Hub id ``name`` (OpenAI clients name a model so: ``BAAI/bge-small-en-v1.5``)."""
+        name = self._built_from(name) or name
         self.check_name(name, "")
         artifact = name.removesuffix(TEXT_MODEL_SUFFIX) if name not in self.state.artifact_names else name
         return self.loaded(artifact + TEXT_MODEL_SUFFIX if takes_text else artifact)
+
+    def _built_from(self, hub_id: str) -> str | None:
+        """The loaded artifact whose build record names the Hub id ``hub_id``, if any."""
+        if "/" not in hub_id:
+            return None
+        for name in self.state.artifact_names:
+            model = self.state.models.get(name)
+            if model is not None and (model.engine.artifact.manifest.build or {}).get("model") == hub_id:
+                return name
+        return None
 
     def text_models(self) -> list[ServedModel]:
         """Each artifact's text model, in the order the artifacts were given."""

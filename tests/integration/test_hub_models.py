@@ -18,7 +18,7 @@ import pytest
 from dietserve.model.hub import HUB_DIR, display_name, hub_id
 from dietserve.model.presets import default_model_folder
 
-from .server_process import REPO_ROOT
+from .server_process import REPO_ROOT, ServerProcess
 
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -49,6 +49,33 @@ def test_a_hub_id_embeds_as_sentence_transformers_does(cache_dir: Path) -> None:
     expected = SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True).encode(texts)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-5)
     assert f"models--sentence-transformers--all-MiniLM-L6-v2/snapshots/{SNAPSHOT}" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_server_of_a_hub_id_answers_to_the_id_and_to_its_name(cache_dir: Path) -> None:
+    """``serve --model org/name``: OpenAI's client names the model by its Hub id, as it would
+    against TEI or vLLM; the v2 routes by the name within the organisation (no slash in a URL)."""
+    import requests
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    repo, texts = "sentence-transformers/all-MiniLM-L6-v2", ["A man is eating food.", "Ein Mann isst Brot."]
+    _cached(cache_dir, repo, default_model_folder())
+    server = ServerProcess(None, "--model", repo, "--cache-dir", str(cache_dir), "--no-auto-tune", model_name=None,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        client = OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused")
+        expected = SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True).encode(texts)
+        for name in (repo, "all-MiniLM-L6-v2"):
+            answer = client.embeddings.create(model=name, input=texts, encoding_format="float")
+            np.testing.assert_allclose([row.embedding for row in answer.data], expected, rtol=0, atol=1e-5)
+        ready = requests.get(f"http://{server.http_url}/v2/models/all-MiniLM-L6-v2/ready", timeout=10)
+        assert ready.status_code == 200
+        unknown = requests.post(f"http://{server.http_url}/v1/embeddings", json={"model": "acme/other", "input": "hi"},
+                                timeout=10)
+        assert unknown.status_code == 404 and "unknown model 'acme/other'" in unknown.text
+    finally:
+        server.stop()
 
 
 def test_a_hub_id_neither_reachable_nor_fetched_is_refused_naming_it(tmp_path: Path) -> None:
