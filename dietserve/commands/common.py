@@ -19,8 +19,8 @@ def say(message: str) -> None:
 
 def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
-                        help="'default' (all-MiniLM-L6-v2), 'bert-base' (seeded random weights) "
-                             "or a Hugging Face folder with config.json and model.safetensors")
+                        help="'default' (all-MiniLM-L6-v2), 'bert-base' (seeded random weights), a Hugging Face "
+                             "folder with config.json and model.safetensors, or a Hub id (org/name[@revision])")
     parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm",
                         help="llvm: this CPU (default); cuda: an NVIDIA GPU, compiled with nvcc")
     parser.add_argument("--mcpu", default=None,

@@ -44,8 +44,8 @@ def fetch(name: str, cache_dir: Path) -> Path:
 
     repo, revision = hub_id(name)
     try:
-        return Path(snapshot_download(repo, revision=revision, cache_dir=Path(cache_dir) / HUB_DIR,
-                                      allow_patterns=_BUILD_FILES))
+        folder = Path(snapshot_download(repo, revision=revision, cache_dir=Path(cache_dir) / HUB_DIR,
+                                        allow_patterns=_BUILD_FILES))
     except RepositoryNotFoundError:
         raise HubError(f"{repo} is not a model on the Hugging Face Hub (or it needs a token: set HF_TOKEN); "
                        "pass a local folder otherwise") from None
@@ -54,3 +54,7 @@ def fetch(name: str, cache_dir: Path) -> Path:
                        f"under {Path(cache_dir) / HUB_DIR} ({err}); pass a local folder instead") from None
     except HfHubHTTPError as err:
         raise HubError(f"{name}: the Hugging Face Hub answered {err}") from None
+    if not (folder / "model.safetensors").is_file():
+        raise HubError(f"{name} has no model.safetensors (dietserve reads no pytorch_model.bin); the Hub's "
+                       f"conversion bot often offers one in a pull request: --model {repo}@refs/pr/N")
+    return folder

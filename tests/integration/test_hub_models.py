@@ -85,6 +85,17 @@ def test_a_hub_id_neither_reachable_nor_fetched_is_refused_naming_it(tmp_path: P
     assert "Traceback" not in done.stderr
 
 
+def test_a_hub_checkpoint_without_safetensors_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    pickled_only = tmp_path / "pickled"
+    pickled_only.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(default_model_folder() / name, pickled_only / name)
+    _cached(tmp_path / "cache", "acme/pickled", pickled_only)
+    done = _dietserve("compile", "--model", "acme/pickled", "--cache-dir", str(tmp_path / "cache"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "acme/pickled has no model.safetensors" in done.stderr and "--model acme/pickled@refs/pr/N" in done.stderr
+
+
 @pytest.mark.parametrize(("name", "expected", "served_as"), [
     ("BAAI/bge-small-en-v1.5", ("BAAI/bge-small-en-v1.5", None), "bge-small-en-v1.5"),
     ("intfloat/multilingual-e5-small@refs/pr/3", ("intfloat/multilingual-e5-small", "refs/pr/3"),
