@@ -48,7 +48,7 @@ def _tokenizer_folder(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import XLMRobertaTokenizerFast
 
-    corpus = [text for text in TEXTS[:4]] + [text for pair in PAIRS for text in pair]
+    corpus = [*TEXTS[:4], *[text for pair in PAIRS for text in pair]]
     tokenizer = Tokenizer(models.Unigram())
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
