@@ -9,7 +9,7 @@ the read before and after each point's backends, the faster taken). No fp32 back
 it: it grants every FLOP the peak rate, a perfect overlap of the weights' stream with the FMAs,
 and nothing for the rest of the model.
 
-    python tests/benchmarks/bench_bert.py [--models bert-base,default] [--batches 1,8] [--threads N]
+    python tests/benchmarks/bench_bert.py [--models bert-base,default,mpnet-base,DIR] [--batches 1,8] [--threads N]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
     python tests/benchmarks/bench_bert.py --mixed [--mixed-batches 8,32]  # packed vs padded, real text
 
@@ -79,7 +79,7 @@ from timing import busy_rounds, call_seconds, geomean, paired_ratio, rotated  # 
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import read_plans  # noqa: E402
-from dietserve.model.presets import resolve_model  # noqa: E402
+from dietserve.model.presets import default_model_folder, resolve_model  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
 from dietserve.runtime.manifest import LAYOUT_PACKED, LAYOUT_PADDED, PLANS_DIR, Manifest  # noqa: E402
@@ -169,11 +169,9 @@ def peers(model: str, args: argparse.Namespace, with_torch: bool) -> dict:
     """The baselines on the model's checkpoint, same thread count: ONNX Runtime and OpenVINO on one
     ONNX export, and PyTorch eager where asked."""
     import torch
-    from transformers import BertModel
 
     torch.set_num_threads(args.threads)
-    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
-    reference.eval()
+    reference = reference_model(model, args)
     with tempfile.TemporaryDirectory() as scratch:
         onnx_path = Path(scratch) / "bert.onnx"
         bert_baselines.export_onnx(reference, onnx_path)
@@ -346,7 +344,6 @@ def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list
     PyTorch under bf16 autocast and ONNX Runtime (fp32), with each point's accuracy against
     transformers in fp32 (the smallest per-token cosine, ours and OpenVINO's)."""
     import torch
-    from transformers import BertModel
 
     max_batch = max(args.batches)
     artifacts = {}
@@ -359,8 +356,7 @@ def bench_precision(model: str, args: argparse.Namespace, ratios: dict[str, list
                                                                    precision=precision), args.cache_dir, progress=say)
     engines = {f"ours {p}": Engine(load_artifact(path), threads=args.threads) for p, path in artifacts.items()}
     torch.set_num_threads(args.threads)
-    reference = BertModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager")
-    reference.eval()
+    reference = reference_model(model, args)
     scratch = tempfile.TemporaryDirectory()
     onnx_path = Path(scratch.name) / "bert.onnx"
     bert_baselines.export_onnx(reference, onnx_path)
@@ -427,11 +423,38 @@ def as_array(output) -> np.ndarray:
 def _token_cosines(hidden: np.ndarray, reference, inputs) -> float:
     import torch
 
-    ids, mask, types = inputs
     with torch.no_grad():
-        expected = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                             token_type_ids=torch.from_numpy(types)).last_hidden_state.numpy()
+        expected = reference(**bert_baselines.torch_inputs(reference, *inputs)).last_hidden_state.numpy()
     return token_agreement(hidden, expected)[0]
+
+
+def reference_model(model: str, args: argparse.Namespace):
+    """transformers' own model of the checkpoint (BERT or a relative), eager attention."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager").eval()
+
+
+def mpnet_base(cache_dir: Path) -> str:
+    """``--models mpnet-base``: all-mpnet-base-v2's shapes (MPNet-base: 12 layers of 768, 12 heads,
+    relative position buckets), random weights from transformers' own initialisation (seed 0),
+    written once under the cache folder; the default model's tokenizer (``--mixed`` reads text)."""
+    import shutil
+
+    import torch
+    from transformers import MPNetConfig, MPNetModel
+
+    folder = cache_dir / "models" / "mpnet-base-random-seed0"
+    if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        torch.manual_seed(0)
+        config = MPNetConfig(max_position_embeddings=514, vocab_size=30527)  # all-mpnet-base-v2's
+        MPNetModel(config, add_pooling_layer=False).eval().save_pretrained(str(staging))
+        for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(default_model_folder() / name, staging / name)
+        os.replace(staging, folder)  # whole or not at all
+    return str(folder)
 
 
 def over_models(bench, args: argparse.Namespace, keys) -> dict[str, list[float]]:
@@ -454,7 +477,8 @@ def result_line(ratios: dict[str, list[float]], fields) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="bert-base,default", help="comma-separated: bert-base, default, DIR")
+    parser.add_argument("--models", default="bert-base,default",
+                        help="comma-separated: bert-base, default, mpnet-base (random weights), DIR")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point and round at most (at least 3)")
@@ -477,6 +501,8 @@ def main() -> int:
                              "PyTorch bf16 autocast and ONNX Runtime (see bench_precision)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.models = ",".join(mpnet_base(args.cache_dir) if model == "mpnet-base" else model
+                           for model in args.models.split(","))
     if args.precision == "bf16":
         found = over_models(bench_precision, args, ("vs_openvino_bf16", "bf16_vs_fp32", "bf16_vs_fp32_seq128plus",
                                                     "vs_torch_bf16", "vs_ort"))

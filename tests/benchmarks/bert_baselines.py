@@ -1,35 +1,56 @@
-"""The baselines users run BERT with on a CPU, each on the same checkpoint and thread count:
-PyTorch eager, ONNX Runtime and OpenVINO (CPU plugin, latency hint, fp32 inference precision) on one ONNX export;
-for bf16 comparisons, OpenVINO at its default precision and PyTorch under bf16 autocast."""
+"""The baselines users run BERT (and its relatives) with on a CPU, each on the same checkpoint and
+thread count: PyTorch eager, ONNX Runtime and OpenVINO (CPU plugin, latency hint, fp32 inference
+precision) on one ONNX export; for bf16 comparisons, OpenVINO at its default precision and
+PyTorch under bf16 autocast. Each is given the inputs its model takes (MPNet and DistilBERT take
+no token types)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 Run = Callable[[np.ndarray, np.ndarray, np.ndarray], object]
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def input_names(model) -> tuple[str, ...]:
+    """Which of ``INPUTS`` the transformers model's forward takes."""
+    return tuple(name for name in INPUTS if name in inspect.signature(model.forward).parameters)
+
+
+def torch_inputs(model, ids, mask, types) -> dict:
+    import torch
+
+    return {name: torch.from_numpy(array) for name, array in zip(INPUTS, (ids, mask, types), strict=True)
+            if name in input_names(model)}
+
+
+def _feed(names, ids, mask, types) -> dict:
+    arrays = dict(zip(INPUTS, (ids, mask, types), strict=True))
+    return {name: arrays[name] for name in names}
 
 
 def export_onnx(model, path: Path) -> None:
     import torch
 
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert = bert
+    names = input_names(model)
 
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-            return out.last_hidden_state
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, *inputs):
+            return self.encoder(**dict(zip(names, inputs, strict=True))).last_hidden_state
 
     example = torch.ones((1, 8), dtype=torch.int64)
     axes = {0: "batch", 1: "seq"}
     torch.onnx.export(
-        LastHiddenState(model).eval(), (example, example, torch.zeros_like(example)), str(path),
-        input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["last_hidden_state"],
-        dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes}, dynamo=False,
+        LastHiddenState(model).eval(), tuple(example for _ in names), str(path), input_names=list(names),
+        output_names=["last_hidden_state"], dynamic_axes=dict.fromkeys(names, axes), dynamo=False,
     )
 
 
@@ -38,8 +59,7 @@ def torch_eager(model) -> Run:
 
     def run(ids, mask, types):
         with torch.inference_mode():
-            return model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                         token_type_ids=torch.from_numpy(types)).last_hidden_state
+            return model(**torch_inputs(model, ids, mask, types)).last_hidden_state
 
     return run
 
@@ -51,8 +71,8 @@ def onnx_runtime(onnx_path: Path, threads: int) -> Run:
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    return lambda ids, mask, types: session.run(None, {"input_ids": ids, "attention_mask": mask,
-                                                       "token_type_ids": types})
+    names = [each.name for each in session.get_inputs()]
+    return lambda ids, mask, types: session.run(None, _feed(names, ids, mask, types))
 
 
 def openvino(onnx_path: Path, threads: int) -> Run:
@@ -65,8 +85,8 @@ def openvino(onnx_path: Path, threads: int) -> Run:
                                                           "INFERENCE_NUM_THREADS": threads,
                                                           "INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
-    return lambda ids, mask, types: request.infer({"input_ids": ids, "attention_mask": mask,
-                                                   "token_type_ids": types})
+    names = [each.get_any_name() for each in compiled.inputs]
+    return lambda ids, mask, types: request.infer(_feed(names, ids, mask, types))
 
 
 def torch_bf16(model) -> Run:
@@ -75,8 +95,7 @@ def torch_bf16(model) -> Run:
 
     def run(ids, mask, types):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                         token_type_ids=torch.from_numpy(types)).last_hidden_state
+            return model(**torch_inputs(model, ids, mask, types)).last_hidden_state
 
     return run
 
@@ -91,5 +110,5 @@ def openvino_default(onnx_path: Path, threads: int) -> tuple[Run, str]:
     request = compiled.create_infer_request()
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")
     chosen = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
-    return (lambda ids, mask, types: request.infer({"input_ids": ids, "attention_mask": mask,
-                                                    "token_type_ids": types})), chosen
+    names = [each.get_any_name() for each in compiled.inputs]
+    return (lambda ids, mask, types: request.infer(_feed(names, ids, mask, types))), chosen
