@@ -245,7 +245,8 @@ class Server:
             batcher.start()
             self._parts.push_async_callback(batcher.close)  # runs what is queued
             text = name + TEXT_MODEL_SUFFIX
-            served.models = {name: ServedModel(name, served.engine, batcher=batcher),
+            bound = served.tokenizer.max_length  # the ids model's too: token ids are cut where texts are
+            served.models = {name: ServedModel(name, served.engine, batcher=batcher, max_input_tokens=bound),
                              text: ServedModel(text, served.engine, served.tokenizer, artifact=name, batcher=batcher)}
             self.state.models.update(served.models)
 

@@ -90,8 +90,13 @@ class ServedModel:
     artifact's queue."""
 
     def __init__(self, name: str, engine: Engine, tokenizer: TextTokenizer | None = None, *,
-                 artifact: str | None = None, batcher: DynamicBatcher | None = None):
+                 artifact: str | None = None, batcher: DynamicBatcher | None = None,
+                 max_input_tokens: int | None = None):
         self.name = name
+        # The longest input the OpenAI and TEI routes take, texts or token ids, for both of an
+        # artifact's models: its text bound (sentence-transformers' ``max_seq_length`` where the
+        # checkpoint sets one), else the artifact's. (v2's ids model checks the artifact's alone.)
+        self.max_input_tokens = max_input_tokens or (tokenizer.max_length if tokenizer else engine.max_seq_len)
         self.artifact = artifact or name
         self.version = VERSION
         self.engine = engine
@@ -104,12 +109,6 @@ class ServedModel:
     @property
     def takes_text(self) -> bool:
         return self.tokenizer is not None
-
-    @property
-    def max_input_tokens(self) -> int:
-        """The longest input it takes: a text model's text bound (sentence-transformers' where the
-        checkpoint sets one), else the artifact's."""
-        return self.tokenizer.max_length if self.tokenizer is not None else self.engine.max_seq_len
 
     def metadata(self) -> pb.ModelMetadataResponse:
         tensor = pb.ModelMetadataResponse.TensorMetadata

@@ -183,6 +183,20 @@ def test_a_text_over_the_maximum_is_refused_unless_truncated_from_the_side_asked
     np.testing.assert_allclose(truncated[1], _ok(_post(server, "/embed", {"inputs": ids}))[0], atol=SAME)
 
 
+def test_token_ids_obey_the_text_bound_too(server, minilm_engine):
+    """Ids past sentence-transformers' bound but within the positions are refused as a text of
+    that many tokens is, on TEI's route and OpenAI's; /info reports the same bound."""
+    bound = sentence_transformers_length()
+    assert bound < minilm_engine.max_seq_len
+    ids = [101] + [2000] * bound + [102]
+    refused = _post(server, "/embed", {"inputs": [ids]})
+    assert refused.status_code == 413 and f"has {bound + 2} tokens, over the model's maximum of {bound}" in refused.text
+    openai = requests.post(f"http://{server.http_url}/v1/embeddings", json={"model": "minilm", "input": [ids]},
+                           timeout=30)
+    assert openai.status_code == 413 and f"maximum of {bound}" in openai.text
+    assert len(_ok(_post(server, "/embed", {"inputs": [ids], "truncate": True}))) == 1
+
+
 # ---------------------------------------------------------------------------- normalize
 
 
