@@ -245,9 +245,10 @@ class Server:
             batcher.start()
             self._parts.push_async_callback(batcher.close)  # runs what is queued
             text = name + TEXT_MODEL_SUFFIX
-            bound = served.tokenizer.max_length  # the ids model's too: token ids are cut where texts are
-            served.models = {name: ServedModel(name, served.engine, batcher=batcher, max_input_tokens=bound),
-                             text: ServedModel(text, served.engine, served.tokenizer, artifact=name, batcher=batcher)}
+            texts = ServedModel(text, served.engine, served.tokenizer, artifact=name, batcher=batcher)
+            # (token ids are cut where texts are)
+            ids = ServedModel(name, served.engine, batcher=batcher, max_input_tokens=texts.max_input_tokens)
+            served.models = {name: ids, text: texts}
             self.state.models.update(served.models)
 
     def batch_recorder(self, served: ServedArtifact) -> Callable[[BatchRun], None]:
