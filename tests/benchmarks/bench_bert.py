@@ -424,7 +424,8 @@ def _token_cosines(hidden: np.ndarray, reference, inputs) -> float:
     import torch
 
     with torch.no_grad():
-        expected = reference(**bert_baselines.torch_inputs(reference, *inputs)).last_hidden_state.numpy()
+        names = bert_baselines.input_names(reference)
+        expected = reference(**bert_baselines.torch_inputs(names, *inputs)).last_hidden_state.numpy()
     return token_agreement(hidden, expected)[0]
 
 

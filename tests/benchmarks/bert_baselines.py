@@ -21,16 +21,16 @@ def input_names(model) -> tuple[str, ...]:
     return tuple(name for name in INPUTS if name in inspect.signature(model.forward).parameters)
 
 
-def torch_inputs(model, ids, mask, types) -> dict:
-    import torch
-
-    return {name: torch.from_numpy(array) for name, array in zip(INPUTS, (ids, mask, types), strict=True)
-            if name in input_names(model)}
-
-
 def _feed(names, ids, mask, types) -> dict:
     arrays = dict(zip(INPUTS, (ids, mask, types), strict=True))
     return {name: arrays[name] for name in names}
+
+
+def torch_inputs(names, ids, mask, types) -> dict:
+    """``_feed`` as tensors; ``names``: ``input_names(model)``, found once, not in a timed run."""
+    import torch
+
+    return {name: torch.from_numpy(array) for name, array in _feed(names, ids, mask, types).items()}
 
 
 def export_onnx(model, path: Path) -> None:
@@ -57,9 +57,11 @@ def export_onnx(model, path: Path) -> None:
 def torch_eager(model) -> Run:
     import torch
 
+    names = input_names(model)
+
     def run(ids, mask, types):
         with torch.inference_mode():
-            return model(**torch_inputs(model, ids, mask, types)).last_hidden_state
+            return model(**torch_inputs(names, ids, mask, types)).last_hidden_state
 
     return run
 
@@ -93,9 +95,11 @@ def torch_bf16(model) -> Run:
     """PyTorch eager under ``torch.autocast(cpu, bfloat16)``: its matrix products in bf16 (oneDNN)."""
     import torch
 
+    names = input_names(model)
+
     def run(ids, mask, types):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return model(**torch_inputs(model, ids, mask, types)).last_hidden_state
+            return model(**torch_inputs(names, ids, mask, types)).last_hidden_state
 
     return run
 
