@@ -18,6 +18,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
 from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.embedder import artifact_tokenizer
 
 from .scrape import metrics
 from .server_process import ServerProcess
@@ -50,8 +51,8 @@ def openai_client(server: ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(minilm_artifact: Path, minilm_engine) -> TextTokenizer:
-    return TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len)
+def tokenizer(minilm_engine) -> TextTokenizer:
+    return artifact_tokenizer(minilm_engine)
 
 
 def grpc_text_embeddings(client, texts: list[str], **parameters) -> np.ndarray:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.embedder import artifact_tokenizer
 
 from .scrape import metrics, metrics_after_batches, total
 from .server_process import ServerProcess
@@ -50,8 +51,8 @@ def stub(server: ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(minilm_artifact: Path, minilm_engine) -> TextTokenizer:
-    return TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len)
+def tokenizer(minilm_engine) -> TextTokenizer:
+    return artifact_tokenizer(minilm_engine)
 
 
 def ids_input(array: np.ndarray, name: str = "input_ids", datatype: str = "INT64") -> triton.InferInput:

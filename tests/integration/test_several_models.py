@@ -16,7 +16,7 @@ import requests
 import tritonclient.grpc as triton_grpc
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
-from dietserve.model.tokenizer import TextTokenizer
+from dietserve.runtime.embedder import artifact_tokenizer
 
 from .server_process import REPO_ROOT, ServerProcess
 from .test_classification import classification_folder
@@ -37,9 +37,9 @@ def server(minilm_artifact: Path, reranker_artifact):
 
 
 @pytest.fixture(scope="module")
-def expected_embeddings(minilm_artifact: Path, minilm_engine) -> np.ndarray:
+def expected_embeddings(minilm_engine) -> np.ndarray:
     """The embedder's engine run in this process on the checkpoint's tokenization."""
-    encoded = TextTokenizer.from_folder(minilm_artifact, minilm_engine.max_seq_len).encode(SENTENCES)
+    encoded = artifact_tokenizer(minilm_engine).encode(SENTENCES)
     return minilm_engine.execute(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids).sentence_embedding
 
 

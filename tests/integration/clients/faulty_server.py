@@ -12,8 +12,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from dietserve.model.tokenizer import TextTokenizer
 from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.embedder import artifact_tokenizer
 from dietserve.runtime.engine import Engine
 from dietserve.server.app import Server
 from dietserve.server.config import ServerConfig
@@ -50,7 +50,7 @@ def main(artifact: Path, fault_token: int) -> int:
             return execute(ids, mask, types)
 
         engine.execute = faulty
-        return engine, TextTokenizer.from_folder(artifact, engine.max_seq_len)
+        return engine, artifact_tokenizer(engine)
 
     return asyncio.run(serve(FaultyServer(config, [ModelSource("minilm", load_model)], say)))
 
