@@ -211,7 +211,9 @@ class Server:
         loop = asyncio.get_running_loop()
         for served in self.artifacts.values():
             served.loaded, served.tokenizer = await loop.run_in_executor(None, served.source.load)
-            self._settled_bytes = await loop.run_in_executor(None, warm_up, served.engine, self.config.max_batch_size)
+            rows = self.config.max_batch_size if self.config.batching else 1
+            self._settled_bytes = await loop.run_in_executor(
+                None, warm_up, served.engine, rows, self.config.max_batch_tokens)
         first, *others = (served.engine for served in self.artifacts.values())
         first.bound_memory(int(self._settled_bytes * (1 + MEMORY_SLACK)))
         for engine in others:

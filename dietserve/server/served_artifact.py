@@ -16,17 +16,29 @@ from .swap import HotSwap, MeasuredGain
 from .traffic_log import TrafficLog
 
 
-def warm_up(engine: Engine, rows: int) -> int:
-    """Runs a small shape and the largest batch the server forms (``rows``) at the longest
-    sequence: first touch of the weights and of the planned buffers, thread pool start. Returns
-    the resident bytes afterwards: what the server needs for any batch it forms. A single request
-    with more rows (up to the artifact's bound) needs more while it runs; the pool is released
-    after it (``runtime/memory.py``). Warming up at the artifact's own bound instead would keep
-    its worst case resident for good."""
+def largest_batch(engine: Engine, rows: int, tokens: int) -> tuple[int, int]:
+    """The ``(rows, seq)`` of the largest batch the server forms from several requests, given its
+    row limit and, for a packed engine, its token budget (``DynamicBatcher``): padded, ``rows``
+    rows at the longest sequence; packed, the fewest rows of the longest sequence that hold the
+    budget, and at least one such row (a longer request runs alone). A model of 8,192 positions
+    warms up at one row where ``rows`` rows would take minutes and gigabytes."""
+    seq, rows = engine.max_seq_len, min(rows, engine.max_batch)
+    if engine.packed:
+        rows = min(rows, max(1, -(-tokens // seq)))
+    return rows, seq
+
+
+def warm_up(engine: Engine, rows: int, tokens: int) -> int:
+    """Runs a small shape and the largest batch the server forms (``largest_batch``): first touch
+    of the weights and of the planned buffers, thread pool start. Returns the resident bytes
+    afterwards: what the server needs for any batch it forms. A single request beyond that (more
+    rows, or more tokens than a packed budget, up to the artifact's bound) needs more while it
+    runs; the pool is released after it (``runtime/memory.py``). Warming up at the artifact's own
+    bound instead would keep its worst case resident for good."""
     import numpy as np
 
-    for batch, seq in ((1, 8), (min(rows, engine.max_batch), engine.max_seq_len)):
-        ids = np.ones((batch, min(seq, engine.max_seq_len)), np.int64)
+    for batch, seq in ((1, min(8, engine.max_seq_len)), largest_batch(engine, rows, tokens)):
+        ids = np.ones((batch, seq), np.int64)
         engine.execute(ids, np.ones_like(ids), np.zeros_like(ids))
     return resident_bytes()
 

@@ -21,10 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class ServerProcess:
     def __init__(self, artifact: Path | None, *flags: str, model_name: str | None = "minilm",
-                 command: list[str] | None = None, env: dict[str, str] | None = None):
+                 command: list[str] | None = None, env: dict[str, str] | None = None,
+                 ready_timeout: float = 180.0):
         """``artifact`` None: the flags name what to serve (``--artifact-store``, several
         ``--artifact``). ``model_name`` None: the manifests' names. ``env``: the process's
-        environment (default: this one's)."""
+        environment (default: this one's). ``ready_timeout``: seconds to wait for loading and
+        warm-up."""
         self.model_name = model_name
         source = ["--artifact", str(artifact)] if artifact is not None else []
         naming = ["--model-name", model_name] if model_name is not None else []
@@ -36,7 +38,7 @@ class ServerProcess:
         self._events: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read_log, daemon=True).start()
         self.grpc_url, self.health_url, self.metrics_url, self.http_url = self._wait_for(LISTENING).groups()
-        self._wait_for(re.compile(r"ready: model"))
+        self._wait_for(re.compile(r"ready: model"), ready_timeout)
 
     def _read_log(self) -> None:
         for line in self.process.stderr:
