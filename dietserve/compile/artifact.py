@@ -333,7 +333,7 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
     kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles,
                               tree, precision="bf16" if paired else "fp32",
-                              relative_bias=config.relative_attention_num_buckets > 0)
+                              relative_bias=config.score_bias)
     return export_relax(model, request.max_batch, kernel)
 
 

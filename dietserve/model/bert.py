@@ -28,7 +28,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import BertConfig
+from .config import FULL_ATTENTION, BertConfig
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 
 # torch.finfo(torch.float32).min: the additive mask value Hugging Face uses, so masked
@@ -66,9 +66,14 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter((num, dim), "float32")
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
-        flat = op.reshape(ids, (-1,))
-        rows = nn.op.wrap_nested(relax.op.take(self.weight._expr, flat._expr, axis=0, mode="clip"), "take")
-        return op.reshape(rows, (*ids.shape, self.weight.shape[1]))
+        return take_rows(self.weight, ids)
+
+
+def take_rows(table: nn.Tensor, ids: nn.Tensor) -> nn.Tensor:
+    """``table``'s rows at ``ids`` (any shape), clamped into the table (``Embedding``)."""
+    flat = op.reshape(ids, (-1,))
+    rows = nn.op.wrap_nested(relax.op.take(table._expr, flat._expr, axis=0, mode="clip"), "take")
+    return op.reshape(rows, (*ids.shape, table.shape[1]))
 
 
 def activation(x: nn.Tensor, name: str) -> nn.Tensor:
@@ -209,7 +214,6 @@ class BertLayer(nn.Module):
 class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.layer = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
-        self.max_length = cfg.max_length
         # MPNet's bias by relative position, shared by every layer: ``relative_bias[h, j - i +
         # max_length - 1]`` for query i and key j (its buckets' values spread over every distance at load)
         self.relative_bias = None
@@ -219,19 +223,23 @@ class BertEncoder(nn.Module):
     def position_bias(self, position_ids: nn.Tensor) -> nn.Tensor | None:
         """``[1, heads, seq, seq]``: each head's bias for each query and key of ``[seq]``
         positions; None without one."""
-        if self.relative_bias is None:
-            return None
-        seq = position_ids.shape[0]
-        distance = op.reshape(position_ids, (1, seq)) - op.reshape(position_ids, (seq, 1))
-        index = op.reshape(distance, (-1,)) + op.full((1,), self.max_length - 1, "int64")
-        rows = nn.op.wrap_nested(relax.op.take(self.relative_bias._expr, index._expr, axis=1, mode="clip"),
-                                 "position_bias")
-        return op.reshape(rows, (1, self.relative_bias.shape[0], seq, seq))
+        return None if self.relative_bias is None else bias_by_distance(self.relative_bias, position_ids)
 
     def forward(self, hidden: nn.Tensor, attention: PaddedAttention | PackedAttention) -> nn.Tensor:
         for layer in self.layer:
             hidden = layer(hidden, attention)
         return hidden
+
+
+def bias_by_distance(table: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
+    """``[1, heads, seq, seq]`` from a ``[heads, 2 * max_length - 1]`` ``table`` by key-minus-query
+    distance (``BertEncoder.relative_bias``'s layout), for each query and key of ``[seq]`` positions."""
+    heads, width = table.shape
+    seq = position_ids.shape[0]
+    distance = op.reshape(position_ids, (1, seq)) - op.reshape(position_ids, (seq, 1))
+    index = op.reshape(distance, (-1,)) + op.full((1,), (width - 1) // 2, "int64")
+    rows = nn.op.wrap_nested(relax.op.take(table._expr, index._expr, axis=1, mode="clip"), "position_bias")
+    return op.reshape(rows, (1, heads, seq, seq))
 
 
 class BertPooler(nn.Module):
@@ -258,10 +266,21 @@ class BertModel(nn.Module):
         self.config = cfg
         self.pooling = pooling = pooling or PoolingOptions()
         self.classifier_options = classifier
-        self.embeddings = BertEmbeddings(cfg)
-        self.encoder = BertEncoder(cfg)
+        if cfg.rotary:
+            from .modernbert import ModernBertEmbeddings, ModernBertEncoder
+
+            self.embeddings = ModernBertEmbeddings(cfg)
+            self.encoder = ModernBertEncoder(cfg, score_bias=cfg.score_bias)
+        else:
+            self.embeddings = BertEmbeddings(cfg)
+            self.encoder = BertEncoder(cfg)
         if classifier is None:
             self.sentence = SentencePooling(pooling)
+        elif cfg.rotary:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
+            from .modernbert import ModernBertPredictionHead
+
+            self.head = ModernBertPredictionHead(cfg)
+            self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
         else:  # named as in the checkpoint: bert.pooler.dense.*, classifier.*
             self.pooler = BertPooler(cfg)
             self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
@@ -288,7 +307,12 @@ class BertModel(nn.Module):
         mask = op.astype(attention_mask, "float32")
         mask_bias = op.reshape((1.0 - mask) * MASK_FILL, (batch, 1, 1, seq))
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
-        hidden = self.encoder(hidden, PaddedAttention(mask_bias, self.encoder.position_bias(position_ids)))
+        if self.config.rotary:
+            attention_of = {kind: PaddedAttention(mask_bias, None if kind == FULL_ATTENTION else bias_by_distance(
+                self.encoder.bias(kind), position_ids)) for kind in self.encoder.kinds}
+            hidden = self.encoder(hidden, attention_of, position_ids, batch)
+        else:
+            hidden = self.encoder(hidden, PaddedAttention(mask_bias, self.encoder.position_bias(position_ids)))
         return self._heads(op.reshape(hidden, (batch, seq, hidden.shape[-1])), mask, position_ids)
 
     def forward_packed(
@@ -307,7 +331,12 @@ class BertModel(nn.Module):
         layout, ``unpack[b, s]`` naming the packed row of each slot (T: padding, a zero row), and
         the heads read it with ``attention_mask`` and ``padded_positions`` as ``forward``'s do."""
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
-        hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention, self.encoder.relative_bias))
+        if self.config.rotary:
+            attention_of = {kind: PackedAttention(starts, self.packed_attention, self.encoder.bias(kind))
+                            for kind in self.encoder.kinds}
+            hidden = self.encoder(hidden, attention_of, position_ids)
+        else:
+            hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention, self.encoder.relative_bias))
         batch, seq = unpack.shape
         width = hidden.shape[-1]
         with_zero_row = op.concat([hidden, op.zeros((1, width), "float32")], dim=0)
@@ -317,6 +346,8 @@ class BertModel(nn.Module):
         return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions)
 
     def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
+        if self.classifier_options is not None and self.config.rotary:
+            return hidden, self.classifier(self.head(hidden, mask))
         if self.classifier_options is not None:
             return hidden, self.classifier(self.pooler(hidden))
         return hidden, self.sentence(hidden, mask, op.astype(position_ids, "float32"))

@@ -14,8 +14,18 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
-from .config import DISTILBERT, MPNET, MPNET_MAX_DISTANCE, ROBERTA_TYPES, BertConfig, ModelConfigError
+from .config import (
+    DISTILBERT,
+    MODERNBERT,
+    MPNET,
+    MPNET_MAX_DISTANCE,
+    ROBERTA_TYPES,
+    SLIDING_ATTENTION,
+    BertConfig,
+    ModelConfigError,
+)
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions
+from .modernbert import rotary_tables, window_bias
 from .side_by_side import side_by_side
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
@@ -24,7 +34,8 @@ _ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                  "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification",
-                                 "DistilBertForSequenceClassification", "MPNetForSequenceClassification")
+                                 "DistilBertForSequenceClassification", "MPNetForSequenceClassification",
+                                 "ModernBertForSequenceClassification")
 # Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
 # BERT's pooler and classifier under other names (a dense layer and tanh on the first token,
 # then the output projection); DistilBERT names each layer its own way.
@@ -41,6 +52,7 @@ _MPNET_NAMES = (
     (".attention.attn.v.", ".attention.self.value."), (".attention.attn.o.", ".attention.output.dense."),
     (".attention.LayerNorm.", ".attention.output.LayerNorm."), *_ROBERTA_NAMES,
 )
+_MODERNBERT_NAMES = (("layers.", "encoder.layers."), ("final_norm.", "encoder.final_norm."))
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
@@ -257,6 +269,8 @@ def load_parameters(
     params: dict[str, np.ndarray] = {}
     for name, shape in expected:
         for part in sources[name]:
+            if part not in raw and _without_bias(checkpoint.config, part):
+                raw[part] = np.zeros(shape[-1:], np.float32)
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.weights_file} has no tensor {part!r}")
         try:
@@ -275,7 +289,9 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
     """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's and MPNet's
     position tables without the rows before the first token's, DistilBERT's and MPNet's with one
     token type, all zero, and MPNet's bias by relative position bucket spread over every distance."""
-    renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES}.get(
+    if config.model_type == MODERNBERT:
+        tensors.update(modernbert_tables(config))
+    renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
     if config.model_type in (DISTILBERT, MPNET):
         tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
@@ -288,6 +304,29 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
     if config.position_offset and _POSITIONS in tensors:
         tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:]
     return tensors
+
+
+def modernbert_tables(config: BertConfig) -> dict[str, np.ndarray]:
+    """ModernBERT's encoder tables by layer kind (``modernbert.ModernBertEncoder``): rotary cos and
+    sin, and, where attention takes a bias by distance, its window (none for a full layer)."""
+    tables = {}
+    for kind, theta in config.rope_thetas:
+        if kind in config.layer_types:
+            cos, sin = rotary_tables(theta, config.head_dim, config.max_length)
+            tables.update({f"encoder.{kind}_cos": cos, f"encoder.{kind}_sin": sin})
+            if config.score_bias:
+                half_width = config.sliding_window if kind == SLIDING_ATTENTION else None
+                tables[f"encoder.{kind}_bias"] = window_bias(config.num_attention_heads, config.max_length, half_width)
+    return tables
+
+
+def _without_bias(config: BertConfig, name: str) -> bool:
+    """Whether ``name`` is a bias a ModernBERT checkpoint leaves out (its config says so): zero."""
+    if config.model_type != MODERNBERT or not name.endswith(".bias"):
+        return False
+    if name.endswith("norm.bias"):
+        return not config.norm_bias
+    return not (config.classifier_bias if name.startswith("head.") else config.linear_bias)
 
 
 def relative_position_buckets(distance: np.ndarray, num_buckets: int,

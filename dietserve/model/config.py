@@ -1,7 +1,9 @@
 """Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, RoBERTa's family
 (RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder, its positions numbered past the padding
-index), DistilBERT (the same layers under other names, with no token types) and MPNet
-(RoBERTa's numbering, no token types, and a bias on attention scores by relative position)."""
+index), DistilBERT (the same layers under other names, with no token types), MPNet (RoBERTa's
+numbering, no token types, and a bias on attention scores by relative position) and ModernBERT
+(no position table: rotary positions; pre-LayerNorm layers, a gated GELU, no biases, and attention
+within a window of nearby tokens in two layers of three)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,25 @@ from pathlib import Path
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
-DISTILBERT, MPNET = "distilbert", "mpnet"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET)
+DISTILBERT, MPNET, MODERNBERT = "distilbert", "mpnet", "modernbert"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
 _DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers", 6),
                     "n_heads": ("num_attention_heads", 12), "hidden_dim": ("intermediate_size", 3072),
                     "activation": ("hidden_act", "gelu")}
+# ModernBERT's config keys -> ours, with ModernBertConfig's defaults.
+_MODERNBERT_KEYS = {"hidden_activation": ("hidden_act", "gelu"), "norm_eps": ("layer_norm_eps", 1e-5),
+                    "vocab_size": ("vocab_size", 50368), "intermediate_size": ("intermediate_size", 1152),
+                    "num_hidden_layers": ("num_hidden_layers", 22), "max_position_embeddings": (
+                        "max_position_embeddings", 8192), "pad_token_id": ("pad_token_id", 50283)}
+# ModernBERT's layer kinds (``layer_types``) and rotary bases by kind (its defaults).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+_MODERNBERT_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias",
+                      "classifier_pooling", "classifier_activation", "classifier_bias")
+_MODERNBERT_THETAS = {FULL_ATTENTION: ("global_rope_theta", 160_000.0),
+                      SLIDING_ATTENTION: ("local_rope_theta", 10_000.0)}
 
 
 class ModelConfigError(ValueError):
@@ -43,6 +56,18 @@ class BertConfig:
     model_type: str = "bert"
     # MPNet's: buckets of relative position whose learned bias each head adds to its scores; 0: none
     relative_attention_num_buckets: int = 0
+    # ModernBERT's: each layer's kind (full or sliding-window attention), the rotary base of each
+    # kind, the window's half width (a query attends to keys at most this far), whether its
+    # LayerNorms and linear layers have biases
+    layer_types: tuple[str, ...] = ()
+    rope_thetas: tuple[tuple[str, float], ...] = ()
+    sliding_window: int = 0
+    norm_bias: bool = True
+    linear_bias: bool = True
+    # ModernBERT's classifier head: the rows it reads (cls or mean), its activation, its dense bias
+    classifier_pooling: str = "cls"
+    classifier_activation: str = "gelu"
+    classifier_bias: bool = True
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -61,6 +86,16 @@ class BertConfig:
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                                 or not set(self.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}):
+            raise ModelConfigError(f"layer_types must name {FULL_ATTENTION} or {SLIDING_ATTENTION} for each of the "
+                                   f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise ModelConfigError(f"classifier_pooling={self.classifier_pooling!r} is not supported; expected "
+                                   "'cls' or 'mean'")
+        if self.classifier_activation not in SUPPORTED_ACTIVATIONS:
+            raise ModelConfigError(f"classifier_activation={self.classifier_activation!r} is not supported; "
+                                   f"expected one of {SUPPORTED_ACTIVATIONS}")
         if self.max_length <= 0:
             raise ModelConfigError(f"max_position_embeddings={self.max_position_embeddings} leaves no position "
                                    f"after the {self.position_offset} a {self.model_type} checkpoint skips")
@@ -84,12 +119,27 @@ class BertConfig:
         return "relu" if self.model_type == DISTILBERT else "tanh"
 
     @property
+    def score_bias(self) -> bool:
+        """Whether attention adds a bias by distance to its scores: MPNet's relative positions,
+        ModernBERT's sliding window."""
+        return self.relative_attention_num_buckets > 0 or SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def rotary(self) -> bool:
+        """Positions by rotating queries and keys (ModernBERT), not by a table of embeddings."""
+        return self.model_type == MODERNBERT
+
+    @property
     def max_length(self) -> int:
         """The longest sequence, in tokens, the position table holds."""
         return self.max_position_embeddings - self.position_offset
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, without ModernBERT's at their defaults: an earlier build's manifest and
+        cache key read the same for every other family (a hot swap compares manifests' configs)."""
+        defaults = BertConfig.__dataclass_fields__
+        return {name: value for name, value in asdict(self).items()
+                if name not in _MODERNBERT_FIELDS or value != defaults[name].default}
 
     @classmethod
     def from_dict(cls, raw: dict) -> BertConfig:
@@ -103,6 +153,8 @@ class BertConfig:
             raw = {**raw, **renamed, "type_vocab_size": 1, "layer_norm_eps": 1e-12}
         elif raw.get("model_type") == MPNET:
             raw = {"relative_attention_num_buckets": 32, **raw, "type_vocab_size": 1}
+        elif raw.get("model_type") == MODERNBERT:
+            raw = _modernbert(raw)
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type
@@ -118,6 +170,32 @@ class BertConfig:
         except json.JSONDecodeError as err:
             raise ModelConfigError(f"{path} is not valid JSON: {err}") from err
         return cls.from_dict(raw)
+
+
+def _modernbert(raw: dict) -> dict:
+    """ModernBERT's config in our keys: its layer kinds (``layer_types``, or one full layer in
+    ``global_attn_every_n_layers``), rotary bases (``rope_parameters``, or the older
+    ``global_rope_theta`` and ``local_rope_theta``), window and biases."""
+    ours = {key: raw.get(theirs, default) for theirs, (key, default) in _MODERNBERT_KEYS.items()}
+    layers = int(ours["num_hidden_layers"])
+    every = int(raw.get("global_attn_every_n_layers") or 3)
+    kinds = raw.get("layer_types") or [SLIDING_ATTENTION if i % every else FULL_ATTENTION for i in range(layers)]
+    thetas = []
+    for kind, (old_key, default) in _MODERNBERT_THETAS.items():
+        rope = (raw.get("rope_parameters") or {}).get(kind) or {}
+        if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+            raise ModelConfigError(f"rope_parameters[{kind!r}]={rope} (scaled rotary positions) is not supported; "
+                                   "only rope_type 'default'")
+        thetas.append((kind, float(rope.get("rope_theta", raw.get(old_key, default)))))
+    if raw.get("attention_bias", False) != raw.get("mlp_bias", False):
+        raise ModelConfigError(f"attention_bias={raw.get('attention_bias')} with mlp_bias={raw.get('mlp_bias')} "
+                               "is not supported (both or neither)")
+    return {**raw, **ours, "type_vocab_size": 1, "layer_types": tuple(kinds), "rope_thetas": tuple(thetas),
+            "sliding_window": int(raw.get("local_attention", 128)) // 2,
+            "norm_bias": bool(raw.get("norm_bias", False)), "linear_bias": bool(raw.get("attention_bias", False)),
+            "classifier_pooling": raw.get("classifier_pooling", "cls"),
+            "classifier_activation": raw.get("classifier_activation", "gelu"),
+            "classifier_bias": bool(raw.get("classifier_bias", False))}
 
 
 # BERT-base as in DietCode's experiments; used with seeded random weights for benchmarks.

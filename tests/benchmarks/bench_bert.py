@@ -9,7 +9,7 @@ the read before and after each point's backends, the faster taken). No fp32 back
 it: it grants every FLOP the peak rate, a perfect overlap of the weights' stream with the FMAs,
 and nothing for the rest of the model.
 
-    python tests/benchmarks/bench_bert.py [--models bert-base,default,mpnet-base,DIR] [--batches 1,8] [--threads N]
+    python tests/benchmarks/bench_bert.py [--models bert-base,default,mpnet-base,modernbert-base,DIR] [--batches 1,8]
     python tests/benchmarks/bench_bert.py --tuned [--trials 32]     # also the tuned artifact
     python tests/benchmarks/bench_bert.py --mixed [--mixed-batches 8,32]  # packed vs padded, real text
 
@@ -79,6 +79,7 @@ from timing import busy_rounds, call_seconds, geomean, paired_ratio, rotated  # 
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact  # noqa: E402
 from dietserve.kernels.plan.kernel_plan import read_plans  # noqa: E402
+from dietserve.model.config import SLIDING_ATTENTION  # noqa: E402
 from dietserve.model.presets import default_model_folder, resolve_model  # noqa: E402
 from dietserve.runtime.artifact import load_artifact  # noqa: E402
 from dietserve.runtime.engine import Engine  # noqa: E402
@@ -138,8 +139,12 @@ class WeightFloor:
 
         config = Checkpoint.open(checkpoint).config
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.params = config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inner)
+        # (ModernBERT's gated GELU: three intermediate-wide products, BERT's two)
+        self.params = config.num_hidden_layers * (4 * hidden * hidden + (3 if config.rotary else 2) * hidden * inner)
         self.layers, self.hidden = config.num_hidden_layers, hidden
+        # keys a query attends to, by layer: a sliding window's at most (ModernBERT's), else all
+        self.windows = [2 * config.sliding_window + 1 if kind == SLIDING_ATTENTION else None
+                        for kind in config.layer_types] or [None] * config.num_hidden_layers
         self.target = resolve_target("llvm", cores=threads).target
         self.read_weights = kernel_baselines.read_pass(self.target, 4 * self.params)
         self.fma_peak: list[float] = []  # GFLOP/s, one per round
@@ -153,10 +158,14 @@ class WeightFloor:
         timed now."""
         read = median_latency(self.read_weights, (), repeats)
         self.dram.append(4 * self.params / read / 1e9)
-        # the dense layers, and attention's scores and context products: 2 x 2 * seq^2 * hidden per
-        # sequence and layer
-        flops = 2 * self.params * batch * seq + self.layers * batch * 4 * seq * seq * self.hidden
+        flops = batch * self.flops(seq)
         return max(flops / (self.fma_peak[-1] * 1e9), read)
+
+    def flops(self, seq: int) -> int:
+        """One sequence's dense layers, and attention's scores and context products: 2 x 2 * seq
+        * keys * hidden per layer, keys within its window."""
+        keys = sum(seq if window is None else min(seq, window) for window in self.windows)
+        return 2 * self.params * seq + 4 * seq * keys * self.hidden
 
     def summary(self) -> str:
         return (f"{self.params / 1e6:.1f} M dense weights; FMA peak {min(self.fma_peak):.1f}-{max(self.fma_peak):.1f}"
@@ -329,7 +338,7 @@ def bench_mixed(model: str, args: argparse.Namespace, ratios: dict[str, list[flo
             ratios["token_cost_b8_vs_b1"].append(token_cost)
         # the matrix products' FLOPs (dense layers, attention's two per sequence) at the FMA peak
         lengths = mask.sum(axis=1).astype(np.int64)
-        flops = 2 * floor.params * int(lengths.sum()) + floor.layers * 4 * floor.hidden * int((lengths ** 2).sum())
+        flops = sum(floor.flops(int(length)) for length in lengths)
         at_peak = flops / peak
         print(f"{size:>5} {int(mask.sum()):>6} {ids.size:>6} " + " ".join(f"{times[n] * 1e3:>10.2f}" for n in names)
               + f" {vs_padded:>7.2f} {vs_best:>7.2f} {token_cost:>7.2f} {100 * at_peak / times[LAYOUT_PACKED]:>6.1f}"
@@ -436,24 +445,35 @@ def reference_model(model: str, args: argparse.Namespace):
     return AutoModel.from_pretrained(str(resolve_model(model, args.cache_dir)), attn_implementation="eager").eval()
 
 
-def mpnet_base(cache_dir: Path) -> str:
-    """``--models mpnet-base``: all-mpnet-base-v2's shapes (MPNet-base: 12 layers of 768, 12 heads,
-    relative position buckets), random weights from transformers' own initialisation (seed 0),
+# ``--models`` names of random-weight models of real checkpoints' shapes: transformers' config and
+# model classes, the config's arguments (each family's defaults are its base model's shapes), the model's
+RANDOM_FAMILIES = {
+    "mpnet-base": ("MPNetConfig", "MPNetModel", {"max_position_embeddings": 514, "vocab_size": 30527},
+                   {"add_pooling_layer": False}),  # all-mpnet-base-v2
+    "modernbert-base": ("ModernBertConfig", "ModernBertModel", {"pad_token_id": 0}, {}),  # gte-modernbert-base
+}
+
+
+def random_family_model(name: str, cache_dir: Path) -> str:
+    """``--models mpnet-base`` (all-mpnet-base-v2's shapes: 12 layers of 768, relative position
+    buckets) or ``modernbert-base`` (22 layers of 768, rotary positions, gated GELU, sliding
+    windows, 8,192 positions): random weights from transformers' own initialisation (seed 0),
     written once under the cache folder; the default model's tokenizer (``--mixed`` reads text)."""
     import shutil
 
     import torch
-    from transformers import MPNetConfig, MPNetModel
+    import transformers
 
-    folder = cache_dir / "models" / "mpnet-base-random-seed0"
+    config_class, model_class, arguments, model_arguments = RANDOM_FAMILIES[name]
+    folder = cache_dir / "models" / f"{name}-random-seed0"
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         torch.manual_seed(0)
-        config = MPNetConfig(max_position_embeddings=514, vocab_size=30527)  # all-mpnet-base-v2's
-        MPNetModel(config, add_pooling_layer=False).eval().save_pretrained(str(staging))
-        for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(default_model_folder() / name, staging / name)
+        config = getattr(transformers, config_class)(**arguments)
+        getattr(transformers, model_class)(config, **model_arguments).eval().save_pretrained(str(staging))
+        for file in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(default_model_folder() / file, staging / file)
         os.replace(staging, folder)  # whole or not at all
     return str(folder)
 
@@ -479,7 +499,7 @@ def result_line(ratios: dict[str, list[float]], fields) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default",
-                        help="comma-separated: bert-base, default, mpnet-base (random weights), DIR")
+                        help="comma-separated: bert-base, default, mpnet-base, modernbert-base (random weights), DIR")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point and round at most (at least 3)")
@@ -502,7 +522,7 @@ def main() -> int:
                              "PyTorch bf16 autocast and ONNX Runtime (see bench_precision)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.models = ",".join(mpnet_base(args.cache_dir) if model == "mpnet-base" else model
+    args.models = ",".join(random_family_model(model, args.cache_dir) if model in RANDOM_FAMILIES else model
                            for model in args.models.split(","))
     if args.precision == "bf16":
         found = over_models(bench_precision, args, ("vs_openvino_bf16", "bf16_vs_fp32", "bf16_vs_fp32_seq128plus",

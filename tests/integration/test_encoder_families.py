@@ -331,3 +331,85 @@ def test_mpnet_buckets_are_transformers() -> None:
     distances = np.arange(-1023, 1024)
     expected = MPNetEncoder.relative_position_bucket(torch.from_numpy(distances), num_buckets=32).numpy()
     np.testing.assert_array_equal(relative_position_buckets(distances, 32), expected)
+
+
+MODERNBERT_LENGTH = 256
+MODERNBERT_WINDOW = 16  # local_attention: keys within 8 of the query, so texts here reach past it
+
+
+def _modernbert_config(tokenizer_folder: Path, **head):
+    from transformers import AutoTokenizer, ModernBertConfig
+
+    return ModernBertConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(tokenizer_folder))), hidden_size=64,
+                            num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
+                            max_position_embeddings=MODERNBERT_LENGTH, global_attn_every_n_layers=2,
+                            local_attention=MODERNBERT_WINDOW, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                            cls_token_id=0, sep_token_id=2, initializer_range=0.1, **head)
+
+
+@pytest.fixture(scope="module")
+def modernbert_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ModernBertModel (full attention in layers 0 and 2, a sliding window in layer 1, rotary
+    positions, no biases) under mean pooling and Normalize, saved by sentence-transformers."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import ModernBertModel
+
+    encoder = _tokenizer_folder(tmp_path_factory.mktemp("modernbert-encoder"))
+    torch.manual_seed(17)
+    ModernBertModel(_modernbert_config(encoder)).eval().save_pretrained(str(encoder))
+    transformer = models.Transformer(str(encoder), max_seq_length=MODERNBERT_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "modernbert-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), "mean"),
+                                 models.Normalize()], device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_modernbert_matches_transformers_and_sentence_transformers(modernbert_folder, cache_dir, layout) -> None:
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer, ModernBertModel
+
+    request = CompileRequest(model=str(modernbert_folder), max_batch=8, layout=layout)
+    embedder = Embedder(Engine(load_artifact(compile_artifact(request, cache_dir))))
+    assert embedder.engine.max_seq_len == MODERNBERT_LENGTH
+    encoded = embedder.tokenizer.encode(TEXTS)
+    assert encoded.input_ids.shape[1] == MODERNBERT_LENGTH
+    reference = ModernBertModel.from_pretrained(str(modernbert_folder), attn_implementation="eager").eval()
+    assert reference.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    expected_ids = AutoTokenizer.from_pretrained(str(modernbert_folder))(
+        TEXTS, padding=True, truncation=True, max_length=MODERNBERT_LENGTH, return_tensors="pt")
+    np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
+                                  (expected_ids["input_ids"] * expected_ids["attention_mask"]).numpy())
+    with torch.no_grad():
+        expected = reference(input_ids=expected_ids["input_ids"],
+                             attention_mask=expected_ids["attention_mask"]).last_hidden_state.numpy()
+    output = embedder.encode(TEXTS)
+    mask = encoded.attention_mask[..., None]
+    assert np.abs(expected).max() > 0.5
+    np.testing.assert_allclose(output.last_hidden_state * mask, expected * mask, rtol=0, atol=1e-4)
+    sentence = SentenceTransformer(str(modernbert_folder), device="cpu", local_files_only=True).encode(TEXTS)
+    np.testing.assert_allclose(output.sentence_embedding, sentence, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_modernbert_classifier_matches_transformers(tmp_path: Path, cache_dir: Path, pooling: str) -> None:
+    """A cross-encoder (as gte-reranker-modernbert-base): its head reads the attended tokens'
+    mean or the first token, then a dense layer, GELU and LayerNorm, before the output layer."""
+    import torch
+    from transformers import ModernBertForSequenceClassification
+
+    folder = _tokenizer_folder(tmp_path / "reranker")
+    torch.manual_seed(19)
+    config = _modernbert_config(folder, num_labels=1, classifier_pooling=pooling)
+    ModernBertForSequenceClassification(config).eval().save_pretrained(str(folder))
+    engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
+    encoded = artifact_tokenizer(engine).encode(PAIRS)
+    reference = ModernBertForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    assert np.abs(logits).max() > 0.1 and engine.artifact.manifest.task == "classification"
+    np.testing.assert_allclose(output.logits, logits, rtol=0, atol=1e-4)

@@ -31,7 +31,10 @@ def test_config_reads_checkpoint_options() -> None:
     [
         ({"hidden_act": "mish"}, "hidden_act='mish' is not supported"),
         ({"hidden_size": 100, "num_attention_heads": 12}, "not divisible"),
-        ({"model_type": "modernbert"}, "model_type='modernbert' is not supported; .* bert, roberta, xlm-roberta"),
+        ({"model_type": "deberta-v2"}, "model_type='deberta-v2' is not supported; .* bert, roberta, xlm-roberta"),
+        ({"model_type": "modernbert", "rope_parameters": {"full_attention": {"rope_type": "yarn"}}},
+         "scaled rotary positions"),
+        ({"model_type": "modernbert", "classifier_pooling": "max"}, "classifier_pooling='max' is not supported"),
         ({"model_type": "xlm-roberta", "max_position_embeddings": 2}, "leaves no position after the 2"),
         ({"position_embedding_type": "relative_key"}, "only 'absolute'"),
         ({"num_hidden_layers": 0}, "must be positive"),
@@ -68,6 +71,48 @@ def test_mpnet_config_has_relative_buckets_and_roberta_positions() -> None:
     config = BertConfig.from_dict({"model_type": "mpnet", "max_position_embeddings": 514, "pad_token_id": 0})
     assert (config.relative_attention_num_buckets, config.type_vocab_size) == (32, 1)
     assert (config.position_offset, config.max_length) == (2, 512)  # transformers' padding index 1, not the config's
+
+
+def test_modernbert_config_reads_either_format() -> None:
+    """Hub configs written before transformers 5 name the layer pattern and the rotary bases by
+    ``global_attn_every_n_layers``, ``global_rope_theta``, ``local_rope_theta``; transformers' own
+    config saves ``layer_types`` and ``rope_parameters``. Both read the same."""
+    from transformers import ModernBertConfig
+
+    older = {"model_type": "modernbert", "num_hidden_layers": 22, "global_attn_every_n_layers": 3,
+             "global_rope_theta": 160000.0, "local_rope_theta": 10000.0, "local_attention": 128,
+             "hidden_activation": "gelu", "norm_eps": 1e-5, "norm_bias": False, "attention_bias": False,
+             "mlp_bias": False, "max_position_embeddings": 8192, "vocab_size": 50368, "intermediate_size": 1152}
+    ours = BertConfig.from_dict(older)
+    theirs = BertConfig.from_dict(json.loads(ModernBertConfig().to_json_string()))
+    assert ours == theirs
+    assert ours.layer_types[:4] == ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
+    assert dict(ours.rope_thetas) == {"full_attention": 160000.0, "sliding_attention": 10000.0}
+    assert (ours.sliding_window, ours.max_length, ours.position_offset, ours.type_vocab_size) == (64, 8192, 0, 1)
+    assert ours.rotary and ours.score_bias and not (ours.norm_bias or ours.linear_bias)
+    # (the other families' configs, hence their manifests and cache keys, read as before)
+    assert set(BertConfig().to_dict()) == {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "intermediate_size", "hidden_act", "max_position_embeddings",
+                                           "type_vocab_size", "layer_norm_eps", "pad_token_id", "model_type",
+                                           "relative_attention_num_buckets"}
+
+
+def test_modernbert_rotary_tables_are_transformers() -> None:
+    """cos and sin at every position of both layer kinds against transformers' rotary embedding."""
+    import torch
+    from transformers import ModernBertConfig
+    from transformers.models.modernbert.modeling_modernbert import ModernBertRotaryEmbedding
+
+    from dietserve.model.modernbert import rotary_tables
+
+    config = ModernBertConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=8192)
+    rotary = ModernBertRotaryEmbedding(config)
+    positions = torch.arange(8192)[None]
+    for kind, theta in BertConfig.from_dict(json.loads(config.to_json_string())).rope_thetas:
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions, kind)
+        ours = rotary_tables(theta, 64, 8192)
+        np.testing.assert_allclose(ours[0], cos[0].numpy(), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(ours[1], sin[0].numpy(), rtol=0, atol=2e-6)
 
 
 def _write_checkpoint(folder: Path, weights: dict[str, np.ndarray], config: BertConfig = TINY) -> Path:
