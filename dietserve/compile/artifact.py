@@ -25,6 +25,7 @@ from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, PRECISIONS, KernelPlan, 
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
+from ..model.config import SLIDING_ATTENTION
 from ..model.heads import parse_pooling_modes
 from ..model.hub import hub_id
 from ..model.presets import PRESET_DISPLAY_NAMES, display_name, resolve_model
@@ -331,10 +332,12 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     # bf16 where every tile's products can run on pairs (16-lane vectors); else attention stays fp32
     named = tiles if isinstance(tiles, dict) else {"tile": tiles}
     paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
-    kernel = varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles,
-                              tree, precision="bf16" if paired else "fp32",
-                              relative_bias=config.score_bias)
-    return export_relax(model, request.max_batch, kernel)
+    def kernel(window: int | None = None):
+        return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
+                                precision="bf16" if paired else "fp32", relative_bias=config.score_bias, window=window)
+
+    windowed = kernel(config.sliding_window) if SLIDING_ATTENTION in config.layer_types else None
+    return export_relax(model, request.max_batch, kernel(), windowed)
 
 
 def plan_source(plans: list[KernelPlan]) -> str:

@@ -28,7 +28,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import FULL_ATTENTION, BertConfig
+from .config import FULL_ATTENTION, SLIDING_ATTENTION, BertConfig
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 
 # torch.finfo(torch.float32).min: the additive mask value Hugging Face uses, so masked
@@ -145,13 +145,14 @@ class PackedAttention:
     one kernel (``kernel``: ``kernels/cpu_varlen/attention.py``, built for the target), which adds
     ``relative_bias`` (MPNet's, by distance: ``BertEncoder.relative_bias``) where there is one."""
 
-    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc, relative_bias: nn.Tensor | None = None):
-        self.starts, self.kernel = starts, kernel
+    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc, relative_bias: nn.Tensor | None = None,
+                 name: str = "varlen_attention"):
+        self.starts, self.kernel, self.name = starts, kernel, name
         self.relative_bias = () if relative_bias is None else (relative_bias,)
 
     def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
         out = nn.Tensor.placeholder((qkv.shape[0], heads * head_dim), "float32")
-        return op.tensor_ir_op(self.kernel, "varlen_attention", [qkv, self.starts, *self.relative_bias], out)
+        return op.tensor_ir_op(self.kernel, self.name, [qkv, self.starts, *self.relative_bias], out)
 
 
 class BertSelfAttention(nn.Module):
@@ -332,8 +333,12 @@ class BertModel(nn.Module):
         the heads read it with ``attention_mask`` and ``padded_positions`` as ``forward``'s do."""
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
         if self.config.rotary:
-            attention_of = {kind: PackedAttention(starts, self.packed_attention, self.encoder.bias(kind))
-                            for kind in self.encoder.kinds}
+            # (the windowed layers' kernel skips the key tiles their window masks)
+            kernels = {kind: (self.packed_attention, "varlen_attention") for kind in self.encoder.kinds}
+            if self.windowed_attention is not None:
+                kernels[SLIDING_ATTENTION] = (self.windowed_attention, "varlen_attention_window")
+            attention_of = {kind: PackedAttention(starts, kernel, self.encoder.bias(kind), name)
+                            for kind, (kernel, name) in kernels.items()}
             hidden = self.encoder(hidden, attention_of, position_ids)
         else:
             hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention, self.encoder.relative_bias))
@@ -385,10 +390,12 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.PrimFunc | None = None,
+                 windowed_attention: tvm.tirx.PrimFunc | None = None,
                  ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...]]]]:
     """Export ``model`` to an IRModule whose ``forward`` is symbolic in batch and seq_len; with
     ``packed_attention`` (the target's kernel, ``kernels/cpu_varlen``) ``forward`` is
-    ``BertModel.forward_packed``, symbolic in the tokens and sequences as well (``PACKED_INPUTS``).
+    ``BertModel.forward_packed``, symbolic in the tokens and sequences as well (``PACKED_INPUTS``);
+    ``windowed_attention``: the kernel of ModernBERT's sliding-window layers, if not that one.
 
     Returns ``(irmodule, parameters)`` with ``parameters`` as ``(name, shape)`` in argument
     order; they follow the inputs as function arguments, so weights stay out of the compiled
@@ -402,7 +409,8 @@ def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.Pr
                   "position_ids": nn.spec.Tensor([SHAPE_VARS[1]], "int64")}
         method = "forward"
     else:
-        model.packed_attention = packed_attention  # (read by forward_packed as it is traced)
+        # (read by forward_packed as it is traced)
+        model.packed_attention, model.windowed_attention = packed_attention, windowed_attention
         tokens = nn.spec.Tensor([PACKED_VARS[0]], "int64")
         inputs = {"input_ids": tokens, "token_type_ids": tokens, "position_ids": tokens,
                   "starts": nn.spec.Tensor([PACKED_VARS[1]], "int64"), "unpack": padded, "attention_mask": padded,

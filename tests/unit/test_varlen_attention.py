@@ -91,6 +91,34 @@ def test_relative_position_bias_is_added_by_distance(tile: VarlenTile) -> None:
         assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
 
 
+@pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=3, nr=24, nc=32), tile_for(CPU_PRESETS["avx512"])],
+                         ids=lambda t: t.describe())
+@pytest.mark.parametrize("window", [0, 8, 64])
+def test_a_sliding_window_attends_within_it_alone(tile: VarlenTile, window: int) -> None:
+    """ModernBERT's windowed layers: a query attends to the keys at most ``window`` away. The
+    kernel gets the window's bias (``model/modernbert.py``) and skips the key tiles wholly
+    outside it; the reference masks exactly, query by query."""
+    from dietserve.model.modernbert import window_bias
+
+    target = TARGET
+    if tile.lanes == 16:
+        if "avx512f" not in (cpu_flags() or set()):
+            pytest.skip("this CPU has no AVX-512")
+        target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    configure_cpu_threads(2)
+    heads, head_dim = 2, 64
+    function = built(heads, head_dim, tile, target=target, relative_bias=True, window=window)
+    bias = window_bias(heads, MAX_LEN, window)
+    exact = np.where(np.abs(np.arange(1 - MAX_LEN, MAX_LEN)) <= window, 0.0, -np.inf)
+    rng = np.random.default_rng(2)
+    for lengths in MIXES:
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim, bias)
+        expected = reference(qkv, starts, heads, head_dim, np.broadcast_to(exact, (heads, exact.size)))
+        error = np.abs(out - expected).max() / np.abs(expected).max()
+        assert error < 1e-5, f"window {window}, lengths {lengths}: max error {error:.2e} of the largest output"
+
+
 @pytest.mark.skipif("avx512f" not in (cpu_flags() or set()), reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("tile", [tile_for(CPU_PRESETS["avx512"]), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
                                   VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())

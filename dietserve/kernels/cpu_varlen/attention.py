@@ -53,11 +53,15 @@ Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 
 def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
-                     parallel: bool = True, precision: str = "fp32", relative_bias: bool = False) -> tirx.PrimFunc:
+                     parallel: bool = True, precision: str = "fp32", relative_bias: bool = False,
+                     window: int | None = None) -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
     head_dim])``; ``max_len`` bounds a sequence's length (the position table's size).
-    ``relative_bias`` (MPNet's): a ``bias [heads, 2 * max_len - 1]`` argument after ``starts``,
-    ``bias[h, j - i + max_len - 1]`` added to head h's score of query i for key j.
+    ``relative_bias`` (MPNet's; ModernBERT's window): a ``bias [heads, 2 * max_len - 1]``
+    argument after ``starts``, ``bias[h, j - i + max_len - 1]`` added to head h's score of query
+    i for key j. ``window`` (with a bias that masks every key farther than ``window`` from its
+    query, ModernBERT's sliding window): the key tiles wholly outside a query tile's window are
+    skipped, in the scores, the softmax and the context (fp32; bf16 pairs run every tile).
 
     ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
     (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
@@ -71,6 +75,8 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
     except TreeError as err:
         raise ValueError(f"attention tiles {sorted(tiles)}: {err}") from err
     pairs = precision == "bf16"
+    if window is not None and not relative_bias:
+        raise ValueError("a window skips key tiles that its bias masks: it needs relative_bias")
     if pairs and not all(bf16_attention_fits(tile, head_dim) for tile in tiles.values()):
         raise ValueError(f"bf16 attention needs {PAIR_LANES}-lane tiles and context tiles over an even head_dim; "
                          f"tiles {sorted(t.describe() for t in tiles.values())} for head_dim {head_dim} are not")
@@ -89,7 +95,8 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
             with loop(0, heads * sequences) as task:
                 h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim, bias, max_len), tiles, max_len, pairs)
+                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim, bias, max_len), tiles, max_len, pairs,
+                          window)
     func = builder.get()
     if pairs:
         func = func.with_body(importing_bf16_functions(func.body)).with_attr(PRECISION_ATTR, precision)
@@ -102,26 +109,28 @@ def bf16_attention_fits(tile: VarlenTile, head_dim: int) -> bool:
     return tile.lanes == PAIR_LANES and context_tile(head_dim, tile)[1] == PAIR_LANES and head_dim % 2 == 0
 
 
-def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int, pairs: bool) -> None:
+def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int, pairs: bool,
+              window: int | None) -> None:
     """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see."""
     if "variant" in node:
         tile = tiles[node["variant"]]
-        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs)
+        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs, None if pairs else window)
         return
     if node["var"] != LENGTH_VAR:
         raise ValueError(f"an attention tree branches on {LENGTH_VAR!r} alone, not {node['var']!r}")
     length = call[2][2]
     with T.If(length <= node["le"]):
         with T.Then():
-            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)), pairs)
+            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)), pairs, window)
         with T.Else():
-            _dispatch(node["else"], call, tiles, longest, pairs)
+            _dispatch(node["else"], call, tiles, longest, pairs, window)
 
 
 def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile: VarlenTile,
-              pairs: bool = False) -> None:
+              pairs: bool = False, window: int | None = None) -> None:
     """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``);
-    ``bias``: the relative position bias, or None."""
+    ``bias``: the relative position bias, or None; ``window``: keys farther from every query of a
+    tile are skipped (whole key tiles: the bias masks the rest)."""
     h, start, length = where
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
@@ -155,10 +164,16 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
             with T.vectorized(0, lanes) as lane:
                 T.buffer_store(row_max, lowest, [ii, lane])
                 T.buffer_store(row_sum, zero, [ii, lane])
+        # the key tiles within reach of the tile's queries: all, or those a window reaches
+        first_tile, end_tile, first_column, end_column = 0, key_tiles, 0, length
+        if window is not None:
+            first_tile, end_tile = computed_once(tirx.floordiv(tirx.max(i0 - window, 0), nr),
+                                                 tirx.min(key_tiles, tirx.floordiv(i0 + rows - 1 + window, nr) + 1))
+            first_column, end_column = first_tile * nr, tirx.min(end_tile * nr, length)
         # scores, and each row's running max over its real columns (lane by lane)
         if paired is not None:
             paired.pair_queries(queries)
-        with T.serial(0, key_tiles) as jo:
+        with T.serial(first_tile, end_tile) as jo:
             acc = T.alloc_buffer((mr, nr), "float32", scope="global")
             _tile_loop(mr, nr, lanes, lambda ii, jv, lane: T.buffer_store(acc, zero, [ii, jv * lanes + lane]))
             if paired is not None:
@@ -189,7 +204,7 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
         if paired is not None:
             paired.exponentiate(scores, row_max, row_sum)
         else:
-            exponentials(scores, row_max, row_sum, mr, lanes, length)
+            exponentials(scores, row_max, row_sum, mr, lanes, end_column, first_column)
         # context = (e @ V) / sum, the division folded into the store
         with T.unroll(0, head_dim // nc) as co:
             context = T.alloc_buffer((mr, nc), "float32", scope="global")
@@ -198,7 +213,7 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
             if paired is not None:
                 paired.context(context, co * nc, nc)
             else:
-                with T.serial(0, length) as j:
+                with T.serial(first_column, end_column) as j:
                     _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
                         context, context[ii, cv * context_lanes + lane]
                         + scores[ii, j] * values[j, co * nc + cv * context_lanes + lane],

@@ -10,9 +10,10 @@ from tvm.script.ir_builder import tirx as T
 from ..tir.fast_exp import AVX512_LANES, avx512_softmax_exp, softmax_exp
 
 
-def exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
+def exponentials(scores, row_max, row_sum, mr: int, lanes: int, length, first=0) -> None:
     """exp(score - row max) in place, summed lane by lane into ``row_sum``: whole vectors, then
-    the last part vector (0 past the real columns, within the panels)."""
+    the last part vector (0 past the real columns, within the panels); columns ``first`` (whole
+    vectors) to ``length``."""
     zero = tirx.const(0, "float32")
     with T.unroll(0, mr) as ii:
         peak = lane_reduce(row_max, ii, lanes, tirx.max)
@@ -30,7 +31,7 @@ def exponentials(scores, row_max, row_sum, mr: int, lanes: int, length) -> None:
                 T.buffer_store(scores, tirx.Select(column < length, e, zero) if masked else e, [ii, column])
                 T.buffer_store(row_sum, row_sum[ii, lane] + scores[ii, column], [ii, lane])
 
-        with T.serial(0, length // lanes) as v:
+        with T.serial(first // lanes, length // lanes) as v:
             pass_over(v, False)
         with T.If(length % lanes > 0):
             with T.Then():
