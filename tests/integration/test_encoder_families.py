@@ -7,7 +7,10 @@ same pipeline and answer as transformers and sentence-transformers do:
 - DistilBERT: BERT's layers under other names, no token types, a ReLU in its classifier's head;
   a sentiment classifier (as distilbert-base-uncased-finetuned-sst-2-english) and an embedder;
 - MPNet (as all-mpnet-base-v2): RoBERTa's numbering, no token types, and a learned bias on the
-  scores by relative position bucket, in both layouts, at distances past the last bucket's."""
+  scores by relative position bucket, in both layouts, at distances past the last bucket's;
+- ModernBERT (as gte-modernbert-base and its reranker): rotary positions, pre-LayerNorm layers,
+  a gated GELU, no biases, and a sliding window in one layer of two here; an embedder in both
+  layouts at texts far longer than the window, and sequence classifiers with either head pooling."""
 
 from __future__ import annotations
 
@@ -230,15 +233,17 @@ def test_distilbert_embeddings_match_sentence_transformers(tmp_path: Path, cache
 
 
 @pytest.mark.slow
-def test_one_server_serves_each_family(embedder, embedder_folder, cross_encoder, distilbert_classifier) -> None:
+def test_one_server_serves_each_family(embedder, embedder_folder, cross_encoder, distilbert_classifier,
+                                       modernbert_folder, cache_dir) -> None:
     """The three artifacts served by one real server process, each through its HTTP route:
     TEI's /embed, /rerank and /predict, against sentence-transformers and transformers' pipeline."""
     import requests
     from sentence_transformers import CrossEncoder, SentenceTransformer
     from transformers import pipeline
 
+    modernbert = compile_artifact(CompileRequest(model=str(modernbert_folder), max_batch=8), cache_dir)
     artifacts = [embedder.engine.artifact.directory, cross_encoder[1].artifact.directory,
-                 distilbert_classifier[1].artifact.directory]
+                 distilbert_classifier[1].artifact.directory, modernbert]
     server = ServerProcess(None, *[flag for artifact in artifacts for flag in ("--artifact", str(artifact))],
                            model_name=None)
     try:
@@ -249,6 +254,9 @@ def test_one_server_serves_each_family(embedder, embedder_folder, cross_encoder,
 
         embedded = np.array(post("/embed", "xlmr-embedder", {"inputs": TEXTS, "truncate": True}))
         expected = SentenceTransformer(str(embedder_folder), device="cpu", local_files_only=True).encode(TEXTS)
+        np.testing.assert_allclose(embedded, expected, rtol=0, atol=1e-4)
+        embedded = np.array(post("/embed", "modernbert-embedder", {"inputs": TEXTS, "truncate": True}))
+        expected = SentenceTransformer(str(modernbert_folder), device="cpu", local_files_only=True).encode(TEXTS)
         np.testing.assert_allclose(embedded, expected, rtol=0, atol=1e-4)
 
         query, documents = PAIRS[0][0], [document for _, document in PAIRS]
