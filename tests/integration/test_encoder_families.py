@@ -303,32 +303,43 @@ def mpnet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_mpnet_matches_transformers_and_sentence_transformers(mpnet_folder, cache_dir, layout) -> None:
+def _embedder_matches(folder: Path, model_class, length: int, layout: str, cache_dir: Path):
+    """``folder``'s embedder compiled in ``layout`` against transformers' ``model_class`` (every
+    attended token's state, the texts tokenized alike up to ``length``) and sentence-transformers
+    (the sentence embedding); returns transformers' model."""
     import torch
     from sentence_transformers import SentenceTransformer
-    from transformers import AutoTokenizer, MPNetModel
+    from transformers import AutoTokenizer
 
-    request = CompileRequest(model=str(mpnet_folder), max_batch=8, layout=layout)
+    request = CompileRequest(model=str(folder), max_batch=8, layout=layout)
     embedder = Embedder(Engine(load_artifact(compile_artifact(request, cache_dir))))
-    assert embedder.engine.max_seq_len == MPNET_LENGTH and embedder.engine.packed == (layout == "packed")
+    assert embedder.engine.max_seq_len == length and embedder.engine.packed == (layout == "packed")
     encoded = embedder.tokenizer.encode(TEXTS)
-    assert encoded.input_ids.shape[1] == MPNET_LENGTH
-    reference = MPNetModel.from_pretrained(str(mpnet_folder), attn_implementation="eager").eval()
-    expected_ids = AutoTokenizer.from_pretrained(str(mpnet_folder))(
-        TEXTS, padding=True, truncation=True, max_length=MPNET_LENGTH, return_tensors="pt")
+    assert encoded.input_ids.shape[1] == length
+    reference = model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
+    expected_ids = AutoTokenizer.from_pretrained(str(folder))(
+        TEXTS, padding=True, truncation=True, max_length=length, return_tensors="pt")
     np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
                                   (expected_ids["input_ids"] * expected_ids["attention_mask"]).numpy())
     with torch.no_grad():
         expected = reference(input_ids=expected_ids["input_ids"],
                              attention_mask=expected_ids["attention_mask"]).last_hidden_state.numpy()
     output = embedder.encode(TEXTS)
-    # (at padding transformers numbers MPNet's positions, as RoBERTa's, by the padding index: rows
-    # no output reads, so only the tokens' are compared)
+    # (padding's rows are compared nowhere: no output reads them, and transformers numbers MPNet's
+    # positions there, as RoBERTa's, by the padding index)
     mask = encoded.attention_mask[..., None]
+    assert np.abs(expected).max() > 0.5
     np.testing.assert_allclose(output.last_hidden_state * mask, expected * mask, rtol=0, atol=1e-4)
-    sentence = SentenceTransformer(str(mpnet_folder), device="cpu", local_files_only=True).encode(TEXTS)
+    sentence = SentenceTransformer(str(folder), device="cpu", local_files_only=True).encode(TEXTS)
     np.testing.assert_allclose(output.sentence_embedding, sentence, rtol=0, atol=1e-5)
+    return reference
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_mpnet_matches_transformers_and_sentence_transformers(mpnet_folder, cache_dir, layout) -> None:
+    from transformers import MPNetModel
+
+    _embedder_matches(mpnet_folder, MPNetModel, MPNET_LENGTH, layout, cache_dir)
 
 
 def test_mpnet_buckets_are_transformers() -> None:
@@ -375,30 +386,10 @@ def modernbert_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_modernbert_matches_transformers_and_sentence_transformers(modernbert_folder, cache_dir, layout) -> None:
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from transformers import AutoTokenizer, ModernBertModel
+    from transformers import ModernBertModel
 
-    request = CompileRequest(model=str(modernbert_folder), max_batch=8, layout=layout)
-    embedder = Embedder(Engine(load_artifact(compile_artifact(request, cache_dir))))
-    assert embedder.engine.max_seq_len == MODERNBERT_LENGTH
-    encoded = embedder.tokenizer.encode(TEXTS)
-    assert encoded.input_ids.shape[1] == MODERNBERT_LENGTH
-    reference = ModernBertModel.from_pretrained(str(modernbert_folder), attn_implementation="eager").eval()
+    reference = _embedder_matches(modernbert_folder, ModernBertModel, MODERNBERT_LENGTH, layout, cache_dir)
     assert reference.config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
-    expected_ids = AutoTokenizer.from_pretrained(str(modernbert_folder))(
-        TEXTS, padding=True, truncation=True, max_length=MODERNBERT_LENGTH, return_tensors="pt")
-    np.testing.assert_array_equal(encoded.input_ids * encoded.attention_mask,
-                                  (expected_ids["input_ids"] * expected_ids["attention_mask"]).numpy())
-    with torch.no_grad():
-        expected = reference(input_ids=expected_ids["input_ids"],
-                             attention_mask=expected_ids["attention_mask"]).last_hidden_state.numpy()
-    output = embedder.encode(TEXTS)
-    mask = encoded.attention_mask[..., None]
-    assert np.abs(expected).max() > 0.5
-    np.testing.assert_allclose(output.last_hidden_state * mask, expected * mask, rtol=0, atol=1e-4)
-    sentence = SentenceTransformer(str(modernbert_folder), device="cpu", local_files_only=True).encode(TEXTS)
-    np.testing.assert_allclose(output.sentence_embedding, sentence, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])

@@ -23,6 +23,15 @@ def built(heads: int, head_dim: int, tile: VarlenTile | dict, tree: dict | None 
     return build(tvm.IRModule({"main": func}), target)["main"]
 
 
+def target_for(tile: VarlenTile) -> tvm.target.Target:
+    """The target a tile's vectors need: AVX-512 for 16 lanes (skipped on a CPU without it)."""
+    if tile.lanes != 16:
+        return TARGET
+    if "avx512f" not in (cpu_flags() or set()):
+        pytest.skip("this CPU has no AVX-512")
+    return tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+
+
 def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int, bias: np.ndarray | None = None,
               ) -> np.ndarray:
     """Per sequence and head: softmax(q k^T / sqrt(d) + relative bias) v, in float64; ``bias``
@@ -73,14 +82,9 @@ def test_each_sequence_attends_to_itself_alone(tile: VarlenTile) -> None:
 def test_relative_position_bias_is_added_by_distance(tile: VarlenTile) -> None:
     """MPNet's bias: each head's score of query i for key j gains ``bias[h, j - i + MAX_LEN - 1]``;
     every distance a 512-token sequence reaches holds a different value, so a wrong index shows."""
-    target = TARGET
-    if tile.lanes == 16:
-        if "avx512f" not in (cpu_flags() or set()):
-            pytest.skip("this CPU has no AVX-512")
-        target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
     configure_cpu_threads(2)
     heads, head_dim = 2, 64
-    function = built(heads, head_dim, tile, target=target, relative_bias=True)
+    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True)
     rng = np.random.default_rng(1)
     bias = (rng.standard_normal((heads, 2 * MAX_LEN - 1)) * 2).astype(np.float32)
     for lengths in MIXES:
@@ -100,14 +104,9 @@ def test_a_sliding_window_attends_within_it_alone(tile: VarlenTile, window: int)
     outside it; the reference masks exactly, query by query."""
     from dietserve.model.modernbert import window_bias
 
-    target = TARGET
-    if tile.lanes == 16:
-        if "avx512f" not in (cpu_flags() or set()):
-            pytest.skip("this CPU has no AVX-512")
-        target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
     configure_cpu_threads(2)
     heads, head_dim = 2, 64
-    function = built(heads, head_dim, tile, target=target, relative_bias=True, window=window)
+    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True, window=window)
     bias = window_bias(heads, MAX_LEN, window)
     exact = np.where(np.abs(np.arange(1 - MAX_LEN, MAX_LEN)) <= window, 0.0, -np.inf)
     rng = np.random.default_rng(2)
