@@ -332,6 +332,7 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     # bf16 where every tile's products can run on pairs (16-lane vectors); else attention stays fp32
     named = tiles if isinstance(tiles, dict) else {"tile": tiles}
     paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
+
     def kernel(window: int | None = None):
         return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
                                 precision="bf16" if paired else "fp32", relative_bias=config.score_bias, window=window)

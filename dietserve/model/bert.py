@@ -267,7 +267,7 @@ class BertModel(nn.Module):
         self.config = cfg
         self.pooling = pooling = pooling or PoolingOptions()
         self.classifier_options = classifier
-        if cfg.rotary:
+        if cfg.rotary:  # (imported here: modernbert.py builds on this module's parts)
             from .modernbert import ModernBertEmbeddings, ModernBertEncoder
 
             self.embeddings = ModernBertEmbeddings(cfg)
