@@ -103,6 +103,18 @@ def pad_rows(jobs: list[Job], seq_len: int) -> tuple[np.ndarray, np.ndarray, np.
     return ids, mask, types
 
 
+def largest_batch(engine: Engine, rows: int, tokens: int) -> tuple[int, int]:
+    """The ``(rows, seq)`` of the largest batch the server forms from several requests, given its
+    row limit and, for a packed engine, its token budget (``DynamicBatcher``): padded, ``rows``
+    rows at the longest sequence; packed, the fewest rows of the longest sequence that hold the
+    budget, and at least one such row (a longer request runs alone). A model of 8,192 positions
+    warms up at one row where ``rows`` rows would take minutes and gigabytes."""
+    seq, rows = engine.max_seq_len, min(rows, engine.max_batch)
+    if engine.packed:
+        rows = min(rows, max(1, -(-tokens // seq)))
+    return rows, seq
+
+
 class DynamicBatcher:
     def __init__(
         self,

@@ -7,25 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model.tokenizer import TextTokenizer
-from ..runtime.batcher import DynamicBatcher
+from ..runtime.batcher import DynamicBatcher, largest_batch
 from ..runtime.engine import Engine
 from ..runtime.memory import resident_bytes
 from .metrics import ModelMetrics
 from .model import ServedModel
 from .swap import HotSwap, MeasuredGain
 from .traffic_log import TrafficLog
-
-
-def largest_batch(engine: Engine, rows: int, tokens: int) -> tuple[int, int]:
-    """The ``(rows, seq)`` of the largest batch the server forms from several requests, given its
-    row limit and, for a packed engine, its token budget (``DynamicBatcher``): padded, ``rows``
-    rows at the longest sequence; packed, the fewest rows of the longest sequence that hold the
-    budget, and at least one such row (a longer request runs alone). A model of 8,192 positions
-    warms up at one row where ``rows`` rows would take minutes and gigabytes."""
-    seq, rows = engine.max_seq_len, min(rows, engine.max_batch)
-    if engine.packed:
-        rows = min(rows, max(1, -(-tokens // seq)))
-    return rows, seq
 
 
 def warm_up(engine: Engine, rows: int, tokens: int) -> int:

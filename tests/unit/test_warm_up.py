@@ -1,5 +1,5 @@
 """The server warms up at the largest batch its batcher forms from several requests
-(``served_artifact.largest_batch``), and at no more: a long-context model's start-up would
+(``batcher.largest_batch``), and at no more: a long-context model's start-up would
 otherwise run ``--max-batch-size`` rows of its longest sequence."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dietserve.runtime.batcher import DynamicBatcher
-from dietserve.server.served_artifact import largest_batch
+from dietserve.runtime.batcher import DynamicBatcher, largest_batch
 
 ROWS = 8
 
