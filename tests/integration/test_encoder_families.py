@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.host.cpu import cpu_flags
 from dietserve.model.checkpoint import relative_position_buckets
 from dietserve.model.presets import default_model_folder
 from dietserve.runtime.artifact import load_artifact
@@ -412,3 +413,37 @@ def test_modernbert_classifier_matches_transformers(tmp_path: Path, cache_dir: P
     output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     assert np.abs(logits).max() > 0.1 and engine.artifact.manifest.task == "classification"
     np.testing.assert_allclose(output.logits, logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif("avx512_bf16" not in (cpu_flags() or set()), reason="this CPU has no AVX512-BF16")
+def test_modernbert_bf16_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: Path) -> None:
+    """A bf16 build (heads of 64, as ModernBERT-base's, so attention runs on bf16 pairs; its
+    windowed layers skip the key blocks outside the window) against transformers in fp32, at
+    lengths up to 512 (random tokens): every token within cosine 0.9999, every mean-pooled
+    sentence within 0.99995, as ``test_bf16_model.py`` holds MiniLM and bert-base."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from .test_bf16_model import SENTENCE_COSINE, TOKEN_COSINE, _cosines
+
+    folder = tmp_path / "modernbert-bf16"
+    config = ModernBertConfig(vocab_size=30522, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
+                              intermediate_size=192, max_position_embeddings=512, global_attn_every_n_layers=2,
+                              local_attention=32, pad_token_id=0)
+    torch.manual_seed(23)
+    reference = ModernBertModel(config).eval()
+    reference.save_pretrained(str(folder))
+    request = CompileRequest(model=str(folder), max_batch=8, analytic=True, precision="bf16")
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
+    assert engine.artifact.manifest.precision == "bf16"
+    rng = np.random.default_rng(5)
+    for batch, seq in [(1, 1), (1, 128), (1, 512), (4, 64), (8, 37)]:
+        ids = rng.integers(1000, 30000, (batch, seq)).astype(np.int64)
+        mask = np.ones_like(ids)
+        mask[1:, seq // 2 + 1:] = 0  # (rows after the first shorter)
+        with torch.no_grad():
+            expected = reference(input_ids=torch.from_numpy(ids),
+                                 attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+        hidden = engine.run(ids, mask, np.zeros_like(ids)).last_hidden_state
+        tokens, sentences, error = _cosines(hidden, expected, mask)
+        assert tokens.min() >= TOKEN_COSINE and sentences.min() >= SENTENCE_COSINE, (batch, seq, tokens.min(), error)

@@ -61,7 +61,8 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
     argument after ``starts``, ``bias[h, j - i + max_len - 1]`` added to head h's score of query
     i for key j. ``window`` (with a bias that masks every key farther than ``window`` from its
     query, ModernBERT's sliding window): the key tiles wholly outside a query tile's window are
-    skipped, in the scores, the softmax and the context (fp32; bf16 pairs run every tile).
+    skipped, in the scores, the softmax and the context (bf16: from the whole 32-key block
+    holding the window's first key).
 
     ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
     (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
@@ -114,7 +115,7 @@ def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longe
     """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see."""
     if "variant" in node:
         tile = tiles[node["variant"]]
-        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs, None if pairs else window)
+        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs, window)
         return
     if node["var"] != LENGTH_VAR:
         raise ValueError(f"an attention tree branches on {LENGTH_VAR!r} alone, not {node['var']!r}")
@@ -167,9 +168,14 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
         # the key tiles within reach of the tile's queries: all, or those a window reaches
         first_tile, end_tile, first_column, end_column = 0, key_tiles, 0, length
         if window is not None:
-            first_tile, end_tile = computed_once(tirx.floordiv(tirx.max(i0 - window, 0), nr),
-                                                 tirx.min(key_tiles, tirx.floordiv(i0 + rows - 1 + window, nr) + 1))
-            first_column, end_column = first_tile * nr, tirx.min(end_tile * nr, length)
+            # from the key tile holding the window's first key (bf16: the whole block of 32 keys
+            # holding it, as the exponentials are paired; the tile holding that block's start)
+            block = 2 * PAIR_LANES if pairs else nr
+            first_column = tirx.floordiv(tirx.max(i0 - window, 0), block) * block
+            first_column, first_tile, end_tile = computed_once(
+                first_column, tirx.floordiv(first_column, nr),
+                tirx.min(key_tiles, tirx.floordiv(i0 + rows - 1 + window, nr) + 1))
+            end_column = tirx.min(end_tile * nr, length)
         # scores, and each row's running max over its real columns (lane by lane)
         if paired is not None:
             paired.pair_queries(queries)
@@ -202,7 +208,7 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
                     _tile_loop(mr, nr, lanes, lambda ii, jv, lane: store(ii, jv, lane, True))
         # exp(score - max), summed; bf16: straight into pairs
         if paired is not None:
-            paired.exponentiate(scores, row_max, row_sum)
+            paired.exponentiate(scores, row_max, row_sum, first_column, end_column)
         else:
             exponentials(scores, row_max, row_sum, mr, lanes, end_column, first_column)
         # context = (e @ V) / sum, the division folded into the store
@@ -211,7 +217,7 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
             _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(
                 context, zero, [ii, cv * context_lanes + lane]))
             if paired is not None:
-                paired.context(context, co * nc, nc)
+                paired.context(context, co * nc, nc, first_column, end_column)
             else:
                 with T.serial(first_column, end_column) as j:
                     _tile_loop(mr, nc, context_lanes, lambda ii, cv, lane: T.buffer_store(

@@ -69,17 +69,18 @@ class PairedProducts:
                     T.buffer_store(acc, dot_pairs(acc[ii, columns], self.queries[ii, d],
                                                   self.keys[jo, d, columns]), [ii, columns])
 
-    def exponentiate(self, scores, row_max, row_sum) -> None:
+    def exponentiate(self, scores, row_max, row_sum, first=0, end=None) -> None:
         """The tile's exponentials, exp(score - row max), summed in fp32 into ``row_sum`` and
         stored as pairs of keys: 32 keys (two vectors) a step, each converted by one
-        ``vcvtne2ps2bf16``; the columns past the sequence's end as zeros. Their exp is
-        ``avx512_softmax_exp`` (``vector_exponentials``): they are rounded to bf16 next."""
-        lanes = PAIR_LANES
-        whole = self.length // (2 * lanes)
+        ``vcvtne2ps2bf16``; the columns past the sequence's end (or ``end``) as zeros; from column
+        ``first`` (whole steps). Their exp is ``avx512_softmax_exp`` (``vector_exponentials``):
+        they are rounded to bf16 next."""
+        lanes, end = PAIR_LANES, self.length if end is None else end
+        whole = end // (2 * lanes)
 
         def step(ii, peak, u, masked: bool) -> None:
-            halves = [vector_exponentials(scores, ii, first, lanes, peak, self.length, masked)
-                      for first in (u * 2 * lanes, u * 2 * lanes + lanes)]
+            halves = [vector_exponentials(scores, ii, column, lanes, peak, end, masked)
+                      for column in (u * 2 * lanes, u * 2 * lanes + lanes)]
             sums = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), lanes)
             T.buffer_store(row_sum, row_sum[ii, sums] + halves[0] + halves[1], [ii, sums])
             words = tirx.Ramp(tirx.Cast("int64", u * lanes), tirx.const(1, "int64"), lanes)
@@ -87,16 +88,17 @@ class PairedProducts:
 
         with T.unroll(0, self.tile.mr) as ii:
             peak = T.bind(tirx.Broadcast(lane_reduce(row_max, ii, lanes, tirx.max), lanes))
-            with T.serial(0, whole) as u:
+            with T.serial(first // (2 * lanes), whole) as u:
                 step(ii, peak, u, masked=False)
-            with T.If(self.length % (2 * lanes) > 0):
+            with T.If(end % (2 * lanes) > 0):
                 with T.Then():
                     step(ii, peak, whole, masked=True)
 
-    def context(self, context, column0, nc: int) -> None:
-        """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``."""
-        lanes = PAIR_LANES
-        with T.serial(0, (self.length + 1) // 2) as j:
+    def context(self, context, column0, nc: int, first=0, end=None) -> None:
+        """``context`` (``mr x nc``) += the tile's exponentials times V's columns from ``column0``,
+        over the keys from ``first`` (even) to the sequence's end (or ``end``)."""
+        lanes, end = PAIR_LANES, self.length if end is None else end
+        with T.serial(first // 2, (end + 1) // 2) as j:
             for ii in range(self.tile.mr):
                 for cv in range(nc // lanes):
                     columns = tirx.Ramp(tirx.const(cv * lanes, "int32"), tirx.const(1, "int32"), lanes)
