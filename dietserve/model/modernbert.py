@@ -7,7 +7,8 @@ kernels and layouts, with what differs:
 - a gated GELU: one linear layer to twice the intermediate width, ``gelu(first half) * second``;
 - two layers in three attend only to keys within ``sliding_window`` of the query. The window is
   a bias on the scores by distance (0 inside, ``WINDOW_FILL`` outside), the table MPNet's
-  relative positions already use, so the packed attention kernel serves both kinds;
+  relative positions already use, so both layouts add it as they add MPNet's; the windowed
+  layers' packed kernel also skips the key tiles the window masks (``varlen_attention(window=)``);
 - no biases: the loader gives the layers zero ones (``checkpoint.py``).
 
 Attribute names mirror transformers' ``ModernBertModel`` (``layers`` and ``final_norm`` under
