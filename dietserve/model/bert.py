@@ -17,11 +17,10 @@ Three layout choices differ from the checkpoint, all for the matmul kernels:
 ``forward`` runs ``[batch, seq]`` rows, padding masked (``PaddedAttention``); ``forward_packed``
 runs the attended tokens of every row one after another, ``[T, hidden]`` with no padded work,
 each sequence attending to itself in one kernel (``PackedAttention``); the layers are the same.
+The parts both this encoder and ModernBERT's are built from live in ``layers.py``.
 """
 
 from __future__ import annotations
-
-import math
 
 import tvm
 from tvm import relax
@@ -30,62 +29,16 @@ from tvm.relax.frontend.nn import op
 
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, BertConfig
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
-
-# torch.finfo(torch.float32).min: the additive mask value Hugging Face uses, so masked
-# keys get exactly zero attention weight in both implementations.
-MASK_FILL = -3.4028234663852886e38
-
-
-class TransposedLinear(nn.Module):
-    """``y = x @ weight + bias`` with ``weight`` stored as ``[in_features, out_features]``.
-
-    ``parts``: the checkpoint's linear layers (siblings of this one) whose outputs this one
-    computes side by side, in order; empty for a layer of the checkpoint's own."""
-
-    def __init__(self, in_features: int, out_features: int, parts: tuple[str, ...] = ()):
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter((in_features, out_features), "float32")
-        self.weight.stored_transposed = True
-        self.bias = nn.Parameter((out_features,), "float32")
-        self.weight.parts = self.bias.parts = parts
-
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return op.matmul(x, self.weight) + self.bias
-
-
-class Embedding(nn.Module):
-    """Row lookup whose indices are clamped into the table.
-
-    The engine rejects out-of-vocabulary ids before a call; clamping in the kernel as well
-    means a request that slips past validation reads a wrong row, never memory outside the
-    table (TVM's default "fast" take does no check at all).
-    """
-
-    def __init__(self, num: int, dim: int):
-        self.weight = nn.Parameter((num, dim), "float32")
-
-    def forward(self, ids: nn.Tensor) -> nn.Tensor:
-        return take_rows(self.weight, ids)
-
-
-def take_rows(table: nn.Tensor, ids: nn.Tensor) -> nn.Tensor:
-    """``table``'s rows at ``ids`` (any shape), clamped into the table (``Embedding``)."""
-    flat = op.reshape(ids, (-1,))
-    rows = nn.op.wrap_nested(relax.op.take(table._expr, flat._expr, axis=0, mode="clip"), "take")
-    return op.reshape(rows, (*ids.shape, table.shape[1]))
-
-
-def activation(x: nn.Tensor, name: str) -> nn.Tensor:
-    if name == "gelu":
-        return op.gelu(x)
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return op.gelu(x, approximate="tanh")
-    if name == "relu":
-        return op.relu(x)
-    if name in ("silu", "swish"):
-        return op.silu(x)
-    raise ValueError(f"unsupported activation {name!r}")
+from .layers import (
+    MASK_FILL,
+    Embedding,
+    PackedAttention,
+    PaddedAttention,
+    TransposedLinear,
+    activation,
+    bias_by_distance,
+)
+from .modernbert import ModernBertEmbeddings, ModernBertEncoder, ModernBertPredictionHead
 
 
 class BertEmbeddings(nn.Module):
@@ -106,53 +59,6 @@ class BertEmbeddings(nn.Module):
             return self.LayerNorm(summed)
         batch, seq = input_ids.shape
         return self.LayerNorm(op.reshape(summed, (batch * seq, summed.shape[-1])))
-
-
-class PaddedAttention:
-    """Attention over ``[batch, seq]`` rows, padding masked out by an additive bias
-    (``[batch, 1, 1, seq]``): two batch matmuls and a softmax, the dynamic operators the tuner
-    plans. ``position_bias`` (MPNet's, ``[1, heads, seq, seq]``) is added to the scores too."""
-
-    def __init__(self, mask_bias: nn.Tensor, position_bias: nn.Tensor | None = None):
-        self.mask_bias = mask_bias
-        self.position_bias = position_bias
-
-    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
-        batch, _, _, seq = self.mask_bias.shape
-        width = heads * head_dim
-        # [b, s, 3 * heads, d]: the queries', keys' and values' heads side by side (a free view)
-        projected = op.reshape(qkv, (batch, seq, 3 * heads, head_dim))
-
-        def part(index: int) -> nn.Tensor:
-            # its heads: a slice that fuses with the permute after it into one copy
-            begin, end = index * heads, (index + 1) * heads
-            return nn.op.wrap_nested(relax.op.strided_slice(projected._expr, [2], [begin], [end]), "qkv_part")
-
-        q = op.permute_dims(part(0), [0, 2, 1, 3])  # b h s d
-        k = op.permute_dims(part(1), [0, 2, 3, 1])  # b h d s
-        v = op.permute_dims(part(2), [0, 2, 1, 3])  # b h s d
-        scores = op.matmul(q, k) * (1.0 / math.sqrt(head_dim)) + self.mask_bias
-        if self.position_bias is not None:
-            scores = scores + self.position_bias
-        probs = op.softmax(scores, axis=-1)
-        context = op.matmul(probs, v)  # b h s d
-        return op.reshape(op.permute_dims(context, [0, 2, 1, 3]), (batch * seq, width))
-
-
-class PackedAttention:
-    """Attention over packed sequences (``[T]`` rows, ``starts``: where each sequence begins, the
-    last entry T): each attends to itself over its own length, no mask and no padded work, in
-    one kernel (``kernel``: ``kernels/cpu_varlen/attention.py``, built for the target), which adds
-    ``relative_bias`` (MPNet's, by distance: ``BertEncoder.relative_bias``) where there is one."""
-
-    def __init__(self, starts: nn.Tensor, kernel: tvm.tirx.PrimFunc, relative_bias: nn.Tensor | None = None,
-                 name: str = "varlen_attention"):
-        self.starts, self.kernel, self.name = starts, kernel, name
-        self.relative_bias = () if relative_bias is None else (relative_bias,)
-
-    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
-        out = nn.Tensor.placeholder((qkv.shape[0], heads * head_dim), "float32")
-        return op.tensor_ir_op(self.kernel, self.name, [qkv, self.starts, *self.relative_bias], out)
 
 
 class BertSelfAttention(nn.Module):
@@ -232,17 +138,6 @@ class BertEncoder(nn.Module):
         return hidden
 
 
-def bias_by_distance(table: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
-    """``[1, heads, seq, seq]`` from a ``[heads, 2 * max_length - 1]`` ``table`` by key-minus-query
-    distance (``BertEncoder.relative_bias``'s layout), for each query and key of ``[seq]`` positions."""
-    heads, width = table.shape
-    seq = position_ids.shape[0]
-    distance = op.reshape(position_ids, (1, seq)) - op.reshape(position_ids, (seq, 1))
-    index = op.reshape(distance, (-1,)) + op.full((1,), (width - 1) // 2, "int64")
-    rows = nn.op.wrap_nested(relax.op.take(table._expr, index._expr, axis=1, mode="clip"), "position_bias")
-    return op.reshape(rows, (1, heads, seq, seq))
-
-
 class BertPooler(nn.Module):
     """Hugging Face's pooler: ``tanh(dense(hidden[:, 0]))``, the [CLS] row whatever the mask
     (DistilBERT's ``pre_classifier``: a ReLU in place of the tanh)."""
@@ -267,9 +162,7 @@ class BertModel(nn.Module):
         self.config = cfg
         self.pooling = pooling = pooling or PoolingOptions()
         self.classifier_options = classifier
-        if cfg.rotary:  # (imported here: modernbert.py builds on this module's parts)
-            from .modernbert import ModernBertEmbeddings, ModernBertEncoder
-
+        if cfg.rotary:
             self.embeddings = ModernBertEmbeddings(cfg)
             self.encoder = ModernBertEncoder(cfg, score_bias=cfg.score_bias)
         else:
@@ -278,8 +171,6 @@ class BertModel(nn.Module):
         if classifier is None:
             self.sentence = SentencePooling(pooling)
         elif cfg.rotary:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
-            from .modernbert import ModernBertPredictionHead
-
             self.head = ModernBertPredictionHead(cfg)
             self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
         else:  # named as in the checkpoint: bert.pooler.dense.*, classifier.*

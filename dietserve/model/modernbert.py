@@ -1,4 +1,4 @@
-"""ModernBERT's encoder in Relax, on BERT's parts (``bert.py``): the same dense layers, attention
+"""ModernBERT's encoder in Relax, on BERT's parts (``layers.py``): the same dense layers, attention
 kernels and layouts, with what differs:
 
 - no position table: each layer rotates its queries and keys by their positions (rotary
@@ -22,8 +22,8 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .bert import Embedding, TransposedLinear, activation, take_rows
 from .config import BertConfig
+from .layers import Embedding, TransposedLinear, activation, take_rows
 
 # Outside a sliding window: far below any score, yet added to the padding mask's fill it stays
 # finite in float32 (the two would overflow to -inf).
