@@ -190,7 +190,7 @@ def compile_artifact(
     target = build_target(request.target)
     if request.precision == "bf16":
         check_bf16_target(target)
-    progress(f"hashing weights in {checkpoint.weights_file}")
+    progress(f"hashing weights in {checkpoint.folder}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(path for path in request.plans if not is_attention_plan(path))
     attention = _attention_plan(request, checkpoint.config)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import (
@@ -27,6 +26,7 @@ from .config import (
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions
 from .modernbert import rotary_tables, window_bias
 from .side_by_side import side_by_side
+from .weight_files import WeightFileError, find_weight_files, read_tensors
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
 _ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
@@ -56,7 +56,6 @@ _MODERNBERT_NAMES = (("layers.", "encoder.layers."), ("final_norm.", "encoder.fi
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
-WEIGHTS_FILE = "model.safetensors"
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
     "pooling_mode_cls_token": "cls",
@@ -86,14 +85,15 @@ class Checkpoint:
     classifier: ClassifierOptions | None = None
 
     @property
-    def weights_file(self) -> Path:
-        return self.folder / WEIGHTS_FILE
+    def encoder_files(self) -> list[Path]:
+        """The files of the encoder's (and a classifier's head's) tensors."""
+        return _weight_files(self.folder)
 
     @property
     def weight_files(self) -> list[Path]:
         """Every file a build reads weights from: the encoder's, then each Dense module's."""
-        dense = [] if self.classifier else [self.folder / d.path / WEIGHTS_FILE for d in self.pooling.dense]
-        return [self.weights_file, *dense]
+        dense = [] if self.classifier else [self.folder / d.path for d in self.pooling.dense]
+        return [*self.encoder_files, *(path for module in dense for path in _weight_files(module))]
 
     @property
     def task(self) -> str:
@@ -126,8 +126,7 @@ class Checkpoint:
             config = BertConfig.from_file(folder / "config.json")
         except ModelConfigError as err:
             raise CheckpointError(str(err)) from err
-        if not (folder / WEIGHTS_FILE).is_file():
-            raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} (pytorch_model.bin is not read)")
+        _weight_files(folder)
         raw = json.loads((folder / "config.json").read_text())
         if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
             return cls(folder, config, classifier=read_classifier(raw, folder))
@@ -228,10 +227,7 @@ def _dense_layer(folder: Path, path: str, where: str) -> DenseLayer:
     if activation is None:
         raise CheckpointError(f"{where}: activation_function {function!r} is not supported; expected torch.nn's "
                               f"{', '.join(_TORCH_ACTIVATIONS)}")
-    weights = folder / path / WEIGHTS_FILE
-    if not weights.is_file():
-        other = " (pytorch_model.bin is not read)" if (folder / path / "pytorch_model.bin").is_file() else ""
-        raise CheckpointError(f"{where}: {weights} is missing{other}")
+    _weight_files(folder / path, where)
     return DenseLayer(int(config["in_features"]), int(config["out_features"]), bool(config.get("bias", True)),
                       activation, path)
 
@@ -261,7 +257,7 @@ def load_parameters(
 ) -> dict[str, np.ndarray]:
     """Read the checkpoint's tensors, rename, transpose linear weights, concatenate the ones a
     layer computes side by side (the query, key and value projections) and check every shape."""
-    stored = load_file(str(checkpoint.weights_file))
+    stored = _tensors(checkpoint.encoder_files)
     raw = _as_bert(checkpoint.config, {canonical_name(name): tensor for name, tensor in stored.items()})
     raw.update(_dense_tensors(checkpoint))
     transposed = transposed_weight_names(model)
@@ -272,7 +268,7 @@ def load_parameters(
             if part not in raw and _without_bias(checkpoint.config, part):
                 raw[part] = np.zeros(shape[-1:], np.float32)
             if part not in raw:
-                raise CheckpointError(f"{checkpoint.weights_file} has no tensor {part!r}")
+                raise CheckpointError(f"{checkpoint.folder}'s weights have no tensor {part!r}")
         try:
             tensor = side_by_side([raw[part] for part in sources[name]], name in transposed)
         except ValueError as err:
@@ -347,7 +343,21 @@ def relative_position_buckets(distance: np.ndarray, num_buckets: int,
 def _dense_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
     """Each Dense module's ``linear.*`` under its parameter names in our model."""
     tensors = {}
-    for index, path in enumerate(checkpoint.weight_files[1:]):
-        for name, tensor in load_file(str(path)).items():
+    for index, module in enumerate(checkpoint.pooling.dense if checkpoint.classifier is None else ()):
+        for name, tensor in _tensors(_weight_files(checkpoint.folder / module.path)).items():
             tensors[f"sentence.dense.{index}.{name.removeprefix('linear.')}"] = tensor
     return tensors
+
+
+def _weight_files(folder: Path, where: str | None = None) -> list[Path]:
+    try:
+        return find_weight_files(folder)
+    except WeightFileError as err:
+        raise CheckpointError(f"{where}: {err}" if where else str(err)) from None
+
+
+def _tensors(paths: list[Path]) -> dict[str, np.ndarray]:
+    try:
+        return read_tensors(paths)
+    except WeightFileError as err:
+        raise CheckpointError(str(err)) from None

@@ -1,19 +1,22 @@
 """Checkpoints named by their Hugging Face Hub id (``BAAI/bge-small-en-v1.5``, ``org/name@revision``),
 fetched with huggingface_hub into dietserve's cache: the files a build reads, nothing else (no
-PyTorch or ONNX weights). A snapshot already fetched is used when the Hub cannot be reached."""
+ONNX or TensorFlow weights; PyTorch's only where there are no safetensors). A snapshot already
+fetched is used when the Hub cannot be reached."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from .tokenizer import TOKENIZER_FILES
+from .weight_files import PYTORCH, SAFETENSORS, SHARD_INDEX
 
 HUB_DIR = "hub"  # under the cache directory, in huggingface_hub's own layout
 # What a build reads: the config and weights, the tokenizer, sentence-transformers' recipe and its
 # modules' folders (1_Pooling/config.json, 2_Dense/model.safetensors, ...).
-_BUILD_FILES = ["config.json", "model.safetensors", "modules.json", *TOKENIZER_FILES, "*/config.json",
-                "*/model.safetensors"]
+_BUILD_FILES = ["config.json", SAFETENSORS, SAFETENSORS + SHARD_INDEX, "model-*-of-*.safetensors", "modules.json",
+                *TOKENIZER_FILES, "*/config.json", f"*/{SAFETENSORS}"]
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 
 
@@ -38,14 +41,23 @@ def display_name(name: str) -> str | None:
 
 
 def fetch(name: str, cache_dir: Path) -> Path:
-    """The folder of ``name``'s snapshot, fetched now or earlier (``hub_id`` must accept ``name``)."""
+    """The folder of ``name``'s snapshot, fetched now or earlier (``hub_id`` must accept ``name``);
+    PyTorch's weights are fetched only for the parts that have no safetensors."""
+    repo, revision = hub_id(name)
+    folder = _snapshot(name, repo, revision, cache_dir, _BUILD_FILES)
+    pickled = _pickled_weights(folder)
+    if pickled:
+        folder = _snapshot(name, repo, revision, cache_dir, pickled)
+    return folder
+
+
+def _snapshot(name: str, repo: str, revision: str | None, cache_dir: Path, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    repo, revision = hub_id(name)
     try:
-        folder = Path(snapshot_download(repo, revision=revision, cache_dir=Path(cache_dir) / HUB_DIR,
-                                        allow_patterns=_BUILD_FILES))
+        return Path(snapshot_download(repo, revision=revision, cache_dir=Path(cache_dir) / HUB_DIR,
+                                      allow_patterns=patterns))
     except RepositoryNotFoundError:
         raise HubError(f"{repo} is not a model on the Hugging Face Hub (or it needs a token: set HF_TOKEN); "
                        "pass a local folder otherwise") from None
@@ -54,7 +66,18 @@ def fetch(name: str, cache_dir: Path) -> Path:
                        f"under {Path(cache_dir) / HUB_DIR} ({err}); pass a local folder instead") from None
     except HfHubHTTPError as err:
         raise HubError(f"{name}: the Hugging Face Hub answered {err}") from None
-    if not (folder / "model.safetensors").is_file():
-        raise HubError(f"{name} has no model.safetensors (dietserve reads no pytorch_model.bin); the Hub's "
-                       f"conversion bot often offers one in a pull request: --model {repo}@refs/pr/N")
-    return folder
+
+
+def _pickled_weights(folder: Path) -> list[str]:
+    """The patterns of the PyTorch weights a snapshot needs: the encoder's where it has no
+    safetensors, and each sentence-transformers Dense module's likewise (older releases of
+    sentence-transformers saved those as pytorch_model.bin)."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):  # none, or one the checkpoint's reader will name
+        modules = []
+    parts = ["", *(f"{m['path']}/" for m in modules if isinstance(m, dict) and m.get("path")
+                   and str(m.get("type", "")).endswith("Dense"))]
+    needed = [part for part in parts if not ((folder / part / SAFETENSORS).is_file()
+                                             or (folder / part / (SAFETENSORS + SHARD_INDEX)).is_file())]
+    return [f"{part}{name}" for part in needed for name in (PYTORCH, PYTORCH + SHARD_INDEX, "pytorch_model-*.bin")]

@@ -85,15 +85,15 @@ def test_a_hub_id_neither_reachable_nor_fetched_is_refused_naming_it(tmp_path: P
     assert "Traceback" not in done.stderr
 
 
-def test_a_hub_checkpoint_without_safetensors_is_refused_with_the_way_out(tmp_path: Path) -> None:
-    pickled_only = tmp_path / "pickled"
-    pickled_only.mkdir()
+def test_a_hub_checkpoint_without_weights_is_refused_naming_what_it_lacks(tmp_path: Path) -> None:
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
     for name in ("config.json", "tokenizer.json"):
-        shutil.copy(default_model_folder() / name, pickled_only / name)
-    _cached(tmp_path / "cache", "acme/pickled", pickled_only)
-    done = _dietserve("compile", "--model", "acme/pickled", "--cache-dir", str(tmp_path / "cache"))
+        shutil.copy(default_model_folder() / name, no_weights / name)
+    _cached(tmp_path / "cache", "acme/no-weights", no_weights)
+    done = _dietserve("compile", "--model", "acme/no-weights", "--cache-dir", str(tmp_path / "cache"))
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "acme/pickled has no model.safetensors" in done.stderr and "--model acme/pickled@refs/pr/N" in done.stderr
+    assert "has no model.safetensors or pytorch_model.bin" in done.stderr
 
 
 @pytest.mark.parametrize(("name", "expected", "served_as"), [
@@ -110,3 +110,21 @@ def test_an_existing_folder_is_not_a_hub_id(tmp_path: Path, monkeypatch) -> None
     (tmp_path / "org" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hub_id("org/name") is None
+
+
+def test_pytorch_weights_are_fetched_only_where_safetensors_are_missing(tmp_path: Path) -> None:
+    from dietserve.model.hub import _pickled_weights
+
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    for part in ("", "2_Dense"):
+        (tmp_path / part).mkdir(exist_ok=True)
+        (tmp_path / part / "model.safetensors").write_bytes(b"")
+    assert _pickled_weights(tmp_path) == ["3_Dense/pytorch_model.bin", "3_Dense/pytorch_model.bin.index.json",
+                                          "3_Dense/pytorch_model-*.bin"]
+    (tmp_path / "model.safetensors").unlink()
+    assert _pickled_weights(tmp_path)[:3] == ["pytorch_model.bin", "pytorch_model.bin.index.json",
+                                              "pytorch_model-*.bin"]

@@ -115,7 +115,7 @@ def test_no_modules_json_means_mean_pooling(tmp_path: Path) -> None:
         (lambda f: [TRANSFORMER, _pooling(f, include_prompt=False)], "include_prompt=false"),
         (lambda f: [TRANSFORMER, _pooling(f, pooling_mode="median")], "unknown pooling mode 'median'"),
         (lambda f: [TRANSFORMER, _pooling(f), _dense(f, "2_Dense", 8, 4, weights=False)],
-         "2_Dense/model.safetensors is missing"),
+         "2_Dense has no model.safetensors or pytorch_model.bin"),
         (lambda f: [TRANSFORMER, _pooling(f), _dense(f, "2_Dense", 8, 4, activation="torch.nn.Softsign")],
          "activation_function 'torch.nn.Softsign' is not supported"),
         (lambda f: [TRANSFORMER, _pooling(f), _dense(f, "2_Dense", 16, 4)], "takes 16 features, its input has 8"),
@@ -136,13 +136,23 @@ def test_unsupported_modules_are_refused_by_name(tmp_path: Path, build, message:
         Checkpoint.open(folder)
 
 
-def test_dense_with_only_pytorch_bin_names_it(tmp_path: Path) -> None:
+def test_dense_of_pytorch_pickles_only_is_read(tmp_path: Path) -> None:
+    """Releases of sentence-transformers before safetensors saved Dense modules as pytorch_model.bin."""
+    import torch
+
     folder = _checkpoint(tmp_path / "ck")
     dense = _dense(folder, "2_Dense", 8, 4, weights=False)
-    (folder / "2_Dense" / "pytorch_model.bin").write_bytes(b"")
-    _modules(folder, TRANSFORMER, _pooling(folder), dense)
-    with pytest.raises(CheckpointError, match=r"pytorch_model.bin is not read"):
-        Checkpoint.open(folder)
+    weight, bias = torch.randn(4, 8), torch.randn(4)
+    torch.save({"linear.weight": weight, "linear.bias": bias}, folder / "2_Dense" / "pytorch_model.bin")
+    checkpoint = Checkpoint.open(_modules(folder, TRANSFORMER, _pooling(folder), dense))
+    assert checkpoint.weight_files[-1] == folder / "2_Dense" / "pytorch_model.bin"
+    model = checkpoint.model()
+    params = load_parameters(checkpoint, model, export_relax(model, max_batch=2)[1])
+    np.testing.assert_array_equal(params["sentence.dense.0.weight"], weight.numpy().T)
+    np.testing.assert_array_equal(params["sentence.dense.0.bias"], bias.numpy())
+    (folder / "2_Dense" / "pytorch_model.bin").write_bytes(b"")  # damaged: named, not a traceback
+    with pytest.raises(CheckpointError, match="2_Dense/pytorch_model.bin is not a zip archive"):
+        load_parameters(checkpoint, model, export_relax(model, max_batch=2)[1])
 
 
 def test_pooling_flag_overrides_the_checkpoint_and_the_cache_key(tmp_path: Path) -> None:
