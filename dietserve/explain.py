@@ -96,8 +96,9 @@ def explain_attention(directory: Path, seq_len: int) -> str | None:
     manifest = Manifest.read(Path(directory))
     if manifest.layout != LAYOUT_PACKED:
         return None
-    heads = int(manifest.model_config["num_attention_heads"])
-    head_dim = int(manifest.model_config["hidden_size"]) // heads
+    config = manifest.model_config
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("attention_head_dim") or int(config["hidden_size"]) // heads)  # (Qwen3's is its own)
     lines = [f"attention: the packed kernel, {heads} heads of {head_dim}, each sequence by its own length "
              f"({manifest.precision} build)"]
     plans = read_attention_plans(sorted((Path(directory) / PLANS_DIR).glob("*" + ATTENTION_SUFFIX)))

@@ -25,7 +25,7 @@ from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, PRECISIONS, KernelPlan, 
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
-from ..model.config import SLIDING_ATTENTION
+from ..model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from ..model.heads import parse_pooling_modes
 from ..model.hub import hub_id
 from ..model.presets import PRESET_DISPLAY_NAMES, display_name, resolve_model
@@ -333,12 +333,14 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
     named = tiles if isinstance(tiles, dict) else {"tile": tiles}
     paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
 
-    def kernel(window: int | None = None):
+    def kernel(biased: bool, window: int | None = None):
         return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
-                                precision="bf16" if paired else "fp32", relative_bias=config.score_bias, window=window)
+                                precision="bf16" if paired else "fp32", relative_bias=biased, window=window)
 
-    windowed = kernel(config.sliding_window) if SLIDING_ATTENTION in config.layer_types else None
-    return export_relax(model, request.max_batch, kernel(), windowed)
+    # (a rotary family's full layers take a bias where it is causal; MPNet's every layer, by distance)
+    full = kernel(config.biased(FULL_ATTENTION) if config.rotary else config.score_bias)
+    windowed = kernel(True, config.sliding_window) if SLIDING_ATTENTION in config.layer_types else None
+    return export_relax(model, request.max_batch, full, windowed)
 
 
 def plan_source(plans: list[KernelPlan]) -> str:

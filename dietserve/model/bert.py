@@ -27,7 +27,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import FULL_ATTENTION, SLIDING_ATTENTION, BertConfig
+from .config import SLIDING_ATTENTION, BertConfig
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 from .layers import (
     MASK_FILL,
@@ -39,6 +39,7 @@ from .layers import (
     bias_by_distance,
 )
 from .modernbert import ModernBertEmbeddings, ModernBertEncoder, ModernBertPredictionHead
+from .qwen3 import Qwen3Embeddings, Qwen3Encoder
 
 
 class BertEmbeddings(nn.Module):
@@ -162,9 +163,10 @@ class BertModel(nn.Module):
         self.config = cfg
         self.pooling = pooling = pooling or PoolingOptions()
         self.classifier_options = classifier
-        if cfg.rotary:
-            self.embeddings = ModernBertEmbeddings(cfg)
-            self.encoder = ModernBertEncoder(cfg, score_bias=cfg.score_bias)
+        if cfg.causal:
+            self.embeddings, self.encoder = Qwen3Embeddings(cfg), Qwen3Encoder(cfg)
+        elif cfg.rotary:
+            self.embeddings, self.encoder = ModernBertEmbeddings(cfg), ModernBertEncoder(cfg)
         else:
             self.embeddings = BertEmbeddings(cfg)
             self.encoder = BertEncoder(cfg)
@@ -200,8 +202,9 @@ class BertModel(nn.Module):
         mask_bias = op.reshape((1.0 - mask) * MASK_FILL, (batch, 1, 1, seq))
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
         if self.config.rotary:
-            attention_of = {kind: PaddedAttention(mask_bias, None if kind == FULL_ATTENTION else bias_by_distance(
-                self.encoder.bias(kind), position_ids)) for kind in self.encoder.kinds}
+            biases = {kind: self.encoder.bias(kind) for kind in self.encoder.kinds}
+            attention_of = {kind: PaddedAttention(mask_bias, None if bias is None else bias_by_distance(
+                bias, position_ids)) for kind, bias in biases.items()}
             hidden = self.encoder(hidden, attention_of, position_ids, batch)
         else:
             hidden = self.encoder(hidden, PaddedAttention(mask_bias, self.encoder.position_bias(position_ids)))

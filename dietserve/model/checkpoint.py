@@ -18,6 +18,7 @@ from .config import (
     MODERNBERT,
     MPNET,
     MPNET_MAX_DISTANCE,
+    QWEN3,
     ROBERTA_TYPES,
     SLIDING_ATTENTION,
     BertConfig,
@@ -128,6 +129,9 @@ class Checkpoint:
             raise CheckpointError(str(err)) from err
         _weight_files(folder)
         raw = json.loads((folder / "config.json").read_text())
+        if config.causal and any(name.endswith("ForSequenceClassification") for name in raw.get("architectures") or []):
+            raise CheckpointError(f"{folder}: a {config.model_type} sequence classifier is not supported (a "
+                                  f"{config.model_type} checkpoint compiles as an embedder, as Qwen3-Embedding)")
         if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
             return cls(folder, config, classifier=read_classifier(raw, folder))
         return cls(folder, config, read_pooling_options(folder, config.hidden_size))
@@ -266,7 +270,7 @@ def load_parameters(
     for name, shape in expected:
         for part in sources[name]:
             if part not in raw and _without_bias(checkpoint.config, part):
-                raw[part] = np.zeros(shape[-1:], np.float32)
+                raw[part] = np.zeros(shape[-1] // len(sources[name]), np.float32)  # (parts side by side: equal widths)
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.folder}'s weights have no tensor {part!r}")
         try:
@@ -285,8 +289,10 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
     """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's and MPNet's
     position tables without the rows before the first token's, DistilBERT's and MPNet's with one
     token type, all zero, and MPNet's bias by relative position bucket spread over every distance."""
-    if config.model_type == MODERNBERT:
-        tensors.update(modernbert_tables(config))
+    if config.rotary:
+        tensors.update(rotary_family_tables(config))
+    if config.model_type == QWEN3:
+        tensors = _qwen3_tensors(config, tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
     if config.model_type in (DISTILBERT, MPNET):
@@ -302,24 +308,46 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
     return tensors
 
 
-def modernbert_tables(config: BertConfig) -> dict[str, np.ndarray]:
-    """ModernBERT's encoder tables by layer kind (``modernbert.ModernBertEncoder``): rotary cos and
-    sin, and, where attention takes a bias by distance, its window (none for a full layer)."""
+def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:
+    """A rotary family's encoder tables by layer kind (``ModernBertEncoder``, ``Qwen3Encoder``):
+    rotary cos and sin, and, where attention masks keys by distance, the mask as a bias (a
+    sliding window, or the keys after the query)."""
     tables = {}
     for kind, theta in config.rope_thetas:
         if kind in config.layer_types:
             cos, sin = rotary_tables(theta, config.head_dim, config.max_length)
             tables.update({f"encoder.{kind}_cos": cos, f"encoder.{kind}_sin": sin})
-            if config.score_bias:
+            if config.biased(kind):
                 half_width = config.sliding_window if kind == SLIDING_ATTENTION else None
-                tables[f"encoder.{kind}_bias"] = window_bias(config.num_attention_heads, config.max_length, half_width)
+                tables[f"encoder.{kind}_bias"] = window_bias(config.num_attention_heads, config.max_length, half_width,
+                                                             config.causal)
     return tables
 
 
+def _qwen3_tensors(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3's tensors under our module names (``qwen3.py``), each key and value head repeated
+    for every query head of its group (transformers' ``repeat_kv``)."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(("layers.", "norm.")):
+            name = "encoder." + name
+        elif name.startswith("embed_tokens."):
+            name = "embeddings." + name
+        if group > 1 and name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            heads = tensor.reshape(config.num_key_value_heads, config.head_dim, *tensor.shape[1:])
+            tensor = np.repeat(heads, group, axis=0).reshape(config.attention_width, *tensor.shape[1:])
+        out[name] = tensor
+    return out
+
+
 def _without_bias(config: BertConfig, name: str) -> bool:
-    """Whether ``name`` is a bias a ModernBERT checkpoint leaves out (its config says so): zero."""
-    if config.model_type != MODERNBERT or not name.endswith(".bias"):
+    """Whether ``name`` is a bias a ModernBERT or Qwen3 checkpoint leaves out (its config says
+    so; Qwen3's MLP has none): zero."""
+    if not config.rotary or not name.endswith(".bias"):
         return False
+    if config.model_type == QWEN3:
+        return ".mlp." in name or not config.linear_bias
     if name.endswith("norm.bias"):
         return not config.norm_bias
     return not (config.classifier_bias if name.startswith("head.") else config.linear_bias)

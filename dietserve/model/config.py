@@ -1,9 +1,11 @@
 """Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, RoBERTa's family
 (RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder, its positions numbered past the padding
 index), DistilBERT (the same layers under other names, with no token types), MPNet (RoBERTa's
-numbering, no token types, and a bias on attention scores by relative position) and ModernBERT
+numbering, no token types, and a bias on attention scores by relative position), ModernBERT
 (no position table: rotary positions; pre-LayerNorm layers, a gated GELU, no biases, and attention
-within a window of nearby tokens in two layers of three)."""
+within a window of nearby tokens in two layers of three) and Qwen3, the decoder Qwen3-Embedding
+is (rotary positions, causal attention, RMSNorm, a gated SiLU, key and value heads shared by
+groups of query heads)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from pathlib import Path
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
-DISTILBERT, MPNET, MODERNBERT = "distilbert", "mpnet", "modernbert"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT)
+DISTILBERT, MPNET, MODERNBERT, QWEN3 = "distilbert", "mpnet", "modernbert", "qwen3"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
@@ -31,10 +33,17 @@ _MODERNBERT_KEYS = {"hidden_activation": ("hidden_act", "gelu"), "norm_eps": ("l
                         "max_position_embeddings", 8192), "pad_token_id": ("pad_token_id", 50283)}
 # ModernBERT's layer kinds (``layer_types``) and rotary bases by kind (its defaults).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-_MODERNBERT_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias",
-                      "classifier_pooling", "classifier_activation", "classifier_bias")
+# Fields of the rotary families, left out of ``to_dict`` at their defaults.
+_ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
+                  "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim")
 _MODERNBERT_THETAS = {FULL_ATTENTION: ("global_rope_theta", 160_000.0),
                       SLIDING_ATTENTION: ("local_rope_theta", 10_000.0)}
+# Qwen3's config keys -> ours, with Qwen3Config's defaults.
+_QWEN3_KEYS = {"vocab_size": ("vocab_size", 151936), "hidden_size": ("hidden_size", 4096),
+               "intermediate_size": ("intermediate_size", 22016), "num_hidden_layers": ("num_hidden_layers", 32),
+               "num_attention_heads": ("num_attention_heads", 32), "hidden_act": ("hidden_act", "silu"),
+               "max_position_embeddings": ("max_position_embeddings", 32768), "rms_norm_eps": ("layer_norm_eps", 1e-6),
+               "head_dim": ("attention_head_dim", 128)}
 
 
 class ModelConfigError(ValueError):
@@ -68,6 +77,10 @@ class BertConfig:
     classifier_pooling: str = "cls"
     classifier_activation: str = "gelu"
     classifier_bias: bool = True
+    # Qwen3's: key and value heads (0: one per query head; fewer: each shared by a group of query
+    # heads), and the head width where it is not hidden_size / heads (0: it is)
+    num_key_value_heads: int = 0
+    attention_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -77,7 +90,7 @@ class BertConfig:
             raise ModelConfigError(
                 f"hidden_act={self.hidden_act!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}"
             )
-        if self.hidden_size % self.num_attention_heads != 0:
+        if not self.attention_head_dim and self.hidden_size % self.num_attention_heads != 0:
             raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
@@ -90,6 +103,9 @@ class BertConfig:
                                  or not set(self.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}):
             raise ModelConfigError(f"layer_types must name {FULL_ATTENTION} or {SLIDING_ATTENTION} for each of the "
                                    f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
+        if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                                   f"num_key_value_heads={self.num_key_value_heads}")
         if self.classifier_pooling not in ("cls", "mean"):
             raise ModelConfigError(f"classifier_pooling={self.classifier_pooling!r} is not supported; expected "
                                    "'cls' or 'mean'")
@@ -102,7 +118,12 @@ class BertConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """The query's (and the key's and value's, every head counted) width."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def position_offset(self) -> int:
@@ -121,13 +142,23 @@ class BertConfig:
     @property
     def score_bias(self) -> bool:
         """Whether attention adds a bias by distance to its scores: MPNet's relative positions,
-        ModernBERT's sliding window."""
-        return self.relative_attention_num_buckets > 0 or SLIDING_ATTENTION in self.layer_types
+        ModernBERT's sliding window, Qwen3's causal mask."""
+        return self.relative_attention_num_buckets > 0 or any(map(self.biased, self.layer_types))
+
+    def biased(self, kind: str) -> bool:
+        """Whether a rotary family's layers of ``kind`` mask keys by distance: a sliding window,
+        or (a decoder) every key after the query."""
+        return self.causal or kind == SLIDING_ATTENTION
 
     @property
     def rotary(self) -> bool:
-        """Positions by rotating queries and keys (ModernBERT), not by a table of embeddings."""
-        return self.model_type == MODERNBERT
+        """Positions by rotating queries and keys (ModernBERT, Qwen3), not by a table of embeddings."""
+        return self.model_type in (MODERNBERT, QWEN3)
+
+    @property
+    def causal(self) -> bool:
+        """A decoder's attention: each token attends to itself and the tokens before it (Qwen3)."""
+        return self.model_type == QWEN3
 
     @property
     def max_length(self) -> int:
@@ -135,11 +166,11 @@ class BertConfig:
         return self.max_position_embeddings - self.position_offset
 
     def to_dict(self) -> dict:
-        """The fields, without ModernBERT's at their defaults: an earlier build's manifest and
-        cache key read the same for every other family (a hot swap compares manifests' configs)."""
+        """The fields, without the rotary families' at their defaults: an earlier build's manifest
+        and cache key read the same for every other family (a hot swap compares manifests' configs)."""
         defaults = BertConfig.__dataclass_fields__
         return {name: value for name, value in asdict(self).items()
-                if name not in _MODERNBERT_FIELDS or value != defaults[name].default}
+                if name not in _ROTARY_FIELDS or value != defaults[name].default}
 
     @classmethod
     def from_dict(cls, raw: dict) -> BertConfig:
@@ -155,6 +186,8 @@ class BertConfig:
             raw = {"relative_attention_num_buckets": 32, **raw, "type_vocab_size": 1}
         elif raw.get("model_type") == MODERNBERT:
             raw = _modernbert(raw)
+        elif raw.get("model_type") == QWEN3:
+            raw = _qwen3(raw)
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type
@@ -196,6 +229,23 @@ def _modernbert(raw: dict) -> dict:
             "classifier_pooling": raw.get("classifier_pooling", "cls"),
             "classifier_activation": raw.get("classifier_activation", "gelu"),
             "classifier_bias": bool(raw.get("classifier_bias", False))}
+
+
+def _qwen3(raw: dict) -> dict:
+    """Qwen3's config in our keys: every layer a full (causal) one, one rotary base. Sliding
+    windows and scaled rotary positions are refused."""
+    if raw.get("use_sliding_window"):
+        raise ModelConfigError("use_sliding_window=true is not supported for qwen3")
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+        raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
+                               "'default'")
+    ours = {key: raw.get(theirs, default) for theirs, (key, default) in _QWEN3_KEYS.items()}
+    heads = int(ours["num_attention_heads"])
+    return {**raw, **ours, "type_vocab_size": 1, "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+            "layer_types": (FULL_ATTENTION,) * int(ours["num_hidden_layers"]),
+            "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))),),
+            "norm_bias": False, "linear_bias": bool(raw.get("attention_bias", False))}
 
 
 # BERT-base as in DietCode's experiments; used with seeded random weights for benchmarks.

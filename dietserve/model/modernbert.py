@@ -107,16 +107,16 @@ class ModernBertEncoder(nn.Module):
     """The layers and the final norm. Per layer kind (``config.FULL_ATTENTION``,
     ``SLIDING_ATTENTION``): rotary tables ``[max_length, head_dim]`` and, where the attention
     takes a bias on scores, its table by distance (``BertEncoder.relative_bias``'s layout), all
-    computed at load (``checkpoint.modernbert_tables``)."""
+    computed at load (``checkpoint.rotary_family_tables``)."""
 
-    def __init__(self, cfg: BertConfig, score_bias: bool):
+    def __init__(self, cfg: BertConfig):
         self.layers = nn.ModuleList([ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.kinds = sorted(set(cfg.layer_types))
         for kind in self.kinds:
             setattr(self, f"{kind}_cos", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
             setattr(self, f"{kind}_sin", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
-            if score_bias:
+            if cfg.biased(kind):
                 setattr(self, f"{kind}_bias", nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1),
                                                            "float32"))
 
@@ -168,9 +168,10 @@ def rotary_tables(theta: float, head_dim: int, length: int) -> tuple[np.ndarray,
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def window_bias(heads: int, max_length: int, half_width: int | None) -> np.ndarray:
-    """``[heads, 2 * max_length - 1]`` by key-minus-query distance: 0 within ``half_width`` (a
-    full layer: None, everywhere), ``WINDOW_FILL`` beyond."""
-    distance = np.abs(np.arange(1 - max_length, max_length))
-    row = np.where(distance <= (half_width if half_width is not None else max_length), 0.0, WINDOW_FILL)
+def window_bias(heads: int, max_length: int, half_width: int | None, causal: bool = False) -> np.ndarray:
+    """``[heads, 2 * max_length - 1]`` by key-minus-query distance: 0 within ``half_width`` (None:
+    everywhere) and, ``causal``, not after the query; ``WINDOW_FILL`` elsewhere."""
+    distance = np.arange(1 - max_length, max_length)
+    inside = np.abs(distance) <= (half_width if half_width is not None else max_length)
+    row = np.where(inside & ((distance <= 0) | (not causal)), 0.0, WINDOW_FILL)
     return np.ascontiguousarray(np.broadcast_to(row.astype(np.float32), (heads, row.size)))

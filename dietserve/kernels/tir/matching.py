@@ -49,14 +49,17 @@ def find_matmul(sch: s_tir.Schedule):
 
 
 def is_multiply_accumulate(block) -> bool:
-    """``C[...] = C[...] + A[...] * B[...]`` (loads may be wrapped in casts)."""
+    """``C[...] = C[...] + A[...] * B[...]`` (loads may be wrapped in casts), two factors that
+    differ: a sum of squares (RMSNorm's) has a matmul's loops but no matmul's operands."""
     import tvm
+    import tvm_ffi
 
     store = block.body
     if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
         return False
     acc, product = store.value.a, store.value.b
-    return isinstance(acc, tvm.ir.TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)
+    return (isinstance(acc, tvm.ir.TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)
+            and not tvm_ffi.structural_equal(product.a, product.b))
 
 
 def pad_to_tiles(sch: s_tir.Schedule, block, epilogue, tiles: Sequence[int]):

@@ -1,0 +1,119 @@
+"""Qwen3's decoder in Relax, as Qwen3-Embedding runs it (every token's last hidden state; the
+sentence embedding is the last token's), on the parts the encoders are built from
+(``layers.py``, ``modernbert.rotated``). What differs from them:
+
+- causal attention: a query attends to itself and the keys before it. It is a bias by distance
+  (0 for keys at or before the query, ``WINDOW_FILL`` after it), the table ModernBERT's window
+  and MPNet's relative positions use, so both layouts and the packed kernel take it as they take
+  theirs;
+- key and value heads shared by groups of query heads: the loader repeats each group's key and
+  value projections (``checkpoint.py``), so attention sees one key and value head per query head
+  and the fused projection is BERT's, one dense layer;
+- RMSNorm before each block, and on each head's queries and keys before their rotation;
+- a gated SiLU: ``down(silu(gate(x)) * up(x))``, the gate and up projections one dense layer.
+
+Attribute names mirror transformers' ``Qwen3Model`` (``layers`` and ``norm`` under ``encoder``)."""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from .config import BertConfig
+from .layers import Embedding, TransposedLinear, activation, take_rows
+from .modernbert import rotated
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, as ``Qwen3RMSNorm``."""
+
+    def __init__(self, width: int, eps: float):
+        self.weight = nn.Parameter((width,), "float32")
+        self.eps = eps
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return op.rms_norm(x, self.weight, axes=-1, epsilon=self.eps)
+
+
+class Qwen3Embeddings(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
+        """As ``BertEmbeddings.forward``; the types and positions play no part here."""
+        words = self.embed_tokens(input_ids)
+        if len(input_ids.shape) == 2:
+            batch, seq = input_ids.shape
+            words = op.reshape(words, (batch * seq, words.shape[-1]))
+        return words
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.qkv = TransposedLinear(cfg.hidden_size, 3 * cfg.attention_width, parts=("q_proj", "k_proj", "v_proj"))
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+        self.o_proj = TransposedLinear(cfg.attention_width, cfg.hidden_size)
+
+    def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
+        cos, sin, batch = rotary
+        qkv = self.qkv(hidden)
+        parts = op.reshape(qkv, (qkv.shape[0], 3, self.heads, self.head_dim))
+
+        def part(index: int) -> nn.Tensor:
+            return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [index], [index + 1]), "qkv_part")
+
+        normed = op.concat([self.q_norm(part(0)), self.k_norm(part(1)), part(2)], dim=1)
+        qkv = rotated(op.reshape(normed, qkv.shape), cos, sin, self.heads, self.head_dim, batch)
+        return self.o_proj(attention(qkv, self.heads, self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.gate_up = TransposedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, parts=("gate_proj", "up_proj"))
+        self.down_proj = TransposedLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.hidden_act = cfg.hidden_act
+
+    def forward(self, hidden: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up(hidden), 2, axis=-1)
+        return self.down_proj(activation(gate, self.hidden_act) * up)
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.self_attn = Qwen3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.mlp = Qwen3MLP(cfg)
+
+    def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Encoder(nn.Module):
+    """The layers and the final norm, with the rotary tables and the causal bias by distance
+    (``[heads, 2 * max_length - 1]``) computed at load (``checkpoint.rotary_family_tables``)."""
+
+    kinds = ("full_attention",)
+
+    def __init__(self, cfg: BertConfig):
+        self.layers = nn.ModuleList([Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.full_attention_cos = nn.Parameter((cfg.max_length, cfg.head_dim), "float32")
+        self.full_attention_sin = nn.Parameter((cfg.max_length, cfg.head_dim), "float32")
+        self.full_attention_bias = nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1), "float32")
+
+    def bias(self, kind: str) -> nn.Tensor:
+        return self.full_attention_bias
+
+    def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:
+        """As ``ModernBertEncoder.forward``."""
+        rotary = (take_rows(self.full_attention_cos, position_ids), take_rows(self.full_attention_sin, position_ids),
+                  batch)
+        attention = attention_of[self.kinds[0]]
+        for layer in self.layers:
+            hidden = layer(hidden, attention, rotary)
+        return self.norm(hidden)

@@ -1,0 +1,69 @@
+"""Qwen3, the decoder Qwen3-Embedding is, randomly initialised and saved by transformers under
+sentence-transformers' last-token pooling and Normalize (Qwen3-Embedding's recipe): causal
+attention, rotary positions, RMSNorm on the hidden state and on each head's queries and keys, a
+gated SiLU, and key and value heads shared by pairs of query heads, each head wider than
+hidden_size / heads. It compiles in both layouts and answers as transformers and
+sentence-transformers do, at every length up to the last position."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dietserve.model.checkpoint import Checkpoint, CheckpointError
+
+from .test_encoder_families import MAX_LENGTH, _embedder_matches, _tokenizer_folder
+
+
+def _qwen3_config(tokenizer_folder: Path, **more):
+    from transformers import AutoTokenizer, Qwen3Config
+
+    return Qwen3Config(vocab_size=len(AutoTokenizer.from_pretrained(str(tokenizer_folder))), hidden_size=64,
+                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, max_position_embeddings=MAX_LENGTH, initializer_range=0.1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, pad_token_id=1,
+                       bos_token_id=0, eos_token_id=2, **more)
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import Qwen3Model
+
+    decoder = _tokenizer_folder(tmp_path_factory.mktemp("qwen3-decoder"))
+    torch.manual_seed(23)
+    model = Qwen3Model(_qwen3_config(decoder)).eval()
+    with torch.no_grad():  # (RMSNorm weights start at one: vary them, so that a norm's weight left out shows)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(str(decoder))
+    transformer = models.Transformer(str(decoder), max_seq_length=MAX_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "qwen3-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), "lasttoken"),
+                                 models.Normalize()], device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_qwen3_matches_transformers_and_sentence_transformers(qwen3_folder: Path, cache_dir: Path,
+                                                               layout: str) -> None:
+    from transformers import Qwen3Model
+
+    reference = _embedder_matches(qwen3_folder, Qwen3Model, MAX_LENGTH, layout, cache_dir)
+    assert reference.config.num_key_value_heads < reference.config.num_attention_heads
+    assert reference.config.head_dim * reference.config.num_attention_heads != reference.config.hidden_size
+
+
+def test_a_qwen3_sequence_classifier_is_refused_by_name(qwen3_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "classifier"
+    shutil.copytree(qwen3_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen3ForSequenceClassification"]}))
+    with pytest.raises(CheckpointError, match="a qwen3 sequence classifier is not supported"):
+        Checkpoint.open(folder)
