@@ -28,6 +28,9 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cores", type=int, default=None, help="CPU threads the schedules assume")
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture for --target cuda (e.g. sm_90, sm_75)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="TOKENS",
+                        help="longest sequence served, below the model's last position (default: that); longer "
+                             "texts are truncated. Bounds a long-context model's start-up and memory")
     parser.add_argument("--seed", type=int, default=0, help="weight seed for the bert-base preset")
     parser.add_argument("--pooling", type=_pooling_modes, default=None, metavar="MODE[,MODE...]",
                         help="sentence-embedding pooling in place of the checkpoint's own (1_Pooling): "
@@ -65,7 +68,8 @@ def compile_request(args: argparse.Namespace):
     plans = () if modes else tuple(Path(plan) for plan in given)
     return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
                           analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling,
-                          layout=getattr(args, "layout", None), precision=getattr(args, "precision", "fp32"))
+                          layout=getattr(args, "layout", None), precision=getattr(args, "precision", "fp32"),
+                          max_seq_len=getattr(args, "max_seq_len", None))
 
 
 def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:
@@ -93,6 +97,8 @@ def build_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--num-cores", str(args.num_cores)]
     if args.pooling:
         argv += ["--pooling", ",".join(args.pooling)]
+    if getattr(args, "max_seq_len", None):
+        argv += ["--max-seq-len", str(args.max_seq_len)]
     if getattr(args, "layout", None):
         argv += ["--layout", args.layout]
     if getattr(args, "precision", None):

@@ -76,12 +76,17 @@ class CompileRequest:
     # The dense layers' products: "bf16" takes bf16 inputs and weights and sums in fp32, on CPUs
     # with AVX512-BF16 (``kernels/cpu_packed/bf16.py``); everything else stays fp32.
     precision: str = "fp32"
+    # The longest sequence served, in tokens, below the checkpoint's last position (--max-seq-len):
+    # a long-context model's tables, warm-up and memory bound end there; None: its last position.
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be at least 1, got {self.max_seq_len}")
         if self.layout is None:
             object.__setattr__(self, "layout", default_layout(self.target.kind))
         if self.layout not in LAYOUTS:
@@ -99,7 +104,7 @@ class CompileRequest:
         spec = self.target
         return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
                 "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
-                "precision": self.precision,
+                "precision": self.precision, "max_seq_len": self.max_seq_len,
                 "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
 
     @classmethod
@@ -111,14 +116,16 @@ class CompileRequest:
                        max_batch=int(record["max_batch"]), seed=int(record["seed"]),
                        pooling=tuple(pooling) if pooling is not None else None,
                        layout=str(record.get("layout", LAYOUT_PADDED)),
-                       precision=str(record.get("precision", "fp32")))
+                       precision=str(record.get("precision", "fp32")), max_seq_len=record.get("max_seq_len"))
         except (KeyError, TypeError) as err:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
 
 def open_checkpoint(request: CompileRequest, cache_dir: Path) -> Checkpoint:
-    """The request's checkpoint, pooled as ``--pooling`` says where given."""
+    """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where given."""
     checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
+    if request.max_seq_len is not None:
+        checkpoint = checkpoint.with_max_length(request.max_seq_len)
     return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 

@@ -109,6 +109,15 @@ class Checkpoint:
             return {"task": self.task, "classifier": self.classifier.to_dict()}
         return {"task": self.task, "pooling": self.pooling.to_dict()}
 
+    def with_max_length(self, tokens: int) -> Checkpoint:
+        """This checkpoint serving sequences of at most ``tokens`` (``--max-seq-len``): its tables
+        end there, and longer texts are truncated to it."""
+        if not 1 <= tokens <= self.config.max_length:
+            raise CheckpointError(f"--max-seq-len {tokens}: {self.folder}'s positions end at {self.config.max_length} "
+                                  "tokens (give 1 to that)")
+        limit = tokens + self.config.position_offset
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, max_position_embeddings=limit))
+
     def with_pooling_modes(self, modes: tuple[str, ...]) -> Checkpoint:
         """This checkpoint pooled with ``modes`` in place of its own (``--pooling``)."""
         if self.classifier is not None:
@@ -303,8 +312,8 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
         tensors[_RELATIVE_BIAS] = np.ascontiguousarray(tensors.pop(_BUCKET_BIAS)[buckets].T)
     for theirs, ours in renames:
         tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
-    if config.position_offset and _POSITIONS in tensors:
-        tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:]
+    if _POSITIONS in tensors:  # (the rows of the positions it serves: past RoBERTa's offset, up to a cap)
+        tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:config.position_offset + config.max_length]
     return tensors
 
 

@@ -33,3 +33,22 @@ def test_activation_variant_matches_transformers(activation: str, tmp_path: Path
     ours = engine.run(ids, mask, types).last_hidden_state
     expected = as_layout_answers(engine, reference_hidden(reference_model(folder), ids, mask, types), mask)
     assert np.abs(ours - expected).max() <= 1e-4
+
+
+def test_a_capped_sequence_length_truncates_as_sentence_transformers_does(cache_dir: Path) -> None:
+    """``--max-seq-len 32``: the model's tables end there and a longer text is cut to it, as
+    sentence-transformers cuts it at the same ``max_seq_length``."""
+    from sentence_transformers import SentenceTransformer
+
+    from dietserve.model.presets import default_model_folder
+    from dietserve.runtime.embedder import Embedder
+
+    artifact = compile_artifact(CompileRequest(model="default", max_batch=4, max_seq_len=32), cache_dir)
+    embedder = Embedder(Engine(load_artifact(artifact)))
+    assert embedder.engine.max_seq_len == 32
+    texts = ["A man is eating food.", "The quick brown fox jumps over the lazy dog. " * 20]
+    reference = SentenceTransformer(str(default_model_folder()), device="cpu", local_files_only=True)
+    reference.max_seq_length = 32
+    np.testing.assert_allclose(embedder.embed(texts), reference.encode(texts), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="positions end at 512 tokens"):
+        compile_artifact(CompileRequest(model="default", max_batch=4, max_seq_len=513), cache_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -198,3 +199,22 @@ def test_random_weights_are_seeded() -> None:
     np.testing.assert_array_equal(a[name], b[name])
     assert not np.array_equal(a[name], c[name])
     assert a[name].shape == (16, 8)  # stored [out, in] as Hugging Face does
+
+
+def test_a_capped_length_keeps_the_first_positions_past_the_offset(tmp_path: Path) -> None:
+    """``--max-seq-len``: RoBERTa's table rows for positions 0..N-1 are those past its padding
+    index; a cap beyond the model's last position is refused."""
+    config = dataclasses.replace(TINY, model_type="roberta", pad_token_id=1)
+    hf = random_hf_weights(config, seed=3)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    save_file(hf, str(folder / "model.safetensors"))
+    checkpoint = Checkpoint.open(folder).with_max_length(5)
+    assert checkpoint.config.max_length == 5
+    model = BertModel(checkpoint.config, PoolingOptions())
+    params = load_parameters(checkpoint, model, export_relax(model, max_batch=2)[1])
+    np.testing.assert_array_equal(params["embeddings.position_embeddings.weight"],
+                                  hf["embeddings.position_embeddings.weight"][2:7])
+    with pytest.raises(CheckpointError, match=f"positions end at {TINY.max_position_embeddings - 2} tokens"):
+        Checkpoint.open(folder).with_max_length(TINY.max_position_embeddings - 1)

@@ -121,3 +121,23 @@ def test_linux_lends_the_tile_state_where_the_cpu_has_tiles() -> None:
     has_tiles = {"amx_tile", "amx_bf16"} <= (cpu_flags() or set())
     reason = refused_tile_state()
     assert (reason is None) == has_tiles, reason
+
+
+def test_the_build_flags_and_record_give_the_request_back(tmp_path: Path) -> None:
+    """What a child command (``build_argv``) and a re-tuning job (the manifest's build record)
+    rebuild from is the request itself, ``--max-seq-len`` included."""
+    import argparse
+    import dataclasses
+
+    from dietserve.commands.common import add_build_flags, build_argv, compile_request
+    from dietserve.compile.artifact import CompileRequest
+
+    parser = argparse.ArgumentParser()
+    add_build_flags(parser)
+    args = parser.parse_args(["--model", str(tmp_path.resolve()), "--max-seq-len", "128", "--pooling", "cls",
+                              "--precision", "bf16", "--max-batch", "8"])
+    request = compile_request(args)
+    assert (request.max_seq_len, request.pooling, request.precision) == (128, ("cls",), "bf16")
+    assert compile_request(parser.parse_args(build_argv(args))) == request
+    rebuilt = CompileRequest.from_build_record(json.loads(json.dumps(request.build_record())))
+    assert rebuilt == dataclasses.replace(request, analytic=False)  # (the record keeps no plans: the job makes them)
