@@ -10,11 +10,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.host.cpu import cpu_flags
 from dietserve.model.checkpoint import Checkpoint, CheckpointError
+from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.engine import Engine
 
-from .test_encoder_families import MAX_LENGTH, _embedder_matches, _tokenizer_folder
+from .server_process import ServerProcess
+from .test_encoder_families import MAX_LENGTH, TEXTS, _embedder_matches, _tokenizer_folder
 
 
 def _qwen3_config(tokenizer_folder: Path, **more):
@@ -67,3 +73,54 @@ def test_a_qwen3_sequence_classifier_is_refused_by_name(qwen3_folder: Path, tmp_
     (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen3ForSequenceClassification"]}))
     with pytest.raises(CheckpointError, match="a qwen3 sequence classifier is not supported"):
         Checkpoint.open(folder)
+
+
+@pytest.mark.slow
+def test_a_server_answers_openai_embeddings_from_qwen3(qwen3_folder: Path, cache_dir: Path) -> None:
+    """Qwen3-Embedding's clients ask through OpenAI's API: a real server, its real client."""
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    artifact = compile_artifact(CompileRequest(model=str(qwen3_folder), max_batch=8, analytic=True), cache_dir)
+    server = ServerProcess(None, "--artifact", str(artifact), model_name=None)
+    try:
+        client = OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused")
+        answer = client.embeddings.create(model="qwen3-embedder", input=TEXTS, encoding_format="float",
+                                          extra_body={"truncate": True})
+        expected = SentenceTransformer(str(qwen3_folder), device="cpu", local_files_only=True).encode(TEXTS)
+        np.testing.assert_allclose([row.embedding for row in answer.data], expected, rtol=0, atol=1e-4)
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif("avx512_bf16" not in (cpu_flags() or set()), reason="this CPU has no AVX512-BF16")
+def test_qwen3_bf16_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: Path) -> None:
+    """A bf16 build (heads of 64, so attention runs on bf16 pairs) against transformers in fp32,
+    at lengths up to 512 (random tokens): every token within cosine 0.9999, every mean-pooled
+    sentence within 0.99995, as ``test_bf16_model.py`` holds MiniLM and bert-base."""
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    from .test_bf16_model import SENTENCE_COSINE, TOKEN_COSINE, _cosines
+
+    folder = tmp_path / "qwen3-bf16"
+    config = Qwen3Config(vocab_size=30522, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, pad_token_id=0)
+    torch.manual_seed(29)
+    reference = Qwen3Model(config).eval()
+    reference.save_pretrained(str(folder))
+    request = CompileRequest(model=str(folder), max_batch=8, analytic=True, precision="bf16")
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
+    assert engine.artifact.manifest.precision == "bf16"
+    rng = np.random.default_rng(5)
+    for batch, seq in [(1, 1), (1, 128), (1, 512), (4, 64), (8, 37)]:
+        ids = rng.integers(1000, 30000, (batch, seq)).astype(np.int64)
+        mask = np.ones_like(ids)
+        mask[1:, seq // 2 + 1:] = 0  # (rows after the first shorter)
+        with torch.no_grad():
+            expected = reference(input_ids=torch.from_numpy(ids),
+                                 attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+        hidden = engine.run(ids, mask, np.zeros_like(ids)).last_hidden_state
+        tokens, sentences, error = _cosines(hidden, expected, mask)
+        assert tokens.min() >= TOKEN_COSINE and sentences.min() >= SENTENCE_COSINE, (batch, seq, tokens.min(), error)
