@@ -29,7 +29,7 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture for --target cuda (e.g. sm_90, sm_75)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="TOKENS",
-                        help="longest sequence served, below the model's last position (default: that); longer "
+                        help="longest sequence served (default: the model's last position, at most 8192); longer "
                              "texts are truncated. Bounds a long-context model's start-up and memory")
     parser.add_argument("--seed", type=int, default=0, help="weight seed for the bert-base preset")
     parser.add_argument("--pooling", type=_pooling_modes, default=None, metavar="MODE[,MODE...]",

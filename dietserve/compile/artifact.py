@@ -55,6 +55,10 @@ from .passes.pack_weights import TRANSFORM_PARAMS_SUFFIX
 from .target import TargetSpec, build_target, target_description, tvm_version
 
 Progress = Callable[[str], None]
+# The longest sequence served where --max-seq-len does not say: a 32,768-position model (Qwen3-
+# Embedding) planned for its last position would reserve a padded batch's scores of 64 GiB a
+# row, and warm up on a sequence whose attention takes minutes on a CPU.
+LONGEST_BY_DEFAULT = 8192
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -77,7 +81,8 @@ class CompileRequest:
     # with AVX512-BF16 (``kernels/cpu_packed/bf16.py``); everything else stays fp32.
     precision: str = "fp32"
     # The longest sequence served, in tokens, below the checkpoint's last position (--max-seq-len):
-    # a long-context model's tables, warm-up and memory bound end there; None: its last position.
+    # a long-context model's tables, warm-up and memory bound end there; None: its last position,
+    # at most LONGEST_BY_DEFAULT.
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -122,10 +127,12 @@ class CompileRequest:
 
 
 def open_checkpoint(request: CompileRequest, cache_dir: Path) -> Checkpoint:
-    """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where given."""
+    """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where
+    given, else to ``LONGEST_BY_DEFAULT`` tokens."""
     checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
-    if request.max_seq_len is not None:
-        checkpoint = checkpoint.with_max_length(request.max_seq_len)
+    longest = request.max_seq_len or min(checkpoint.config.max_length, LONGEST_BY_DEFAULT)
+    if longest != checkpoint.config.max_length:
+        checkpoint = checkpoint.with_max_length(longest)
     return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 
@@ -197,6 +204,8 @@ def compile_artifact(
     target = build_target(request.target)
     if request.precision == "bf16":
         check_bf16_target(target)
+    if request.max_seq_len is None and checkpoint.config.max_length == LONGEST_BY_DEFAULT:
+        progress(f"serving sequences of up to {LONGEST_BY_DEFAULT} tokens (--max-seq-len: more, or fewer)")
     progress(f"hashing weights in {checkpoint.folder}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(path for path in request.plans if not is_attention_plan(path))
@@ -342,7 +351,8 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
 
     def kernel(biased: bool, window: int | None = None):
         return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
-                                precision="bf16" if paired else "fp32", relative_bias=biased, window=window)
+                                precision="bf16" if paired else "fp32", relative_bias=biased, window=window,
+                                causal=config.causal, kv_heads=config.kv_heads)
 
     # (a rotary family's full layers take a bias where it is causal; MPNet's every layer, by distance)
     full = kernel(config.biased(FULL_ATTENTION) if config.rotary else config.score_bias)

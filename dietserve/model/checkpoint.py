@@ -279,7 +279,7 @@ def load_parameters(
     for name, shape in expected:
         for part in sources[name]:
             if part not in raw and _without_bias(checkpoint.config, part):
-                raw[part] = np.zeros(shape[-1] // len(sources[name]), np.float32)  # (parts side by side: equal widths)
+                raw[part] = np.zeros(_part_width(checkpoint.config, part, shape[-1], len(sources[name])), np.float32)
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.folder}'s weights have no tensor {part!r}")
         try:
@@ -301,7 +301,7 @@ def _as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np
     if config.rotary:
         tensors.update(rotary_family_tables(config))
     if config.model_type == QWEN3:
-        tensors = _qwen3_tensors(config, tensors)
+        tensors = _qwen3_tensors(tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
     if config.model_type in (DISTILBERT, MPNET):
@@ -333,21 +333,22 @@ def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:
     return tables
 
 
-def _qwen3_tensors(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Qwen3's tensors under our module names (``qwen3.py``), each key and value head repeated
-    for every query head of its group (transformers' ``repeat_kv``)."""
-    group = config.num_attention_heads // config.num_key_value_heads
-    out = {}
-    for name, tensor in tensors.items():
+def _qwen3_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3's tensors under our module names (``qwen3.py``)."""
+    def ours(name: str) -> str:
         if name.startswith(("layers.", "norm.")):
-            name = "encoder." + name
-        elif name.startswith("embed_tokens."):
-            name = "embeddings." + name
-        if group > 1 and name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
-            heads = tensor.reshape(config.num_key_value_heads, config.head_dim, *tensor.shape[1:])
-            tensor = np.repeat(heads, group, axis=0).reshape(config.attention_width, *tensor.shape[1:])
-        out[name] = tensor
-    return out
+            return "encoder." + name
+        return "embeddings." + name if name.startswith("embed_tokens.") else name
+
+    return {ours(name): tensor for name, tensor in tensors.items()}
+
+
+def _part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
+    """The width of one of ``parts`` computed side by side in ``width`` columns: equal, but for
+    a key or value projection shared by groups of query heads (Qwen3's)."""
+    if part.endswith(("k_proj.bias", "v_proj.bias")):
+        return config.kv_heads * config.head_dim
+    return config.attention_width if part.endswith("q_proj.bias") else width // parts
 
 
 def _without_bias(config: BertConfig, name: str) -> bool:

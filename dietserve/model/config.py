@@ -122,8 +122,18 @@ class BertConfig:
 
     @property
     def attention_width(self) -> int:
-        """The query's (and the key's and value's, every head counted) width."""
+        """The query's width, every head counted."""
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key and value heads: one per query head, or fewer each shared by a group (Qwen3's)."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def projection_width(self) -> int:
+        """The fused query, key and value projection's width."""
+        return (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
 
     @property
     def position_offset(self) -> int:

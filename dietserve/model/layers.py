@@ -79,20 +79,23 @@ class PaddedAttention:
         self.mask_bias = mask_bias
         self.position_bias = position_bias
 
-    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
+    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int, kv_heads: int | None = None) -> nn.Tensor:
+        """``kv_heads``: key and value heads, each shared by ``heads / kv_heads`` query heads (None: one each)."""
         batch, _, _, seq = self.mask_bias.shape
-        width = heads * head_dim
-        # [b, s, 3 * heads, d]: the queries', keys' and values' heads side by side (a free view)
-        projected = op.reshape(qkv, (batch, seq, 3 * heads, head_dim))
+        width, kv_heads = heads * head_dim, heads if kv_heads is None else kv_heads
+        # [b, s, heads + 2 * kv_heads, d]: the queries', keys' and values' heads side by side (a free view)
+        projected = op.reshape(qkv, (batch, seq, heads + 2 * kv_heads, head_dim))
 
-        def part(index: int) -> nn.Tensor:
-            # its heads: a slice that fuses with the permute after it into one copy
-            begin, end = index * heads, (index + 1) * heads
-            return nn.op.wrap_nested(relax.op.strided_slice(projected._expr, [2], [begin], [end]), "qkv_part")
+        def part(begin: int, end: int, order: list[int]) -> nn.Tensor:
+            # its heads: a slice that fuses with the permute after it into one copy; a shared
+            # head repeated for each query head of its group
+            sliced = nn.op.wrap_nested(relax.op.strided_slice(projected._expr, [2], [begin], [end]), "qkv_part")
+            heads_first = op.permute_dims(sliced, order)
+            return heads_first if end - begin == heads else op.repeat(heads_first, heads // (end - begin), axis=1)
 
-        q = op.permute_dims(part(0), [0, 2, 1, 3])  # b h s d
-        k = op.permute_dims(part(1), [0, 2, 3, 1])  # b h d s
-        v = op.permute_dims(part(2), [0, 2, 1, 3])  # b h s d
+        q = part(0, heads, [0, 2, 1, 3])  # b h s d
+        k = part(heads, heads + kv_heads, [0, 2, 3, 1])  # b h d s
+        v = part(heads + kv_heads, heads + 2 * kv_heads, [0, 2, 1, 3])  # b h s d
         scores = op.matmul(q, k) * (1.0 / math.sqrt(head_dim)) + self.mask_bias
         if self.position_bias is not None:
             scores = scores + self.position_bias
@@ -112,7 +115,8 @@ class PackedAttention:
         self.starts, self.kernel, self.name = starts, kernel, name
         self.relative_bias = () if relative_bias is None else (relative_bias,)
 
-    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int) -> nn.Tensor:
+    def __call__(self, qkv: nn.Tensor, heads: int, head_dim: int, kv_heads: int | None = None) -> nn.Tensor:
+        """(``kv_heads``: built into the kernel, ``varlen_attention(kv_heads=)``.)"""
         out = nn.Tensor.placeholder((qkv.shape[0], heads * head_dim), "float32")
         return op.tensor_ir_op(self.kernel, self.name, [qkv, self.starts, *self.relative_bias], out)
 

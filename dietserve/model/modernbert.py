@@ -44,23 +44,27 @@ class ModernBertEmbeddings(nn.Module):
         return self.norm(words)
 
 
-def rotated(qkv: nn.Tensor, cos: nn.Tensor, sin: nn.Tensor, heads: int, head_dim: int, batch=None) -> nn.Tensor:
-    """``qkv`` (``[rows, 3 * heads * head_dim]``) with its queries and keys rotated by their
-    positions' ``cos`` and ``sin`` (``[seq or rows, head_dim]``, as transformers' ``rotate_half``
-    pairs dimension i with i + head_dim / 2); padded rows (``batch`` given) are ``[batch * seq]``,
-    the positions ``[seq]`` the same in every row."""
+def rotated(qkv: nn.Tensor, cos: nn.Tensor, sin: nn.Tensor, heads: int, head_dim: int, batch=None,
+            kv_heads: int | None = None) -> nn.Tensor:
+    """``qkv`` (``[rows, (heads + 2 * kv_heads) * head_dim]``: the query heads, the key heads, the
+    value heads; ``kv_heads`` None: as many as ``heads``) with its queries and keys rotated by
+    their positions' ``cos`` and ``sin`` (``[seq or rows, head_dim]``, as transformers'
+    ``rotate_half`` pairs dimension i with i + head_dim / 2); padded rows (``batch`` given) are
+    ``[batch * seq]``, the positions ``[seq]`` the same in every row."""
+    kv_heads = heads if kv_heads is None else kv_heads
     lead = (batch, cos.shape[0]) if batch is not None else (qkv.shape[0],)
-    parts = op.reshape(qkv, (*lead, 3, heads, head_dim))
+    parts = op.reshape(qkv, (*lead, heads + 2 * kv_heads, head_dim))
     axis = len(lead)
 
     def sliced(tensor: nn.Tensor, axis_: int, begin: int, end: int) -> nn.Tensor:
         return nn.op.wrap_nested(relax.op.strided_slice(tensor._expr, [axis_], [begin], [end]), "rotary_part")
 
-    query_key, value = sliced(parts, axis, 0, 2), sliced(parts, axis, 2, 3)
+    query_key, value = sliced(parts, axis, 0, heads + kv_heads), sliced(parts, axis, heads + kv_heads,
+                                                                         heads + 2 * kv_heads)
     half = head_dim // 2
-    first, second = sliced(query_key, axis + 2, 0, half), sliced(query_key, axis + 2, half, head_dim)
-    turned = op.concat([op.negative(second), first], dim=axis + 2)
-    shape = (1, cos.shape[0], 1, 1, head_dim) if batch is not None else (cos.shape[0], 1, 1, head_dim)
+    first, second = sliced(query_key, axis + 1, 0, half), sliced(query_key, axis + 1, half, head_dim)
+    turned = op.concat([op.negative(second), first], dim=axis + 1)
+    shape = (1, cos.shape[0], 1, head_dim) if batch is not None else (cos.shape[0], 1, head_dim)
     out = query_key * op.reshape(cos, shape) + turned * op.reshape(sin, shape)
     return op.reshape(op.concat([out, value], dim=axis), qkv.shape)
 

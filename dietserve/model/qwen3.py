@@ -6,9 +6,9 @@ sentence embedding is the last token's), on the parts the encoders are built fro
   (0 for keys at or before the query, ``WINDOW_FILL`` after it), the table ModernBERT's window
   and MPNet's relative positions use, so both layouts and the packed kernel take it as they take
   theirs;
-- key and value heads shared by groups of query heads: the loader repeats each group's key and
-  value projections (``checkpoint.py``), so attention sees one key and value head per query head
-  and the fused projection is BERT's, one dense layer;
+- key and value heads shared by groups of query heads (grouped-query attention): the fused
+  projection computes each shared head once, and attention reads it for every query head of
+  its group;
 - RMSNorm before each block, and on each head's queries and keys before their rotation;
 - a gated SiLU: ``down(silu(gate(x)) * up(x))``, the gate and up projections one dense layer.
 
@@ -51,8 +51,8 @@ class Qwen3Embeddings(nn.Module):
 
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: BertConfig):
-        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.qkv = TransposedLinear(cfg.hidden_size, 3 * cfg.attention_width, parts=("q_proj", "k_proj", "v_proj"))
+        self.heads, self.head_dim, self.kv_heads = cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
+        self.qkv = TransposedLinear(cfg.hidden_size, cfg.projection_width, parts=("q_proj", "k_proj", "v_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
         self.o_proj = TransposedLinear(cfg.attention_width, cfg.hidden_size)
@@ -60,14 +60,16 @@ class Qwen3Attention(nn.Module):
     def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
         cos, sin, batch = rotary
         qkv = self.qkv(hidden)
-        parts = op.reshape(qkv, (qkv.shape[0], 3, self.heads, self.head_dim))
+        heads, shared = self.heads, self.kv_heads
+        parts = op.reshape(qkv, (qkv.shape[0], heads + 2 * shared, self.head_dim))
 
-        def part(index: int) -> nn.Tensor:
-            return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [index], [index + 1]), "qkv_part")
+        def part(begin: int, end: int) -> nn.Tensor:
+            return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [begin], [end]), "qkv_part")
 
-        normed = op.concat([self.q_norm(part(0)), self.k_norm(part(1)), part(2)], dim=1)
-        qkv = rotated(op.reshape(normed, qkv.shape), cos, sin, self.heads, self.head_dim, batch)
-        return self.o_proj(attention(qkv, self.heads, self.head_dim))
+        normed = op.concat([self.q_norm(part(0, heads)), self.k_norm(part(heads, heads + shared)),
+                            part(heads + shared, heads + 2 * shared)], dim=1)
+        qkv = rotated(op.reshape(normed, qkv.shape), cos, sin, heads, self.head_dim, batch, shared)
+        return self.o_proj(attention(qkv, heads, self.head_dim, shared))
 
 
 class Qwen3MLP(nn.Module):

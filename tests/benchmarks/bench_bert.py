@@ -138,10 +138,13 @@ class WeightFloor:
         from tuner.targets import resolve_target
 
         config = Checkpoint.open(checkpoint).config
-        hidden, inner = config.hidden_size, config.intermediate_size
-        # (ModernBERT's gated GELU: three intermediate-wide products, BERT's two)
-        self.params = config.num_hidden_layers * (4 * hidden * hidden + (3 if config.rotary else 2) * hidden * inner)
-        self.layers, self.hidden = config.num_hidden_layers, hidden
+        hidden, inner, width = config.hidden_size, config.intermediate_size, config.attention_width
+        # (the checkpoint's own key and value widths, Qwen3's shared by groups of query heads; the
+        # rotary families' gated activations: three intermediate-wide products, BERT's two)
+        shared = (config.num_key_value_heads or config.num_attention_heads) * config.head_dim
+        attention = hidden * (2 * width + 2 * shared)
+        self.params = config.num_hidden_layers * (attention + (3 if config.rotary else 2) * hidden * inner)
+        self.layers, self.width, self.causal = config.num_hidden_layers, width, config.causal
         # keys a query attends to, by layer: a sliding window's at most (ModernBERT's), else all
         self.windows = [2 * config.sliding_window + 1 if kind == SLIDING_ATTENTION else None
                         for kind in config.layer_types] or [None] * config.num_hidden_layers
@@ -163,9 +166,11 @@ class WeightFloor:
 
     def flops(self, seq: int) -> int:
         """One sequence's dense layers, and attention's scores and context products: 2 x 2 * seq
-        * keys * hidden per layer, keys within its window."""
-        keys = sum(seq if window is None else min(seq, window) for window in self.windows)
-        return 2 * self.params * seq + 4 * seq * keys * self.hidden
+        * keys * width per layer, keys within its window (a decoder's: those up to the query, on
+        average (seq + 1) / 2)."""
+        reach = (seq + 1) / 2 if self.causal else seq
+        keys = sum(reach if window is None else min(seq, window) for window in self.windows)
+        return int(2 * self.params * seq + 4 * seq * keys * self.width)
 
     def summary(self) -> str:
         return (f"{self.params / 1e6:.1f} M dense weights; FMA peak {min(self.fma_peak):.1f}-{max(self.fma_peak):.1f}"
@@ -451,14 +456,21 @@ RANDOM_FAMILIES = {
     "mpnet-base": ("MPNetConfig", "MPNetModel", {"max_position_embeddings": 514, "vocab_size": 30527},
                    {"add_pooling_layer": False}),  # all-mpnet-base-v2
     "modernbert-base": ("ModernBertConfig", "ModernBertModel", {"pad_token_id": 0}, {}),  # gte-modernbert-base
+    # Qwen3-Embedding-0.6B's layers (its vocabulary cut to the default tokenizer's: a lookup either way)
+    "qwen3-embedding-0.6b": ("Qwen3Config", "Qwen3Model", {
+        "vocab_size": 30522, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "pad_token_id": 0}, {}),
 }
 
 
 def random_family_model(name: str, cache_dir: Path) -> str:
     """``--models mpnet-base`` (all-mpnet-base-v2's shapes: 12 layers of 768, relative position
-    buckets) or ``modernbert-base`` (22 layers of 768, rotary positions, gated GELU, sliding
-    windows, 8,192 positions): random weights from transformers' own initialisation (seed 0),
-    written once under the cache folder; the default model's tokenizer (``--mixed`` reads text)."""
+    buckets), ``modernbert-base`` (22 layers of 768, rotary positions, gated GELU, sliding
+    windows, 8,192 positions) or ``qwen3-embedding-0.6b`` (28 causal layers of 1024, 16 query
+    heads of 128 over 8 key and value heads, gated SiLU, 32,768 positions): random weights from
+    transformers' own initialisation (seed 0), written once under the cache folder; the default
+    model's tokenizer (``--mixed`` reads text)."""
     import shutil
 
     import torch

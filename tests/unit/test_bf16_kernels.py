@@ -219,11 +219,11 @@ def test_the_tuner_times_bf16_kernels_and_writes_a_bf16_plan(tmp_path) -> None:
 
 
 def _bf16_attention_reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int,
-                              window: int | None = None) -> np.ndarray:
+                              window: int | None = None, causal: bool = False) -> np.ndarray:
     """softmax(q k^T / sqrt(d)) v per sequence and head, with the products' operands rounded to
     bf16 as the kernel multiplies them (the scaled queries, the keys, the exponentials and the
     values), the softmax and every sum in float64; ``window``: keys farther from the query get
-    no weight."""
+    no weight, ``causal``: keys after it."""
     width, rounded = heads * head_dim, bf16.bf16_rounded
     out = np.zeros((qkv.shape[0], width))
     scale = np.float32(1 / np.sqrt(head_dim))
@@ -232,9 +232,11 @@ def _bf16_attention_reference(qkv: np.ndarray, starts: np.ndarray, heads: int, h
         for h in range(heads):
             q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
             scores = rounded(q * scale).astype(np.float64) @ rounded(k).astype(np.float64).T
+            positions = np.arange(end - first)
             if window is not None:
-                positions = np.arange(end - first)
                 scores[np.abs(positions[None, :] - positions[:, None]) > window] = -np.inf
+            if causal:
+                scores[positions[None, :] > positions[:, None]] = -np.inf
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
             context = rounded(weights.astype(np.float32)).astype(np.float64) @ rounded(v).astype(np.float64)
             out[first:end, h * head_dim:(h + 1) * head_dim] = context / weights.sum(axis=1, keepdims=True)
@@ -265,6 +267,31 @@ def test_bf16_sliding_window_attends_within_it_alone(tile: VarlenTile, window: i
         out = tvm.runtime.tensor(np.full((qkv.shape[0], heads * head_dim), np.nan, np.float32))
         function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), bias, out)
         apart = np.abs(out.numpy() - _bf16_attention_reference(qkv, starts, heads, head_dim, window))
+        assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
+
+
+@needs_bf16
+@pytest.mark.parametrize("tile", [VarlenTile(mr=6, nr=32, nc=32, lanes=16), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
+                                  VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
+def test_bf16_causal_attention_attends_up_to_each_query(tile: VarlenTile) -> None:
+    """A decoder's attention on bf16 pairs: the kernel skips the key tiles after a query tile's
+    last query and its bias masks the rest; the reference masks exactly."""
+    from dietserve.host.cpu import configure_cpu_threads
+    from dietserve.model.modernbert import window_bias
+
+    configure_cpu_threads(2)
+    heads, head_dim, max_len = 2, 64, 512
+    func = varlen_attention(heads, head_dim, max_len, tile, precision="bf16", relative_bias=True,
+                            causal=True).with_attr("global_symbol", "main")
+    function = build(tvm.IRModule({"main": func}), TARGET)["main"]
+    bias = tvm.runtime.tensor(window_bias(heads, max_len, None, causal=True))
+    rng = np.random.default_rng(5)
+    for lengths in ([1], [7, 1, 13], [512], [31, 2, 97, 5, 1], [128, 64, 61]):
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 2).astype(np.float32)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        out = tvm.runtime.tensor(np.full((qkv.shape[0], heads * head_dim), np.nan, np.float32))
+        function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), bias, out)
+        apart = np.abs(out.numpy() - _bf16_attention_reference(qkv, starts, heads, head_dim, causal=True))
         assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
 
 

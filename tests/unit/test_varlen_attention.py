@@ -33,15 +33,19 @@ def target_for(tile: VarlenTile) -> tvm.target.Target:
 
 
 def reference(qkv: np.ndarray, starts: np.ndarray, heads: int, head_dim: int, bias: np.ndarray | None = None,
-              ) -> np.ndarray:
+              kv_heads: int | None = None) -> np.ndarray:
     """Per sequence and head: softmax(q k^T / sqrt(d) + relative bias) v, in float64; ``bias``
-    ``[heads, 2 * MAX_LEN - 1]``, indexed by key - query."""
-    width = heads * head_dim
+    ``[heads, 2 * MAX_LEN - 1]``, indexed by key - query; ``kv_heads``: query head h reads key
+    and value head h // (heads / kv_heads), as transformers' ``repeat_kv`` repeats them."""
+    width, kv_heads = heads * head_dim, kv_heads or heads
     out = np.zeros((qkv.shape[0], width))
     for first, end in zip(starts[:-1], starts[1:], strict=True):
         block = qkv[first:end].astype(np.float64)
         for h in range(heads):
-            q, k, v = (block[:, (part * heads + h) * head_dim:(part * heads + h + 1) * head_dim] for part in range(3))
+            g = h // (heads // kv_heads)
+            q = block[:, h * head_dim:(h + 1) * head_dim]
+            k, v = (block[:, (heads + offset + g) * head_dim:(heads + offset + g + 1) * head_dim]
+                    for offset in (0, kv_heads))
             scores = q @ k.T / np.sqrt(head_dim)
             if bias is not None:
                 positions = np.arange(end - first)
@@ -116,6 +120,44 @@ def test_a_sliding_window_attends_within_it_alone(tile: VarlenTile, window: int)
         expected = reference(qkv, starts, heads, head_dim, np.broadcast_to(exact, (heads, exact.size)))
         error = np.abs(out - expected).max() / np.abs(expected).max()
         assert error < 1e-5, f"window {window}, lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=3, nr=24, nc=32), tile_for(CPU_PRESETS["avx512"])],
+                         ids=lambda t: t.describe())
+def test_a_causal_query_attends_up_to_itself_alone(tile: VarlenTile) -> None:
+    """A decoder's (Qwen3's) attention: a query attends to itself and the keys before it. The
+    kernel gets the causal bias (``model/modernbert.window_bias``) and skips the key tiles wholly
+    after a query tile's last query; the reference masks exactly, query by query."""
+    from dietserve.model.modernbert import window_bias
+
+    configure_cpu_threads(2)
+    heads, head_dim = 2, 64
+    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True, causal=True)
+    bias = window_bias(heads, MAX_LEN, None, causal=True)
+    exact = np.where(np.arange(1 - MAX_LEN, MAX_LEN) <= 0, 0.0, -np.inf)
+    rng = np.random.default_rng(4)
+    for lengths in MIXES:
+        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim, bias)
+        expected = reference(qkv, starts, heads, head_dim, np.broadcast_to(exact, (heads, exact.size)))
+        error = np.abs(out - expected).max() / np.abs(expected).max()
+        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_shared_key_and_value_heads_serve_their_group(kv_heads: int) -> None:
+    """Grouped-query attention (Qwen3's): 4 query heads over 1 or 2 key and value heads, the
+    block ``[T, (heads + 2 * kv_heads) * head_dim]`` as the fused projection computes it."""
+    configure_cpu_threads(2)
+    heads, head_dim = 4, 32
+    function = built(heads, head_dim, VarlenTile(), kv_heads=kv_heads)
+    rng = np.random.default_rng(6)
+    for lengths in MIXES:
+        qkv = (rng.standard_normal((sum(lengths), (heads + 2 * kv_heads) * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim)
+        expected = reference(qkv, starts, heads, head_dim, kv_heads=kv_heads)
+        error = np.abs(out - expected).max() / np.abs(expected).max()
+        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
 
 
 @pytest.mark.skipif("avx512f" not in (cpu_flags() or set()), reason="this CPU has no AVX-512")

@@ -54,15 +54,18 @@ Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
                      parallel: bool = True, precision: str = "fp32", relative_bias: bool = False,
-                     window: int | None = None) -> tirx.PrimFunc:
-    """The PrimFunc ``(qkv [T, 3 * heads * head_dim], starts [B + 1] int64, out [T, heads *
-    head_dim])``; ``max_len`` bounds a sequence's length (the position table's size).
+                     window: int | None = None, causal: bool = False, kv_heads: int | None = None) -> tirx.PrimFunc:
+    """The PrimFunc ``(qkv [T, (heads + 2 * kv_heads) * head_dim], starts [B + 1] int64, out [T,
+    heads * head_dim])``; ``max_len`` bounds a sequence's length (the position table's size);
+    ``kv_heads`` (None: ``heads``): key and value heads, each read by ``heads / kv_heads`` query
+    heads in turn (grouped-query attention, Qwen3's).
     ``relative_bias`` (MPNet's; ModernBERT's window): a ``bias [heads, 2 * max_len - 1]``
     argument after ``starts``, ``bias[h, j - i + max_len - 1]`` added to head h's score of query
     i for key j. ``window`` (with a bias that masks every key farther than ``window`` from its
     query, ModernBERT's sliding window): the key tiles wholly outside a query tile's window are
     skipped, in the scores, the softmax and the context (bf16: from the whole 32-key block
-    holding the window's first key).
+    holding the window's first key). ``causal`` (with a bias that masks every key after its
+    query, a decoder's): the key tiles wholly after a query tile's last query are skipped alike.
 
     ``tiles`` is one tile (default ``VarlenTile()``), or named tiles with ``tree``, a decision tree over ``length``
     (``plan/decision_tree.py``) compiled into the kernel: each (head, sequence) task runs the
@@ -76,16 +79,18 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
     except TreeError as err:
         raise ValueError(f"attention tiles {sorted(tiles)}: {err}") from err
     pairs = precision == "bf16"
-    if window is not None and not relative_bias:
-        raise ValueError("a window skips key tiles that its bias masks: it needs relative_bias")
+    if (window is not None or causal) and not relative_bias:
+        raise ValueError("a window or a causal mask skips key tiles that its bias masks: it needs relative_bias")
     if pairs and not all(bf16_attention_fits(tile, head_dim) for tile in tiles.values()):
         raise ValueError(f"bf16 attention needs {PAIR_LANES}-lane tiles and context tiles over an even head_dim; "
                          f"tiles {sorted(t.describe() for t in tiles.values())} for head_dim {head_dim} are not")
-    width = heads * head_dim
+    width, kv_heads = heads * head_dim, heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} key and value heads evenly")
     tokens, segments = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64")
     with IRBuilder() as builder:
         with T.prim_func():
-            qkv = T.arg("qkv", T.Buffer((tokens, 3 * width), "float32"))
+            qkv = T.arg("qkv", T.Buffer((tokens, (heads + 2 * kv_heads) * head_dim), "float32"))
             starts = T.arg("starts", T.Buffer((segments,), "int64"))
             bias = T.arg("bias", T.Buffer((heads, 2 * max_len - 1), "float32")) if relative_bias else None
             out = T.arg("out", T.Buffer((tokens, width), "float32"))
@@ -96,8 +101,8 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
             with loop(0, heads * sequences) as task:
                 h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _dispatch(tree, (qkv, out, (h, start, length), heads, head_dim, bias, max_len), tiles, max_len, pairs,
-                          window)
+                _dispatch(tree, (qkv, out, (h, start, length), (heads, kv_heads), head_dim, bias, max_len), tiles,
+                          max_len, pairs, (window, causal))
     func = builder.get()
     if pairs:
         func = func.with_body(importing_bf16_functions(func.body)).with_attr(PRECISION_ATTR, precision)
@@ -111,33 +116,37 @@ def bf16_attention_fits(tile: VarlenTile, head_dim: int) -> bool:
 
 
 def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longest: int, pairs: bool,
-              window: int | None) -> None:
-    """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see."""
+              reach: tuple[int | None, bool]) -> None:
+    """The tree as nested ifs on the sequence's length; ``longest``: the most a leaf can see;
+    ``reach``: the window and whether the mask is causal."""
     if "variant" in node:
         tile = tiles[node["variant"]]
-        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs, window)
+        _sequence(*call, -(-longest // tile.nr) * tile.nr, tile, pairs, *reach)
         return
     if node["var"] != LENGTH_VAR:
         raise ValueError(f"an attention tree branches on {LENGTH_VAR!r} alone, not {node['var']!r}")
     length = call[2][2]
     with T.If(length <= node["le"]):
         with T.Then():
-            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)), pairs, window)
+            _dispatch(node["then"], call, tiles, min(longest, max(int(node["le"]), 1)), pairs, reach)
         with T.Else():
-            _dispatch(node["else"], call, tiles, longest, pairs, window)
+            _dispatch(node["else"], call, tiles, longest, pairs, reach)
 
 
 def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile: VarlenTile,
-              pairs: bool = False, window: int | None = None) -> None:
+              pairs: bool = False, window: int | None = None, causal: bool = False) -> None:
     """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``);
     ``bias``: the relative position bias, or None; ``window``: keys farther from every query of a
-    tile are skipped (whole key tiles: the bias masks the rest)."""
+    tile are skipped, ``causal``: keys after every query of a tile (whole key tiles: the bias
+    masks the rest)."""
     h, start, length = where
+    heads, kv_heads = heads
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
     zero, lowest = tirx.const(0, "float32"), tirx.const(LOWEST, "float32")
     scale = tirx.const(1 / math.sqrt(head_dim), "float32")
-    q_column, k_column, v_column = h * head_dim, (heads + h) * head_dim, (2 * heads + h) * head_dim
+    shared = h if kv_heads == heads else tirx.floordiv(h, heads // kv_heads)  # (the key and value head of h's group)
+    q_column, k_column, v_column = h * head_dim, (heads + shared) * head_dim, (heads + kv_heads + shared) * head_dim
     key_tiles = (length + nr - 1) // nr
     # (scope "global": stack arrays, allocated once per task; "local" ones this size would go
     # through the runtime's workspace calls wherever they are declared)
@@ -165,16 +174,18 @@ def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile
             with T.vectorized(0, lanes) as lane:
                 T.buffer_store(row_max, lowest, [ii, lane])
                 T.buffer_store(row_sum, zero, [ii, lane])
-        # the key tiles within reach of the tile's queries: all, or those a window reaches
+        # the key tiles within reach of the tile's queries: all, or those a window reaches (up to
+        # the last query's own, causal)
         first_tile, end_tile, first_column, end_column = 0, key_tiles, 0, length
         if window is not None:
             # from the key tile holding the window's first key (bf16: the whole block of 32 keys
             # holding it, as the exponentials are paired; the tile holding that block's start)
             block = 2 * PAIR_LANES if pairs else nr
             first_column = tirx.floordiv(tirx.max(i0 - window, 0), block) * block
-            first_column, first_tile, end_tile = computed_once(
-                first_column, tirx.floordiv(first_column, nr),
-                tirx.min(key_tiles, tirx.floordiv(i0 + rows - 1 + window, nr) + 1))
+            first_column, first_tile = computed_once(first_column, tirx.floordiv(first_column, nr))
+        if window is not None or causal:
+            after = 0 if causal else window
+            (end_tile,) = computed_once(tirx.min(key_tiles, tirx.floordiv(i0 + rows - 1 + after, nr) + 1))
             end_column = tirx.min(end_tile * nr, length)
         # scores, and each row's running max over its real columns (lane by lane)
         if paired is not None:
