@@ -1,8 +1,9 @@
-"""The parts BERT's encoder (``bert.py``) and ModernBERT's (``modernbert.py``) are both built
-from: the linear layer stored transposed, the clamped row lookup, the activations, and
-attention in either layout (``PaddedAttention`` over ``[batch, seq]`` rows, ``PackedAttention``
-over packed sequences in one kernel), with a bias on the scores by distance where a model has
-one (MPNet's relative positions, ModernBERT's sliding window)."""
+"""The parts BERT's encoder (``bert.py``), ModernBERT's (``modernbert.py``) and Qwen3's decoder
+(``qwen3.py``) are built from: the linear layer stored transposed, the clamped row lookup, the
+activations, and attention in either layout (``PaddedAttention`` over ``[batch, seq]`` rows,
+``PackedAttention`` over packed sequences in one kernel), with a bias on the scores by distance
+where a model has one (MPNet's relative positions, ModernBERT's sliding window, a decoder's
+causal mask) and key and value heads shared by groups of query heads where they are."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def take_rows(table: nn.Tensor, ids: nn.Tensor) -> nn.Tensor:
     flat = op.reshape(ids, (-1,))
     rows = nn.op.wrap_nested(relax.op.take(table._expr, flat._expr, axis=0, mode="clip"), "take")
     return op.reshape(rows, (*ids.shape, table.shape[1]))
+
+
+def token_rows(table: Embedding, input_ids: nn.Tensor) -> nn.Tensor:
+    """The ids' rows of ``table`` as the layers take them: ``[batch * seq, width]`` for padded
+    ``[batch, seq]`` ids, ``[T, width]`` for packed ones."""
+    words = table(input_ids)
+    if len(input_ids.shape) == 1:
+        return words
+    batch, seq = input_ids.shape
+    return op.reshape(words, (batch * seq, words.shape[-1]))
 
 
 def activation(x: nn.Tensor, name: str) -> nn.Tensor:

@@ -23,7 +23,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import BertConfig
-from .layers import Embedding, TransposedLinear, activation, take_rows
+from .layers import Embedding, TransposedLinear, activation, take_rows, token_rows
 
 # Outside a sliding window: far below any score, yet added to the padding mask's fill it stays
 # finite in float32 (the two would overflow to -inf).
@@ -37,11 +37,7 @@ class ModernBertEmbeddings(nn.Module):
 
     def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
         """As ``BertEmbeddings.forward``; the types and positions play no part here."""
-        words = self.tok_embeddings(input_ids)
-        if len(input_ids.shape) == 2:
-            batch, seq = input_ids.shape
-            words = op.reshape(words, (batch * seq, words.shape[-1]))
-        return self.norm(words)
+        return self.norm(token_rows(self.tok_embeddings, input_ids))
 
 
 def rotated(qkv: nn.Tensor, cos: nn.Tensor, sin: nn.Tensor, heads: int, head_dim: int, batch=None,
@@ -111,7 +107,7 @@ class ModernBertEncoder(nn.Module):
     """The layers and the final norm. Per layer kind (``config.FULL_ATTENTION``,
     ``SLIDING_ATTENTION``): rotary tables ``[max_length, head_dim]`` and, where the attention
     takes a bias on scores, its table by distance (``BertEncoder.relative_bias``'s layout), all
-    computed at load (``checkpoint.rotary_family_tables``)."""
+    computed at load (``family_tensors.rotary_family_tables``)."""
 
     def __init__(self, cfg: BertConfig):
         self.layers = nn.ModuleList([ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers)])

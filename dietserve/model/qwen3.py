@@ -21,7 +21,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import BertConfig
-from .layers import Embedding, TransposedLinear, activation, take_rows
+from .layers import Embedding, TransposedLinear, activation, take_rows, token_rows
 from .modernbert import rotated
 
 
@@ -42,11 +42,7 @@ class Qwen3Embeddings(nn.Module):
 
     def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
         """As ``BertEmbeddings.forward``; the types and positions play no part here."""
-        words = self.embed_tokens(input_ids)
-        if len(input_ids.shape) == 2:
-            batch, seq = input_ids.shape
-            words = op.reshape(words, (batch * seq, words.shape[-1]))
-        return words
+        return token_rows(self.embed_tokens, input_ids)
 
 
 class Qwen3Attention(nn.Module):
@@ -97,7 +93,7 @@ class Qwen3Layer(nn.Module):
 
 class Qwen3Encoder(nn.Module):
     """The layers and the final norm, with the rotary tables and the causal bias by distance
-    (``[heads, 2 * max_length - 1]``) computed at load (``checkpoint.rotary_family_tables``)."""
+    (``[heads, 2 * max_length - 1]``) computed at load (``family_tensors.rotary_family_tables``)."""
 
     kinds = ("full_attention",)
 

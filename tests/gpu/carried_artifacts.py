@@ -42,7 +42,8 @@ def param_map(artifact: Path, checkpoint: Path) -> list[list]:
     from safetensors.numpy import load_file
 
     from dietserve.model.bert import BertModel, checkpoint_parts, transposed_weight_names
-    from dietserve.model.checkpoint import Checkpoint, canonical_name
+    from dietserve.model.checkpoint import Checkpoint
+    from dietserve.model.family_tensors import canonical_name
     from dietserve.runtime.manifest import Manifest
 
     ours = load_file(str(artifact / PARAMS_FILE))

@@ -21,7 +21,7 @@ import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.host.cpu import cpu_flags
-from dietserve.model.checkpoint import relative_position_buckets
+from dietserve.model.family_tensors import relative_position_buckets
 from dietserve.model.presets import default_model_folder
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.embedder import Embedder, artifact_tokenizer

@@ -1,0 +1,141 @@
+"""Each family's checkpoint tensors under BERT's names and in BERT's numbering, and the tables
+the encoders compute at load rather than read (MPNet's bias by distance, the rotary families'
+cos, sin and masks): what ``checkpoint.load_parameters`` reads a family's weights through."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import (
+    DISTILBERT,
+    MODERNBERT,
+    MPNET,
+    MPNET_MAX_DISTANCE,
+    QWEN3,
+    ROBERTA_TYPES,
+    SLIDING_ATTENTION,
+    BertConfig,
+)
+from .modernbert import rotary_tables, window_bias
+
+# Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
+_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
+# Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
+_LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+# Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
+# BERT's pooler and classifier under other names (a dense layer and tanh on the first token,
+# then the output projection); DistilBERT names each layer its own way.
+_ROBERTA_NAMES = (("classifier.dense.", "pooler.dense."), ("classifier.out_proj.", "classifier."))
+_DISTILBERT_NAMES = (
+    ("transformer.layer.", "encoder.layer."), (".attention.q_lin.", ".attention.self.query."),
+    (".attention.k_lin.", ".attention.self.key."), (".attention.v_lin.", ".attention.self.value."),
+    (".attention.out_lin.", ".attention.output.dense."), (".sa_layer_norm.", ".attention.output.LayerNorm."),
+    (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
+    (".output_layer_norm.", ".output.LayerNorm."), ("pre_classifier.", "pooler.dense."),
+)
+_MPNET_NAMES = (
+    (".attention.attn.q.", ".attention.self.query."), (".attention.attn.k.", ".attention.self.key."),
+    (".attention.attn.v.", ".attention.self.value."), (".attention.attn.o.", ".attention.output.dense."),
+    (".attention.LayerNorm.", ".attention.output.LayerNorm."), *_ROBERTA_NAMES,
+)
+_MODERNBERT_NAMES = (("layers.", "encoder.layers."), ("final_norm.", "encoder.final_norm."))
+_POSITIONS = "embeddings.position_embeddings.weight"
+_TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
+_BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _ENCODER_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    for old, new in _LEGACY_SUFFIXES.items():
+        if name.endswith(old):
+            name = name[: -len(old)] + new
+    return name
+
+
+def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Another family's tensors under BERT's names and in BERT's numbering: RoBERTa's and MPNet's
+    position tables without the rows before the first token's, DistilBERT's and MPNet's with one
+    token type, all zero, and MPNet's bias by relative position bucket spread over every distance."""
+    if config.rotary:
+        tensors.update(rotary_family_tables(config))
+    if config.model_type == QWEN3:
+        tensors = _qwen3_tensors(tensors)
+    renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
+        config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
+    if config.model_type in (DISTILBERT, MPNET):
+        tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
+    if config.relative_attention_num_buckets and _BUCKET_BIAS in tensors:
+        distances = np.arange(1 - config.max_length, config.max_length)
+        buckets = relative_position_buckets(distances, config.relative_attention_num_buckets)
+        tensors[_RELATIVE_BIAS] = np.ascontiguousarray(tensors.pop(_BUCKET_BIAS)[buckets].T)
+    for theirs, ours in renames:
+        tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
+    if _POSITIONS in tensors:  # (the rows of the positions it serves: past RoBERTa's offset, up to a cap)
+        tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:config.position_offset + config.max_length]
+    return tensors
+
+
+def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:
+    """A rotary family's encoder tables by layer kind (``ModernBertEncoder``, ``Qwen3Encoder``):
+    rotary cos and sin, and, where attention masks keys by distance, the mask as a bias (a
+    sliding window, or the keys after the query)."""
+    tables = {}
+    for kind, theta in config.rope_thetas:
+        if kind in config.layer_types:
+            cos, sin = rotary_tables(theta, config.head_dim, config.max_length)
+            tables.update({f"encoder.{kind}_cos": cos, f"encoder.{kind}_sin": sin})
+            if config.biased(kind):
+                half_width = config.sliding_window if kind == SLIDING_ATTENTION else None
+                tables[f"encoder.{kind}_bias"] = window_bias(config.num_attention_heads, config.max_length, half_width,
+                                                             config.causal)
+    return tables
+
+
+def _qwen3_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3's tensors under our module names (``qwen3.py``)."""
+    def ours(name: str) -> str:
+        if name.startswith(("layers.", "norm.")):
+            return "encoder." + name
+        return "embeddings." + name if name.startswith("embed_tokens.") else name
+
+    return {ours(name): tensor for name, tensor in tensors.items()}
+
+
+def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
+    """The width of one of ``parts`` computed side by side in ``width`` columns: equal, but for
+    a key or value projection shared by groups of query heads (Qwen3's)."""
+    if part.endswith(("k_proj.bias", "v_proj.bias")):
+        return config.kv_heads * config.head_dim
+    return config.attention_width if part.endswith("q_proj.bias") else width // parts
+
+
+def without_bias(config: BertConfig, name: str) -> bool:
+    """Whether ``name`` is a bias a ModernBERT or Qwen3 checkpoint leaves out (its config says
+    so; Qwen3's MLP has none): zero."""
+    if not config.rotary or not name.endswith(".bias"):
+        return False
+    if config.model_type == QWEN3:
+        return ".mlp." in name or not config.linear_bias
+    if name.endswith("norm.bias"):
+        return not config.norm_bias
+    return not (config.classifier_bias if name.startswith("head.") else config.linear_bias)
+
+
+def relative_position_buckets(distance: np.ndarray, num_buckets: int,
+                              max_distance: int = MPNET_MAX_DISTANCE) -> np.ndarray:
+    """transformers' MPNet bucket of each key-minus-query ``distance``: half the buckets for keys
+    after the query and half for those before, each half exact for the nearest quarter of its
+    buckets, then logarithmic up to ``max_distance``, computed in float32 as transformers does."""
+    half = num_buckets // 2
+    exact = half // 2
+    n = np.abs(distance)
+    far = np.maximum(n, exact).astype(np.float32)
+    logarithmic = (np.log(far / np.float32(exact)) / np.float32(math.log(max_distance / exact))
+                   * np.float32(half - exact)).astype(np.int64)
+    within = np.where(n < exact, n, np.minimum(exact + logarithmic, half - 1))
+    return np.where(distance > 0, half, 0) + within
