@@ -74,6 +74,25 @@ def _check_standard_shapes(engine: Engine, reference, seed: int) -> None:
         assert sentences.min() >= SENTENCE_COSINE, (batch, seq, sentences.min())
 
 
+def check_random_tokens(engine: Engine, reference, seed: int) -> None:
+    """The contract on random tokens at lengths up to 512, the rows after a batch's first shorter,
+    against ``reference`` (a transformers model in fp32 taking ids and a mask): for the families
+    whose tokenizer the standard shapes do not fit (``test_encoder_families``, ``test_decoder_embedders``)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    for batch, seq in [(1, 1), (1, 128), (1, 512), (4, 64), (8, 37)]:
+        ids = rng.integers(1000, 30000, (batch, seq)).astype(np.int64)
+        mask = np.ones_like(ids)
+        mask[1:, seq // 2 + 1:] = 0
+        with torch.no_grad():
+            expected = reference(input_ids=torch.from_numpy(ids),
+                                 attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+        hidden = engine.run(ids, mask, np.zeros_like(ids)).last_hidden_state
+        tokens, sentences, error = _cosines(hidden, expected, mask)
+        assert tokens.min() >= TOKEN_COSINE and sentences.min() >= SENTENCE_COSINE, (batch, seq, tokens.min(), error)
+
+
 def test_minilm_bf16_embeds_real_text_as_fp32_does(minilm_bf16, minilm_reference) -> None:
     import torch
 

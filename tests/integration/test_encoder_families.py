@@ -424,7 +424,7 @@ def test_modernbert_bf16_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: 
     import torch
     from transformers import ModernBertConfig, ModernBertModel
 
-    from .test_bf16_model import SENTENCE_COSINE, TOKEN_COSINE, _cosines
+    from .test_bf16_model import check_random_tokens
 
     folder = tmp_path / "modernbert-bf16"
     config = ModernBertConfig(vocab_size=30522, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
@@ -436,14 +436,4 @@ def test_modernbert_bf16_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: 
     request = CompileRequest(model=str(folder), max_batch=8, analytic=True, precision="bf16")
     engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
     assert engine.artifact.manifest.precision == "bf16"
-    rng = np.random.default_rng(5)
-    for batch, seq in [(1, 1), (1, 128), (1, 512), (4, 64), (8, 37)]:
-        ids = rng.integers(1000, 30000, (batch, seq)).astype(np.int64)
-        mask = np.ones_like(ids)
-        mask[1:, seq // 2 + 1:] = 0  # (rows after the first shorter)
-        with torch.no_grad():
-            expected = reference(input_ids=torch.from_numpy(ids),
-                                 attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
-        hidden = engine.run(ids, mask, np.zeros_like(ids)).last_hidden_state
-        tokens, sentences, error = _cosines(hidden, expected, mask)
-        assert tokens.min() >= TOKEN_COSINE and sentences.min() >= SENTENCE_COSINE, (batch, seq, tokens.min(), error)
+    check_random_tokens(engine, reference, seed=5)

@@ -246,52 +246,28 @@ def _bf16_attention_reference(qkv: np.ndarray, starts: np.ndarray, heads: int, h
 @needs_bf16
 @pytest.mark.parametrize("tile", [VarlenTile(mr=6, nr=32, nc=32, lanes=16), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
                                   VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
-@pytest.mark.parametrize("window", [8, 64])
-def test_bf16_sliding_window_attends_within_it_alone(tile: VarlenTile, window: int) -> None:
-    """ModernBERT's windowed layers on bf16 pairs: the kernel skips the key tiles outside the
-    window (from the 32-key block holding its first key) and its bias masks the rest; the
-    reference masks exactly."""
+@pytest.mark.parametrize("reach", [8, 64, "causal"], ids=lambda r: r if r == "causal" else f"window {r}")
+def test_bf16_masked_attention_attends_within_its_reach_alone(tile: VarlenTile, reach) -> None:
+    """ModernBERT's windowed layers and a decoder's on bf16 pairs: the kernel skips the key tiles
+    outside the window (from the 32-key block holding its first key) or after a query tile's last
+    query, and its bias masks the rest; the reference masks exactly."""
     from dietserve.host.cpu import configure_cpu_threads
     from dietserve.model.modernbert import window_bias
 
     configure_cpu_threads(2)
     heads, head_dim, max_len = 2, 64, 512
+    causal, window = reach == "causal", None if reach == "causal" else reach
     func = varlen_attention(heads, head_dim, max_len, tile, precision="bf16", relative_bias=True,
-                            window=window).with_attr("global_symbol", "main")
+                            window=window, causal=causal).with_attr("global_symbol", "main")
     function = build(tvm.IRModule({"main": func}), TARGET)["main"]
-    bias = tvm.runtime.tensor(window_bias(heads, max_len, window))
+    bias = tvm.runtime.tensor(window_bias(heads, max_len, window, causal))
     rng = np.random.default_rng(3)
     for lengths in ([1], [7, 1, 13], [512], [31, 2, 97, 5, 1], [128, 64, 61]):
         qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 2).astype(np.float32)
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         out = tvm.runtime.tensor(np.full((qkv.shape[0], heads * head_dim), np.nan, np.float32))
         function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), bias, out)
-        apart = np.abs(out.numpy() - _bf16_attention_reference(qkv, starts, heads, head_dim, window))
-        assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
-
-
-@needs_bf16
-@pytest.mark.parametrize("tile", [VarlenTile(mr=6, nr=32, nc=32, lanes=16), VarlenTile(mr=1, nr=16, nc=16, lanes=16),
-                                  VarlenTile(mr=4, nr=48, nc=64, lanes=16)], ids=lambda t: t.describe())
-def test_bf16_causal_attention_attends_up_to_each_query(tile: VarlenTile) -> None:
-    """A decoder's attention on bf16 pairs: the kernel skips the key tiles after a query tile's
-    last query and its bias masks the rest; the reference masks exactly."""
-    from dietserve.host.cpu import configure_cpu_threads
-    from dietserve.model.modernbert import window_bias
-
-    configure_cpu_threads(2)
-    heads, head_dim, max_len = 2, 64, 512
-    func = varlen_attention(heads, head_dim, max_len, tile, precision="bf16", relative_bias=True,
-                            causal=True).with_attr("global_symbol", "main")
-    function = build(tvm.IRModule({"main": func}), TARGET)["main"]
-    bias = tvm.runtime.tensor(window_bias(heads, max_len, None, causal=True))
-    rng = np.random.default_rng(5)
-    for lengths in ([1], [7, 1, 13], [512], [31, 2, 97, 5, 1], [128, 64, 61]):
-        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 2).astype(np.float32)
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        out = tvm.runtime.tensor(np.full((qkv.shape[0], heads * head_dim), np.nan, np.float32))
-        function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts), bias, out)
-        apart = np.abs(out.numpy() - _bf16_attention_reference(qkv, starts, heads, head_dim, causal=True))
+        apart = np.abs(out.numpy() - _bf16_attention_reference(qkv, starts, heads, head_dim, window, causal))
         assert apart.max() < 2e-2 and (apart > 1e-3).mean() < 5e-3, (tile.describe(), lengths, apart.max())
 
 

@@ -101,47 +101,28 @@ def test_relative_position_bias_is_added_by_distance(tile: VarlenTile) -> None:
 
 @pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=3, nr=24, nc=32), tile_for(CPU_PRESETS["avx512"])],
                          ids=lambda t: t.describe())
-@pytest.mark.parametrize("window", [0, 8, 64])
-def test_a_sliding_window_attends_within_it_alone(tile: VarlenTile, window: int) -> None:
-    """ModernBERT's windowed layers: a query attends to the keys at most ``window`` away. The
-    kernel gets the window's bias (``model/modernbert.py``) and skips the key tiles wholly
-    outside it; the reference masks exactly, query by query."""
+@pytest.mark.parametrize("reach", [0, 8, 64, "causal"], ids=lambda r: r if r == "causal" else f"window {r}")
+def test_a_masked_query_attends_within_its_reach_alone(tile: VarlenTile, reach) -> None:
+    """ModernBERT's windowed layers (a query attends to the keys at most ``reach`` away) and a
+    decoder's (to itself and the keys before it). The kernel gets the mask as a bias
+    (``model/modernbert.window_bias``) and skips the key tiles wholly outside it; the reference
+    masks exactly, query by query."""
     from dietserve.model.modernbert import window_bias
 
     configure_cpu_threads(2)
     heads, head_dim = 2, 64
-    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True, window=window)
-    bias = window_bias(heads, MAX_LEN, window)
-    exact = np.where(np.abs(np.arange(1 - MAX_LEN, MAX_LEN)) <= window, 0.0, -np.inf)
+    causal, window = reach == "causal", None if reach == "causal" else reach
+    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True, window=window, causal=causal)
+    bias = window_bias(heads, MAX_LEN, window, causal)
+    distance = np.arange(1 - MAX_LEN, MAX_LEN)
+    exact = np.where(distance <= 0 if causal else np.abs(distance) <= window, 0.0, -np.inf)
     rng = np.random.default_rng(2)
     for lengths in MIXES:
         qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
         out, starts = run(function, qkv, lengths, heads * head_dim, bias)
         expected = reference(qkv, starts, heads, head_dim, np.broadcast_to(exact, (heads, exact.size)))
         error = np.abs(out - expected).max() / np.abs(expected).max()
-        assert error < 1e-5, f"window {window}, lengths {lengths}: max error {error:.2e} of the largest output"
-
-
-@pytest.mark.parametrize("tile", [VarlenTile(), VarlenTile(mr=3, nr=24, nc=32), tile_for(CPU_PRESETS["avx512"])],
-                         ids=lambda t: t.describe())
-def test_a_causal_query_attends_up_to_itself_alone(tile: VarlenTile) -> None:
-    """A decoder's (Qwen3's) attention: a query attends to itself and the keys before it. The
-    kernel gets the causal bias (``model/modernbert.window_bias``) and skips the key tiles wholly
-    after a query tile's last query; the reference masks exactly, query by query."""
-    from dietserve.model.modernbert import window_bias
-
-    configure_cpu_threads(2)
-    heads, head_dim = 2, 64
-    function = built(heads, head_dim, tile, target=target_for(tile), relative_bias=True, causal=True)
-    bias = window_bias(heads, MAX_LEN, None, causal=True)
-    exact = np.where(np.arange(1 - MAX_LEN, MAX_LEN) <= 0, 0.0, -np.inf)
-    rng = np.random.default_rng(4)
-    for lengths in MIXES:
-        qkv = (rng.standard_normal((sum(lengths), 3 * heads * head_dim)) * 3).astype(np.float32)
-        out, starts = run(function, qkv, lengths, heads * head_dim, bias)
-        expected = reference(qkv, starts, heads, head_dim, np.broadcast_to(exact, (heads, exact.size)))
-        error = np.abs(out - expected).max() / np.abs(expected).max()
-        assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+        assert error < 1e-5, f"{reach}, lengths {lengths}: max error {error:.2e} of the largest output"
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
