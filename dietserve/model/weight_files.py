@@ -10,6 +10,7 @@ anything else is refused before anything of it runs."""
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import zipfile
 from collections import OrderedDict
@@ -111,7 +112,12 @@ def _read_pytorch(path: Path) -> dict[str, np.ndarray]:
         if root + "byteorder" in archive.namelist() and archive.read(root + "byteorder").strip() != b"little":
             raise WeightFileError(f"{path} was saved on a big-endian machine, which is not read")
         with archive.open(pickles[0]) as stream:
-            state = _StateDictUnpickler(stream, archive, root, path).load()
+            try:
+                state = _StateDictUnpickler(stream, archive, root, path).load()
+            except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as err:
+                if isinstance(err, WeightFileError):
+                    raise
+                raise WeightFileError(f"{path} is not a readable state dict: {err!r}") from None
     if not isinstance(state, dict):
         raise WeightFileError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
     return {name: tensor for name, tensor in state.items() if isinstance(tensor, np.ndarray)}
@@ -131,7 +137,7 @@ def _rebuild_tensor(storage: _Storage, offset: int, size, stride, *_ignored) -> 
     if any(n < 0 for n in size) or any(s < 0 for s in stride) or len(size) != len(stride):
         raise WeightFileError(f"a tensor of size {size} and stride {stride} is not a view of its storage")
     last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) if all(size) else offset - 1
-    if offset < 0 or last >= len(elements):
+    if offset < 0 or last >= len(elements) or math.prod(size) > len(elements):
         raise WeightFileError(f"a tensor of size {size} at offset {offset} runs past its storage ({len(elements)})")
     view = np.lib.stride_tricks.as_strided(elements[offset:], size, [s * elements.itemsize for s in stride])
     return _widened(view) if storage.bf16 else np.array(view)

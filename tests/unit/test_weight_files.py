@@ -163,3 +163,28 @@ def test_the_reader_needs_no_pytorch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]"
+
+
+def test_a_damaged_or_oversized_pickle_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A storage missing from the archive, and a tensor claiming more elements than its storage
+    holds (a stride of 0 would let it ask for any size), are refused with the file's name."""
+    import zipfile
+
+    import torch
+
+    torch.save({"weight": torch.ones(4)}, tmp_path / PYTORCH)
+    with zipfile.ZipFile(tmp_path / PYTORCH) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    damaged = tmp_path / "damaged" / PYTORCH
+    damaged.parent.mkdir()
+    with zipfile.ZipFile(damaged, "w") as archive:
+        for name, data in entries.items():
+            if "/data/" not in name:
+                archive.writestr(name, data)
+    with pytest.raises(WeightFileError, match="damaged/pytorch_model.bin is not a readable state dict"):
+        read_tensors([damaged])
+    oversized = tmp_path / "oversized" / PYTORCH
+    oversized.parent.mkdir()
+    torch.save({"weight": torch.ones(1).expand(1000)}, oversized)
+    with pytest.raises(WeightFileError, match=r"size \(1000,\) at offset 0 runs past its storage \(1\)"):
+        read_tensors([oversized])
