@@ -18,6 +18,7 @@ from .kernels.plan.attention_plan import ATTENTION_SUFFIX, read_attention_plans
 from .kernels.plan.decision_tree import TreeError, choose, evaluate_text
 from .kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, read_plans
 from .kernels.plan.microkernel import MicroKernel
+from .model.config import BertConfig
 from .runtime.manifest import LAYOUT_PACKED, PLANS_DIR, Manifest
 from .runtime.variant_by_shape import dispatch_shape
 
@@ -96,9 +97,8 @@ def explain_attention(directory: Path, seq_len: int) -> str | None:
     manifest = Manifest.read(Path(directory))
     if manifest.layout != LAYOUT_PACKED:
         return None
-    config = manifest.model_config
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("attention_head_dim") or int(config["hidden_size"]) // heads)  # (Qwen3's is its own)
+    config = BertConfig(**manifest.model_config)
+    heads, head_dim = config.num_attention_heads, config.head_dim
     lines = [f"attention: the packed kernel, {heads} heads of {head_dim}, each sequence by its own length "
              f"({manifest.precision} build)"]
     plans = read_attention_plans(sorted((Path(directory) / PLANS_DIR).glob("*" + ATTENTION_SUFFIX)))

@@ -126,13 +126,18 @@ class CompileRequest:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
 
-def open_checkpoint(request: CompileRequest, cache_dir: Path) -> Checkpoint:
+def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress = lambda _message: None
+                    ) -> Checkpoint:
     """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where
-    given, else to ``LONGEST_BY_DEFAULT`` tokens."""
+    given, else to ``LONGEST_BY_DEFAULT`` tokens (said through ``progress``)."""
     checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
-    longest = request.max_seq_len or min(checkpoint.config.max_length, LONGEST_BY_DEFAULT)
-    if longest != checkpoint.config.max_length:
+    positions = checkpoint.config.max_length
+    longest = request.max_seq_len or min(positions, LONGEST_BY_DEFAULT)
+    if longest != positions:
         checkpoint = checkpoint.with_max_length(longest)
+        if request.max_seq_len is None:
+            progress(f"serving sequences of up to {longest} of the model's {positions} positions (--max-seq-len "
+                     "to change it)")
     return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 
@@ -199,13 +204,11 @@ def compile_artifact(
     if request.precision != "fp32" and not (request.plans or request.analytic):
         raise ValueError(f"{request.precision} products are built by planned kernels (--plans analytic or tuned "
                          f"plans); without plans every operator runs the default rule, in fp32")
-    checkpoint = open_checkpoint(request, cache_dir)
+    checkpoint = open_checkpoint(request, cache_dir, progress)
     folder = checkpoint.folder
     target = build_target(request.target)
     if request.precision == "bf16":
         check_bf16_target(target)
-    if request.max_seq_len is None and checkpoint.config.max_length == LONGEST_BY_DEFAULT:
-        progress(f"serving sequences of up to {LONGEST_BY_DEFAULT} tokens (--max-seq-len: more, or fewer)")
     progress(f"hashing weights in {checkpoint.folder}")
     weights_sha = [sha256_file(path) for path in checkpoint.weight_files]
     plans = read_plans(path for path in request.plans if not is_attention_plan(path))

@@ -133,14 +133,15 @@ def _dispatch(node: Mapping, call: tuple, tiles: Mapping[str, VarlenTile], longe
             _dispatch(node["else"], call, tiles, longest, pairs, reach)
 
 
-def _sequence(qkv, out, where, heads, head_dim, bias, max_len, key_columns, tile: VarlenTile,
+def _sequence(qkv, out, where, head_counts, head_dim, bias, max_len, key_columns, tile: VarlenTile,
               pairs: bool = False, window: int | None = None, causal: bool = False) -> None:
-    """One head of one sequence; ``pairs``: its products on bf16 pairs (``PairedProducts``);
+    """One head of one sequence; ``head_counts``: (query heads, key and value heads);
+    ``pairs``: its products on bf16 pairs (``PairedProducts``);
     ``bias``: the relative position bias, or None; ``window``: keys farther from every query of a
     tile are skipped, ``causal``: keys after every query of a tile (whole key tiles: the bias
     masks the rest)."""
     h, start, length = where
-    heads, kv_heads = heads
+    heads, kv_heads = head_counts
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
     zero, lowest = tirx.const(0, "float32"), tirx.const(LOWEST, "float32")
