@@ -2,11 +2,13 @@
 search, for a kernel whose shape-generic space is small enough to time whole.
 
 Every register tile the hardware allows (``cpu_varlen/tile.py``) is timed, in a measurement
-process of its own, at a few lengths that stand for the length distribution (the task's weights,
-from observed traffic, or every length alike): the lengths split into ``TIMED_LENGTHS`` groups
-of equal weight, each timed at its median length. Each sequence then runs the tile its length's
-group does best, at most ``MAX_TILES`` tiles in one kernel, chosen to least weighted time
-(``segment``), as a tree over each sequence's length compiled into the kernel.
+process of its own, in each of the model's attention kernels as served (their masking, shared
+heads, and the layers calling each, ``AttentionTask.kernels``), at a few lengths that stand for
+the length distribution (the task's weights, from observed traffic, or every length alike): the
+lengths split into ``TIMED_LENGTHS`` groups of equal weight, each timed at its median length.
+Each sequence then runs the tile its length's group does best, at most ``MAX_TILES`` tiles in
+one kernel, chosen to least weighted time (``segment``), as a tree over each sequence's length
+compiled into the kernel.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def length_groups(task: AttentionTask, count: int = TIMED_LENGTHS) -> list[tuple
     return groups
 
 
-def weights_digest(task: AttentionTask) -> str:
-    return hashlib.sha256(json.dumps(task.weights).encode()).hexdigest()[:16]
+def task_digest(task: AttentionTask) -> str:
+    """What a plan was timed for besides its heads: the length weights, the shared heads and each
+    kernel's masking and layers (a plan timed for other kernels is re-timed)."""
+    described = [task.weights, task.kv_heads, [dataclasses.asdict(kernel) for kernel in task.kernels]]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 
 def measure_tiles(job: dict, timeout_s: float) -> list[dict]:
@@ -81,7 +86,8 @@ def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cor
             raise PlanError(f"no attention tile runs bf16 products for head_dim {task.head_dim} on {hardware.name}")
     groups = length_groups(task)
     job = {"heads": task.heads, "head_dim": task.head_dim, "max_len": task.max_len, "target": target,
-           "threads": cores, "tiles": [tile.to_dict() for tile in tiles],
+           "threads": cores, "kv_heads": task.kv_heads, "kernels": [dataclasses.asdict(k) for k in task.kernels],
+           "tiles": [tile.to_dict() for tile in tiles],
            "lengths": [timed for _, timed, _ in groups],
            "timing": dataclasses.asdict(timing), "precision": precision}
     results = measure_tiles(job, timeout_s)
@@ -110,7 +116,7 @@ def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cor
         tree=interval_tree(LENGTH_VAR, [last for last, _, _ in groups], names), lengths=entries,
         provenance={"tuner": tuner_version, "tiles_timed": len(timed), "tiles_failed": len(tiles) - len(timed),
                     "seconds": round(time.monotonic() - started, 1), "default_tile": default.describe(),
-                    "weights": "observed" if task.weights else "uniform", "weights_digest": weights_digest(task)},
+                    "weights": "observed" if task.weights else "uniform", "task_digest": task_digest(task)},
         precision=precision)
     if default_latencies is not None:
         gain = float(np.dot(shares, default_latencies) / np.dot(shares, [e["latency_s"] for e in entries]))

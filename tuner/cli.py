@@ -25,7 +25,7 @@ from dietserve.kernels.plan.kernel_plan import PRECISIONS, KernelPlan, PlanError
 from dietserve.kernels.plan.task_file import AttentionTask, TaskFile
 from dietserve.kernels.space import task_space
 
-from .attention import tune_attention, weights_digest
+from .attention import task_digest, tune_attention
 from .database.records import RecordDatabase
 from .extract import spec_from_prim_func
 from .measure.bundle import BundleRunner, import_results, write_bundle
@@ -222,7 +222,7 @@ def cmd_tune_tasks(args: argparse.Namespace) -> int:
 
 def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace, precision: str) -> None:
     """The packed attention kernel's tiles, re-timed unless a current plan was timed for the
-    same length weights and precision."""
+    same task (length weights, kernels) and precision."""
     out = attention_plan_path(Path(args.plans), task.heads, task.head_dim)
     try:
         plan = AttentionPlan.read(out) if out.exists() else None
@@ -233,7 +233,7 @@ def _tune_attention_task(task: AttentionTask, where, args: argparse.Namespace, p
         _say(f"re-tuning the attention kernel: {err}")
         plan = None
     if plan is not None and plan.provenance.get("tuner") == TUNER_VERSION \
-            and plan.provenance.get("weights_digest") == weights_digest(task):
+            and plan.provenance.get("task_digest") == task_digest(task):
         _say(f"attention: plan {out} is up to date")
         return
     _say(f"attention ({task.heads} heads of {task.head_dim}): timing its register tiles over the "

@@ -25,7 +25,6 @@ from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, PRECISIONS, KernelPlan, 
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
-from ..model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from ..model.heads import parse_pooling_modes
 from ..model.hub import hub_id
 from ..model.presets import PRESET_DISPLAY_NAMES, display_name, resolve_model
@@ -338,28 +337,14 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
 
 
 def export_model(model, request: CompileRequest, target, attention: AttentionPlan | None = None) -> tuple:
-    """``export_relax`` of the request's layout: the packed one with the attention kernel built
+    """``export_relax`` of the request's layout: the packed one with its attention kernels built
     from ``attention``'s tiles and tree, else the target's registers and vectors' tile."""
     if request.layout != LAYOUT_PACKED:
         return export_relax(model, request.max_batch)
-    from ..kernels.cpu_varlen.attention import bf16_attention_fits, varlen_attention
-    from ..kernels.cpu_varlen.tile import tile_for
     from .cold_start import target_hardware
+    from .packed_attention import attention_functions
 
-    config = model.config
-    tiles, tree = (attention.varlen_tiles(), attention.tree) if attention else (tile_for(target_hardware(target)), None)
-    # bf16 where every tile's products can run on pairs (16-lane vectors); else attention stays fp32
-    named = tiles if isinstance(tiles, dict) else {"tile": tiles}
-    paired = request.precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
-
-    def kernel(biased: bool, window: int | None = None):
-        return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
-                                precision="bf16" if paired else "fp32", relative_bias=biased, window=window,
-                                causal=config.causal, kv_heads=config.kv_heads)
-
-    # (a rotary family's full layers take a bias where it is causal; MPNet's every layer, by distance)
-    full = kernel(config.biased(FULL_ATTENTION) if config.rotary else config.score_bias)
-    windowed = kernel(True, config.sliding_window) if SLIDING_ATTENTION in config.layer_types else None
+    full, windowed = attention_functions(model.config, request.precision, target_hardware(target), attention)
     return export_relax(model, request.max_batch, full, windowed)
 
 

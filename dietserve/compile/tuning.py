@@ -22,7 +22,7 @@ import tvm
 from ..kernels.plan.attention_plan import attention_plan_path
 from ..kernels.plan.decision_tree import names_in
 from ..kernels.plan.kernel_plan import PLAN_SUFFIX, KernelPlan, plan_path, predicted_latency
-from ..kernels.plan.task_file import AttentionTask, TaskDescription, TaskFile, TuningError
+from ..kernels.plan.task_file import TaskDescription, TaskFile, TuningError
 from ..kernels.tir.matching import is_dynamic_matmul, matmul_axes, workload_key
 from ..model.bert import PACKED_VARS, SHAPE_VARS
 from ..model.presets import display_name
@@ -31,6 +31,7 @@ from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
 from ..runtime.variant_by_shape import dispatch_shape
 from .artifact import CompileRequest, compile_artifact, export_model, open_checkpoint
+from .packed_attention import attention_task
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
@@ -149,8 +150,7 @@ def tuning_tasks(request: CompileRequest, cache_dir: Path, lengths: Sequence[int
     model = {"name": display_name(request.model, folder), "config": checkpoint.config.to_dict()}
     attention = None
     if request.layout == LAYOUT_PACKED and target.kind.name == "llvm":
-        config = checkpoint.config
-        attention = AttentionTask(config.num_attention_heads, config.head_dim, max_len, weights)
+        attention = attention_task(checkpoint.config, max_len, weights)
     return TaskFile(model=model, target=target_description(target), tasks=list(tasks.values()), attention=attention,
                     precision=request.precision)
 

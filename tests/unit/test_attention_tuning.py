@@ -17,12 +17,15 @@ from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles
 from dietserve.kernels.plan.attention_plan import AttentionPlan, attention_plan_path, read_attention_plans
 from dietserve.kernels.plan.decision_tree import choose
 from dietserve.kernels.plan.kernel_plan import PlanError
-from dietserve.kernels.plan.task_file import AttentionTask, TaskFileError
+from dietserve.kernels.plan.task_file import AttentionKernel, AttentionTask, TaskFile, TaskFileError
 from dietserve.kernels.tir.build import build
-from tuner.attention import length_groups, tune_attention
+from dietserve.model.config import BertConfig
+from dietserve.model.modernbert import window_bias
+from tuner.attention import length_groups, task_digest, tune_attention
+from tuner.measure.attention import numpy_attention
 from tuner.measure.timing import TimingPolicy
 
-from .test_varlen_attention import reference
+from .test_varlen_attention import MAX_LEN, reference
 
 TARGET = {"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 2}
 TILES = {"a": VarlenTile().to_dict(), "b": VarlenTile(mr=2).to_dict()}
@@ -124,3 +127,85 @@ def test_the_command_line_tune_without_weights_records_every_length_alike(tmp_pa
     (written,) = read_attention_plans([attention_plan_path(tmp_path, 2, 16)])
     assert written.provenance["weights"] == "uniform"
     assert {entry["up_to"] for entry in written.lengths} >= {24} and written.heads == 2
+
+
+# Each family's attention as served: (heads, kv_heads, its kernels' (calls, relative_bias, window, causal))
+SERVED = {
+    "bert": (lambda: __import__("transformers").BertConfig(num_hidden_layers=4), (12, 12, [(4, False, None, False)])),
+    "mpnet": (lambda: __import__("transformers").MPNetConfig(num_hidden_layers=4), (12, 12, [(4, True, None, False)])),
+    # every third layer global (transformers' global_attn_every_n_layers), the others local over 128 keys
+    "modernbert": (lambda: __import__("transformers").ModernBertConfig(num_hidden_layers=7),
+                   (12, 12, [(3, False, None, False), (4, True, 64, False)])),
+    "qwen3": (lambda: __import__("transformers").Qwen3Config(num_hidden_layers=5, num_attention_heads=8,
+                                                              num_key_value_heads=2, head_dim=32),
+              (8, 2, [(5, True, None, True)])),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SERVED))
+def test_the_tuning_task_names_each_familys_attention_kernels_as_served(family: str) -> None:
+    """The tuning task's kernels (``compile/packed_attention.py``, which the build also reads) are
+    the masking and head sharing transformers' config describes, weighted by the layers running each."""
+    from dietserve.compile.packed_attention import attention_task
+
+    theirs, (heads, kv_heads, kernels) = SERVED[family]
+    task = attention_task(BertConfig.from_dict(json.loads(theirs().to_json_string())), 64, [])
+    assert (task.heads, task.kv_heads) == (heads, kv_heads)
+    assert [(k.calls, k.relative_bias, k.window, k.causal) for k in task.kernels] == kernels
+
+
+def test_an_attention_task_round_trips_and_a_malformed_kernel_is_refused(tmp_path) -> None:
+    task = AttentionTask(4, 16, 64, [], 2, (AttentionKernel(3, True, 8), AttentionKernel(1, True, causal=True)))
+    written = TaskFile({"name": "m"}, {"kind": "llvm"}, [], task).write(tmp_path / "tasks.json")
+    assert TaskFile.read(written).attention == task
+    assert AttentionTask(4, 16, 64).kernels == (AttentionKernel(1),)  # an older file's: one plain kernel
+    with pytest.raises(TaskFileError, match="needs relative_bias"):
+        AttentionTask(4, 16, 64, kernels=({"calls": 1, "causal": True},))
+    with pytest.raises(TaskFileError, match="kv_heads must divide the 4 heads"):
+        AttentionTask(4, 16, 64, kv_heads=3)
+    with pytest.raises(TaskFileError, match="a kernel is malformed"):
+        AttentionTask(4, 16, 64, kernels=({"calls": 1, "heads": 2},))
+    assert task_digest(task) != task_digest(AttentionTask(4, 16, 64, [], 2, (AttentionKernel(4, True, 8),)))
+
+
+@pytest.mark.parametrize("kv_heads, reach", [(None, None), (2, "causal"), (1, 8)])
+def test_the_measurements_reference_is_the_kernel_tests(kv_heads, reach) -> None:
+    """The measurement process checks each tile against its own numpy (it cannot import tests):
+    the same numbers as the kernel tests' reference, for shared heads and a window or causal mask."""
+    lengths = [1, 13, 40]
+    qkv = np.random.default_rng(2).standard_normal((sum(lengths), (4 + 2 * (kv_heads or 4)) * 16))
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    bias = None if reach is None else window_bias(4, MAX_LEN, None if reach == "causal" else reach, reach == "causal")
+    np.testing.assert_allclose(numpy_attention(qkv, starts, 4, 16, kv_heads, bias),
+                               reference(qkv, starts, 4, 16, bias, kv_heads), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads, kernels", [
+    (2, (AttentionKernel(2, True, causal=True),)),  # Qwen3's
+    (None, (AttentionKernel(1), AttentionKernel(2, True, 8))),  # ModernBERT's global and local layers
+], ids=["causal-shared-heads", "full-and-windowed"])
+def test_a_tune_times_the_kernels_as_served_and_its_plan_builds_them_right(kv_heads, kernels) -> None:
+    """Every tile is built and checked in each of the task's kernels (a tile timed in a kernel
+    other than the one served would fail its check), and the plan's tiles build those kernels right."""
+    hardware = detect_cpu(cpu_flags() or set()).with_overrides(cores=2)
+    task = AttentionTask(heads=4, head_dim=16, max_len=MAX_LEN, kv_heads=kv_heads, kernels=kernels,
+                         weights=[1.0 if length in (5, 40) else 0.0 for length in range(1, MAX_LEN + 1)])
+    target = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": 2}
+    tuned = tune_attention(task, target, hardware, 2, TimingPolicy(number=1, repeat=1, min_repeat_ms=1),
+                           str(tvm.__version__), 7, timeout_s=600)
+    assert tuned.provenance["tiles_failed"] == 0
+    assert tuned.provenance["tiles_timed"] == len(attention_tiles(hardware, 16))
+    configure_cpu_threads(2)
+    lengths = [5, 1, 40, 17]
+    qkv = np.random.default_rng(4).standard_normal((sum(lengths), (4 + 2 * (kv_heads or 4)) * 16)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    for kernel in kernels:
+        bias = window_bias(4, MAX_LEN, kernel.window, kernel.causal) if kernel.relative_bias else None
+        func = varlen_attention(4, 16, MAX_LEN, tuned.varlen_tiles(), tuned.tree, kv_heads=kv_heads,
+                                **kernel.masking()).with_attr("global_symbol", "main")
+        function = build(tvm.IRModule({"main": func}), tvm.target.Target(target))["main"]
+        out = tvm.runtime.tensor(np.full((sum(lengths), 64), np.nan, np.float32))
+        function(tvm.runtime.tensor(qkv), tvm.runtime.tensor(starts),
+                 *([] if bias is None else [tvm.runtime.tensor(bias)]), out)
+        expected = reference(qkv, starts, 4, 16, bias, kv_heads)
+        assert np.abs(out.numpy() - expected).max() / np.abs(expected).max() < 1e-5

@@ -10,8 +10,11 @@ One JSON file lists the model's dynamic matmul-like operators, one entry per dis
                         vary: {var, values}, fixed: {var: value}, weights: [one per value],
                         softmax: whether the model softmaxes the result's rows right after it
                         (CPU: served as one kernel, so tuned as one; absent = false)}]
-    attention         a packed model's attention kernel, or absent: {heads, head_dim, max_len,
-                      weights: one per sequence length 1..max_len; empty = uniform}
+    attention         a packed model's attention kernels, or absent: {heads, head_dim, max_len,
+                      weights: one per sequence length 1..max_len; empty = uniform,
+                      kv_heads (absent: heads), kernels: [{calls, relative_bias, window,
+                      causal}], each masking as served and the layers calling it (absent: one
+                      plain kernel)}
     precision         the build's dense products, "fp32" or "bf16" (absent: fp32): the tuner
                       times the kernels of that arithmetic and writes plans for it
 
@@ -64,14 +67,41 @@ class TaskDescription:
 
 
 @dataclass(frozen=True)
+class AttentionKernel:
+    """One of a model's attention kernels as it is served (``varlen_attention``'s masking) and
+    how many layers call it: the tiles are timed on what each layer runs."""
+
+    calls: int
+    relative_bias: bool = False  # a bias by distance on the scores (MPNet's; a window or a causal mask)
+    window: int | None = None  # key tiles farther than this from every query of a tile are skipped
+    causal: bool = False  # key tiles after a query tile's last query are skipped
+
+    def __post_init__(self) -> None:
+        if type(self.calls) is not int or self.calls < 1:
+            raise TaskFileError(f"attention kernel: calls must be a positive integer, got {self.calls!r}")
+        if type(self.relative_bias) is not bool or type(self.causal) is not bool:
+            raise TaskFileError("attention kernel: relative_bias and causal must be true or false")
+        if self.window is not None and (type(self.window) is not int or self.window < 0):
+            raise TaskFileError(f"attention kernel: window must be a non-negative integer, got {self.window!r}")
+        if (self.window is not None or self.causal) and not self.relative_bias:
+            raise TaskFileError("attention kernel: a window or a causal mask is the bias's: it needs relative_bias")
+
+    def masking(self) -> dict:
+        """``varlen_attention``'s arguments for this kernel."""
+        return {"relative_bias": self.relative_bias, "window": self.window, "causal": self.causal}
+
+
+@dataclass(frozen=True)
 class AttentionTask:
-    """A packed model's attention kernel: its heads, the longest sequence, and how often each
-    length 1..max_len is seen (empty: every length alike)."""
+    """A packed model's attention kernels: heads, the longest sequence, how often each length
+    1..max_len is seen (empty: every length alike), the key and value heads and each kernel."""
 
     heads: int
     head_dim: int
     max_len: int
     weights: list = field(default_factory=list)
+    kv_heads: int | None = None  # None: one per query head
+    kernels: tuple[AttentionKernel, ...] = ()  # empty: one plain kernel in every layer
 
     def __post_init__(self) -> None:
         if any(type(v) is not int or v < 1 for v in (self.heads, self.head_dim, self.max_len)):
@@ -79,6 +109,14 @@ class AttentionTask:
                                 f"{self.heads!r}, {self.head_dim!r}, {self.max_len!r}")
         if self.weights and (len(self.weights) != self.max_len or min(self.weights) < 0 or sum(self.weights) <= 0):
             raise TaskFileError("attention task: weights must be non-negative, one per length 1..max_len, not all zero")
+        if self.kv_heads is not None and (type(self.kv_heads) is not int or self.kv_heads < 1
+                                          or self.heads % self.kv_heads):
+            raise TaskFileError(f"attention task: kv_heads must divide the {self.heads} heads, got {self.kv_heads!r}")
+        try:
+            kernels = tuple(k if isinstance(k, AttentionKernel) else AttentionKernel(**k) for k in self.kernels)
+        except TypeError as err:
+            raise TaskFileError(f"attention task: a kernel is malformed: {err}") from None
+        object.__setattr__(self, "kernels", kernels or (AttentionKernel(calls=1),))
 
 
 @dataclass(frozen=True)
