@@ -3,5 +3,6 @@
 from .fast_softmax import FastSoftmax
 from .link_kernels import foreign_plans, link_tuned_kernels, linked_operators
 from .vector_gelu import VectorGelu
+from .vector_silu import VectorSilu
 
-__all__ = ["FastSoftmax", "VectorGelu", "foreign_plans", "link_tuned_kernels", "linked_operators"]
+__all__ = ["FastSoftmax", "VectorGelu", "VectorSilu", "foreign_plans", "link_tuned_kernels", "linked_operators"]
