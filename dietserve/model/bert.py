@@ -28,6 +28,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import SLIDING_ATTENTION, BertConfig
+from .decoders import DecoderEmbeddings, DecoderEncoder
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 from .layers import (
     MASK_FILL,
@@ -39,7 +40,6 @@ from .layers import (
     bias_by_distance,
 )
 from .modernbert import ModernBertEmbeddings, ModernBertEncoder, ModernBertPredictionHead
-from .qwen3 import Qwen3Embeddings, Qwen3Encoder
 
 
 class BertEmbeddings(nn.Module):
@@ -163,8 +163,8 @@ class BertModel(nn.Module):
         self.config = cfg
         self.pooling = pooling = pooling or PoolingOptions()
         self.classifier_options = classifier
-        if cfg.causal:
-            self.embeddings, self.encoder = Qwen3Embeddings(cfg), Qwen3Encoder(cfg)
+        if cfg.decoder_layers:
+            self.embeddings, self.encoder = DecoderEmbeddings(cfg), DecoderEncoder(cfg)
         elif cfg.rotary:
             self.embeddings, self.encoder = ModernBertEmbeddings(cfg), ModernBertEncoder(cfg)
         else:

@@ -103,9 +103,11 @@ class Checkpoint:
             raise CheckpointError(str(err)) from err
         _weight_files(folder)
         raw = json.loads((folder / "config.json").read_text())
-        if config.causal and any(name.endswith("ForSequenceClassification") for name in raw.get("architectures") or []):
+        architectures = raw.get("architectures") or []
+        if config.decoder_layers and any(name.endswith("ForSequenceClassification") for name in architectures):
             raise CheckpointError(f"{folder}: a {config.model_type} sequence classifier is not supported (a "
-                                  f"{config.model_type} checkpoint compiles as an embedder, as Qwen3-Embedding)")
+                                  f"{config.model_type} checkpoint compiles as an embedder, as Qwen3-Embedding "
+                                  "and EmbeddingGemma)")
         if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
             return cls(folder, config, classifier=read_classifier(raw, folder))
         return cls(folder, config, read_pooling_options(folder, config.hidden_size))

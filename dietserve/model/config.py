@@ -3,9 +3,11 @@
 index), DistilBERT (the same layers under other names, with no token types), MPNet (RoBERTa's
 numbering, no token types, and a bias on attention scores by relative position), ModernBERT
 (no position table: rotary positions; pre-LayerNorm layers, a gated GELU, no biases, and attention
-within a window of nearby tokens in two layers of three) and Qwen3, the decoder Qwen3-Embedding
+within a window of nearby tokens in two layers of three), Qwen3, the decoder Qwen3-Embedding
 is (rotary positions, causal attention, RMSNorm, a gated SiLU, key and value heads shared by
-groups of query heads)."""
+groups of query heads), and Gemma3's text model as EmbeddingGemma runs it (Qwen3's layers with
+bidirectional attention, sliding windows in most layers, a norm after each block too, and a
+gated tanh GELU)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from pathlib import Path
 SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish")
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
-DISTILBERT, MPNET, MODERNBERT, QWEN3 = "distilbert", "mpnet", "modernbert", "qwen3"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3)
+DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3 = "distilbert", "mpnet", "modernbert", "qwen3", "gemma3_text"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
@@ -35,7 +37,8 @@ _MODERNBERT_KEYS = {"hidden_activation": ("hidden_act", "gelu"), "norm_eps": ("l
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Fields of the rotary families, left out of ``to_dict`` at their defaults.
 _ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
-                  "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim")
+                  "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim",
+                  "query_pre_attn_scalar")
 _MODERNBERT_THETAS = {FULL_ATTENTION: ("global_rope_theta", 160_000.0),
                       SLIDING_ATTENTION: ("local_rope_theta", 10_000.0)}
 # Qwen3's config keys -> ours, with Qwen3Config's defaults.
@@ -44,6 +47,13 @@ _QWEN3_KEYS = {"vocab_size": ("vocab_size", 151936), "hidden_size": ("hidden_siz
                "num_attention_heads": ("num_attention_heads", 32), "hidden_act": ("hidden_act", "silu"),
                "max_position_embeddings": ("max_position_embeddings", 32768), "rms_norm_eps": ("layer_norm_eps", 1e-6),
                "head_dim": ("attention_head_dim", 128)}
+# Gemma3's config keys -> ours, with Gemma3TextConfig's defaults.
+_GEMMA3_KEYS = {**_QWEN3_KEYS, "vocab_size": ("vocab_size", 262_208), "hidden_size": ("hidden_size", 2304),
+                "intermediate_size": ("intermediate_size", 9216), "num_hidden_layers": ("num_hidden_layers", 26),
+                "num_attention_heads": ("num_attention_heads", 8), "max_position_embeddings": (
+                    "max_position_embeddings", 131_072), "head_dim": ("attention_head_dim", 256),
+                "hidden_activation": ("hidden_act", "gelu_pytorch_tanh")}
+_GEMMA3_THETAS = {FULL_ATTENTION: ("rope_theta", 1_000_000.0), SLIDING_ATTENTION: ("rope_local_base_freq", 10_000.0)}
 
 
 class ModelConfigError(ValueError):
@@ -81,6 +91,8 @@ class BertConfig:
     # heads), and the head width where it is not hidden_size / heads (0: it is)
     num_key_value_heads: int = 0
     attention_head_dim: int = 0
+    # Gemma3's: the scores are scaled by this to the -1/2 in place of head_dim's (0: head_dim)
+    query_pre_attn_scalar: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -162,8 +174,14 @@ class BertConfig:
 
     @property
     def rotary(self) -> bool:
-        """Positions by rotating queries and keys (ModernBERT, Qwen3), not by a table of embeddings."""
-        return self.model_type in (MODERNBERT, QWEN3)
+        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3), not by a table of embeddings."""
+        return self.model_type in (MODERNBERT, QWEN3, GEMMA3)
+
+    @property
+    def decoder_layers(self) -> bool:
+        """Built of a decoder's layers (Qwen3's, Gemma3's): RMSNorm, each head's queries and keys
+        normed, a gated MLP, no biases but where the config says; attention causal or not."""
+        return self.model_type in (QWEN3, GEMMA3)
 
     @property
     def causal(self) -> bool:
@@ -198,6 +216,8 @@ class BertConfig:
             raw = _modernbert(raw)
         elif raw.get("model_type") == QWEN3:
             raw = _qwen3(raw)
+        elif raw.get("model_type") == GEMMA3:
+            raw = _gemma3(raw)
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type
@@ -256,6 +276,37 @@ def _qwen3(raw: dict) -> dict:
             "layer_types": (FULL_ATTENTION,) * int(ours["num_hidden_layers"]),
             "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))),),
             "norm_bias": False, "linear_bias": bool(raw.get("attention_bias", False))}
+
+
+def _gemma3(raw: dict) -> dict:
+    """Gemma3's text model in our keys, as an embedder: its attention bidirectional
+    (``use_bidirectional_attention``, EmbeddingGemma's), every layer full or sliding-window
+    (``layer_types``, or one full layer in ``sliding_window_pattern``), a rotary base per kind. A
+    causal Gemma3 (a generator), logit soft-capping and scaled rotary positions are refused."""
+    if not raw.get("use_bidirectional_attention"):
+        raise ModelConfigError("a gemma3_text checkpoint compiles as an embedder with bidirectional attention "
+                               "(EmbeddingGemma's use_bidirectional_attention=true); this one is causal")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelConfigError(f"attn_logit_softcapping={raw['attn_logit_softcapping']} is not supported")
+    ours = {key: raw.get(theirs, default) for theirs, (key, default) in _GEMMA3_KEYS.items()}
+    layers, every = int(ours["num_hidden_layers"]), int(raw.get("sliding_window_pattern") or 6)
+    kinds = raw.get("layer_types") or [FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION
+                                       for i in range(layers)]
+    thetas = []
+    for kind, (old_key, default) in _GEMMA3_THETAS.items():
+        rope = (raw.get("rope_parameters") or {}).get(kind) or {}
+        if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+            raise ModelConfigError(f"rope_parameters[{kind!r}]={rope} (scaled rotary positions) is not supported; "
+                                   "only rope_type 'default'")
+        thetas.append((kind, float(rope.get("rope_theta", raw.get(old_key, default)))))
+    heads = int(ours["num_attention_heads"])
+    # (transformers' Gemma3TextConfig reads a bidirectional model's sliding_window W as keys less
+    # than W // 2 + 1 away: our half width is W // 2)
+    return {**raw, **ours, "type_vocab_size": 1, "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+            "layer_types": tuple(kinds), "rope_thetas": tuple(thetas),
+            "sliding_window": int(raw.get("sliding_window") or 4096) // 2, "norm_bias": False,
+            "linear_bias": bool(raw.get("attention_bias", False)),
+            "query_pre_attn_scalar": int(raw.get("query_pre_attn_scalar") or 256)}
 
 
 # BERT-base as in DietCode's experiments; used with seeded random weights for benchmarks.

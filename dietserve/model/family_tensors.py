@@ -10,10 +10,10 @@ import numpy as np
 
 from .config import (
     DISTILBERT,
+    GEMMA3,
     MODERNBERT,
     MPNET,
     MPNET_MAX_DISTANCE,
-    QWEN3,
     ROBERTA_TYPES,
     SLIDING_ATTENTION,
     BertConfig,
@@ -63,8 +63,8 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
     token type, all zero, and MPNet's bias by relative position bucket spread over every distance."""
     if config.rotary:
         tensors.update(rotary_family_tables(config))
-    if config.model_type == QWEN3:
-        tensors = _qwen3_tensors(tensors)
+    if config.decoder_layers:
+        tensors = _decoder_tensors(config, tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
     if config.model_type in (DISTILBERT, MPNET):
@@ -96,13 +96,25 @@ def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:
     return tables
 
 
-def _qwen3_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Qwen3's tensors under our module names (``qwen3.py``)."""
+def _decoder_tensors(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Qwen3's and Gemma3's tensors under our module names (``decoders.py``); Gemma3's with what
+    its modules compute folded in, in float32 as transformers computes it: each norm scales by
+    ``1 + weight``, the embedding rows by sqrt(hidden), the scores by ``query_pre_attn_scalar``
+    to the -1/2 where ours divide by sqrt(head_dim) (on the query norm's weight: the rotation
+    after it is linear)."""
     def ours(name: str) -> str:
         if name.startswith(("layers.", "norm.")):
             return "encoder." + name
         return "embeddings." + name if name.startswith("embed_tokens.") else name
 
+    if config.model_type == GEMMA3:
+        tensors = {name: np.float32(1.0) + tensor if name.endswith("norm.weight") else tensor
+                   for name, tensor in tensors.items()}
+        tensors["embed_tokens.weight"] = tensors["embed_tokens.weight"] * np.float32(math.sqrt(config.hidden_size))
+        if config.query_pre_attn_scalar != config.head_dim:
+            scale = np.float32(math.sqrt(config.head_dim / config.query_pre_attn_scalar))
+            tensors = {name: tensor * scale if name.endswith("q_norm.weight") else tensor
+                       for name, tensor in tensors.items()}
     return {ours(name): tensor for name, tensor in tensors.items()}
 
 
@@ -115,11 +127,11 @@ def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
 
 
 def without_bias(config: BertConfig, name: str) -> bool:
-    """Whether ``name`` is a bias a ModernBERT or Qwen3 checkpoint leaves out (its config says
-    so; Qwen3's MLP has none): zero."""
+    """Whether ``name`` is a bias a ModernBERT, Qwen3 or Gemma3 checkpoint leaves out (its config
+    says so; a decoder's MLP has none): zero."""
     if not config.rotary or not name.endswith(".bias"):
         return False
-    if config.model_type == QWEN3:
+    if config.decoder_layers:
         return ".mlp." in name or not config.linear_bias
     if name.endswith("norm.bias"):
         return not config.norm_bias

@@ -1,5 +1,5 @@
-"""The parts BERT's encoder (``bert.py``), ModernBERT's (``modernbert.py``) and Qwen3's decoder
-(``qwen3.py``) are built from: the linear layer stored transposed, the clamped row lookup, the
+"""The parts BERT's encoder (``bert.py``), ModernBERT's (``modernbert.py``) and the decoders
+(``decoders.py``) are built from: the linear layer stored transposed, the clamped row lookup, the
 activations, and attention in either layout (``PaddedAttention`` over ``[batch, seq]`` rows,
 ``PackedAttention`` over packed sequences in one kernel), with a bias on the scores by distance
 where a model has one (MPNet's relative positions, ModernBERT's sliding window, a decoder's

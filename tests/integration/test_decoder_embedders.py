@@ -2,8 +2,12 @@
 sentence-transformers' last-token pooling and Normalize (Qwen3-Embedding's recipe): causal
 attention, rotary positions, RMSNorm on the hidden state and on each head's queries and keys, a
 gated SiLU, and key and value heads shared by pairs of query heads, each head wider than
-hidden_size / heads. It compiles in both layouts and answers as transformers and
-sentence-transformers do, at every length up to the last position."""
+hidden_size / heads. Gemma3's text model with bidirectional attention (EmbeddingGemma) under
+mean pooling, a Dense module and Normalize (EmbeddingGemma's recipe): Qwen3's parts with
+sliding-window layers beside full ones, norms after each block too, norms that scale by
+``1 + weight``, a scaled embedding, a query scale of its own and a gated tanh GELU. Each compiles
+in both layouts and answers as transformers and sentence-transformers do, at every length up to
+the last position."""
 
 from __future__ import annotations
 
@@ -62,6 +66,57 @@ def test_qwen3_matches_transformers_and_sentence_transformers(qwen3_folder: Path
     reference = _embedder_matches(qwen3_folder, Qwen3Model, MAX_LENGTH, layout, cache_dir)
     assert reference.config.num_key_value_heads < reference.config.num_attention_heads
     assert reference.config.head_dim * reference.config.num_attention_heads != reference.config.hidden_size
+
+
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextModel
+
+    decoder = _tokenizer_folder(tmp_path_factory.mktemp("gemma3-decoder"))
+    # A window of 6 (transformers: keys at most 3 away) in two layers of three; a query scale of 24, not 32
+    config = Gemma3TextConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(str(decoder))), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+        max_position_embeddings=MAX_LENGTH, sliding_window=6, use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], initializer_range=0.1,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(31)
+    model = Gemma3TextModel(config).eval()
+    with torch.no_grad():  # (Gemma's norms scale by 1 + weight, zero at first: vary them)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(-0.5, 0.5)
+    model.save_pretrained(str(decoder))
+    transformer = models.Transformer(str(decoder), max_seq_length=MAX_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "gemma3-embedder"
+    dense = models.Dense(64, 48, bias=False, activation_function=torch.nn.Identity())
+    SentenceTransformer(modules=[transformer, models.Pooling(64, "mean"), dense, models.Normalize()],
+                        device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_gemma3_matches_transformers_and_sentence_transformers(gemma3_folder: Path, cache_dir: Path,
+                                                                layout: str) -> None:
+    from transformers import Gemma3TextModel
+
+    reference = _embedder_matches(gemma3_folder, Gemma3TextModel, MAX_LENGTH, layout, cache_dir)
+    assert set(reference.config.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_a_causal_gemma3_is_refused_by_name(gemma3_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "generator"
+    shutil.copytree(gemma3_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "use_bidirectional_attention": False}))
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention=true"):
+        Checkpoint.open(folder)
 
 
 def test_a_qwen3_sequence_classifier_is_refused_by_name(qwen3_folder: Path, tmp_path: Path) -> None:

@@ -139,6 +139,10 @@ SERVED = {
     "qwen3": (lambda: __import__("transformers").Qwen3Config(num_hidden_layers=5, num_attention_heads=8,
                                                               num_key_value_heads=2, head_dim=32),
               (8, 2, [(5, True, None, True)])),
+    # EmbeddingGemma's: a full layer in six, the others within a window (transformers: sliding_window // 2 away)
+    "gemma3": (lambda: __import__("transformers").Gemma3TextConfig(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
+        use_bidirectional_attention=True), (4, 1, [(1, False, None, False), (5, True, 256, False)])),
 }
 
 

@@ -1,6 +1,7 @@
-"""Qwen3's decoder in Relax, as Qwen3-Embedding runs it (every token's last hidden state; the
-sentence embedding is the last token's), on the parts the encoders are built from
-(``layers.py``, ``modernbert.rotated``). What differs from them:
+"""Decoders in Relax as embedding models run them (every token's last hidden state): Qwen3, as
+Qwen3-Embedding (the sentence embedding is the last token's), and Gemma3's text model, as
+EmbeddingGemma (bidirectional: mean pooling), on the parts the encoders are built from
+(``layers.py``, ``modernbert.rotated``). What differs from them, Qwen3:
 
 - causal attention: a query attends to itself and the keys before it. It is a bias by distance
   (0 for keys at or before the query, ``WINDOW_FILL`` after it), the table ModernBERT's window
@@ -12,7 +13,14 @@ sentence embedding is the last token's), on the parts the encoders are built fro
 - RMSNorm before each block, and on each head's queries and keys before their rotation;
 - a gated SiLU: ``down(silu(gate(x)) * up(x))``, the gate and up projections one dense layer.
 
-Attribute names mirror transformers' ``Qwen3Model`` (``layers`` and ``norm`` under ``encoder``)."""
+Gemma3 (``config.GEMMA3``) differs from Qwen3 in: attention bidirectional, full in one layer of
+a few and within a window in the others (ModernBERT's two kinds, each its own rotary base); a
+norm after the attention and after the MLP as well as before (``DecoderLayer.sandwich``); a
+gated tanh GELU. Its norms' ``1 + weight``, its embedding's scale and its query scale are folded
+into the weights at load (``family_tensors.py``), so the layers compute Qwen3's arithmetic.
+
+Attribute names mirror transformers' ``Qwen3Model`` and ``Gemma3TextModel`` (``layers`` and
+``norm`` under ``encoder``)."""
 
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import BertConfig
+from .config import GEMMA3, BertConfig
 from .layers import Embedding, TransposedLinear, activation, take_rows, token_rows
 from .modernbert import rotated
 
@@ -36,7 +44,7 @@ class RMSNorm(nn.Module):
         return op.rms_norm(x, self.weight, axes=-1, epsilon=self.eps)
 
 
-class Qwen3Embeddings(nn.Module):
+class DecoderEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -45,7 +53,7 @@ class Qwen3Embeddings(nn.Module):
         return token_rows(self.embed_tokens, input_ids)
 
 
-class Qwen3Attention(nn.Module):
+class DecoderAttention(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.heads, self.head_dim, self.kv_heads = cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
         self.qkv = TransposedLinear(cfg.hidden_size, cfg.projection_width, parts=("q_proj", "k_proj", "v_proj"))
@@ -68,7 +76,7 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(attention(qkv, heads, self.head_dim, shared))
 
 
-class Qwen3MLP(nn.Module):
+class GatedMLP(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.gate_up = TransposedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, parts=("gate_proj", "up_proj"))
         self.down_proj = TransposedLinear(cfg.intermediate_size, cfg.hidden_size)
@@ -79,39 +87,54 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(activation(gate, self.hidden_act) * up)
 
 
-class Qwen3Layer(nn.Module):
-    def __init__(self, cfg: BertConfig):
+class DecoderLayer(nn.Module):
+    """Qwen3's: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``; ``sandwich`` (Gemma3's): each
+    block's output normed too before it is added."""
+
+    def __init__(self, cfg: BertConfig, kind: str):
+        self.kind, self.sandwich = kind, cfg.model_type == GEMMA3
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
-        self.self_attn = Qwen3Attention(cfg)
+        self.self_attn = DecoderAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp = GatedMLP(cfg)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
 
     def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), attention, rotary)
+        if not self.sandwich:
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class Qwen3Encoder(nn.Module):
-    """The layers and the final norm, with the rotary tables and the causal bias by distance
-    (``[heads, 2 * max_length - 1]``) computed at load (``family_tensors.rotary_family_tables``)."""
-
-    kinds = ("full_attention",)
+class DecoderEncoder(nn.Module):
+    """The layers and the final norm, with each layer kind's rotary tables and, where its
+    attention masks keys by distance (causal, or within a window), the mask as a bias
+    (``[heads, 2 * max_length - 1]``), computed at load (``family_tensors.rotary_family_tables``)."""
 
     def __init__(self, cfg: BertConfig):
-        self.layers = nn.ModuleList([Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kind) for kind in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
-        self.full_attention_cos = nn.Parameter((cfg.max_length, cfg.head_dim), "float32")
-        self.full_attention_sin = nn.Parameter((cfg.max_length, cfg.head_dim), "float32")
-        self.full_attention_bias = nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1), "float32")
+        self.kinds = sorted(set(cfg.layer_types))
+        for kind in self.kinds:
+            setattr(self, f"{kind}_cos", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
+            setattr(self, f"{kind}_sin", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
+            if cfg.biased(kind):
+                setattr(self, f"{kind}_bias", nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1),
+                                                           "float32"))
 
-    def bias(self, kind: str) -> nn.Tensor:
-        return self.full_attention_bias
+    def bias(self, kind: str) -> nn.Tensor | None:
+        return getattr(self, f"{kind}_bias", None)
 
     def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:
         """As ``ModernBertEncoder.forward``."""
-        rotary = (take_rows(self.full_attention_cos, position_ids), take_rows(self.full_attention_sin, position_ids),
-                  batch)
-        attention = attention_of[self.kinds[0]]
+        rotary = {}
+        for kind in self.kinds:
+            tables = (getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"))
+            rotary[kind] = (*(take_rows(table, position_ids) for table in tables), batch)
         for layer in self.layers:
-            hidden = layer(hidden, attention, rotary)
+            hidden = layer(hidden, attention_of[layer.kind], rotary[layer.kind])
         return self.norm(hidden)
