@@ -461,6 +461,15 @@ RANDOM_FAMILIES = {
         "vocab_size": 30522, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "pad_token_id": 0}, {}),
+    # EmbeddingGemma-300M's layers (its vocabulary cut alike): a full layer in six, the others within
+    # 256 tokens, 3 query heads of 256 over one key and value head
+    "embeddinggemma-300m": ("Gemma3TextConfig", "Gemma3TextModel", {
+        "vocab_size": 30522, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 24,
+        "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 512, "max_position_embeddings": 2048, "use_bidirectional_attention": True,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        "pad_token_id": 0}, {}),
 }
 
 
@@ -468,7 +477,9 @@ def random_family_model(name: str, cache_dir: Path) -> str:
     """``--models mpnet-base`` (all-mpnet-base-v2's shapes: 12 layers of 768, relative position
     buckets), ``modernbert-base`` (22 layers of 768, rotary positions, gated GELU, sliding
     windows, 8,192 positions) or ``qwen3-embedding-0.6b`` (28 causal layers of 1024, 16 query
-    heads of 128 over 8 key and value heads, gated SiLU, 32,768 positions): random weights from
+    heads of 128 over 8 key and value heads, gated SiLU, 32,768 positions) or
+    ``embeddinggemma-300m`` (24 bidirectional layers of 768, five in six within a window, gated
+    tanh GELU, 2,048 positions): random weights from
     transformers' own initialisation (seed 0), written once under the cache folder; the default
     model's tokenizer (``--mixed`` reads text)."""
     import shutil
@@ -511,7 +522,8 @@ def result_line(ratios: dict[str, list[float]], fields) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default",
-                        help="comma-separated: bert-base, default, mpnet-base, modernbert-base (random weights), DIR")
+                        help="comma-separated: bert-base, default, or a random-weight family (mpnet-base, "
+                             "modernbert-base, qwen3-embedding-0.6b, embeddinggemma-300m), DIR")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point and round at most (at least 3)")

@@ -33,10 +33,27 @@ def torch_inputs(names, ids, mask, types) -> dict:
     return {name: torch.from_numpy(array) for name, array in _feed(names, ids, mask, types).items()}
 
 
+def traceable_masks(config, mask):
+    """Gemma3's attention masks by layer kind, built from the padding mask by plain tensor ops
+    (transformers' own mask functions do not trace): additive, 0 where a query reads a key
+    (bidirectional; the sliding layers' keys less than ``config.sliding_window`` away)."""
+    import torch
+
+    keys = mask[:, None, None, :].bool()
+    positions = torch.arange(mask.shape[1])
+    near = (positions[None, :] - positions[:, None]).abs() < config.sliding_window
+
+    def additive(allowed):
+        return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+    return {"full_attention": additive(keys & torch.ones_like(near)), "sliding_attention": additive(keys & near)}
+
+
 def export_onnx(model, path: Path) -> None:
     import torch
 
     names = input_names(model)
+    gemma = model.config.model_type == "gemma3_text"
 
     class LastHiddenState(torch.nn.Module):
         def __init__(self, encoder):
@@ -44,7 +61,10 @@ def export_onnx(model, path: Path) -> None:
             self.encoder = encoder
 
         def forward(self, *inputs):
-            return self.encoder(**dict(zip(names, inputs, strict=True))).last_hidden_state
+            feed = dict(zip(names, inputs, strict=True))
+            if gemma:
+                feed["attention_mask"] = traceable_masks(self.encoder.config, feed["attention_mask"])
+            return self.encoder(**feed).last_hidden_state
 
     example = torch.ones((1, 8), dtype=torch.int64)
     axes = {0: "batch", 1: "seq"}
