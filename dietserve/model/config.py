@@ -243,13 +243,7 @@ def _modernbert(raw: dict) -> dict:
     layers = int(ours["num_hidden_layers"])
     every = int(raw.get("global_attn_every_n_layers") or 3)
     kinds = raw.get("layer_types") or [SLIDING_ATTENTION if i % every else FULL_ATTENTION for i in range(layers)]
-    thetas = []
-    for kind, (old_key, default) in _MODERNBERT_THETAS.items():
-        rope = (raw.get("rope_parameters") or {}).get(kind) or {}
-        if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
-            raise ModelConfigError(f"rope_parameters[{kind!r}]={rope} (scaled rotary positions) is not supported; "
-                                   "only rope_type 'default'")
-        thetas.append((kind, float(rope.get("rope_theta", raw.get(old_key, default)))))
+    thetas = _rope_thetas(raw, _MODERNBERT_THETAS)
     if raw.get("attention_bias", False) != raw.get("mlp_bias", False):
         raise ModelConfigError(f"attention_bias={raw.get('attention_bias')} with mlp_bias={raw.get('mlp_bias')} "
                                "is not supported (both or neither)")
@@ -259,6 +253,19 @@ def _modernbert(raw: dict) -> dict:
             "classifier_pooling": raw.get("classifier_pooling", "cls"),
             "classifier_activation": raw.get("classifier_activation", "gelu"),
             "classifier_bias": bool(raw.get("classifier_bias", False))}
+
+
+def _rope_thetas(raw: dict, older_keys: dict) -> list[tuple[str, float]]:
+    """(kind, rotary base) per layer kind: ``rope_parameters[kind]``, or the older config's key
+    for the kind (``older_keys``: kind -> (key, default)). Scaled rotary positions are refused."""
+    thetas = []
+    for kind, (old_key, default) in older_keys.items():
+        rope = (raw.get("rope_parameters") or {}).get(kind) or {}
+        if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+            raise ModelConfigError(f"rope_parameters[{kind!r}]={rope} (scaled rotary positions) is not supported; "
+                                   "only rope_type 'default'")
+        thetas.append((kind, float(rope.get("rope_theta", raw.get(old_key, default)))))
+    return thetas
 
 
 def _qwen3(raw: dict) -> dict:
@@ -292,13 +299,7 @@ def _gemma3(raw: dict) -> dict:
     layers, every = int(ours["num_hidden_layers"]), int(raw.get("sliding_window_pattern") or 6)
     kinds = raw.get("layer_types") or [FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION
                                        for i in range(layers)]
-    thetas = []
-    for kind, (old_key, default) in _GEMMA3_THETAS.items():
-        rope = (raw.get("rope_parameters") or {}).get(kind) or {}
-        if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
-            raise ModelConfigError(f"rope_parameters[{kind!r}]={rope} (scaled rotary positions) is not supported; "
-                                   "only rope_type 'default'")
-        thetas.append((kind, float(rope.get("rope_theta", raw.get(old_key, default)))))
+    thetas = _rope_thetas(raw, _GEMMA3_THETAS)
     heads = int(ours["num_attention_heads"])
     # (transformers' Gemma3TextConfig reads a bidirectional model's sliding_window W as keys less
     # than W // 2 + 1 away: our half width is W // 2)

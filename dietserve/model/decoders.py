@@ -29,8 +29,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import GEMMA3, BertConfig
-from .layers import Embedding, TransposedLinear, activation, take_rows, token_rows
-from .modernbert import rotated
+from .layers import Embedding, TransposedLinear, activation, token_rows
+from .modernbert import RotaryEncoder, rotated
 
 
 class RMSNorm(nn.Module):
@@ -110,31 +110,14 @@ class DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class DecoderEncoder(nn.Module):
-    """The layers and the final norm, with each layer kind's rotary tables and, where its
-    attention masks keys by distance (causal, or within a window), the mask as a bias
-    (``[heads, 2 * max_length - 1]``), computed at load (``family_tensors.rotary_family_tables``)."""
+class DecoderEncoder(RotaryEncoder):
+    """The layers and the final norm, with the tables of ``RotaryEncoder`` (a causal mask is a
+    full layer's bias)."""
 
     def __init__(self, cfg: BertConfig):
         self.layers = nn.ModuleList([DecoderLayer(cfg, kind) for kind in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
-        self.kinds = sorted(set(cfg.layer_types))
-        for kind in self.kinds:
-            setattr(self, f"{kind}_cos", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
-            setattr(self, f"{kind}_sin", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
-            if cfg.biased(kind):
-                setattr(self, f"{kind}_bias", nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1),
-                                                           "float32"))
-
-    def bias(self, kind: str) -> nn.Tensor | None:
-        return getattr(self, f"{kind}_bias", None)
+        self.declare_tables(cfg)
 
     def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:
-        """As ``ModernBertEncoder.forward``."""
-        rotary = {}
-        for kind in self.kinds:
-            tables = (getattr(self, f"{kind}_cos"), getattr(self, f"{kind}_sin"))
-            rotary[kind] = (*(take_rows(table, position_ids) for table in tables), batch)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_of[layer.kind], rotary[layer.kind])
-        return self.norm(hidden)
+        return self.norm(self.run_layers(hidden, attention_of, position_ids, batch))

@@ -103,15 +103,14 @@ class ModernBertLayer(nn.Module):
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
-class ModernBertEncoder(nn.Module):
-    """The layers and the final norm. Per layer kind (``config.FULL_ATTENTION``,
-    ``SLIDING_ATTENTION``): rotary tables ``[max_length, head_dim]`` and, where the attention
-    takes a bias on scores, its table by distance (``BertEncoder.relative_bias``'s layout), all
-    computed at load (``family_tensors.rotary_family_tables``)."""
+class RotaryEncoder(nn.Module):
+    """What a rotary family's encoder holds beside its layers: per layer kind
+    (``config.FULL_ATTENTION``, ``SLIDING_ATTENTION``) rotary tables ``[max_length, head_dim]``
+    and, where the attention takes a bias on scores (a window, a causal mask), its table by
+    distance (``BertEncoder.relative_bias``'s layout), all computed at load
+    (``family_tensors.rotary_family_tables``)."""
 
-    def __init__(self, cfg: BertConfig):
-        self.layers = nn.ModuleList([ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+    def declare_tables(self, cfg: BertConfig) -> None:
         self.kinds = sorted(set(cfg.layer_types))
         for kind in self.kinds:
             setattr(self, f"{kind}_cos", nn.Parameter((cfg.max_length, cfg.head_dim), "float32"))
@@ -123,7 +122,7 @@ class ModernBertEncoder(nn.Module):
     def bias(self, kind: str) -> nn.Tensor | None:
         return getattr(self, f"{kind}_bias", None)
 
-    def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:
+    def run_layers(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch) -> nn.Tensor:
         """``attention_of``: each kind's attention (``PaddedAttention``, ``PackedAttention``);
         ``position_ids``: ``[seq]`` (padded, ``batch`` rows) or ``[T]`` (packed)."""
         rotary = {}
@@ -132,7 +131,19 @@ class ModernBertEncoder(nn.Module):
             rotary[kind] = (*(take_rows(table, position_ids) for table in tables), batch)
         for layer in self.layers:
             hidden = layer(hidden, attention_of[layer.kind], rotary[layer.kind])
-        return self.final_norm(hidden)
+        return hidden
+
+
+class ModernBertEncoder(RotaryEncoder):
+    """The layers and the final norm, with the tables of ``RotaryEncoder``."""
+
+    def __init__(self, cfg: BertConfig):
+        self.layers = nn.ModuleList([ModernBertLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.declare_tables(cfg)
+
+    def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:
+        return self.final_norm(self.run_layers(hidden, attention_of, position_ids, batch))
 
 
 class ModernBertPredictionHead(nn.Module):
