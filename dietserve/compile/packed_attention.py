@@ -4,7 +4,7 @@ the tuning task, so the tuner times the kernels the model serves."""
 
 from __future__ import annotations
 
-from ..kernels.cpu_varlen.attention import bf16_attention_fits, varlen_attention
+from ..kernels.cpu_varlen.attention import bf16_attention_fits, query_parts_for, varlen_attention
 from ..kernels.cpu_varlen.tile import tile_for
 from ..kernels.plan.attention_plan import AttentionPlan
 from ..kernels.plan.task_file import AttentionKernel, AttentionTask
@@ -31,7 +31,8 @@ def attention_task(config, max_len: int, weights: list) -> AttentionTask:
 def attention_functions(config, precision: str, hardware, attention: AttentionPlan | None):
     """(the full layers' PrimFunc, the windowed layers' or None) from ``attention``'s tiles and
     tree, else the hardware's tile; bf16 products where every tile can run them on pairs (16-lane
-    vectors), else attention stays fp32."""
+    vectors), else attention stays fp32; each (head, sequence) in as many tasks as keep the
+    hardware's cores busy (``query_parts_for``)."""
     tiles, tree = (attention.varlen_tiles(), attention.tree) if attention else (tile_for(hardware), None)
     named = tiles if isinstance(tiles, dict) else {"tile": tiles}
     paired = precision == "bf16" and all(bf16_attention_fits(t, config.head_dim) for t in named.values())
@@ -40,7 +41,9 @@ def attention_functions(config, precision: str, hardware, attention: AttentionPl
         if kernel is None:
             return None
         return varlen_attention(config.num_attention_heads, config.head_dim, config.max_length, tiles, tree,
-                                precision="bf16" if paired else "fp32", kv_heads=config.kv_heads, **kernel.masking())
+                                precision="bf16" if paired else "fp32", kv_heads=config.kv_heads,
+                                query_parts=query_parts_for(config.num_attention_heads, hardware.cores),
+                                **kernel.masking())
 
     full, windowed = attention_kernels(config)
     return build(full), build(windowed)

@@ -75,10 +75,11 @@ def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer, Gemma3TextConfig, Gemma3TextModel
 
     decoder = _tokenizer_folder(tmp_path_factory.mktemp("gemma3-decoder"))
-    # A window of 6 (transformers: keys at most 3 away) in two layers of three; a query scale of 24, not 32
+    # A window of 6 (transformers: keys at most 3 away) in two layers of three; a query scale of 24, not
+    # 32; 3 query heads over one key and value head, as EmbeddingGemma's (on 2 cores: query parts)
     config = Gemma3TextConfig(
-        vocab_size=len(AutoTokenizer.from_pretrained(str(decoder))), hidden_size=64, intermediate_size=96,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+        vocab_size=len(AutoTokenizer.from_pretrained(str(decoder))), hidden_size=48, intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
         max_position_embeddings=MAX_LENGTH, sliding_window=6, use_bidirectional_attention=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], initializer_range=0.1,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
@@ -93,8 +94,8 @@ def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(str(decoder))
     transformer = models.Transformer(str(decoder), max_seq_length=MAX_LENGTH)
     folder = tmp_path_factory.mktemp("embedders") / "gemma3-embedder"
-    dense = models.Dense(64, 48, bias=False, activation_function=torch.nn.Identity())
-    SentenceTransformer(modules=[transformer, models.Pooling(64, "mean"), dense, models.Normalize()],
+    dense = models.Dense(48, 40, bias=False, activation_function=torch.nn.Identity())
+    SentenceTransformer(modules=[transformer, models.Pooling(48, "mean"), dense, models.Normalize()],
                         device="cpu").save(str(folder))
     return folder
 

@@ -9,7 +9,7 @@ import tvm
 
 from dietserve.host.cpu import configure_cpu_threads, cpu_flags
 from dietserve.host.hardware import CPU_PRESETS
-from dietserve.kernels.cpu_varlen.attention import varlen_attention
+from dietserve.kernels.cpu_varlen.attention import query_parts_for, varlen_attention
 from dietserve.kernels.cpu_varlen.tile import VarlenTile, attention_tiles, context_tile, same_code, tile_for
 from dietserve.kernels.tir.build import build
 
@@ -139,6 +139,37 @@ def test_shared_key_and_value_heads_serve_their_group(kv_heads: int) -> None:
         expected = reference(qkv, starts, heads, head_dim, kv_heads=kv_heads)
         error = np.abs(out - expected).max() / np.abs(expected).max()
         assert error < 1e-5, f"lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("reach", [None, 8], ids=["full", "window 8"])
+def test_query_parts_split_each_sequence_and_change_nothing(parts: int, reach) -> None:
+    """A (head, sequence) split into ``parts`` tasks over its query tiles (3 heads on 2 cores):
+    every row computed once or, where a last tile steps back over its neighbour's rows, twice
+    alike; sequences of fewer tiles than parts leave tasks empty. Shared heads, a tree of two
+    tiles and a window, as EmbeddingGemma's layers run."""
+    from dietserve.model.modernbert import window_bias
+
+    configure_cpu_threads(2)
+    heads, head_dim, kv_heads = 3, 32, 1
+    tiles = {"short": VarlenTile(mr=3, nr=8, nc=8), "long": VarlenTile()}
+    tree = {"var": "length", "le": 20, "then": {"variant": "short"}, "else": {"variant": "long"}}
+    bias = None if reach is None else window_bias(heads, MAX_LEN, reach)
+    options = {"relative_bias": True, "window": reach} if reach is not None else {}
+    function = built(heads, head_dim, tiles, tree, kv_heads=kv_heads, query_parts=parts, **options)
+    rng = np.random.default_rng(8)
+    for lengths in MIXES:
+        qkv = (rng.standard_normal((sum(lengths), (heads + 2 * kv_heads) * head_dim)) * 3).astype(np.float32)
+        out, starts = run(function, qkv, lengths, heads * head_dim, *([] if bias is None else [bias]))
+        expected = reference(qkv, starts, heads, head_dim, bias, kv_heads=kv_heads)
+        error = np.abs(out - expected).max() / np.abs(expected).max()
+        assert error < 1e-5, f"{parts} parts, lengths {lengths}: max error {error:.2e} of the largest output"
+
+
+def test_query_parts_fill_the_cores_the_heads_leave_idle() -> None:
+    assert [query_parts_for(heads, 2) for heads in (12, 16, 3, 1)] == [1, 1, 2, 2]
+    assert [query_parts_for(heads, 16) for heads in (16, 12, 3)] == [1, 4, 16]
+    assert query_parts_for(3, None) == 1
 
 
 @pytest.mark.skipif("avx512f" not in (cpu_flags() or set()), reason="this CPU has no AVX-512")

@@ -83,7 +83,7 @@ def measure_tiles(job: dict) -> list[dict]:
     import tvm
 
     from dietserve.host.cpu import configure_cpu_threads
-    from dietserve.kernels.cpu_varlen.attention import varlen_attention
+    from dietserve.kernels.cpu_varlen.attention import query_parts_for, varlen_attention
     from dietserve.kernels.cpu_varlen.tile import VarlenTile
     from dietserve.kernels.tir.build import build
 
@@ -106,6 +106,7 @@ def measure_tiles(job: dict) -> list[dict]:
             for kernel, bias in zip(kernels, biases, strict=True):
                 masking = {name: kernel[name] for name in ("relative_bias", "window", "causal")}
                 func = varlen_attention(heads, head_dim, max_len, tile, precision=precision, kv_heads=kv_heads,
+                                        query_parts=query_parts_for(heads, job.get("threads")),
                                         **masking).with_attr("global_symbol", "main")
                 module = build(tvm.IRModule({"main": func}), target).jit()
                 expected = numpy_attention(qkv, starts, heads, head_dim, kv_heads, bias)

@@ -54,7 +54,8 @@ Tiles = VarlenTile | Mapping[str, VarlenTile]
 
 def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | None = None, tree: Mapping | None = None,
                      parallel: bool = True, precision: str = "fp32", relative_bias: bool = False,
-                     window: int | None = None, causal: bool = False, kv_heads: int | None = None) -> tirx.PrimFunc:
+                     window: int | None = None, causal: bool = False, kv_heads: int | None = None,
+                     query_parts: int = 1) -> tirx.PrimFunc:
     """The PrimFunc ``(qkv [T, (heads + 2 * kv_heads) * head_dim], starts [B + 1] int64, out [T,
     heads * head_dim])``; ``max_len`` bounds a sequence's length (the position table's size);
     ``kv_heads`` (None: ``heads``): key and value heads, each read by ``heads / kv_heads`` query
@@ -98,15 +99,27 @@ def varlen_attention(heads: int, head_dim: int, max_len: int, tiles: Tiles | Non
             T.func_attr({VARLEN_ATTENTION: [heads, head_dim], "tirx.is_scheduled": True})
             sequences = segments - 1
             loop = T.parallel if parallel else T.serial
-            with loop(0, heads * sequences) as task:
-                h, b = computed_once(tirx.floordiv(task, sequences), tirx.floormod(task, sequences))
+            with loop(0, heads * sequences * query_parts) as task:
+                part, pair = (0, task) if query_parts == 1 else computed_once(
+                    tirx.floormod(task, query_parts), tirx.floordiv(task, query_parts))
+                h, b = computed_once(tirx.floordiv(pair, sequences), tirx.floormod(pair, sequences))
                 start, length = computed_once(starts[b], starts[b + 1] - starts[b])
-                _dispatch(tree, (qkv, out, (h, start, length), (heads, kv_heads), head_dim, bias, max_len), tiles,
+                where = (h, start, length, (part, query_parts))
+                _dispatch(tree, (qkv, out, where, (heads, kv_heads), head_dim, bias, max_len), tiles,
                           max_len, pairs, (window, causal))
     func = builder.get()
     if pairs:
         func = func.with_body(importing_bf16_functions(func.body)).with_attr(PRECISION_ATTR, precision)
     return with_exact_buffers(func, own_storage=True)
+
+
+def query_parts_for(heads: int, cores: int | None) -> int:
+    """Tasks per (head, sequence): one where the heads are a whole number of rounds of the
+    cores; else enough that a lone sequence's tasks are (three heads on two cores ran as two
+    rounds, the second on one core)."""
+    if not cores or heads % cores == 0:
+        return 1
+    return cores // math.gcd(heads, cores)
 
 
 def bf16_attention_fits(tile: VarlenTile, head_dim: int) -> bool:
@@ -140,7 +153,7 @@ def _sequence(qkv, out, where, head_counts, head_dim, bias, max_len, key_columns
     ``bias``: the relative position bias, or None; ``window``: keys farther from every query of a
     tile are skipped, ``causal``: keys after every query of a tile (whole key tiles: the bias
     masks the rest)."""
-    h, start, length = where
+    h, start, length, (part, parts) = where
     heads, kv_heads = head_counts
     mr, nr, lanes = tile.mr, tile.nr, tile.lanes
     nc, context_lanes = context_tile(head_dim, tile)
@@ -165,7 +178,14 @@ def _sequence(qkv, out, where, head_counts, head_dim, bias, max_len, key_columns
     else:
         keys = copied_keys(qkv, start, length, k_column, key_columns, head_dim, nr, lanes)
         values = copied_values(qkv, start, length, v_column, key_columns, head_dim)
-    with T.serial(0, (length + mr - 1) // mr) as t:
+    # (this task's share of the query tiles: all, or one of ``parts`` runs of them)
+    query_tiles = (length + mr - 1) // mr
+    first_query_tile, end_query_tile = 0, query_tiles
+    if parts > 1:
+        per_part = (query_tiles + parts - 1) // parts
+        first_query_tile, end_query_tile = computed_once(
+            part * per_part, tirx.max(tirx.min(query_tiles, part * per_part + per_part), part * per_part))
+    with T.serial(first_query_tile, end_query_tile) as t:
         i0 = tirx.max(tirx.min(t * mr, length - mr), 0)
         rows = tirx.min(length, mr)
         with T.unroll(0, mr) as ii:
