@@ -61,6 +61,16 @@ def task_digest(task: AttentionTask) -> str:
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 
+def tiles_job(task: AttentionTask, target: dict, cores: int, tiles: list, lengths: list[int], timing: TimingPolicy,
+              precision: str = "fp32") -> dict:
+    """The measurement process's job: ``tiles`` built into each of ``task``'s kernels, timed at
+    ``lengths``."""
+    return {"heads": task.heads, "head_dim": task.head_dim, "max_len": task.max_len, "target": target,
+            "threads": cores, "kv_heads": task.kv_heads, "kernels": [dataclasses.asdict(k) for k in task.kernels],
+            "tiles": [tile.to_dict() for tile in tiles], "lengths": list(lengths),
+            "timing": dataclasses.asdict(timing), "precision": precision}
+
+
 def measure_tiles(job: dict, timeout_s: float) -> list[dict]:
     """``tuner.measure.attention`` run on ``job`` in a process of its own."""
     command = [sys.executable, "-m", "tuner.measure.attention"]
@@ -85,11 +95,7 @@ def tune_attention(task: AttentionTask, target: dict, hardware: CpuHardware, cor
         if not tiles:
             raise PlanError(f"no attention tile runs bf16 products for head_dim {task.head_dim} on {hardware.name}")
     groups = length_groups(task)
-    job = {"heads": task.heads, "head_dim": task.head_dim, "max_len": task.max_len, "target": target,
-           "threads": cores, "kv_heads": task.kv_heads, "kernels": [dataclasses.asdict(k) for k in task.kernels],
-           "tiles": [tile.to_dict() for tile in tiles],
-           "lengths": [timed for _, timed, _ in groups],
-           "timing": dataclasses.asdict(timing), "precision": precision}
+    job = tiles_job(task, target, cores, tiles, [timed for _, timed, _ in groups], timing, precision)
     results = measure_tiles(job, timeout_s)
     timed = [(tile, result["latencies"]) for tile, result in zip(tiles, results, strict=True) if "latencies" in result]
     for tile, result in zip(tiles, results, strict=True):

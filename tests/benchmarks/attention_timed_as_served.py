@@ -30,7 +30,7 @@ from dietserve.kernels.cpu_varlen.tile import attention_tiles  # noqa: E402
 from dietserve.kernels.plan.decision_tree import segment  # noqa: E402
 from dietserve.kernels.plan.task_file import AttentionTask  # noqa: E402
 from dietserve.model.config import BertConfig  # noqa: E402
-from tuner.attention import MAX_TILES, length_groups, measure_tiles  # noqa: E402
+from tuner.attention import MAX_TILES, length_groups, measure_tiles, tiles_job  # noqa: E402
 from tuner.measure.timing import TimingPolicy  # noqa: E402
 
 
@@ -50,11 +50,10 @@ def main() -> None:
     print(f"kernels {[dataclasses.asdict(k) for k in served.kernels]}, kv_heads {served.kv_heads}, "
           f"{len(tiles)} tiles, timed at lengths {[timed for _, timed, _ in groups]}", flush=True)
 
+    target = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores}
+
     def timed(task: AttentionTask) -> np.ndarray:
-        job = {"heads": task.heads, "head_dim": task.head_dim, "max_len": args.max_len, "threads": cores,
-               "target": {"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores}, "kv_heads": task.kv_heads,
-               "kernels": [dataclasses.asdict(k) for k in task.kernels], "tiles": [t.to_dict() for t in tiles],
-               "lengths": [length for _, length, _ in groups], "timing": dataclasses.asdict(TimingPolicy())}
+        job = tiles_job(task, target, cores, tiles, [length for _, length, _ in groups], TimingPolicy())
         return np.array([result["latencies"] for result in measure_tiles(job, 3600)])
 
     rounds = [{"plain": timed(plain), "served": timed(served)} for _ in range(max(2, args.rounds))]

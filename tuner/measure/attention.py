@@ -97,22 +97,22 @@ def measure_tiles(job: dict) -> list[dict]:
     biases = [bias_table(kernel, heads, max_len) for kernel in kernels]
     check = [min(length, max_len) for length in CHECK_LENGTHS]
     qkv, starts = _arrays(check, width, seed=0)
+    expected = [numpy_attention(qkv, starts, heads, head_dim, kv_heads, bias) for bias in biases]  # (per kernel)
+    parts = query_parts_for(heads, job.get("threads"))
     precision = job.get("precision", "fp32")
     tolerance = BF16_CHECK_TOLERANCE if precision == "bf16" else CHECK_TOLERANCE
     results, modules = [], {}
     for index, raw in enumerate(job["tiles"]):
         try:
             tile, built = VarlenTile(**raw), []
-            for kernel, bias in zip(kernels, biases, strict=True):
+            for kernel, bias, right in zip(kernels, biases, expected, strict=True):
                 masking = {name: kernel[name] for name in ("relative_bias", "window", "causal")}
                 func = varlen_attention(heads, head_dim, max_len, tile, precision=precision, kv_heads=kv_heads,
-                                        query_parts=query_parts_for(heads, job.get("threads")),
-                                        **masking).with_attr("global_symbol", "main")
+                                        query_parts=parts, **masking).with_attr("global_symbol", "main")
                 module = build(tvm.IRModule({"main": func}), target).jit()
-                expected = numpy_attention(qkv, starts, heads, head_dim, kv_heads, bias)
-                out = tensor(np.full(expected.shape, np.nan, np.float32))
+                out = tensor(np.full(right.shape, np.nan, np.float32))
                 module["main"](tensor(qkv), tensor(starts), *([] if bias is None else [tensor(bias)]), out)
-                error = np.abs(out.numpy() - expected).max() / np.abs(expected).max()
+                error = np.abs(out.numpy() - right).max() / np.abs(right).max()
                 if not error < tolerance:
                     raise ValueError(f"wrong result on lengths {check} ({masking}): {error:.3g} of the largest output")
                 built.append(module)

@@ -34,3 +34,14 @@ def replace_op_pass(name: str, op_name: str, replacement: Replacement) -> tvm.tr
         return rewriter.builder_.get()
 
     return rewrite
+
+
+def float32_te_replacement(te_function, name: str) -> Replacement:
+    """A replacement computing a float32 call's one argument by ``te_function`` (a PrimFunc named
+    ``name``); calls of other dtypes are kept."""
+    def replace(builder: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+        if call.args[0].ty.dtype != "float32":
+            return None
+        return builder.call_te(te_function, call.args[0], primfunc_name_hint=name)
+
+    return replace

@@ -12,7 +12,7 @@ import tvm
 from tvm import te
 
 from ...kernels.tir.fast_exp import fast_exp
-from .replace_op import replace_op_pass
+from .replace_op import float32_te_replacement, replace_op_pass
 
 _TANH_SCALE = math.sqrt(2.0 / math.pi)  # transformers' and PyTorch's constants
 _TANH_CUBIC = 0.044715
@@ -36,18 +36,9 @@ def _gelu_tanh_te(x: te.Tensor) -> te.Tensor:
     return te.compute(x.shape, gelu, name="gelu_tanh")
 
 
-def _float32_only(te_function, name: str):
-    def replace(builder, call):
-        if call.args[0].ty.dtype != "float32":
-            return None
-        return builder.call_te(te_function, call.args[0], primfunc_name_hint=name)
-
-    return replace
-
-
 def VectorSilu() -> tvm.transform.Pass:  # noqa: N802 - named like the passes it sits among
-    return replace_op_pass("VectorSilu", "relax.nn.silu", _float32_only(_silu_te, "silu"))
+    return replace_op_pass("VectorSilu", "relax.nn.silu", float32_te_replacement(_silu_te, "silu"))
 
 
 def VectorGeluTanh() -> tvm.transform.Pass:  # noqa: N802 - named like the passes it sits among
-    return replace_op_pass("VectorGeluTanh", "relax.nn.gelu_tanh", _float32_only(_gelu_tanh_te, "gelu_tanh"))
+    return replace_op_pass("VectorGeluTanh", "relax.nn.gelu_tanh", float32_te_replacement(_gelu_tanh_te, "gelu_tanh"))

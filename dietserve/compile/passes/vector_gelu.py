@@ -7,18 +7,12 @@ import tvm
 from tvm import te
 
 from ...kernels.tir.gelu import gelu_expr
-from .replace_op import replace_op_pass
+from .replace_op import float32_te_replacement, replace_op_pass
 
 
 def _gelu_te(x: te.Tensor) -> te.Tensor:
     return te.compute(x.shape, lambda *index: gelu_expr(x(*index)), name="gelu")
 
 
-def _vector_gelu(builder, call):
-    if call.args[0].ty.dtype != "float32":
-        return None
-    return builder.call_te(_gelu_te, call.args[0], primfunc_name_hint="gelu")
-
-
 def VectorGelu() -> tvm.transform.Pass:  # noqa: N802 - named like the passes it sits among
-    return replace_op_pass("VectorGelu", "relax.nn.gelu", _vector_gelu)
+    return replace_op_pass("VectorGelu", "relax.nn.gelu", float32_te_replacement(_gelu_te, "gelu"))
