@@ -27,7 +27,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import SLIDING_ATTENTION, BertConfig
+from .config import NOMIC_BERT, SLIDING_ATTENTION, BertConfig
 from .decoders import DecoderEmbeddings, DecoderEncoder
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 from .layers import (
@@ -40,22 +40,26 @@ from .layers import (
     bias_by_distance,
 )
 from .modernbert import ModernBertEmbeddings, ModernBertEncoder, ModernBertPredictionHead
+from .nomic_bert import NomicBertEncoder
 
 
 class BertEmbeddings(nn.Module):
+    """Words, token types and positions summed, then LayerNorm; no position table where the
+    layers rotate by position (NomicBERT)."""
+
     def __init__(self, cfg: BertConfig):
         self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = Embedding(cfg.max_length, cfg.hidden_size)  # (RoBERTa: rows past its offset)
+        # (RoBERTa: rows past its offset)
+        self.position_embeddings = None if cfg.rotary else Embedding(cfg.max_length, cfg.hidden_size)
         self.token_type_embeddings = Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, input_ids: nn.Tensor, token_type_ids: nn.Tensor, position_ids: nn.Tensor) -> nn.Tensor:
         """``[batch, seq]`` ids with ``[seq]`` positions (they broadcast over the batch without
         materialising it), or packed ``[T]`` ids and positions; ``[rows, hidden]`` out."""
-        words = self.word_embeddings(input_ids)
-        positions = self.position_embeddings(position_ids)
-        types = self.token_type_embeddings(token_type_ids)
-        summed = words + types + positions
+        summed = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            summed = summed + self.position_embeddings(position_ids)
         if len(input_ids.shape) == 1:
             return self.LayerNorm(summed)
         batch, seq = input_ids.shape
@@ -165,6 +169,8 @@ class BertModel(nn.Module):
         self.classifier_options = classifier
         if cfg.decoder_layers:
             self.embeddings, self.encoder = DecoderEmbeddings(cfg), DecoderEncoder(cfg)
+        elif cfg.model_type == NOMIC_BERT:
+            self.embeddings, self.encoder = BertEmbeddings(cfg), NomicBertEncoder(cfg)
         elif cfg.rotary:
             self.embeddings, self.encoder = ModernBertEmbeddings(cfg), ModernBertEncoder(cfg)
         else:

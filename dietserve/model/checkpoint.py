@@ -104,10 +104,12 @@ class Checkpoint:
         _weight_files(folder)
         raw = json.loads((folder / "config.json").read_text())
         architectures = raw.get("architectures") or []
-        if config.decoder_layers and any(name.endswith("ForSequenceClassification") for name in architectures):
-            raise CheckpointError(f"{folder}: a {config.model_type} sequence classifier is not supported (a "
-                                  f"{config.model_type} checkpoint compiles as an embedder, as Qwen3-Embedding "
-                                  "and EmbeddingGemma)")
+        unknown = [name for name in architectures if name.endswith("ForSequenceClassification")
+                   and name not in CLASSIFICATION_ARCHITECTURES]
+        if unknown:  # (read as an embedder, its head would be left out unsaid)
+            raise CheckpointError(f"{folder}: a {config.model_type} sequence classifier ({unknown[0]}) is not "
+                                  f"supported: a {config.model_type} checkpoint compiles as an embedder; sequence "
+                                  f"classifiers compile from {', '.join(CLASSIFICATION_ARCHITECTURES)}")
         if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
             return cls(folder, config, classifier=read_classifier(raw, folder))
         return cls(folder, config, read_pooling_options(folder, config.hidden_size))

@@ -5,9 +5,11 @@ numbering, no token types, and a bias on attention scores by relative position),
 (no position table: rotary positions; pre-LayerNorm layers, a gated GELU, no biases, and attention
 within a window of nearby tokens in two layers of three), Qwen3, the decoder Qwen3-Embedding
 is (rotary positions, causal attention, RMSNorm, a gated SiLU, key and value heads shared by
-groups of query heads), and Gemma3's text model as EmbeddingGemma runs it (Qwen3's layers with
+groups of query heads), Gemma3's text model as EmbeddingGemma runs it (Qwen3's layers with
 bidirectional attention, sliding windows in most layers, a norm after each block too, and a
-gated tanh GELU)."""
+gated tanh GELU), and NomicBERT (nomic-embed-text: BERT's post-LayerNorm layers with rotary
+positions, a gated SiLU and no biases; its config in transformers' keys or in the original
+GPT-2-style ones)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3 = "distilbert", "mpnet", "modernbert", "qwen3", "gemma3_text"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3)
+NOMIC_BERT = "nomic_bert"
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
@@ -54,6 +57,15 @@ _GEMMA3_KEYS = {**_QWEN3_KEYS, "vocab_size": ("vocab_size", 262_208), "hidden_si
                     "max_position_embeddings", 131_072), "head_dim": ("attention_head_dim", 256),
                 "hidden_activation": ("hidden_act", "gelu_pytorch_tanh")}
 _GEMMA3_THETAS = {FULL_ATTENTION: ("rope_theta", 1_000_000.0), SLIDING_ATTENTION: ("rope_local_base_freq", 10_000.0)}
+# NomicBERT's original (GPT-2-style) config keys -> transformers' NomicBertConfig keys, with its defaults.
+_NOMIC_KEYS = {"n_embd": ("hidden_size", 768), "n_layer": ("num_hidden_layers", 12),
+               "n_head": ("num_attention_heads", 12), "n_inner": ("intermediate_size", 3072),
+               "layer_norm_epsilon": ("layer_norm_eps", 1e-12), "vocab_size": ("vocab_size", 30528),
+               "type_vocab_size": ("type_vocab_size", 2)}
+# The original config's options that change the arithmetic, with the only values we compile.
+_NOMIC_FIXED = {"prenorm": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+                "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "moe_every_n_layers": 0,
+                "activation_function": "swiglu"}
 
 
 class ModelConfigError(ValueError):
@@ -174,8 +186,9 @@ class BertConfig:
 
     @property
     def rotary(self) -> bool:
-        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3), not by a table of embeddings."""
-        return self.model_type in (MODERNBERT, QWEN3, GEMMA3)
+        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3, NomicBERT), not by a
+        table of embeddings."""
+        return self.model_type in (MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT)
 
     @property
     def decoder_layers(self) -> bool:
@@ -218,6 +231,8 @@ class BertConfig:
             raw = _qwen3(raw)
         elif raw.get("model_type") == GEMMA3:
             raw = _gemma3(raw)
+        elif raw.get("model_type") == NOMIC_BERT:
+            raw = _nomic_bert(raw)
         known = {name for name in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in raw.items() if k in known}
         if kwargs.get("pad_token_id") is None:  # transformers' default for the model type
@@ -308,6 +323,42 @@ def _gemma3(raw: dict) -> dict:
             "sliding_window": int(raw.get("sliding_window") or 4096) // 2, "norm_bias": False,
             "linear_bias": bool(raw.get("attention_bias", False)),
             "query_pre_attn_scalar": int(raw.get("query_pre_attn_scalar") or 256)}
+
+
+def _nomic_bert(raw: dict) -> dict:
+    """NomicBERT's config in our keys, from transformers' keys (``hidden_size``, ``rope_parameters``)
+    or the original ones (``n_embd``, ``rotary_emb_base``, ...; nomic-embed-text's on the Hub). Of
+    the original options only what nomic-embed-text-v1 and v1.5 set compiles; the rest is refused
+    by name. With ``rotary_scaling_factor`` the rotation past ``max_trained_positions`` depends on
+    the batch's longest text (dynamic NTK): the positions end there."""
+    original = "n_embd" in raw
+    if original:
+        for key, wanted in _NOMIC_FIXED.items():
+            if raw.get(key) not in (None, wanted):
+                raise ModelConfigError(f"{key}={raw[key]!r} is not supported for nomic_bert (only {wanted!r})")
+        raw = {**raw, **{ours: raw.get(theirs, default) for theirs, (ours, default) in _NOMIC_KEYS.items()},
+               "hidden_act": "silu", "rope_parameters": {"rope_type": "default",
+                                                         "rope_theta": raw.get("rotary_emb_base", 1000.0)}}
+        longest = raw.get("max_trained_positions", 2048) if raw.get("rotary_scaling_factor") else raw.get(
+            "n_positions", 2048)
+    else:
+        longest = raw.get("max_position_embeddings", 2048)
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+        raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
+                               "'default'")
+    return {"vocab_size": 30528, "type_vocab_size": 2, "hidden_act": "silu", "pad_token_id": 0, **raw,
+            "max_position_embeddings": int(longest), "layer_types": (FULL_ATTENTION,) * int(
+                raw.get("num_hidden_layers", 12)),
+            "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 1000.0)))),),
+            "attention_head_dim": _own_head_dim(raw), "linear_bias": False}
+
+
+def _own_head_dim(raw: dict) -> int:
+    """``head_dim`` where it is not hidden_size / heads (0: it is)."""
+    width, heads = int(raw.get("hidden_size", 768)), int(raw.get("num_attention_heads", 12))
+    own = int(raw.get("head_dim") or 0)
+    return own if own and own * heads != width else 0
 
 
 # BERT-base as in DietCode's experiments; used with seeded random weights for benchmarks.

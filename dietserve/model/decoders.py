@@ -54,25 +54,32 @@ class DecoderEmbeddings(nn.Module):
 
 
 class DecoderAttention(nn.Module):
+    """The query, key and value projections as one, each head's queries and keys RMS-normed (a
+    decoder's; NomicBERT's are not), rotated, attended, projected out."""
+
     def __init__(self, cfg: BertConfig):
         self.heads, self.head_dim, self.kv_heads = cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
         self.qkv = TransposedLinear(cfg.hidden_size, cfg.projection_width, parts=("q_proj", "k_proj", "v_proj"))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+        self.q_norm = self.k_norm = None
+        if cfg.decoder_layers:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
         self.o_proj = TransposedLinear(cfg.attention_width, cfg.hidden_size)
 
     def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
         cos, sin, batch = rotary
         qkv = self.qkv(hidden)
         heads, shared = self.heads, self.kv_heads
-        parts = op.reshape(qkv, (qkv.shape[0], heads + 2 * shared, self.head_dim))
+        if self.q_norm is not None:
+            parts = op.reshape(qkv, (qkv.shape[0], heads + 2 * shared, self.head_dim))
 
-        def part(begin: int, end: int) -> nn.Tensor:
-            return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [begin], [end]), "qkv_part")
+            def part(begin: int, end: int) -> nn.Tensor:
+                return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [begin], [end]), "qkv_part")
 
-        normed = op.concat([self.q_norm(part(0, heads)), self.k_norm(part(heads, heads + shared)),
-                            part(heads + shared, heads + 2 * shared)], dim=1)
-        qkv = rotated(op.reshape(normed, qkv.shape), cos, sin, heads, self.head_dim, batch, shared)
+            normed = op.concat([self.q_norm(part(0, heads)), self.k_norm(part(heads, heads + shared)),
+                                part(heads + shared, heads + 2 * shared)], dim=1)
+            qkv = op.reshape(normed, qkv.shape)
+        qkv = rotated(qkv, cos, sin, heads, self.head_dim, batch, shared)
         return self.o_proj(attention(qkv, heads, self.head_dim, shared))
 
 

@@ -14,6 +14,7 @@ from .config import (
     MODERNBERT,
     MPNET,
     MPNET_MAX_DISTANCE,
+    NOMIC_BERT,
     ROBERTA_TYPES,
     SLIDING_ATTENTION,
     BertConfig,
@@ -21,7 +22,7 @@ from .config import (
 from .modernbert import rotary_tables, window_bias
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
-_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
+_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.", "nomic_bert.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 # Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
@@ -41,6 +42,13 @@ _MPNET_NAMES = (
     (".attention.LayerNorm.", ".attention.output.LayerNorm."), *_ROBERTA_NAMES,
 )
 _MODERNBERT_NAMES = (("layers.", "encoder.layers."), ("final_norm.", "encoder.final_norm."))
+# NomicBERT's original checkpoints (nomic-embed-text's, and transformers' saved files) -> our
+# names, as transformers' conversion reads them (fc11 is the up projection, fc12 the gate); the
+# fused ``attn.Wqkv`` is split.
+_NOMIC_ORIGINAL_NAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc11.", ".mlp.up_proj."),
+                         (".mlp.fc12.", ".mlp.gate_proj."), (".mlp.fc2.", ".mlp.down_proj."),
+                         (".norm1.", ".post_attention_layernorm."), (".norm2.", ".post_mlp_layernorm."),
+                         ("emb_ln.", "embeddings.LayerNorm."))
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
@@ -65,6 +73,8 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
         tensors.update(rotary_family_tables(config))
     if config.decoder_layers:
         tensors = _decoder_tensors(config, tensors)
+    if config.model_type == NOMIC_BERT:
+        tensors = _nomic_tensors(tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
     if config.model_type in (DISTILBERT, MPNET):
@@ -116,6 +126,24 @@ def _decoder_tensors(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict
             tensors = {name: tensor * scale if name.endswith("q_norm.weight") else tensor
                        for name, tensor in tensors.items()}
     return {ours(name): tensor for name, tensor in tensors.items()}
+
+
+def _nomic_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """NomicBERT's tensors under our module names (``nomic_bert.py``): transformers' module names
+    (``layers.N.self_attn.q_proj``) under ``encoder.``, the original names renamed
+    (``_NOMIC_ORIGINAL_NAMES``), a fused ``attn.Wqkv`` ``[3 * width, hidden]`` split into the
+    query's, key's and value's."""
+    ours = {}
+    for name, tensor in tensors.items():
+        name = "encoder." + name if name.startswith("layers.") else name
+        for theirs, mine in _NOMIC_ORIGINAL_NAMES:
+            name = name.replace(theirs, mine, 1)
+        if ".attn.Wqkv." in name:
+            for part, third in zip(("q_proj", "k_proj", "v_proj"), np.split(tensor, 3, axis=0), strict=True):
+                ours[name.replace(".attn.Wqkv.", f".self_attn.{part}.")] = third
+        else:
+            ours[name] = tensor
+    return ours
 
 
 def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:

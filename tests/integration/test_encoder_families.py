@@ -304,10 +304,12 @@ def mpnet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _embedder_matches(folder: Path, model_class, length: int, layout: str, cache_dir: Path):
+def _embedder_matches(folder: Path, model_class, length: int, layout: str, cache_dir: Path,
+                      reference_folder: Path | None = None):
     """``folder``'s embedder compiled in ``layout`` against transformers' ``model_class`` (every
     attended token's state, the texts tokenized alike up to ``length``) and sentence-transformers
-    (the sentence embedding); returns transformers' model."""
+    (the sentence embedding), both reading ``reference_folder`` (default ``folder``); returns
+    transformers' model."""
     import torch
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
@@ -317,6 +319,7 @@ def _embedder_matches(folder: Path, model_class, length: int, layout: str, cache
     assert embedder.engine.max_seq_len == length and embedder.engine.packed == (layout == "packed")
     encoded = embedder.tokenizer.encode(TEXTS)
     assert encoded.input_ids.shape[1] == length
+    folder = reference_folder or folder
     reference = model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
     expected_ids = AutoTokenizer.from_pretrained(str(folder))(
         TEXTS, padding=True, truncation=True, max_length=length, return_tensors="pt")

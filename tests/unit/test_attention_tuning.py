@@ -143,6 +143,8 @@ SERVED = {
     "gemma3": (lambda: __import__("transformers").Gemma3TextConfig(
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
         use_bidirectional_attention=True), (4, 1, [(1, False, None, False), (5, True, 256, False)])),
+    "nomic_bert": (lambda: __import__("transformers").NomicBertConfig(num_hidden_layers=3),
+                   (12, 12, [(3, False, None, False)])),
 }
 
 

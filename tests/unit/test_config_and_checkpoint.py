@@ -98,6 +98,30 @@ def test_modernbert_config_reads_either_format() -> None:
                                            "relative_attention_num_buckets"}
 
 
+# nomic-embed-text-v1.5's config.json as on the Hub: the original GPT-2-style keys (the options
+# that do not change the arithmetic left out)
+NOMIC_EMBED_V15 = {"model_type": "nomic_bert", "activation_function": "swiglu", "n_embd": 768, "n_head": 12,
+                   "n_inner": 3072, "n_layer": 12, "n_positions": 8192, "max_trained_positions": 2048,
+                   "layer_norm_epsilon": 1e-12, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "prenorm": False,
+                   "qkv_proj_bias": False, "rotary_emb_base": 1000, "rotary_emb_fraction": 1.0,
+                   "rotary_emb_interleaved": False, "rotary_scaling_factor": None, "type_vocab_size": 2,
+                   "vocab_size": 30528, "pad_vocab_size_multiple": 64, "causal": False}
+
+
+def test_nomic_bert_config_reads_either_format() -> None:
+    """The original keys read as transformers' NomicBertConfig with the same sizes; with a rotary
+    scaling factor (dynamic NTK past the trained length) the positions end at the trained length."""
+    from transformers import NomicBertConfig
+
+    ours = BertConfig.from_dict(NOMIC_EMBED_V15)
+    assert ours == BertConfig.from_dict(json.loads(NomicBertConfig(max_position_embeddings=8192).to_json_string()))
+    assert (ours.hidden_act, ours.max_length, dict(ours.rope_thetas), ours.type_vocab_size) == (
+        "silu", 8192, {"full_attention": 1000.0}, 2)
+    assert ours.rotary and not ours.score_bias and not ours.linear_bias and ours.norm_bias
+    scaled = BertConfig.from_dict({**NOMIC_EMBED_V15, "rotary_scaling_factor": 2.0})
+    assert scaled.max_length == 2048
+
+
 def test_modernbert_rotary_tables_are_transformers() -> None:
     """cos and sin at every position of both layer kinds against transformers' rotary embedding."""
     import torch

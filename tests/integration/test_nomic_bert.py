@@ -1,0 +1,118 @@
+"""NomicBERT (nomic-embed-text's encoder), randomly initialised and saved by transformers under
+sentence-transformers' mean pooling and Normalize: BERT's post-LayerNorm layers with rotary
+positions, a gated SiLU and no linear biases. transformers saves its weights under the original
+checkpoints' names (nomic-embed-text's on the Hub: a fused ``attn.Wqkv``, ``mlp.fc11``/``fc12``/
+``fc2``, ``norm1``/``norm2``, ``emb_ln``). It compiles in both layouts from transformers' config,
+from the original checkpoints' config keys (GPT-2-style: ``n_embd``, ``rotary_emb_base``, ...)
+and from weights under transformers' module names, and answers as transformers and
+sentence-transformers do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dietserve.model.checkpoint import Checkpoint, CheckpointError
+
+from .test_encoder_families import MAX_LENGTH, _embedder_matches, _tokenizer_folder
+
+
+@pytest.fixture(scope="module")
+def nomic_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, NomicBertConfig, NomicBertModel
+
+    encoder = _tokenizer_folder(tmp_path_factory.mktemp("nomic-encoder"))
+    config = NomicBertConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(encoder))), hidden_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                             max_position_embeddings=MAX_LENGTH, pad_token_id=1, initializer_range=0.1,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    torch.manual_seed(37)
+    model = NomicBertModel(config).eval()
+    with torch.no_grad():  # (LayerNorms start at one and zero: vary them, so that a norm left out shows)
+        for name, parameter in model.named_parameters():
+            if "LayerNorm" in name or "layernorm" in name:
+                parameter.uniform_(-0.5, 1.5)
+    model.save_pretrained(str(encoder))
+    transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "nomic-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(64, "mean"), models.Normalize()],
+                        device="cpu").save(str(folder))
+    return folder
+
+
+def _as_original(folder: Path, out: Path) -> Path:
+    """``folder`` with the original checkpoints' config keys (its weights transformers saves
+    under the original names already: ``attn.Wqkv``, ``mlp.fc11``, ``norm1``, ``emb_ln``, ...)."""
+    shutil.copytree(folder, out)
+    raw = json.loads((folder / "config.json").read_text())
+    original = {"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "n_embd": raw["hidden_size"],
+                "n_head": raw["num_attention_heads"], "n_layer": raw["num_hidden_layers"],
+                "n_inner": raw["intermediate_size"], "n_positions": raw["max_position_embeddings"],
+                "layer_norm_epsilon": raw["layer_norm_eps"], "vocab_size": raw["vocab_size"],
+                "type_vocab_size": raw["type_vocab_size"], "rotary_emb_base": raw["rope_parameters"]["rope_theta"],
+                "activation_function": "swiglu", "prenorm": False, "rotary_emb_fraction": 1.0,
+                "rotary_emb_interleaved": False, "rotary_scaling_factor": None, "max_trained_positions": 2048,
+                "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "causal": False,
+                "pad_token_id": raw["pad_token_id"]}
+    (out / "config.json").write_text(json.dumps(original))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_nomic_bert_matches_transformers_and_sentence_transformers(nomic_folder: Path, cache_dir: Path,
+                                                                    layout: str) -> None:
+    from transformers import NomicBertModel
+
+    reference = _embedder_matches(nomic_folder, NomicBertModel, MAX_LENGTH, layout, cache_dir)
+    assert reference.config.hidden_act == "silu" and not reference.layers[0].self_attn.q_proj.bias
+
+
+def test_an_original_nomic_config_matches_transformers(nomic_folder: Path, tmp_path: Path, cache_dir: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import NomicBertModel
+
+    assert "encoder.layers.0.attn.Wqkv.weight" in load_file(str(nomic_folder / "model.safetensors"))
+    original = _as_original(nomic_folder, tmp_path / "original")
+    assert Checkpoint.open(original).config == Checkpoint.open(nomic_folder).config
+    _embedder_matches(original, NomicBertModel, MAX_LENGTH, "packed", cache_dir, reference_folder=nomic_folder)
+
+
+def test_weights_under_transformers_module_names_load_alike(nomic_folder: Path, tmp_path: Path,
+                                                            cache_dir: Path) -> None:
+    """transformers holds NomicBERT's weights under its own module names (``layers.N.self_attn.q_proj``)
+    and saves them under the original ones; a file written from its state dict holds the former."""
+    from safetensors.torch import save_file
+    from transformers import NomicBertModel
+
+    folder = tmp_path / "module-names"
+    shutil.copytree(nomic_folder, folder)
+    state = NomicBertModel.from_pretrained(str(nomic_folder)).state_dict()
+    assert "layers.0.self_attn.q_proj.weight" in state
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(folder / "model.safetensors"))
+    _embedder_matches(folder, NomicBertModel, MAX_LENGTH, "packed", cache_dir, reference_folder=nomic_folder)
+
+
+@pytest.mark.parametrize("key,value", [("prenorm", True), ("rotary_emb_interleaved", True),
+                                       ("rotary_emb_fraction", 0.5), ("qkv_proj_bias", True),
+                                       ("moe_every_n_layers", 2), ("activation_function", "gelu")])
+def test_original_options_we_do_not_compile_are_refused_by_name(nomic_folder: Path, tmp_path: Path, key: str,
+                                                                value) -> None:
+    original = _as_original(nomic_folder, tmp_path / "original")
+    raw = json.loads((original / "config.json").read_text())
+    (original / "config.json").write_text(json.dumps({**raw, key: value}))
+    with pytest.raises(CheckpointError, match=f"{key}={value!r} is not supported for nomic_bert"):
+        Checkpoint.open(original)
+
+
+def test_a_nomic_sequence_classifier_is_refused_by_name(nomic_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "classifier"
+    shutil.copytree(nomic_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["NomicBertForSequenceClassification"]}))
+    with pytest.raises(CheckpointError, match=r"a nomic_bert sequence classifier \(NomicBertForSequenceClass"):
+        Checkpoint.open(folder)
