@@ -27,7 +27,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import NOMIC_BERT, SLIDING_ATTENTION, BertConfig
+from .config import SLIDING_ATTENTION, BertConfig
 from .decoders import DecoderEmbeddings, DecoderEncoder
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 from .layers import (
@@ -40,12 +40,12 @@ from .layers import (
     bias_by_distance,
 )
 from .modernbert import ModernBertEmbeddings, ModernBertEncoder, ModernBertPredictionHead
-from .nomic_bert import NomicBertEncoder
+from .rotary_bert import RotaryBertEncoder
 
 
 class BertEmbeddings(nn.Module):
     """Words, token types and positions summed, then LayerNorm; no position table where the
-    layers rotate by position (NomicBERT)."""
+    layers rotate by position (NomicBERT, GTE)."""
 
     def __init__(self, cfg: BertConfig):
         self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -169,8 +169,8 @@ class BertModel(nn.Module):
         self.classifier_options = classifier
         if cfg.decoder_layers:
             self.embeddings, self.encoder = DecoderEmbeddings(cfg), DecoderEncoder(cfg)
-        elif cfg.model_type == NOMIC_BERT:
-            self.embeddings, self.encoder = BertEmbeddings(cfg), NomicBertEncoder(cfg)
+        elif cfg.post_norm_rotary:
+            self.embeddings, self.encoder = BertEmbeddings(cfg), RotaryBertEncoder(cfg)
         elif cfg.rotary:
             self.embeddings, self.encoder = ModernBertEmbeddings(cfg), ModernBertEncoder(cfg)
         else:

@@ -7,9 +7,10 @@ within a window of nearby tokens in two layers of three), Qwen3, the decoder Qwe
 is (rotary positions, causal attention, RMSNorm, a gated SiLU, key and value heads shared by
 groups of query heads), Gemma3's text model as EmbeddingGemma runs it (Qwen3's layers with
 bidirectional attention, sliding windows in most layers, a norm after each block too, and a
-gated tanh GELU), and NomicBERT (nomic-embed-text: BERT's post-LayerNorm layers with rotary
+gated tanh GELU), NomicBERT (nomic-embed-text: BERT's post-LayerNorm layers with rotary
 positions, a gated SiLU and no biases; its config in transformers' keys or in the original
-GPT-2-style ones)."""
+GPT-2-style ones) and GTE (the same layers with biases and a gated GELU; ``gte``, or the original
+checkpoints' ``new``)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3 = "distilbert", "mpnet", "modernbert", "qwen3", "gemma3_text"
-NOMIC_BERT = "nomic_bert"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT)
+NOMIC_BERT, GTE = "nomic_bert", "gte"
+GTE_ORIGINAL = "new"  # the model_type of GTE's original checkpoints (Alibaba-NLP's custom code)
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT, GTE)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
@@ -66,6 +68,9 @@ _NOMIC_KEYS = {"n_embd": ("hidden_size", 768), "n_layer": ("num_hidden_layers", 
 _NOMIC_FIXED = {"prenorm": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
                 "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "moe_every_n_layers": 0,
                 "activation_function": "swiglu"}
+# GTE's original config's options that change the arithmetic, with the only values we compile.
+_GTE_FIXED = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm", "logn_attention_scale": False,
+              "logn_attention_clip1": False, "pack_qkv": True, "rope_scaling": None}
 
 
 class ModelConfigError(ValueError):
@@ -186,9 +191,14 @@ class BertConfig:
 
     @property
     def rotary(self) -> bool:
-        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3, NomicBERT), not by a
-        table of embeddings."""
-        return self.model_type in (MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT)
+        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3, NomicBERT, GTE), not by
+        a table of embeddings."""
+        return self.model_type in (MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT, GTE)
+
+    @property
+    def post_norm_rotary(self) -> bool:
+        """BERT's post-LayerNorm layers with rotary attention and a gated MLP (NomicBERT, GTE)."""
+        return self.model_type in (NOMIC_BERT, GTE)
 
     @property
     def decoder_layers(self) -> bool:
@@ -215,6 +225,8 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> BertConfig:
+        if raw.get("model_type") in (GTE, GTE_ORIGINAL):
+            raw = _gte(raw)
         position_kind = raw.get("position_embedding_type", "absolute")
         if position_kind != "absolute":
             raise ModelConfigError(
@@ -352,6 +364,29 @@ def _nomic_bert(raw: dict) -> dict:
                 raw.get("num_hidden_layers", 12)),
             "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 1000.0)))),),
             "attention_head_dim": _own_head_dim(raw), "linear_bias": False}
+
+
+def _gte(raw: dict) -> dict:
+    """GTE's config in our keys, from transformers' (``gte``, ``rope_parameters``) or the original
+    checkpoints' (``new``: BERT's keys with ``rope_theta`` and options of its own, of which only
+    what the released models set compiles; ``rope_scaling``, gte-*-en-v1.5's NTK-scaled rotation,
+    is refused by name). No token types (``type_vocab_size`` 0, gte-base-en-v1.5's) read as one
+    type whose embedding is zero."""
+    if raw.get("model_type") == GTE_ORIGINAL:
+        for key, wanted in _GTE_FIXED.items():
+            if raw.get(key, wanted) != wanted:
+                raise ModelConfigError(f"{key}={raw[key]!r} is not supported for GTE (model_type 'new'; only "
+                                       f"{wanted!r})")
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
+                               "'default'")
+    raw = {"vocab_size": 250048, "hidden_act": "gelu", "max_position_embeddings": 8192, "pad_token_id": 1,
+           **{key: value for key, value in raw.items() if key != "position_embedding_type"}, "model_type": GTE}
+    return {**raw, "type_vocab_size": max(1, int(raw.get("type_vocab_size", 1))),
+            "layer_types": (FULL_ATTENTION,) * int(raw.get("num_hidden_layers", 12)),
+            "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 160_000.0)))),),
+            "attention_head_dim": _own_head_dim(raw)}
 
 
 def _own_head_dim(raw: dict) -> int:

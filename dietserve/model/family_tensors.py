@@ -11,10 +11,10 @@ import numpy as np
 from .config import (
     DISTILBERT,
     GEMMA3,
+    GTE,
     MODERNBERT,
     MPNET,
     MPNET_MAX_DISTANCE,
-    NOMIC_BERT,
     ROBERTA_TYPES,
     SLIDING_ATTENTION,
     BertConfig,
@@ -22,7 +22,7 @@ from .config import (
 from .modernbert import rotary_tables, window_bias
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
-_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.", "nomic_bert.")
+_ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.", "nomic_bert.", "gte.", "new.")
 # Pre-2019 checkpoints name LayerNorm parameters gamma/beta.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 # Another family's tensor names (prefix stripped) -> BERT's. RoBERTa's classification head is
@@ -42,13 +42,19 @@ _MPNET_NAMES = (
     (".attention.LayerNorm.", ".attention.output.LayerNorm."), *_ROBERTA_NAMES,
 )
 _MODERNBERT_NAMES = (("layers.", "encoder.layers."), ("final_norm.", "encoder.final_norm."))
-# NomicBERT's original checkpoints (nomic-embed-text's, and transformers' saved files) -> our
-# names, as transformers' conversion reads them (fc11 is the up projection, fc12 the gate); the
-# fused ``attn.Wqkv`` is split.
-_NOMIC_ORIGINAL_NAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc11.", ".mlp.up_proj."),
-                         (".mlp.fc12.", ".mlp.gate_proj."), (".mlp.fc2.", ".mlp.down_proj."),
-                         (".norm1.", ".post_attention_layernorm."), (".norm2.", ".post_mlp_layernorm."),
-                         ("emb_ln.", "embeddings.LayerNorm."))
+# NomicBERT's and GTE's saved names (their original checkpoints', and what transformers saves) ->
+# our module names, as transformers' conversion reads them: NomicBERT's fc11 is the up
+# projection and fc12 the gate; the fused projections are split below.
+_ROTARY_BERT_NAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc11.", ".mlp.up_proj."),
+                      (".mlp.fc12.", ".mlp.gate_proj."), (".mlp.fc2.", ".mlp.down_proj."),
+                      (".norm1.", ".post_attention_layernorm."), (".norm2.", ".post_mlp_layernorm."),
+                      ("emb_ln.", "embeddings.LayerNorm."), ("encoder.layer.", "encoder.layers."),
+                      (".attention.o_proj.", ".self_attn.o_proj."), (".attn_ln.", ".post_attention_layernorm."),
+                      (".mlp_ln.", ".post_mlp_layernorm."))
+# A fused projection -> its parts, in the order they are stacked along the output axis.
+_ROTARY_BERT_FUSED = {".attn.Wqkv.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+                      ".attention.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+                      ".mlp.up_gate_proj.": (".mlp.up_proj.", ".mlp.gate_proj.")}
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
@@ -73,11 +79,11 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
         tensors.update(rotary_family_tables(config))
     if config.decoder_layers:
         tensors = _decoder_tensors(config, tensors)
-    if config.model_type == NOMIC_BERT:
-        tensors = _nomic_tensors(tensors)
+    if config.post_norm_rotary:
+        tensors = _rotary_bert_tensors(tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
-    if config.model_type in (DISTILBERT, MPNET):
+    if config.model_type in (DISTILBERT, MPNET, GTE):  # (GTE: where type_vocab_size is 0)
         tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
     if config.relative_attention_num_buckets and _BUCKET_BIAS in tensors:
         distances = np.arange(1 - config.max_length, config.max_length)
@@ -128,21 +134,22 @@ def _decoder_tensors(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict
     return {ours(name): tensor for name, tensor in tensors.items()}
 
 
-def _nomic_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """NomicBERT's tensors under our module names (``nomic_bert.py``): transformers' module names
-    (``layers.N.self_attn.q_proj``) under ``encoder.``, the original names renamed
-    (``_NOMIC_ORIGINAL_NAMES``), a fused ``attn.Wqkv`` ``[3 * width, hidden]`` split into the
-    query's, key's and value's."""
+def _rotary_bert_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """NomicBERT's and GTE's tensors under our module names (``rotary_bert.py``): transformers'
+    module names (``layers.N.self_attn.q_proj``) under ``encoder.``, the saved names renamed
+    (``_ROTARY_BERT_NAMES``), each fused projection split into its parts along the output axis."""
     ours = {}
     for name, tensor in tensors.items():
         name = "encoder." + name if name.startswith("layers.") else name
-        for theirs, mine in _NOMIC_ORIGINAL_NAMES:
+        for theirs, mine in _ROTARY_BERT_NAMES:
             name = name.replace(theirs, mine, 1)
-        if ".attn.Wqkv." in name:
-            for part, third in zip(("q_proj", "k_proj", "v_proj"), np.split(tensor, 3, axis=0), strict=True):
-                ours[name.replace(".attn.Wqkv.", f".self_attn.{part}.")] = third
-        else:
+        fused = next((part for part in _ROTARY_BERT_FUSED if part in name), None)
+        if fused is None:
             ours[name] = tensor
+            continue
+        parts = _ROTARY_BERT_FUSED[fused]
+        for part, piece in zip(parts, np.split(tensor, len(parts), axis=0), strict=True):
+            ours[name.replace(fused, part)] = piece
     return ours
 
 
@@ -155,12 +162,14 @@ def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
 
 
 def without_bias(config: BertConfig, name: str) -> bool:
-    """Whether ``name`` is a bias a ModernBERT, Qwen3 or Gemma3 checkpoint leaves out (its config
-    says so; a decoder's MLP has none): zero."""
+    """Whether ``name`` is a bias a ModernBERT, Qwen3, Gemma3, NomicBERT or GTE checkpoint leaves
+    out (its config says so; a decoder's MLP has none, GTE's gate and up projections none): zero."""
     if not config.rotary or not name.endswith(".bias"):
         return False
     if config.decoder_layers:
         return ".mlp." in name or not config.linear_bias
+    if config.post_norm_rotary and name.endswith(("gate_proj.bias", "up_proj.bias")):
+        return True  # (GTE's gated MLP has a bias on its output projection only)
     if name.endswith("norm.bias"):
         return not config.norm_bias
     return not (config.classifier_bias if name.startswith("head.") else config.linear_bias)

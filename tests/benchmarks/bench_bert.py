@@ -472,6 +472,8 @@ RANDOM_FAMILIES = {
         "pad_token_id": 0}, {}),
     # nomic-embed-text-v1.5's: BERT-base's sizes, rotary positions, gated SiLU, no linear biases
     "nomic-embed-text-v1.5": ("NomicBertConfig", "NomicBertModel", {"max_position_embeddings": 8192}, {}),
+    # gte-multilingual-base's (its vocabulary cut to the default tokenizer's): rotary, gated GELU, biases
+    "gte-multilingual-base": ("GteConfig", "GteModel", {"vocab_size": 30522, "pad_token_id": 0}, {}),
 }
 
 
@@ -481,8 +483,9 @@ def random_family_model(name: str, cache_dir: Path) -> str:
     windows, 8,192 positions) or ``qwen3-embedding-0.6b`` (28 causal layers of 1024, 16 query
     heads of 128 over 8 key and value heads, gated SiLU, 32,768 positions) or
     ``embeddinggemma-300m`` (24 bidirectional layers of 768, five in six within a window, gated
-    tanh GELU, 2,048 positions) or ``nomic-embed-text-v1.5`` (12 post-norm layers of 768, rotary
-    positions, gated SiLU, 8,192 positions): random weights from
+    tanh GELU, 2,048 positions), ``nomic-embed-text-v1.5`` (12 post-norm layers of 768, rotary
+    positions, gated SiLU, 8,192 positions) or ``gte-multilingual-base`` (the same with a gated
+    GELU and biases): random weights from
     transformers' own initialisation (seed 0), written once under the cache folder; the default
     model's tokenizer (``--mixed`` reads text)."""
     import shutil
@@ -525,8 +528,8 @@ def result_line(ratios: dict[str, list[float]], fields) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bert-base,default",
-                        help="comma-separated: bert-base, default, or a random-weight family (mpnet-base, "
-                             "modernbert-base, qwen3-embedding-0.6b, embeddinggemma-300m, nomic-embed-text-v1.5), DIR")
+                        help=f"comma-separated: bert-base, default, a random-weight family "
+                             f"({', '.join(RANDOM_FAMILIES)}) or DIR")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point and round at most (at least 3)")

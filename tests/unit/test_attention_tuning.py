@@ -145,6 +145,7 @@ SERVED = {
         use_bidirectional_attention=True), (4, 1, [(1, False, None, False), (5, True, 256, False)])),
     "nomic_bert": (lambda: __import__("transformers").NomicBertConfig(num_hidden_layers=3),
                    (12, 12, [(3, False, None, False)])),
+    "gte": (lambda: __import__("transformers").GteConfig(num_hidden_layers=2), (12, 12, [(2, False, None, False)])),
 }
 
 

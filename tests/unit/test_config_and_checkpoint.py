@@ -122,6 +122,25 @@ def test_nomic_bert_config_reads_either_format() -> None:
     assert scaled.max_length == 2048
 
 
+def test_gte_config_reads_either_format() -> None:
+    """gte-multilingual-base's original config (model_type ``new``) reads as transformers'
+    GteConfig; gte-base-en-v1.5's lack of token types reads as one type."""
+    from transformers import GteConfig
+
+    original = {"model_type": "new", "architectures": ["NewModel"], "hidden_size": 768, "num_hidden_layers": 12,
+                "num_attention_heads": 12, "intermediate_size": 3072, "hidden_act": "gelu",
+                "max_position_embeddings": 8192, "type_vocab_size": 1, "layer_norm_eps": 1e-12,
+                "vocab_size": 250048, "pad_token_id": 1, "position_embedding_type": "rope", "rope_theta": 160000,
+                "rope_scaling": None, "layer_norm_type": "layer_norm", "logn_attention_scale": False,
+                "logn_attention_clip1": False, "pack_qkv": True, "unpad_inputs": True}
+    ours = BertConfig.from_dict(original)
+    assert ours == BertConfig.from_dict(json.loads(GteConfig().to_json_string()))
+    assert (ours.model_type, ours.hidden_act, dict(ours.rope_thetas), ours.max_length) == (
+        "gte", "gelu", {"full_attention": 160000.0}, 8192)
+    assert ours.post_norm_rotary and ours.linear_bias and not ours.score_bias
+    assert BertConfig.from_dict({**original, "type_vocab_size": 0}).type_vocab_size == 1
+
+
 def test_modernbert_rotary_tables_are_transformers() -> None:
     """cos and sin at every position of both layer kinds against transformers' rotary embedding."""
     import torch

@@ -1,13 +1,15 @@
-"""NomicBERT's encoder in Relax (nomic-embed-text), on the parts of the others: BERT's embeddings
-without the position table (``bert.BertEmbeddings``) and BERT's post-LayerNorm layers, whose
-attention rotates queries and keys by position (``decoders.DecoderAttention`` without per-head
-norms: one rotary base, every layer full attention) and whose MLP is a gated SiLU
-(``decoders.GatedMLP``); no linear layer has a bias. There is no norm after the last layer: the
-last layer's own ends it.
+"""BERT's post-LayerNorm encoder with rotary positions, in Relax: NomicBERT (nomic-embed-text) and
+GTE (gte-multilingual-base, gte-*-en-v1.5, Snowflake's arctic-embed-m-v2.0), transformers'
+``NomicBertModel`` and ``GteModel``, both the layout of its ``JinaEmbeddingsV3Model``. On the
+parts of the others: BERT's embeddings without the position table (``bert.BertEmbeddings``), and
+BERT's layer whose attention rotates queries and keys by position (``decoders.DecoderAttention``
+without per-head norms: one rotary base, every layer full attention) and whose MLP is gated
+(``decoders.GatedMLP``: NomicBERT's SiLU, GTE's GELU). NomicBERT's linear layers have no biases;
+GTE's all have but the gate's and up projection's. No norm follows the last layer: its own ends it.
 
-Attribute names mirror transformers' ``NomicBertModel`` (``layers`` under ``encoder``); the
-original checkpoints' names (``attn.Wqkv``, ``mlp.fc11``, ...) are mapped to them at load
-(``family_tensors.py``).
+Attribute names mirror transformers' modules (``layers`` under ``encoder``); the names both
+families' checkpoints are saved under (``attn.Wqkv``, ``mlp.fc11``, ``attention.qkv_proj``, ...:
+what transformers saves too) are mapped to them at load (``family_tensors.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .decoders import DecoderAttention, GatedMLP
 from .modernbert import RotaryEncoder
 
 
-class NomicBertLayer(nn.Module):
+class RotaryBertLayer(nn.Module):
     """``h = norm(h + attn(h))``, then ``norm(h + mlp(h))``, as BERT's layer."""
 
     def __init__(self, cfg: BertConfig):
@@ -34,11 +36,11 @@ class NomicBertLayer(nn.Module):
         return self.post_mlp_layernorm(hidden + self.mlp(hidden))
 
 
-class NomicBertEncoder(RotaryEncoder):
+class RotaryBertEncoder(RotaryEncoder):
     """The layers, with the rotary tables of ``RotaryEncoder``."""
 
     def __init__(self, cfg: BertConfig):
-        self.layers = nn.ModuleList([NomicBertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([RotaryBertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.declare_tables(cfg)
 
     def forward(self, hidden: nn.Tensor, attention_of: dict, position_ids: nn.Tensor, batch=None) -> nn.Tensor:

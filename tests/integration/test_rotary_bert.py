@@ -1,11 +1,17 @@
-"""NomicBERT (nomic-embed-text's encoder), randomly initialised and saved by transformers under
-sentence-transformers' mean pooling and Normalize: BERT's post-LayerNorm layers with rotary
-positions, a gated SiLU and no linear biases. transformers saves its weights under the original
+"""BERT's post-LayerNorm layers with rotary attention and a gated MLP, each family randomly
+initialised and saved by transformers under sentence-transformers' pooling and Normalize.
+
+NomicBERT (nomic-embed-text's encoder, mean pooling): rotary positions, a gated SiLU and no linear
+biases. transformers saves its weights under the original
 checkpoints' names (nomic-embed-text's on the Hub: a fused ``attn.Wqkv``, ``mlp.fc11``/``fc12``/
 ``fc2``, ``norm1``/``norm2``, ``emb_ln``). It compiles in both layouts from transformers' config,
 from the original checkpoints' config keys (GPT-2-style: ``n_embd``, ``rotary_emb_base``, ...)
 and from weights under transformers' module names, and answers as transformers and
-sentence-transformers do."""
+sentence-transformers do.
+
+GTE (gte-multilingual-base's, CLS pooling): biases but on the gate and up projections, a gated
+GELU, with and without token types (gte-base-en-v1.5 has none); from transformers' config and
+from the original checkpoints' (model_type ``new``)."""
 
 from __future__ import annotations
 
@@ -109,10 +115,83 @@ def test_original_options_we_do_not_compile_are_refused_by_name(nomic_folder: Pa
         Checkpoint.open(original)
 
 
-def test_a_nomic_sequence_classifier_is_refused_by_name(nomic_folder: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("architecture", ["NomicBertForSequenceClassification", "NewForSequenceClassification"])
+def test_an_unknown_sequence_classifier_is_refused_by_name(nomic_folder: Path, tmp_path: Path,
+                                                           architecture: str) -> None:
+    """Read as an embedder, its classifier head would be left out unsaid."""
     folder = tmp_path / "classifier"
     shutil.copytree(nomic_folder, folder)
     raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["NomicBertForSequenceClassification"]}))
-    with pytest.raises(CheckpointError, match=r"a nomic_bert sequence classifier \(NomicBertForSequenceClass"):
+    (folder / "config.json").write_text(json.dumps({**raw, "architectures": [architecture]}))
+    with pytest.raises(CheckpointError, match=rf"a nomic_bert sequence classifier \({architecture}\) is not supp"):
         Checkpoint.open(folder)
+
+
+@pytest.fixture(scope="module", params=[1, 0], ids=["token-types", "no-token-types"])
+def gte_folder(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, GteConfig, GteModel
+
+    encoder = _tokenizer_folder(tmp_path_factory.mktemp("gte-encoder"))
+    config = GteConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(encoder))), hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                       max_position_embeddings=MAX_LENGTH, type_vocab_size=request.param, pad_token_id=1,
+                       initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 160_000.0})
+    torch.manual_seed(41)
+    model = GteModel(config).eval()
+    with torch.no_grad():  # (norms start at one and zero, biases at zero: vary them, so that one left out shows)
+        for name, parameter in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                parameter.uniform_(-0.5, 1.5)
+    model.save_pretrained(str(encoder))
+    transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
+    folder = tmp_path_factory.mktemp("embedders") / "gte-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(64, "cls"), models.Normalize()],
+                        device="cpu").save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_gte_matches_transformers_and_sentence_transformers(gte_folder: Path, cache_dir: Path, layout: str) -> None:
+    from transformers import GteModel
+
+    reference = _embedder_matches(gte_folder, GteModel, MAX_LENGTH, layout, cache_dir)
+    attention = reference.layers[0].self_attn
+    assert attention.q_proj.bias is not None and reference.layers[0].mlp.gate_proj.bias is None
+
+
+def _gte_as_original(folder: Path, out: Path, **changes) -> Path:
+    """``folder`` with the original checkpoints' config (model_type ``new``, the keys of
+    gte-multilingual-base's config.json); its weights transformers saves under their names already."""
+    shutil.copytree(folder, out)
+    raw = json.loads((folder / "config.json").read_text())
+    original = {**{key: raw[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "intermediate_size", "hidden_act", "max_position_embeddings",
+                                             "type_vocab_size", "layer_norm_eps", "vocab_size", "pad_token_id")},
+                "model_type": "new", "architectures": ["NewModel"], "position_embedding_type": "rope",
+                "rope_theta": raw["rope_parameters"]["rope_theta"], "rope_scaling": None,
+                "layer_norm_type": "layer_norm", "logn_attention_scale": False, "logn_attention_clip1": False,
+                "pack_qkv": True, "unpad_inputs": False, "use_memory_efficient_attention": False, **changes}
+    (out / "config.json").write_text(json.dumps(original))
+    return out
+
+
+def test_an_original_gte_config_matches_transformers(gte_folder: Path, tmp_path: Path, cache_dir: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import GteModel
+
+    assert "encoder.layer.0.attention.qkv_proj.bias" in load_file(str(gte_folder / "model.safetensors"))
+    original = _gte_as_original(gte_folder, tmp_path / "original")
+    assert Checkpoint.open(original).config == Checkpoint.open(gte_folder).config
+    _embedder_matches(original, GteModel, MAX_LENGTH, "packed", cache_dir, reference_folder=gte_folder)
+
+
+@pytest.mark.parametrize("key,value", [("rope_scaling", {"type": "ntk", "factor": 2.0}),
+                                       ("logn_attention_scale", True), ("layer_norm_type", "rms_norm"),
+                                       ("pack_qkv", False)])
+def test_original_gte_options_we_do_not_compile_are_refused_by_name(gte_folder: Path, tmp_path: Path, key: str,
+                                                                    value) -> None:
+    original = _gte_as_original(gte_folder, tmp_path / "original", **{key: value})
+    with pytest.raises(CheckpointError, match=f"{key}=.* is not supported for GTE"):
+        Checkpoint.open(original)
