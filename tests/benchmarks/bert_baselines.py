@@ -66,10 +66,11 @@ def export_onnx(model, path: Path) -> None:
                 feed["attention_mask"] = traceable_masks(self.encoder.config, feed["attention_mask"])
             return self.encoder(**feed).last_hidden_state
 
-    example = torch.ones((1, 8), dtype=torch.int64)
+    example = torch.ones((1, 8), dtype=torch.int64)  # (token type 0: a model may have no other)
+    examples = tuple(torch.zeros_like(example) if name == "token_type_ids" else example for name in names)
     axes = {0: "batch", 1: "seq"}
     torch.onnx.export(
-        LastHiddenState(model).eval(), tuple(example for _ in names), str(path), input_names=list(names),
+        LastHiddenState(model).eval(), examples, str(path), input_names=list(names),
         output_names=["last_hidden_state"], dynamic_axes=dict.fromkeys(names, axes), dynamo=False,
     )
 
