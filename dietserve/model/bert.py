@@ -27,7 +27,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import SLIDING_ATTENTION, BertConfig
+from .config import MODERNBERT, SLIDING_ATTENTION, BertConfig
 from .decoders import DecoderEmbeddings, DecoderEncoder
 from .heads import ClassifierOptions, PoolingOptions, SentencePooling
 from .layers import (
@@ -178,7 +178,7 @@ class BertModel(nn.Module):
             self.encoder = BertEncoder(cfg)
         if classifier is None:
             self.sentence = SentencePooling(pooling)
-        elif cfg.rotary:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
+        elif cfg.model_type == MODERNBERT:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
             self.head = ModernBertPredictionHead(cfg)
             self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
         else:  # named as in the checkpoint: bert.pooler.dense.*, classifier.*
@@ -251,7 +251,7 @@ class BertModel(nn.Module):
         return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions)
 
     def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
-        if self.classifier_options is not None and self.config.rotary:
+        if self.classifier_options is not None and self.config.model_type == MODERNBERT:
             return hidden, self.classifier(self.head(hidden, mask))
         if self.classifier_options is not None:
             return hidden, self.classifier(self.pooler(hidden))

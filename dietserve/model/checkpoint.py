@@ -21,7 +21,8 @@ from .weight_files import WeightFileError, find_weight_files, read_tensors
 CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                  "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification",
                                  "DistilBertForSequenceClassification", "MPNetForSequenceClassification",
-                                 "ModernBertForSequenceClassification")
+                                 "ModernBertForSequenceClassification", "NomicBertForSequenceClassification",
+                                 "GteForSequenceClassification", "NewForSequenceClassification")
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
     "pooling_mode_cls_token": "cls",

@@ -11,7 +11,8 @@ sentence-transformers do.
 
 GTE (gte-multilingual-base's, CLS pooling): biases but on the gate and up projections, a gated
 GELU, with and without token types (gte-base-en-v1.5 has none); from transformers' config and
-from the original checkpoints' (model_type ``new``)."""
+from the original checkpoints' (model_type ``new``). A sequence classifier of either (a reranker:
+gte-multilingual-reranker-base's head) scores as transformers and CrossEncoder do."""
 
 from __future__ import annotations
 
@@ -115,16 +116,44 @@ def test_original_options_we_do_not_compile_are_refused_by_name(nomic_folder: Pa
         Checkpoint.open(original)
 
 
-@pytest.mark.parametrize("architecture", ["NomicBertForSequenceClassification", "NewForSequenceClassification"])
-def test_an_unknown_sequence_classifier_is_refused_by_name(nomic_folder: Path, tmp_path: Path,
-                                                           architecture: str) -> None:
-    """Read as an embedder, its classifier head would be left out unsaid."""
-    folder = tmp_path / "classifier"
-    shutil.copytree(nomic_folder, folder)
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "architectures": [architecture]}))
-    with pytest.raises(CheckpointError, match=rf"a nomic_bert sequence classifier \({architecture}\) is not supp"):
-        Checkpoint.open(folder)
+@pytest.mark.parametrize("family", ["gte", "nomic_bert"])
+def test_a_reranker_scores_as_transformers_and_cross_encoder(family: str, tmp_path: Path, cache_dir: Path) -> None:
+    """A sequence classifier with one label (gte-multilingual-reranker-base's head: BERT's pooler,
+    a dense layer and tanh on the first token, then the output layer), its pairs tokenized as the
+    server tokenizes them: logits against transformers, scores against sentence-transformers'
+    CrossEncoder (a sigmoid over the one logit)."""
+    import numpy as np
+    import torch
+    import transformers
+    from sentence_transformers import CrossEncoder
+
+    from dietserve.compile.artifact import CompileRequest, compile_artifact
+    from dietserve.runtime.artifact import load_artifact
+    from dietserve.runtime.embedder import artifact_tokenizer
+    from dietserve.runtime.engine import Engine
+
+    from .test_encoder_families import PAIRS
+
+    prefix = {"gte": "Gte", "nomic_bert": "NomicBert"}[family]
+    folder = _tokenizer_folder(tmp_path / f"{family}-reranker")
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=len(transformers.AutoTokenizer.from_pretrained(str(folder))), hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=96, max_position_embeddings=MAX_LENGTH, pad_token_id=1,
+        initializer_range=0.1, num_labels=1)
+    torch.manual_seed(43)
+    model_class = getattr(transformers, f"{prefix}ForSequenceClassification")
+    model_class(config).eval().save_pretrained(str(folder))
+    engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
+    encoded = artifact_tokenizer(engine).encode(PAIRS)
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    reference = model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
+    assert np.abs(logits).max() > 0.1 and engine.artifact.manifest.task == "classification"
+    np.testing.assert_allclose(output.logits, logits, rtol=0, atol=1e-4)
+    scores = CrossEncoder(str(folder), device="cpu", local_files_only=True, max_length=MAX_LENGTH).predict(PAIRS)
+    np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), scores, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module", params=[1, 0], ids=["token-types", "no-token-types"])
