@@ -368,15 +368,13 @@ def _nomic_bert(raw: dict) -> dict:
 
 def _gte(raw: dict) -> dict:
     """GTE's config in our keys, from transformers' (``gte``, ``rope_parameters``) or the original
-    checkpoints' (``new``: BERT's keys with ``rope_theta`` and options of its own, of which only
+    checkpoints' (``new``, or ``gte``: BERT's keys with ``rope_theta`` and options of its own, of which only
     what the released models set compiles; ``rope_scaling``, gte-*-en-v1.5's NTK-scaled rotation,
     is refused by name). No token types (``type_vocab_size`` 0, gte-base-en-v1.5's) read as one
     type whose embedding is zero."""
-    if raw.get("model_type") == GTE_ORIGINAL:
-        for key, wanted in _GTE_FIXED.items():
-            if raw.get(key, wanted) != wanted:
-                raise ModelConfigError(f"{key}={raw[key]!r} is not supported for GTE (model_type 'new'; only "
-                                       f"{wanted!r})")
+    for key, wanted in _GTE_FIXED.items():  # (Snowflake's arctic-embed-m-v2.0 has them under model_type gte)
+        if raw.get(key, wanted) != wanted:
+            raise ModelConfigError(f"{key}={raw[key]!r} is not supported for GTE (only {wanted!r})")
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
