@@ -43,7 +43,7 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # Fields of the rotary families, left out of ``to_dict`` at their defaults.
 _ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
                   "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim",
-                  "query_pre_attn_scalar")
+                  "query_pre_attn_scalar", "rope_ntk_factor")
 _MODERNBERT_THETAS = {FULL_ATTENTION: ("global_rope_theta", 160_000.0),
                       SLIDING_ATTENTION: ("local_rope_theta", 10_000.0)}
 # Qwen3's config keys -> ours, with Qwen3Config's defaults.
@@ -70,7 +70,7 @@ _NOMIC_FIXED = {"prenorm": False, "rotary_emb_fraction": 1.0, "rotary_emb_interl
                 "activation_function": "swiglu"}
 # GTE's original config's options that change the arithmetic, with the only values we compile.
 _GTE_FIXED = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm", "logn_attention_scale": False,
-              "logn_attention_clip1": False, "pack_qkv": True, "rope_scaling": None}
+              "logn_attention_clip1": False, "pack_qkv": True}
 
 
 class ModelConfigError(ValueError):
@@ -110,6 +110,9 @@ class BertConfig:
     attention_head_dim: int = 0
     # Gemma3's: the scores are scaled by this to the -1/2 in place of head_dim's (0: head_dim)
     query_pre_attn_scalar: int = 0
+    # GTE's original checkpoints' fixed NTK scaling of the rotary frequencies (0: none;
+    # ``modernbert.rotary_tables``)
+    rope_ntk_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -369,12 +372,15 @@ def _nomic_bert(raw: dict) -> dict:
 def _gte(raw: dict) -> dict:
     """GTE's config in our keys, from transformers' (``gte``, ``rope_parameters``) or the original
     checkpoints' (``new``, or ``gte``: BERT's keys with ``rope_theta`` and options of its own, of which only
-    what the released models set compiles; ``rope_scaling``, gte-*-en-v1.5's NTK-scaled rotation,
-    is refused by name). No token types (``type_vocab_size`` 0, gte-base-en-v1.5's) read as one
-    type whose embedding is zero."""
+    what the released models set compiles; ``rope_scaling`` of type ``ntk``, gte-*-en-v1.5's
+    fixed NTK scaling, is ``rope_ntk_factor``). No token types (``type_vocab_size`` 0,
+    gte-base-en-v1.5's) read as one type whose embedding is zero."""
     for key, wanted in _GTE_FIXED.items():  # (Snowflake's arctic-embed-m-v2.0 has them under model_type gte)
         if raw.get(key, wanted) != wanted:
             raise ModelConfigError(f"{key}={raw[key]!r} is not supported for GTE (only {wanted!r})")
+    scaling = raw.get("rope_scaling") or {}
+    if scaling and (scaling.get("type") != "ntk" or scaling.get("mixed_b") is not None):
+        raise ModelConfigError(f"rope_scaling={scaling} is not supported for GTE (only type 'ntk', without mixed_b)")
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
@@ -384,7 +390,7 @@ def _gte(raw: dict) -> dict:
     return {**raw, "type_vocab_size": max(1, int(raw.get("type_vocab_size", 1))),
             "layer_types": (FULL_ATTENTION,) * int(raw.get("num_hidden_layers", 12)),
             "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 160_000.0)))),),
-            "attention_head_dim": _own_head_dim(raw)}
+            "rope_ntk_factor": float(scaling.get("factor", 0.0)), "attention_head_dim": _own_head_dim(raw)}
 
 
 def _own_head_dim(raw: dict) -> int:

@@ -103,7 +103,7 @@ def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:
     tables = {}
     for kind, theta in config.rope_thetas:
         if kind in config.layer_types:
-            cos, sin = rotary_tables(theta, config.head_dim, config.max_length)
+            cos, sin = rotary_tables(theta, config.head_dim, config.max_length, config.rope_ntk_factor)
             tables.update({f"encoder.{kind}_cos": cos, f"encoder.{kind}_sin": sin})
             if config.biased(kind):
                 half_width = config.sliding_window if kind == SLIDING_ATTENTION else None

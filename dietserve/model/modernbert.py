@@ -167,13 +167,18 @@ class ModernBertPredictionHead(nn.Module):
         return self.norm(activation(self.dense(pooled), self.act))
 
 
-def rotary_tables(theta: float, head_dim: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+def rotary_tables(theta: float, head_dim: int, length: int, ntk_factor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin ``[length, head_dim]`` of positions 0.. by transformers' default rotary
-    embedding, in float32 as it computes them."""
+    embedding, in float32 as it computes them. ``ntk_factor`` f (GTE's original checkpoints'
+    fixed NTK scaling, gte-*-en-v1.5's): the base ``theta * f`` and every frequency divided by
+    ``f ** (2 / head_dim)``, as their code computes at every length."""
     # (the power in float64, rounded to float32, then divided in float32: bit for bit torch's
     # inverse frequencies here, which a far position's angle multiplies by thousands)
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inverse = np.float32(1.0) / (theta ** exponents.astype(np.float64)).astype(np.float32)
+    base = theta * ntk_factor if ntk_factor else theta
+    inverse = np.float32(1.0) / (base ** exponents.astype(np.float64)).astype(np.float32)
+    if ntk_factor:
+        inverse = inverse / np.float32(ntk_factor ** (2 / head_dim))
     angles = np.arange(length, dtype=np.float32)[:, None] * inverse[None, :]
     angles = np.concatenate([angles, angles], axis=1)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -11,8 +11,9 @@ sentence-transformers do.
 
 GTE (gte-multilingual-base's, CLS pooling): biases but on the gate and up projections, a gated
 GELU, with and without token types (gte-base-en-v1.5 has none); from transformers' config and
-from the original checkpoints' (model_type ``new``). A sequence classifier of either (a reranker:
-gte-multilingual-reranker-base's head) scores as transformers and CrossEncoder do."""
+from the original checkpoints' (model_type ``new``), also with gte-*-en-v1.5's NTK-scaled
+rotation. A sequence classifier of either (a reranker: gte-multilingual-reranker-base's head)
+scores as transformers and CrossEncoder do."""
 
 from __future__ import annotations
 
@@ -216,7 +217,43 @@ def test_an_original_gte_config_matches_transformers(gte_folder: Path, tmp_path:
     _embedder_matches(original, GteModel, MAX_LENGTH, "packed", cache_dir, reference_folder=gte_folder)
 
 
-@pytest.mark.parametrize("key,value", [("rope_scaling", {"type": "ntk", "factor": 2.0}),
+def test_an_ntk_scaled_gte_matches_its_original_frequencies(gte_folder: Path, tmp_path: Path,
+                                                           cache_dir: Path) -> None:
+    """gte-*-en-v1.5's ``rope_scaling`` {type: ntk, factor: 2}: the original code rotates by the base
+    ``theta * 2`` and divides every frequency by ``2 ** (2 / head_dim)``, at every length.
+    transformers' GTE has no such scaling: its model, with those frequencies set, is the reference
+    (the formula as the original code computes it, in float32)."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, GteModel
+
+    from dietserve.compile.artifact import CompileRequest, compile_artifact
+    from dietserve.runtime.artifact import load_artifact
+    from dietserve.runtime.embedder import Embedder
+    from dietserve.runtime.engine import Engine
+
+    from .test_encoder_families import TEXTS
+
+    original = _gte_as_original(gte_folder, tmp_path / "original", rope_scaling={"type": "ntk", "factor": 2.0})
+    embedder = Embedder(Engine(load_artifact(compile_artifact(CompileRequest(model=str(original), max_batch=8),
+                                                              cache_dir))))
+    output = embedder.encode(TEXTS).last_hidden_state
+    reference = GteModel.from_pretrained(str(gte_folder), attn_implementation="eager").eval()
+    encoded = AutoTokenizer.from_pretrained(str(gte_folder))(TEXTS, padding=True, truncation=True,
+                                                             max_length=MAX_LENGTH, return_tensors="pt")
+    mask = encoded["attention_mask"].numpy()[..., None]
+    with torch.no_grad():
+        unscaled = reference(**encoded).last_hidden_state.numpy()
+        dim = reference.config.hidden_size // reference.config.num_attention_heads
+        theta = reference.config.rope_parameters["rope_theta"]
+        scaled = 1.0 / ((theta * 2.0) ** (torch.arange(0, dim, 2).float() / dim)) / 2.0 ** (2 / dim)
+        reference.rotary_emb.inv_freq.copy_(scaled)
+        expected = reference(**encoded).last_hidden_state.numpy()
+    assert np.abs((unscaled - expected) * mask).max() > 1e-2
+    np.testing.assert_allclose(output * mask, expected * mask, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("key,value", [("rope_scaling", {"type": "dynamic", "factor": 2.0}),
                                        ("logn_attention_scale", True), ("layer_norm_type", "rms_norm"),
                                        ("pack_qkv", False)])
 def test_original_gte_options_we_do_not_compile_are_refused_by_name(gte_folder: Path, tmp_path: Path, key: str,

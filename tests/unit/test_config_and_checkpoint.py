@@ -139,6 +139,9 @@ def test_gte_config_reads_either_format() -> None:
         "gte", "gelu", {"full_attention": 160000.0}, 8192)
     assert ours.post_norm_rotary and ours.linear_bias and not ours.score_bias
     assert BertConfig.from_dict({**original, "type_vocab_size": 0}).type_vocab_size == 1
+    english = BertConfig.from_dict({**original, "rope_scaling": {"type": "ntk", "factor": 2.0}, "rope_theta": 500000})
+    assert (english.rope_ntk_factor, dict(english.rope_thetas)) == (2.0, {"full_attention": 500000.0})
+    assert "rope_ntk_factor" not in ours.to_dict() and english.to_dict()["rope_ntk_factor"] == 2.0
 
 
 def test_modernbert_rotary_tables_are_transformers() -> None:
