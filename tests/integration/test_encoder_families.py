@@ -145,17 +145,16 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> 
     return folder, Engine(load_artifact(artifact))
 
 
-def test_cross_encoder_scores_match(cross_encoder) -> None:
-    """The pairs tokenized as the server tokenizes them; logits against transformers, scores
-    against sentence-transformers' CrossEncoder (a sigmoid over the one logit)."""
+def cross_encoder_matches(folder: Path, engine: Engine, model_class) -> None:
+    """``PAIRS`` tokenized as the server tokenizes them: ``engine``'s logits against transformers'
+    ``model_class`` read from ``folder``, its scores against sentence-transformers' CrossEncoder
+    (a sigmoid over the one logit)."""
     import torch
     from sentence_transformers import CrossEncoder
-    from transformers import XLMRobertaForSequenceClassification
 
-    folder, engine = cross_encoder
     encoded = artifact_tokenizer(engine).encode(PAIRS)
     output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
-    reference = XLMRobertaForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    reference = model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
     with torch.no_grad():
         logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
                            attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
@@ -164,6 +163,12 @@ def test_cross_encoder_scores_match(cross_encoder) -> None:
     scores = CrossEncoder(str(folder), device="cpu", local_files_only=True, max_length=MAX_LENGTH).predict(PAIRS)
     np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), scores, rtol=0, atol=1e-5)
     assert engine.artifact.manifest.task == "classification"
+
+
+def test_cross_encoder_scores_match(cross_encoder) -> None:
+    from transformers import XLMRobertaForSequenceClassification
+
+    cross_encoder_matches(*cross_encoder, XLMRobertaForSequenceClassification)
 
 
 def _distilbert_folder(folder: Path, model_class, **labels) -> Path:

@@ -28,29 +28,37 @@ from dietserve.model.checkpoint import Checkpoint, CheckpointError
 from .test_encoder_families import MAX_LENGTH, _embedder_matches, _tokenizer_folder
 
 
-@pytest.fixture(scope="module")
-def nomic_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _saved_embedder(factory: pytest.TempPathFactory, family: str, pooling: str, seed: int, **config) -> Path:
+    """A random transformers ``{family}Model`` of the small sizes every test here uses, its norms
+    and biases varied (they start at one and zero: one left out would not show), saved under
+    sentence-transformers' ``pooling`` and Normalize."""
     import torch
+    import transformers
     from sentence_transformers import SentenceTransformer, models
-    from transformers import AutoTokenizer, NomicBertConfig, NomicBertModel
 
-    encoder = _tokenizer_folder(tmp_path_factory.mktemp("nomic-encoder"))
-    config = NomicBertConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(encoder))), hidden_size=64,
-                             num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
-                             max_position_embeddings=MAX_LENGTH, pad_token_id=1, initializer_range=0.1,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
-    torch.manual_seed(37)
-    model = NomicBertModel(config).eval()
-    with torch.no_grad():  # (LayerNorms start at one and zero: vary them, so that a norm left out shows)
+    encoder = _tokenizer_folder(factory.mktemp(f"{family}-encoder"))
+    model_class = getattr(transformers, f"{family}Model")
+    sizes = {"vocab_size": len(transformers.AutoTokenizer.from_pretrained(str(encoder))), "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+             "max_position_embeddings": MAX_LENGTH, "pad_token_id": 1, "initializer_range": 0.1}
+    torch.manual_seed(seed)
+    model = model_class(model_class.config_class(**sizes, **config)).eval()
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "LayerNorm" in name or "layernorm" in name:
+            if "norm" in name.lower() or name.endswith("bias"):
                 parameter.uniform_(-0.5, 1.5)
     model.save_pretrained(str(encoder))
     transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
-    folder = tmp_path_factory.mktemp("embedders") / "nomic-embedder"
-    SentenceTransformer(modules=[transformer, models.Pooling(64, "mean"), models.Normalize()],
+    folder = factory.mktemp("embedders") / f"{family}-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(64, pooling), models.Normalize()],
                         device="cpu").save(str(folder))
     return folder
+
+
+@pytest.fixture(scope="module")
+def nomic_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved_embedder(tmp_path_factory, "NomicBert", "mean", 37,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
 
 
 def _as_original(folder: Path, out: Path) -> Path:
@@ -80,14 +88,22 @@ def test_nomic_bert_matches_transformers_and_sentence_transformers(nomic_folder:
     assert reference.config.hidden_act == "silu" and not reference.layers[0].self_attn.q_proj.bias
 
 
-def test_an_original_nomic_config_matches_transformers(nomic_folder: Path, tmp_path: Path, cache_dir: Path) -> None:
+def _original_matches(folder: Path, original: Path, saved_name: str, model_class, cache_dir: Path) -> None:
+    """``original`` (``folder`` with the original config keys) reads as ``folder``'s config and
+    answers as transformers reads ``folder``; ``saved_name``: a name transformers saves under the
+    original names, as the Hub's checkpoints have them."""
     from safetensors.torch import load_file
+
+    assert saved_name in load_file(str(folder / "model.safetensors"))
+    assert Checkpoint.open(original).config == Checkpoint.open(folder).config
+    _embedder_matches(original, model_class, MAX_LENGTH, "packed", cache_dir, reference_folder=folder)
+
+
+def test_an_original_nomic_config_matches_transformers(nomic_folder: Path, tmp_path: Path, cache_dir: Path) -> None:
     from transformers import NomicBertModel
 
-    assert "encoder.layers.0.attn.Wqkv.weight" in load_file(str(nomic_folder / "model.safetensors"))
-    original = _as_original(nomic_folder, tmp_path / "original")
-    assert Checkpoint.open(original).config == Checkpoint.open(nomic_folder).config
-    _embedder_matches(original, NomicBertModel, MAX_LENGTH, "packed", cache_dir, reference_folder=nomic_folder)
+    _original_matches(nomic_folder, _as_original(nomic_folder, tmp_path / "original"),
+                      "encoder.layers.0.attn.Wqkv.weight", NomicBertModel, cache_dir)
 
 
 def test_weights_under_transformers_module_names_load_alike(nomic_folder: Path, tmp_path: Path,
@@ -117,69 +133,35 @@ def test_original_options_we_do_not_compile_are_refused_by_name(nomic_folder: Pa
         Checkpoint.open(original)
 
 
-@pytest.mark.parametrize("family", ["gte", "nomic_bert"])
+@pytest.mark.parametrize("family", ["GteForSequenceClassification", "NomicBertForSequenceClassification"])
 def test_a_reranker_scores_as_transformers_and_cross_encoder(family: str, tmp_path: Path, cache_dir: Path) -> None:
     """A sequence classifier with one label (gte-multilingual-reranker-base's head: BERT's pooler,
-    a dense layer and tanh on the first token, then the output layer), its pairs tokenized as the
-    server tokenizes them: logits against transformers, scores against sentence-transformers'
-    CrossEncoder (a sigmoid over the one logit)."""
-    import numpy as np
+    a dense layer and tanh on the first token, then the output layer)."""
     import torch
     import transformers
-    from sentence_transformers import CrossEncoder
 
     from dietserve.compile.artifact import CompileRequest, compile_artifact
     from dietserve.runtime.artifact import load_artifact
-    from dietserve.runtime.embedder import artifact_tokenizer
     from dietserve.runtime.engine import Engine
 
-    from .test_encoder_families import PAIRS
+    from .test_encoder_families import cross_encoder_matches
 
-    prefix = {"gte": "Gte", "nomic_bert": "NomicBert"}[family]
-    folder = _tokenizer_folder(tmp_path / f"{family}-reranker")
-    config = getattr(transformers, f"{prefix}Config")(
+    model_class = getattr(transformers, family)
+    folder = _tokenizer_folder(tmp_path / "reranker")
+    config = model_class.config_class(
         vocab_size=len(transformers.AutoTokenizer.from_pretrained(str(folder))), hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=96, max_position_embeddings=MAX_LENGTH, pad_token_id=1,
         initializer_range=0.1, num_labels=1)
     torch.manual_seed(43)
-    model_class = getattr(transformers, f"{prefix}ForSequenceClassification")
     model_class(config).eval().save_pretrained(str(folder))
     engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
-    encoded = artifact_tokenizer(engine).encode(PAIRS)
-    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
-    reference = model_class.from_pretrained(str(folder), attn_implementation="eager").eval()
-    with torch.no_grad():
-        logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
-                           attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
-    assert np.abs(logits).max() > 0.1 and engine.artifact.manifest.task == "classification"
-    np.testing.assert_allclose(output.logits, logits, rtol=0, atol=1e-4)
-    scores = CrossEncoder(str(folder), device="cpu", local_files_only=True, max_length=MAX_LENGTH).predict(PAIRS)
-    np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), scores, rtol=0, atol=1e-5)
+    cross_encoder_matches(folder, engine, model_class)
 
 
 @pytest.fixture(scope="module", params=[1, 0], ids=["token-types", "no-token-types"])
 def gte_folder(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from sentence_transformers import SentenceTransformer, models
-    from transformers import AutoTokenizer, GteConfig, GteModel
-
-    encoder = _tokenizer_folder(tmp_path_factory.mktemp("gte-encoder"))
-    config = GteConfig(vocab_size=len(AutoTokenizer.from_pretrained(str(encoder))), hidden_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
-                       max_position_embeddings=MAX_LENGTH, type_vocab_size=request.param, pad_token_id=1,
-                       initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 160_000.0})
-    torch.manual_seed(41)
-    model = GteModel(config).eval()
-    with torch.no_grad():  # (norms start at one and zero, biases at zero: vary them, so that one left out shows)
-        for name, parameter in model.named_parameters():
-            if "norm" in name.lower() or name.endswith("bias"):
-                parameter.uniform_(-0.5, 1.5)
-    model.save_pretrained(str(encoder))
-    transformer = models.Transformer(str(encoder), max_seq_length=MAX_LENGTH)
-    folder = tmp_path_factory.mktemp("embedders") / "gte-embedder"
-    SentenceTransformer(modules=[transformer, models.Pooling(64, "cls"), models.Normalize()],
-                        device="cpu").save(str(folder))
-    return folder
+    return _saved_embedder(tmp_path_factory, "Gte", "cls", 41, type_vocab_size=request.param,
+                           rope_parameters={"rope_type": "default", "rope_theta": 160_000.0})
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -208,13 +190,10 @@ def _gte_as_original(folder: Path, out: Path, **changes) -> Path:
 
 
 def test_an_original_gte_config_matches_transformers(gte_folder: Path, tmp_path: Path, cache_dir: Path) -> None:
-    from safetensors.torch import load_file
     from transformers import GteModel
 
-    assert "encoder.layer.0.attention.qkv_proj.bias" in load_file(str(gte_folder / "model.safetensors"))
-    original = _gte_as_original(gte_folder, tmp_path / "original")
-    assert Checkpoint.open(original).config == Checkpoint.open(gte_folder).config
-    _embedder_matches(original, GteModel, MAX_LENGTH, "packed", cache_dir, reference_folder=gte_folder)
+    _original_matches(gte_folder, _gte_as_original(gte_folder, tmp_path / "original"),
+                      "encoder.layer.0.attention.qkv_proj.bias", GteModel, cache_dir)
 
 
 def test_an_ntk_scaled_gte_matches_its_original_frequencies(gte_folder: Path, tmp_path: Path,
