@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,6 +59,11 @@ Progress = Callable[[str], None]
 # Embedding) planned for its last position would reserve a padded batch's scores of 64 GiB a
 # row, and warm up on a sequence whose attention takes minutes on a CPU.
 LONGEST_BY_DEFAULT = 8192
+# The padded layout plans its buffers for the largest batch at the longest sequence, a batch's
+# attention scores among them ([max_batch, heads, S, S] float32): at 64 rows of 8,192 tokens and
+# 12 heads, 206 GB, whose allocation fails at the first call. Where --max-seq-len does not say,
+# S is the longest whose scores stay within this.
+PADDED_SCORES_BYTES = 4 << 30
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -128,15 +134,26 @@ class CompileRequest:
 def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress = lambda _message: None
                     ) -> Checkpoint:
     """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where
-    given, else to ``LONGEST_BY_DEFAULT`` tokens (said through ``progress``)."""
+    given, else to ``LONGEST_BY_DEFAULT`` tokens and, padded, to what ``PADDED_SCORES_BYTES``
+    allows (said through ``progress``, and so is a given length past that)."""
     checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
     positions = checkpoint.config.max_length
+    row_bytes = request.max_batch * checkpoint.config.num_attention_heads * 4  # (a score's, every row and head)
+    padded = request.layout == LAYOUT_PADDED
     longest = request.max_seq_len or min(positions, LONGEST_BY_DEFAULT)
+    if padded and request.max_seq_len is None:
+        longest = min(longest, math.isqrt(PADDED_SCORES_BYTES // row_bytes))
+    if padded and row_bytes * longest * longest > PADDED_SCORES_BYTES:
+        progress(f"the padded layout plans {row_bytes * longest * longest / 2**30:.1f} GiB for a batch's attention "
+                 f"scores at --max-batch {request.max_batch} and --max-seq-len {longest}: the first call fails "
+                 "where that much cannot be allocated (fewer rows, a shorter length, or --layout packed)")
     if longest != positions:
         checkpoint = checkpoint.with_max_length(longest)
         if request.max_seq_len is None:
+            bound = (f"; padded, {request.max_batch} rows' attention scores within "
+                     f"{PADDED_SCORES_BYTES / 2**30:.0f} GiB" if padded and longest < LONGEST_BY_DEFAULT else "")
             progress(f"serving sequences of up to {longest} of the model's {positions} positions (--max-seq-len "
-                     "to change it)")
+                     f"to change it{bound})")
     return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 

@@ -52,3 +52,31 @@ def test_a_capped_sequence_length_truncates_as_sentence_transformers_does(cache_
     np.testing.assert_allclose(embedder.embed(texts), reference.encode(texts), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="positions end at 512 tokens"):
         compile_artifact(CompileRequest(model="default", max_batch=4, max_seq_len=513), cache_dir)
+
+
+def test_the_padded_layout_bounds_a_long_models_default_length(tmp_path: Path, cache_dir: Path) -> None:
+    """The padded layout plans a batch's attention scores for its largest batch at its longest
+    sequence: a model of 8,192 positions at the default 64 rows would plan 64 GiB of them (here
+    4 heads), and its first call would fail to allocate them. Where --max-seq-len does not say,
+    the length is the longest within ``PADDED_SCORES_BYTES``, and said; a length given past it
+    is warned of."""
+    from dietserve.compile.artifact import PADDED_SCORES_BYTES
+
+    config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=80, max_position_embeddings=8192)
+    folder = materialize_random_bert(config, tmp_path / "long", seed=13, std=0.3)
+    said: list[str] = []
+    request = CompileRequest(model=str(folder), layout="padded", analytic=True)
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir, progress=said.append)))
+    longest = int((PADDED_SCORES_BYTES // (64 * 4 * 4)) ** 0.5)
+    assert engine.max_seq_len == longest < 8192
+    assert any(f"up to {longest} of the model's 8192 positions" in line and "attention scores" in line
+               for line in said)
+    ids, mask, types = padded_batch(np.random.default_rng(5), 2, 37, config.vocab_size)
+    expected = as_layout_answers(engine, reference_hidden(reference_model(folder), ids, mask, types), mask)
+    assert np.abs(engine.run(ids, mask, types).last_hidden_state - expected).max() <= 1e-4
+    said.clear()
+    compile_artifact(CompileRequest(model=str(folder), layout="padded", analytic=True, max_seq_len=4096), cache_dir,
+                     progress=said.append)
+    assert any("plans 16.0 GiB for a batch's attention scores at --max-batch 64 and --max-seq-len 4096" in line
+               for line in said)
