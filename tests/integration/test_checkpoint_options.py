@@ -80,3 +80,19 @@ def test_the_padded_layout_bounds_a_long_models_default_length(tmp_path: Path, c
                      progress=said.append)
     assert any("plans 16.0 GiB for a batch's attention scores at --max-batch 64 and --max-seq-len 4096" in line
                for line in said)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_width_of_one_weight_panel_builds_from_the_hardware_model(layout: str, tmp_path: Path,
+                                                                     cache_dir: Path) -> None:
+    """A hidden width of 48 is one panel of the hardware model's widest register tile (3 vectors
+    of 16): packed in one panel, its index the constant 0, the schedules could not match it and
+    the cold start's build failed. Its plans now pack in two panels or more."""
+    config = BertConfig(vocab_size=500, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=80, max_position_embeddings=64)
+    folder = materialize_random_bert(config, tmp_path / "narrow", seed=17, std=0.3)
+    request = CompileRequest(model=str(folder), max_batch=4, layout=layout, analytic=True)
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
+    ids, mask, types = padded_batch(np.random.default_rng(7), 3, 37, config.vocab_size)
+    expected = as_layout_answers(engine, reference_hidden(reference_model(folder), ids, mask, types), mask)
+    assert np.abs(engine.run(ids, mask, types).last_hidden_state - expected).max() <= 1e-4

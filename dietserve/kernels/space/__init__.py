@@ -11,9 +11,10 @@ from .cpu import whole_task_fits_l2
 
 def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardware | None = None) -> list[MicroKernel]:
     """The kernels of ``space`` that fit the operator ``func``: the packed-weight kernels whose
-    task width divides its weight's columns, whose reduction block divides its depth and (given
-    CPU ``hardware``) whose task stays in L2 there, if any; else the clamped-tile kernels, which
-    need no padding, where the operator takes them; else the padded kernels. A bf16 operator's
+    task width divides its weight's columns in two panels or more, whose reduction block divides
+    its depth and (given CPU ``hardware``) whose task stays in L2 there, if any; else the
+    clamped-tile kernels, which need no padding, where the operator takes them; else the padded
+    kernels. A bf16 operator's
     packed kernels run over pairs of its reduction steps (``cpu_packed/bf16.py``), as deep as
     half its depth, on 16-lane vectors or AMX tiles (``cpu_packed/amx.py``)."""
     weight = weight_param(func)
@@ -25,8 +26,10 @@ def task_space(space: list[MicroKernel], func, hardware: CpuHardware | GpuHardwa
             space = [k for k in space if k.vector == PAIR_LANES]
         else:  # (AMX tiles multiply bf16 pairs only)
             space = [k for k in space if k.mma != AMX_BF16]
+        # (two panels at least: one panel's index is the constant 0, a binding the schedules'
+        # normal form refuses; a single panel is the unpacked layout anyway)
         packed = [k for k in space if k.pack and columns % (k.pack * packed_tile(k)[3]) == 0
-                  and _blocks_fit(k.tile_sizes("k")[0], depth)
+                  and columns >= 2 * k.pack and _blocks_fit(k.tile_sizes("k")[0], depth)
                   and (not isinstance(hardware, CpuHardware) or whole_task_fits_l2(k, depth, hardware))]
     if packed:
         return packed
