@@ -146,7 +146,8 @@ def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress
     if padded and row_bytes * longest * longest > PADDED_SCORES_BYTES:
         progress(f"the padded layout plans {row_bytes * longest * longest / 2**30:.1f} GiB for a batch's attention "
                  f"scores at --max-batch {request.max_batch} and --max-seq-len {longest}: the first call fails "
-                 "where that much cannot be allocated (fewer rows, a shorter length, or --layout packed)")
+                 "where that much cannot be allocated (fewer rows, a shorter length"
+                 + (", or --layout packed)" if request.target.kind == "llvm" else ")"))
     if longest != positions:
         checkpoint = checkpoint.with_max_length(longest)
         if request.max_seq_len is None:
