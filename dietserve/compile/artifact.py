@@ -7,13 +7,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors.numpy import save_file
@@ -22,19 +19,16 @@ from ..host.cpu import target_cpu_flags
 from ..host.hardware import CpuHardware
 from ..kernels.cpu_packed.bf16 import check_bf16_target
 from ..kernels.plan.attention_plan import AttentionPlan, attention_plan_path, is_attention_plan, read_attention_plans
-from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, PRECISIONS, KernelPlan, PlanError, plan_path, read_plans
+from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
-from ..model.heads import parse_pooling_modes
-from ..model.hub import hub_id
-from ..model.presets import PRESET_DISPLAY_NAMES, display_name, resolve_model
+from ..model.presets import display_name
 from ..model.tokenizer import TOKENIZER_FILES
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
     LAYOUT_PACKED,
     LAYOUT_PADDED,
-    LAYOUTS,
     LIBRARY_FILE,
     MANIFEST_FILE,
     PACKED_INPUTS,
@@ -45,117 +39,16 @@ from ..runtime.manifest import (
     PLANS_TUNED,
     ArtifactError,
     Manifest,
-    default_layout,
     sha256_file,
     write_text_atomic,
 )
 from .cache import ARTIFACTS_DIR, mark_used
 from .passes.link_kernels import target_fields as link_target_fields
 from .passes.pack_weights import TRANSFORM_PARAMS_SUFFIX
-from .target import TargetSpec, build_target, target_description, tvm_version
+from .request import CompileRequest, Progress, open_checkpoint
+from .target import build_target, target_description, tvm_version
 
-Progress = Callable[[str], None]
-# The longest sequence served where --max-seq-len does not say: a 32,768-position model (Qwen3-
-# Embedding) planned for its last position would reserve a padded batch's scores of 64 GiB a
-# row, and warm up on a sequence whose attention takes minutes on a CPU.
-LONGEST_BY_DEFAULT = 8192
-# The padded layout plans its buffers for the largest batch at the longest sequence, a batch's
-# attention scores among them ([max_batch, heads, S, S] float32): at 64 rows of 8,192 tokens and
-# 12 heads, 206 GB, whose allocation fails at the first call. Where --max-seq-len does not say,
-# S is the longest whose scores stay within this.
-PADDED_SCORES_BYTES = 4 << 30
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class CompileRequest:
-    model: str = "default"  # "default", "bert-base", or a Hugging Face folder
-    target: TargetSpec = field(default_factory=TargetSpec)
-    max_batch: int = 64
-    seed: int = 0  # for the random-weight presets
-    plans: tuple[Path, ...] = ()  # kernel plan files or directories (python -m dietserve tune)
-    # Without plans: plan every dynamic operator from the target's hardware model (the cold
-    # start, ``cold_start.py``), not leave them to the default rule.
-    analytic: bool = False
-    # Pooling modes in place of the checkpoint's own (--pooling), concatenated in this order.
-    pooling: tuple[str, ...] | None = None
-    # LAYOUT_PACKED: the encoder on the requests' tokens packed, no padded work (CPU targets);
-    # None: the target's default (``default_layout``).
-    layout: str | None = None
-    # The dense layers' products: "bf16" takes bf16 inputs and weights and sums in fp32, on CPUs
-    # with AVX512-BF16 (``kernels/cpu_packed/bf16.py``); everything else stays fp32.
-    precision: str = "fp32"
-    # The longest sequence served, in tokens, below the checkpoint's last position (--max-seq-len):
-    # a long-context model's tables, warm-up and memory bound end there; None: its last position,
-    # at most LONGEST_BY_DEFAULT.
-    max_seq_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
-        if self.max_seq_len is not None and self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be at least 1, got {self.max_seq_len}")
-        if self.layout is None:
-            object.__setattr__(self, "layout", default_layout(self.target.kind))
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if self.layout == LAYOUT_PACKED and self.target.kind != "llvm":
-            raise ValueError(f"the packed layout has kernels for CPU (llvm) targets only, not {self.target.kind}")
-        if self.pooling is not None:
-            parse_pooling_modes(",".join(self.pooling))
-
-    def build_record(self) -> dict:
-        """What the manifest keeps of this request (``Manifest.build``), plans aside: enough for a
-        re-tuning job to build the same model again. A folder is kept as an absolute path."""
-        named = self.model in PRESET_DISPLAY_NAMES or hub_id(self.model) is not None
-        model = self.model if named else str(Path(self.model).resolve())
-        spec = self.target
-        return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
-                "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
-                "precision": self.precision, "max_seq_len": self.max_seq_len,
-                "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
-
-    @classmethod
-    def from_build_record(cls, record: dict) -> CompileRequest:
-        """The request a manifest's build record describes (ValueError: a malformed record)."""
-        try:
-            pooling = record.get("pooling")
-            return cls(model=str(record["model"]), target=TargetSpec(**record["target"]),
-                       max_batch=int(record["max_batch"]), seed=int(record["seed"]),
-                       pooling=tuple(pooling) if pooling is not None else None,
-                       layout=str(record.get("layout", LAYOUT_PADDED)),
-                       precision=str(record.get("precision", "fp32")), max_seq_len=record.get("max_seq_len"))
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
-
-
-def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress = lambda _message: None
-                    ) -> Checkpoint:
-    """The request's checkpoint, pooled as ``--pooling`` says and cut to ``--max-seq-len`` where
-    given, else to ``LONGEST_BY_DEFAULT`` tokens and, padded, to what ``PADDED_SCORES_BYTES``
-    allows (said through ``progress``, and so is a given length past that)."""
-    checkpoint = Checkpoint.open(resolve_model(request.model, cache_dir, request.seed))
-    positions = checkpoint.config.max_length
-    row_bytes = request.max_batch * checkpoint.config.num_attention_heads * 4  # (a score's, every row and head)
-    padded = request.layout == LAYOUT_PADDED
-    longest = request.max_seq_len or min(positions, LONGEST_BY_DEFAULT)
-    if padded and request.max_seq_len is None:
-        longest = min(longest, math.isqrt(PADDED_SCORES_BYTES // row_bytes))
-    if padded and row_bytes * longest * longest > PADDED_SCORES_BYTES:
-        progress(f"the padded layout plans {row_bytes * longest * longest / 2**30:.1f} GiB for a batch's attention "
-                 f"scores at --max-batch {request.max_batch} and --max-seq-len {longest}: the first call fails "
-                 "where that much cannot be allocated (fewer rows, a shorter length"
-                 + (", or --layout packed)" if request.target.kind == "llvm" else ")"))
-    if longest != positions:
-        checkpoint = checkpoint.with_max_length(longest)
-        if request.max_seq_len is None:
-            bound = (f"; padded, {request.max_batch} rows' attention scores within "
-                     f"{PADDED_SCORES_BYTES / 2**30:.0f} GiB" if padded and longest < LONGEST_BY_DEFAULT else "")
-            progress(f"serving sequences of up to {longest} of the model's {positions} positions (--max-seq-len "
-                     f"to change it{bound})")
-    return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
 
 
 def compiler_source_hash() -> str:

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +30,14 @@ from ..runtime.manifest import LAYOUT_PACKED
 from ..runtime.traffic import FORMAT as TRAFFIC_FORMAT
 from ..runtime.traffic import Traffic, TrafficError, observed_lengths, observed_tokens
 from ..runtime.variant_by_shape import dispatch_shape
-from .artifact import CompileRequest, compile_artifact, export_model, open_checkpoint
+from .artifact import compile_artifact, export_model
 from .packed_attention import attention_task
 from .passes.fuse_softmax import softmaxed_operators
 from .passes.link_kernels import call_counts
 from .pipeline import fast_math_passes, legalize_passes
+from .request import CompileRequest, Progress, open_checkpoint
 from .target import build_target, target_description
 
-Progress = Callable[[str], None]
 TASKS_FILE = "tasks.json"
 PLANS_DIR = "plans"
 ARTIFACT_DIR = "artifact"

@@ -111,7 +111,7 @@ class Checkpoint:
             raise CheckpointError(f"{folder}: a {config.model_type} sequence classifier ({unknown[0]}) is not "
                                   f"supported: a {config.model_type} checkpoint compiles as an embedder; sequence "
                                   f"classifiers compile from {', '.join(CLASSIFICATION_ARCHITECTURES)}")
-        if set(CLASSIFICATION_ARCHITECTURES) & set(raw.get("architectures") or []):
+        if set(CLASSIFICATION_ARCHITECTURES) & set(architectures):
             return cls(folder, config, classifier=read_classifier(raw, folder))
         return cls(folder, config, read_pooling_options(folder, config.hidden_size))
 

@@ -69,18 +69,22 @@ class DecoderAttention(nn.Module):
     def forward(self, hidden: nn.Tensor, attention, rotary: tuple) -> nn.Tensor:
         cos, sin, batch = rotary
         qkv = self.qkv(hidden)
-        heads, shared = self.heads, self.kv_heads
         if self.q_norm is not None:
-            parts = op.reshape(qkv, (qkv.shape[0], heads + 2 * shared, self.head_dim))
+            qkv = self._heads_normed(qkv)
+        qkv = rotated(qkv, cos, sin, self.heads, self.head_dim, batch, self.kv_heads)
+        return self.o_proj(attention(qkv, self.heads, self.head_dim, self.kv_heads))
 
-            def part(begin: int, end: int) -> nn.Tensor:
-                return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [begin], [end]), "qkv_part")
+    def _heads_normed(self, qkv: nn.Tensor) -> nn.Tensor:
+        """``qkv`` with each query head and key head RMS-normed, the values as they are."""
+        heads, shared = self.heads, self.kv_heads
+        parts = op.reshape(qkv, (qkv.shape[0], heads + 2 * shared, self.head_dim))
 
-            normed = op.concat([self.q_norm(part(0, heads)), self.k_norm(part(heads, heads + shared)),
-                                part(heads + shared, heads + 2 * shared)], dim=1)
-            qkv = op.reshape(normed, qkv.shape)
-        qkv = rotated(qkv, cos, sin, heads, self.head_dim, batch, shared)
-        return self.o_proj(attention(qkv, heads, self.head_dim, shared))
+        def part(begin: int, end: int) -> nn.Tensor:
+            return nn.op.wrap_nested(relax.op.strided_slice(parts._expr, [1], [begin], [end]), "qkv_part")
+
+        normed = op.concat([self.q_norm(part(0, heads)), self.k_norm(part(heads, heads + shared)),
+                            part(heads + shared, heads + 2 * shared)], dim=1)
+        return op.reshape(normed, qkv.shape)
 
 
 class GatedMLP(nn.Module):

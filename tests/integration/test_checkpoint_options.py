@@ -60,7 +60,7 @@ def test_the_padded_layout_bounds_a_long_models_default_length(tmp_path: Path, c
     4 heads), and its first call would fail to allocate them. Where --max-seq-len does not say,
     the length is the longest within ``PADDED_SCORES_BYTES``, and said; a length given past it
     is warned of."""
-    from dietserve.compile.artifact import PADDED_SCORES_BYTES
+    from dietserve.compile.request import PADDED_SCORES_BYTES
 
     config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=80, max_position_embeddings=8192)
