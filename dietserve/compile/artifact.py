@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from ..host.cpu import target_cpu_flags
 from ..host.hardware import CpuHardware
 from ..kernels.cpu_packed.bf16 import check_bf16_target
+from ..kernels.cpu_varlen.splade_pool import splade_pool
 from ..kernels.plan.attention_plan import AttentionPlan, attention_plan_path, is_attention_plan, read_attention_plans
 from ..kernels.plan.kernel_plan import DEFAULT_VARIANT, KernelPlan, PlanError, plan_path, read_plans
 from ..kernels.space.analytic import ANALYTIC_SOURCE
@@ -249,14 +250,17 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
 
 def export_model(model, request: CompileRequest, target, attention: AttentionPlan | None = None) -> tuple:
     """``export_relax`` of the request's layout: the packed one with its attention kernels built
-    from ``attention``'s tiles and tree, else the target's registers and vectors' tile."""
+    from ``attention``'s tiles and tree, else the target's registers and vectors' tile (and a
+    sparse encoder's pooling kernel)."""
     if request.layout != LAYOUT_PACKED:
         return export_relax(model, request.max_batch)
     from .cold_start import target_hardware
     from .packed_attention import attention_functions
 
     full, windowed = attention_functions(model.config, request.precision, target_hardware(target), attention)
-    return export_relax(model, request.max_batch, full, windowed)
+    splade = model.pooling.splade
+    pool = None if splade is None else splade_pool(splade.vocab_size, splade.strategy, splade.activation)
+    return export_relax(model, request.max_batch, full, windowed, pool)
 
 
 def plan_source(plans: list[KernelPlan]) -> str:

@@ -27,9 +27,9 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .config import MODERNBERT, SLIDING_ATTENTION, BertConfig
+from .config import DISTILBERT, MODERNBERT, SLIDING_ATTENTION, BertConfig
 from .decoders import DecoderEmbeddings, DecoderEncoder
-from .heads import ClassifierOptions, PoolingOptions, SentencePooling
+from .heads import ClassifierOptions, PoolingOptions, SentencePooling, SpladeHead
 from .layers import (
     MASK_FILL,
     Embedding,
@@ -176,7 +176,10 @@ class BertModel(nn.Module):
         else:
             self.embeddings = BertEmbeddings(cfg)
             self.encoder = BertEncoder(cfg)
-        if classifier is None:
+        if classifier is None and pooling.splade is not None:  # (BERT's, RoBERTa's and DistilBERT's families)
+            act = cfg.hidden_act if cfg.model_type in ("bert", DISTILBERT) else "gelu"
+            self.splade = SpladeHead(cfg.hidden_size, cfg.vocab_size, act, cfg.layer_norm_eps, pooling.splade)
+        elif classifier is None:
             self.sentence = SentencePooling(pooling)
         elif cfg.model_type == MODERNBERT:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
             self.head = ModernBertPredictionHead(cfg)
@@ -244,10 +247,15 @@ class BertModel(nn.Module):
             hidden = self.encoder(hidden, PackedAttention(starts, self.packed_attention, self.encoder.relative_bias))
         batch, seq = unpack.shape
         width = hidden.shape[-1]
+        # (a sparse encoder pools its packed rows: the vocabulary's logits of no padding slot)
+        sparse = None if self.pooling.splade is None else self.splade.pool_packed(hidden, starts, batch,
+                                                                                 self.splade_pool)
         with_zero_row = op.concat([hidden, op.zeros((1, width), "float32")], dim=0)
         rows = nn.op.wrap_nested(relax.op.take(with_zero_row._expr, op.reshape(unpack, (-1,))._expr, axis=0,
                                                mode="clip"), "unpack")
         padded = op.reshape(rows, (batch, seq, width))
+        if sparse is not None:
+            return padded, sparse
         return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions)
 
     def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
@@ -255,6 +263,9 @@ class BertModel(nn.Module):
             return hidden, self.classifier(self.head(hidden, mask))
         if self.classifier_options is not None:
             return hidden, self.classifier(self.pooler(hidden))
+        if self.pooling.splade is not None:
+            batch, seq, width = hidden.shape
+            return hidden, self.splade.pool_padded(op.reshape(hidden, (batch * seq, width)), mask)
         return hidden, self.sentence(hidden, mask, op.astype(position_ids, "float32"))
 
 
@@ -290,12 +301,13 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.PrimFunc | None = None,
-                 windowed_attention: tvm.tirx.PrimFunc | None = None,
+                 windowed_attention: tvm.tirx.PrimFunc | None = None, splade_pool: tvm.tirx.PrimFunc | None = None,
                  ) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...]]]]:
     """Export ``model`` to an IRModule whose ``forward`` is symbolic in batch and seq_len; with
     ``packed_attention`` (the target's kernel, ``kernels/cpu_varlen``) ``forward`` is
     ``BertModel.forward_packed``, symbolic in the tokens and sequences as well (``PACKED_INPUTS``);
-    ``windowed_attention``: the kernel of ModernBERT's sliding-window layers, if not that one.
+    ``windowed_attention``: the kernel of ModernBERT's sliding-window layers, if not that one;
+    ``splade_pool``: a packed sparse encoder's pooling (``kernels/cpu_varlen/splade_pool.py``).
 
     Returns ``(irmodule, parameters)`` with ``parameters`` as ``(name, shape)`` in argument
     order; they follow the inputs as function arguments, so weights stay out of the compiled
@@ -311,6 +323,7 @@ def export_relax(model: BertModel, max_batch: int, packed_attention: tvm.tirx.Pr
     else:
         # (read by forward_packed as it is traced)
         model.packed_attention, model.windowed_attention = packed_attention, windowed_attention
+        model.splade_pool = splade_pool
         tokens = nn.spec.Tensor([PACKED_VARS[0]], "int64")
         inputs = {"input_ids": tokens, "token_type_ids": tokens, "position_ids": tokens,
                   "starts": nn.spec.Tensor([PACKED_VARS[1]], "int64"), "unpack": padded, "attention_mask": padded,

@@ -14,7 +14,7 @@ import numpy as np
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
 from .family_tensors import as_bert, canonical_name, part_width, without_bias
-from .heads import ClassifierOptions, DenseLayer, PoolingOptions
+from .heads import ClassifierOptions, DenseLayer, PoolingOptions, SpladeOptions
 from .side_by_side import side_by_side
 from .weight_files import WeightFileError, find_weight_files, read_tensors
 
@@ -34,7 +34,9 @@ _POOLING_FLAGS = {
 }
 # Dense activation classes (torch.nn, built without arguments) -> our names.
 _TORCH_ACTIVATIONS = {"Tanh": "tanh", "Identity": "identity", "ReLU": "relu", "GELU": "gelu", "Sigmoid": "sigmoid"}
-_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling")
+# The families whose masked-language-model head a sparse encoder (SPLADE) can compile with.
+SPLADE_FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet")
 
 
 class CheckpointError(ValueError):
@@ -89,6 +91,9 @@ class Checkpoint:
         if self.classifier is not None:
             raise CheckpointError(f"{self.folder} is a sequence-classification checkpoint: its logits come "
                                   "from the [CLS] row, and --pooling applies to sentence-embedding models only")
+        if self.pooling.splade is not None:
+            raise CheckpointError(f"{self.folder} is a sparse encoder: it pools its vocabulary logits with "
+                                  "SpladePooling, and --pooling applies to dense embedding models only")
         pooling = dataclasses.replace(self.pooling, modes=modes)
         _check_dense_inputs(pooling, self.config.hidden_size, f"--pooling {','.join(modes)}")
         return dataclasses.replace(self, pooling=pooling)
@@ -113,7 +118,7 @@ class Checkpoint:
                                   f"classifiers compile from {', '.join(CLASSIFICATION_ARCHITECTURES)}")
         if set(CLASSIFICATION_ARCHITECTURES) & set(architectures):
             return cls(folder, config, classifier=read_classifier(raw, folder))
-        return cls(folder, config, read_pooling_options(folder, config.hidden_size))
+        return cls(folder, config, read_pooling_options(folder, config))
 
 
 def read_classifier(raw: dict, folder: Path) -> ClassifierOptions:
@@ -139,15 +144,21 @@ def _read_json(path: Path) -> dict | list:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
 
 
-def read_pooling_options(folder: Path, hidden_size: int) -> PoolingOptions:
+def read_pooling_options(folder: Path, config: BertConfig) -> PoolingOptions:
     """The sentence-embedding recipe modules.json lists (Transformer, Pooling, Dense...,
-    Normalize, in that order); without modules.json, a masked mean."""
+    Normalize, in that order; or a sparse encoder's MLMTransformer then SpladePooling); without
+    modules.json, a masked mean."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return PoolingOptions()
+    entries = _read_json(modules_file)
+    kinds = [_module_kind(entry, modules_file) for entry in entries]
+    if "SpladePooling" in kinds or "MLMTransformer" in kinds:
+        return _splade_options(folder, entries, kinds, config)
+    hidden_size = config.hidden_size
     modes, dense, normalize = None, [], False
-    for index, entry in enumerate(_read_json(modules_file)):
-        kind, path = _module_kind(entry, modules_file), str(entry.get("path", ""))
+    for index, (entry, kind) in enumerate(zip(entries, kinds, strict=True)):
+        path = str(entry.get("path", ""))
         where = f"{modules_file}: the {kind} module ({path or 'the root folder'})"
         if (kind == "Transformer") != (index == 0) or (kind == "Transformer" and path):
             raise CheckpointError(f"{where}: dietserve reads a Transformer module first, in the root folder, "
@@ -168,6 +179,35 @@ def read_pooling_options(folder: Path, hidden_size: int) -> PoolingOptions:
     pooling = PoolingOptions(modes, tuple(dense), normalize)
     _check_dense_inputs(pooling, hidden_size, str(modules_file))
     return pooling
+
+
+def _splade_options(folder: Path, entries: list, kinds: list[str], config: BertConfig) -> PoolingOptions:
+    """A sparse encoder (sentence-transformers' SparseEncoder): the transformer's fill-mask logits
+    (sentence-transformers 5's MLMTransformer, or a Transformer of ``transformer_task``
+    fill-mask) in the root folder, then SpladePooling, nothing else."""
+    modules_file = folder / "modules.json"
+    if kinds == ["Transformer", "SpladePooling"]:
+        settings = folder / "sentence_bert_config.json"
+        task = (_read_json(settings) if settings.is_file() else {}).get("transformer_task")
+        if task != "fill-mask":
+            raise CheckpointError(f"{modules_file}: SpladePooling pools a masked-language model's logits, and the "
+                                  f"Transformer module's transformer_task is {task!r}, not 'fill-mask'")
+    elif kinds != ["MLMTransformer", "SpladePooling"]:
+        raise CheckpointError(f"{modules_file} lists {', '.join(kinds)}: dietserve compiles a sparse encoder of a "
+                              "fill-mask Transformer (or MLMTransformer), then SpladePooling, and no other module")
+    if entries[0].get("path", ""):
+        raise CheckpointError(f"{modules_file}: dietserve reads the transformer in the root folder, not in "
+                              f"{entries[0]['path']!r}")
+    if config.model_type not in SPLADE_FAMILIES:
+        raise CheckpointError(f"{modules_file}: a {config.model_type} sparse encoder is not supported; its "
+                              f"masked-language-model head compiles for {', '.join(SPLADE_FAMILIES)}")
+    settings = _read_json(folder / str(entries[1].get("path", "")) / "config.json")
+    try:
+        splade = SpladeOptions(config.vocab_size, settings.get("pooling_strategy", "max"),
+                               settings.get("activation_function", "relu"))
+    except ValueError as err:
+        raise CheckpointError(f"{modules_file}: the SpladePooling module: {err}") from None
+    return PoolingOptions(splade=splade)
 
 
 def _module_kind(entry: dict, modules_file: Path) -> str:

@@ -55,6 +55,17 @@ _ROTARY_BERT_NAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".mlp.fc11.", 
 _ROTARY_BERT_FUSED = {".attn.Wqkv.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
                       ".attention.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
                       ".mlp.up_gate_proj.": (".mlp.up_proj.", ".mlp.gate_proj.")}
+# A masked-language-model head's tensors (BERT's, RoBERTa's and MPNet's, DistilBERT's) -> our
+# sparse encoder's (``heads.SpladeHead``); a decoder left out is the word embeddings (tied).
+_MLM_HEAD_NAMES = (
+    ("cls.predictions.transform.", "splade.transform."), ("cls.predictions.decoder.weight", "splade.decoder"),
+    ("cls.predictions.bias", "splade.bias"), ("lm_head.dense.", "splade.transform.dense."),
+    ("lm_head.layer_norm.", "splade.transform.LayerNorm."), ("lm_head.decoder.weight", "splade.decoder"),
+    ("lm_head.bias", "splade.bias"), ("vocab_transform.", "splade.transform.dense."),
+    ("vocab_layer_norm.", "splade.transform.LayerNorm."), ("vocab_projector.weight", "splade.decoder"),
+    ("vocab_projector.bias", "splade.bias"),
+)
+_WORDS, _MLM_DECODER = "embeddings.word_embeddings.weight", "splade.decoder"
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
@@ -91,9 +102,19 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
         tensors[_RELATIVE_BIAS] = np.ascontiguousarray(tensors.pop(_BUCKET_BIAS)[buckets].T)
     for theirs, ours in renames:
         tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
+    tensors = {_mlm_head_name(name): tensor for name, tensor in tensors.items()}
+    if _WORDS in tensors:
+        tensors.setdefault(_MLM_DECODER, tensors[_WORDS])
     if _POSITIONS in tensors:  # (the rows of the positions it serves: past RoBERTa's offset, up to a cap)
         tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:config.position_offset + config.max_length]
     return tensors
+
+
+def _mlm_head_name(name: str) -> str:
+    for theirs, ours in _MLM_HEAD_NAMES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
 
 
 def rotary_family_tables(config: BertConfig) -> dict[str, np.ndarray]:

@@ -4,6 +4,8 @@
   order the checkpoint lists them), then Dense layers, then an optional L2 normalisation;
   each mode computed as sentence-transformers' ``Pooling._forward_padded`` does, so left- or
   right-padded batches and rows without any attended token give the same vectors.
+- A sparse encoder's (SPLADE's): the masked-language-model head on every token, then the
+  logits pooled into one weight per vocabulary entry (``SpladeOptions``, ``SpladeHead``).
 - A sequence-classification head's labels (its modules, pooler and classifier, are BERT's own
   and live in ``bert.py``).
 
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
+
+from ..kernels.cpu_varlen.splade_pool import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
+from .layers import TransposedLinear, activation
 
 # sentence-transformers' names, in the order its legacy ``pooling_mode_*`` flags concatenate.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -52,23 +57,50 @@ class DenseLayer:
 
 
 @dataclass(frozen=True)
+class SpladeOptions:
+    """sentence-transformers' ``SpladePooling`` over the masked-language-model logits:
+    ``strategy`` (max or sum over the tokens) of ``log1p(relu(x))``, or of ``log1p`` of that
+    (``activation`` ``log1p_relu``): one weight per vocabulary entry, most of them zero."""
+
+    vocab_size: int
+    strategy: str = "max"
+    activation: str = "relu"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in SPLADE_STRATEGIES:
+            raise ValueError(f"SPLADE pooling_strategy {self.strategy!r} is not supported; expected one of "
+                             f"{', '.join(SPLADE_STRATEGIES)}")
+        if self.activation not in SPLADE_ACTIVATIONS:
+            raise ValueError(f"SPLADE activation_function {self.activation!r} is not supported; expected one of "
+                             f"{', '.join(SPLADE_ACTIVATIONS)}")
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "activation": self.activation}
+
+
+@dataclass(frozen=True)
 class PoolingOptions:
-    """How the sentence embedding is derived from the last hidden state."""
+    """How the sentence embedding is derived from the last hidden state: pooled ``modes``, or,
+    for a sparse encoder, ``splade`` (then ``modes``, ``dense`` and ``normalize`` are unused)."""
 
     modes: tuple[str, ...] = ("mean",)
     dense: tuple[DenseLayer, ...] = ()
     normalize: bool = False  # L2-normalise last (sentence-transformers' Normalize module)
+    splade: SpladeOptions | None = None
 
     def __post_init__(self) -> None:
         parse_pooling_modes(",".join(self.modes))
 
     def embedding_size(self, hidden_size: int) -> int:
+        if self.splade is not None:
+            return self.splade.vocab_size
         return self.dense[-1].out_features if self.dense else len(self.modes) * hidden_size
 
     def to_dict(self) -> dict:
         dense = [{"in_features": d.in_features, "out_features": d.out_features, "bias": d.bias,
                   "activation": d.activation, "path": d.path} for d in self.dense]
-        return {"modes": list(self.modes), "dense": dense, "normalize": self.normalize}
+        splade = None if self.splade is None else self.splade.to_dict()
+        return {"modes": list(self.modes), "dense": dense, "normalize": self.normalize, "splade": splade}
 
 
 @dataclass(frozen=True)
@@ -184,3 +216,49 @@ class SentencePooling(nn.Module):
         # torch.nn.functional.normalize: x / max(||x||, 1e-12).
         norm = op.sqrt(op.sum(embedding * embedding, axis=1, keepdims=True))
         return embedding / op.maximum(norm, _const(1e-12))
+
+
+class _LMTransform(nn.Module):
+    """The masked-language-model head's first part: dense, activation, LayerNorm (BERT's
+    ``cls.predictions.transform``; RoBERTa's ``lm_head.dense`` and ``layer_norm``; DistilBERT's
+    ``vocab_transform`` and ``vocab_layer_norm``, which always apply GELU)."""
+
+    def __init__(self, hidden_size: int, act: str, eps: float):
+        self.dense = TransposedLinear(hidden_size, hidden_size)
+        self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
+        self.act = act
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return self.LayerNorm(activation(self.dense(x), self.act))
+
+
+class SpladeHead(nn.Module):
+    """A sparse encoder's head, named as BERT's ``cls.predictions``: every token's logits over the
+    vocabulary (``logits``, the decoder's bias left to the pooling), then their pooling, on packed
+    rows by ``pool_packed`` (``kernels/cpu_varlen/splade_pool.py``) or on ``[batch, seq]`` rows
+    here, padding as zero logits, as sentence-transformers masks it."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, act: str, eps: float, options: SpladeOptions):
+        self.transform = _LMTransform(hidden_size, act, eps)
+        self.decoder = nn.Parameter((hidden_size, vocab_size), "float32")
+        self.decoder.stored_transposed = True
+        self.bias = nn.Parameter((vocab_size,), "float32")
+        self.options = options
+
+    def logits(self, rows: nn.Tensor) -> nn.Tensor:
+        """``[rows, hidden]`` -> ``[rows, vocab]``, without the bias."""
+        return op.matmul(self.transform(rows), self.decoder)
+
+    def pool_packed(self, rows: nn.Tensor, starts: nn.Tensor, batch, kernel) -> nn.Tensor:
+        out = nn.Tensor.placeholder((batch, self.bias.shape[0]), "float32")
+        return op.tensor_ir_op(kernel, "splade_pool", [self.logits(rows), self.bias, starts], out)
+
+    def pool_padded(self, rows: nn.Tensor, mask: nn.Tensor) -> nn.Tensor:
+        """``rows`` ``[batch * seq, hidden]``, ``mask`` ``[batch, seq]`` float32 -> ``[batch, vocab]``."""
+        batch, seq = mask.shape
+        logits = op.reshape(self.logits(rows), (batch, seq, self.bias.shape[0])) + self.bias
+        # (Relax has no log1p: below 6e-8, where log(1 + x) rounds to 0, log1p's x is as far from it)
+        values = op.log(op.relu(logits * op.reshape(mask, (batch, seq, 1))) + 1.0)
+        if self.options.activation == "log1p_relu":
+            values = op.log(values + 1.0)
+        return op.max(values, axis=1) if self.options.strategy == "max" else op.sum(values, axis=1)

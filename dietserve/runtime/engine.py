@@ -134,9 +134,11 @@ class Engine:
     def _describe_outputs(self, manifest) -> None:
         """What the artifact returns: ``task`` (embedding or classification), ``output_shapes``
         (name -> shape, -1 where it follows the request), the sentence embedding's width (None
-        for a classifier) and the classifier's ``labels`` (logit i is ``labels[i]``; empty for
-        an embedding model)."""
+        for a classifier), whether it is ``sparse`` (a SPLADE encoder's weights of the
+        vocabulary) and the classifier's ``labels`` (logit i is ``labels[i]``; empty for an
+        embedding model)."""
         self.task = manifest.task
+        self.sparse = bool((manifest.pooling or {}).get("splade"))
         self.output_shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.output_shapes.items()}
         embedding = self.output_shapes.get("sentence_embedding")
         self.embedding_size = embedding[1] if embedding else None

@@ -33,7 +33,7 @@ from .tei_api import TeiRoutes
 PROBE_ROUTES = frozenset({"/health", "/ping", "/v2/health/live", "/v2/health/ready"})
 # The routes that run the model, whose answers the server reports when it stops.
 INFERENCE_ROUTES = frozenset({"/v1/embeddings", "/rerank", "/v1/rerank", "/predict", "/", "/invocations", "/embed",
-                              "/embed_all", "/similarity"})
+                              "/embed_sparse", "/embed_all", "/similarity"})
 UNKNOWN_ROUTE = "unknown"  # one label for every path no route matches: clients cannot mint label values
 CLIENT_CLOSED = 499  # counted for a request whose client went away (nginx's convention; never sent)
 CLOSE_IDLE_SECONDS = 1.0  # after the grace period: how long aiohttp may take to close connections
@@ -55,8 +55,8 @@ def _explain(request: web.Request, err: web.HTTPException) -> str:
         return f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(err.allowed_methods))}"
     if isinstance(err, web.HTTPNotFound):
         return (f"no route {request.method} {request.path}: this server answers /v2/... (KServe v2), "
-                "/v1/embeddings and /v1/models (OpenAI), /embed, /embed_all, /similarity, /rerank, /predict, "
-                "/tokenize, /decode and /info (TEI), /v1/rerank (Cohere) and /health")
+                "/v1/embeddings and /v1/models (OpenAI), /embed, /embed_sparse, /embed_all, /similarity, /rerank, "
+                "/predict, /tokenize, /decode and /info (TEI), /v1/rerank (Cohere) and /health")
     return err.text or err.reason
 
 

@@ -1,7 +1,8 @@
 """Text embeddings inference's (TEI) embedding routes, for clients written against TEI
 (huggingface_hub's ``InferenceClient``, LangChain's Hugging Face endpoint embeddings):
-``POST /embed``, ``/embed_all``, ``/similarity``, ``/tokenize``, ``/decode``, ``GET /info``, and
-``POST /`` with its SageMaker name ``/invocations``. TEI answers ``/`` by what its one model is;
+``POST /embed``, ``/embed_sparse`` (a SPLADE encoder's nonzero weights of the vocabulary),
+``/embed_all``, ``/similarity``, ``/tokenize``, ``/decode``, ``GET /info``, and ``POST /`` with
+its SageMaker name ``/invocations``. TEI answers ``/`` by what its one model is;
 here the body decides: a ``query`` is reranked, ``inputs`` holding a ``source_sentence`` are
 compared, other ``inputs`` are embedded by an embedding model and classified by a classifier.
 TEI's classifier routes, ``/rerank`` and ``/predict``, are in ``rerank_api.py``; both modules
@@ -10,7 +11,8 @@ pick the model with :func:`chosen_model`.
 Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
 every route. ``prompt_name`` names one of the checkpoint's sentence-transformers prompts. What
 an artifact cannot do as TEI does is refused, naming it: ``normalize: false`` for a model that
-normalises inside its graph (sentence-transformers' Normalize module).
+normalises inside its graph (sentence-transformers' Normalize module), and, as TEI does,
+``normalize: true`` (its default) for a sparse encoder.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from .openai_api import (
 
 LAST_HIDDEN_STATE = OUTPUTS[0]
 # The routes whose errors take TEI's shape, and TEI's name for the kind of each error.
-TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/info",
-                        "/rerank", "/predict"})
+TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_sparse", "/embed_all", "/similarity", "/tokenize",
+                        "/decode", "/info", "/rerank", "/predict"})
 ERROR_TYPES = {429: "Overloaded", 503: "Unhealthy"}  # other 4xx: Validation; 5xx: Backend
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}  # -> whether the last tokens are kept
 
@@ -148,6 +150,7 @@ class TeiRoutes:
         for path in ("/", "/invocations"):
             app.router.add_post(path, self.root)
         app.router.add_post("/embed", self.embed)
+        app.router.add_post("/embed_sparse", self.embed_sparse)
         app.router.add_post("/embed_all", self.embed_all)
         app.router.add_post("/similarity", self.similarity)
         app.router.add_post("/tokenize", self.tokenize)
@@ -176,7 +179,10 @@ class TeiRoutes:
                                           "models and classifiers: name one with 'model' in the body or ?model= in "
                                           "the URL, or use /embed, /predict or /rerank")
             classifier = kinds.pop()
-        return await (self._predict(request) if classifier else self.embed(request))
+        if classifier:
+            return await self._predict(request)
+        sparse = {model.engine.sparse for model in self.core.text_models() if not model.engine.is_classifier}
+        return await (self.embed_sparse(request) if sparse == {True} else self.embed(request))
 
     async def _embedded(self, request: web.Request, route: str, output: str) -> tuple[dict, list, ServedModel]:
         """The body, the outputs of its ``inputs`` (one array per batch-sized request) and the model."""
@@ -224,6 +230,11 @@ class TeiRoutes:
         """{inputs, normalize, truncate, dimensions} -> one embedding per input."""
         body, answers, model = await self._embedded(request, "/embed", EMBEDDING)
         normalize, dimensions = flag_field(body, "normalize", True), dimensions_field(body)
+        if model.engine.sparse and (normalize or dimensions is not None):
+            raise FieldError("normalize" if normalize else "dimensions",
+                             f"'{model.artifact}' is a sparse encoder (SPLADE): /embed gives its weights of the "
+                             "whole vocabulary only with normalize=false and no dimensions; /embed_sparse gives "
+                             "the nonzero ones")
         if not normalize and normalizes(model):
             raise FieldError("normalize", f"normalize=false is not available: '{model.artifact}' normalises its "
                                           "embeddings inside the compiled model (its Normalize module)")
@@ -232,6 +243,20 @@ class TeiRoutes:
         if normalize and not normalizes(model):
             embeddings = l2_normalized(embeddings)
         return await self._answer(embeddings.nbytes, embeddings.tolist)
+
+    async def embed_sparse(self, request: web.Request) -> web.Response:
+        """{inputs, truncate} -> per input, the sparse encoder's nonzero weights as
+        ``[{index, value}, ...]`` in vocabulary order."""
+        _, answers, model = await self._embedded(request, "/embed_sparse", EMBEDDING)
+        if not model.engine.sparse:
+            raise InputError(f"/embed_sparse needs a sparse encoder (SPLADE); '{model.artifact}' gives dense "
+                             "embeddings: use /embed")
+        weights = np.concatenate([answer.outputs[EMBEDDING] for answer in answers])
+
+        def nonzero() -> list:
+            return [[{"index": int(i), "value": float(row[i])} for i in np.flatnonzero(row)] for row in weights]
+
+        return await self._answer(weights.nbytes, nonzero)
 
     async def embed_all(self, request: web.Request) -> web.Response:
         """{inputs, truncate} -> each input's token embeddings (the last hidden state, its own
@@ -292,7 +317,8 @@ class TeiRoutes:
             model_type = {kind: {"id2label": dict(enumerate(engine.labels)),
                                  "label2id": {label: index for index, label in enumerate(engine.labels)}}}
         else:
-            model_type = {"embedding": {"pooling": ",".join((manifest.pooling or {}).get("modes") or ["mean"])}}
+            pooling = "splade" if engine.sparse else ",".join((manifest.pooling or {}).get("modes") or ["mean"])
+            model_type = {"embedding": {"pooling": pooling}}
         return json_response({
             "model_id": model.artifact, "model_sha": None, "served_model_name": model.artifact,
             "model_dtype": "bfloat16" if manifest.precision == "bf16" else "float32", "model_type": model_type,
