@@ -259,7 +259,8 @@ def export_model(model, request: CompileRequest, target, attention: AttentionPla
 
     full, windowed = attention_functions(model.config, request.precision, target_hardware(target), attention)
     splade = model.pooling.splade
-    pool = None if splade is None else splade_pool(splade.vocab_size, splade.strategy, splade.activation)
+    pool = None if splade is None else splade_pool(splade.vocab_size, splade.strategy, splade.activation,
+                                                   splade.decoder_columns)
     return export_relax(model, request.max_batch, full, windowed, pool)
 
 

@@ -178,7 +178,7 @@ class BertModel(nn.Module):
             self.encoder = BertEncoder(cfg)
         if classifier is None and pooling.splade is not None:  # (BERT's, RoBERTa's and DistilBERT's families)
             act = cfg.hidden_act if cfg.model_type in ("bert", DISTILBERT) else "gelu"
-            self.splade = SpladeHead(cfg.hidden_size, cfg.vocab_size, act, cfg.layer_norm_eps, pooling.splade)
+            self.splade = SpladeHead(cfg.hidden_size, act, cfg.layer_norm_eps, pooling.splade)
         elif classifier is None:
             self.sentence = SentencePooling(pooling)
         elif cfg.model_type == MODERNBERT:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*

@@ -13,7 +13,7 @@ import numpy as np
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
-from .family_tensors import as_bert, canonical_name, part_width, without_bias
+from .family_tensors import as_bert, canonical_name, part_width, splade_decoder, without_bias
 from .heads import ClassifierOptions, DenseLayer, PoolingOptions, SpladeOptions
 from .side_by_side import side_by_side
 from .weight_files import WeightFileError, find_weight_files, read_tensors
@@ -272,6 +272,9 @@ def load_parameters(
     stored = _tensors(checkpoint.encoder_files)
     raw = as_bert(checkpoint.config, {canonical_name(name): tensor for name, tensor in stored.items()})
     raw.update(_dense_tensors(checkpoint))
+    splade = checkpoint.pooling.splade if checkpoint.classifier is None else None
+    if splade is not None:
+        raw.update(splade_decoder(raw, splade.decoder_columns))
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}

@@ -58,14 +58,13 @@ _ROTARY_BERT_FUSED = {".attn.Wqkv.": (".self_attn.q_proj.", ".self_attn.k_proj."
 # A masked-language-model head's tensors (BERT's, RoBERTa's and MPNet's, DistilBERT's) -> our
 # sparse encoder's (``heads.SpladeHead``); a decoder left out is the word embeddings (tied).
 _MLM_HEAD_NAMES = (
-    ("cls.predictions.transform.", "splade.transform."), ("cls.predictions.decoder.weight", "splade.decoder"),
-    ("cls.predictions.bias", "splade.bias"), ("lm_head.dense.", "splade.transform.dense."),
-    ("lm_head.layer_norm.", "splade.transform.LayerNorm."), ("lm_head.decoder.weight", "splade.decoder"),
-    ("lm_head.bias", "splade.bias"), ("vocab_transform.", "splade.transform.dense."),
-    ("vocab_layer_norm.", "splade.transform.LayerNorm."), ("vocab_projector.weight", "splade.decoder"),
-    ("vocab_projector.bias", "splade.bias"),
+    ("cls.predictions.transform.", "splade.transform."), ("cls.predictions.decoder.", "splade.decoder."),
+    ("cls.predictions.bias", "splade.decoder.bias"), ("lm_head.dense.", "splade.transform.dense."),
+    ("lm_head.layer_norm.", "splade.transform.LayerNorm."), ("lm_head.decoder.weight", "splade.decoder.weight"),
+    ("lm_head.bias", "splade.decoder.bias"), ("vocab_transform.", "splade.transform.dense."),
+    ("vocab_layer_norm.", "splade.transform.LayerNorm."), ("vocab_projector.", "splade.decoder."),
 )
-_WORDS, _MLM_DECODER = "embeddings.word_embeddings.weight", "splade.decoder"
+_WORDS = "embeddings.word_embeddings.weight"
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 _BUCKET_BIAS, _RELATIVE_BIAS = "encoder.relative_attention_bias.weight", "encoder.relative_bias"
@@ -103,11 +102,19 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
     for theirs, ours in renames:
         tensors = {name.replace(theirs, ours, 1): tensor for name, tensor in tensors.items()}
     tensors = {_mlm_head_name(name): tensor for name, tensor in tensors.items()}
-    if _WORDS in tensors:
-        tensors.setdefault(_MLM_DECODER, tensors[_WORDS])
     if _POSITIONS in tensors:  # (the rows of the positions it serves: past RoBERTa's offset, up to a cap)
         tensors[_POSITIONS] = tensors[_POSITIONS][config.position_offset:config.position_offset + config.max_length]
     return tensors
+
+
+def splade_decoder(tensors: dict[str, np.ndarray], columns: int) -> dict[str, np.ndarray]:
+    """A sparse encoder's decoder (``splade.decoder.weight`` ``[vocab, hidden]``, the word
+    embeddings where the checkpoint ties it to them, and its bias) with zeros up to ``columns``
+    outputs (``SpladeOptions.decoder_columns``); what the checkpoint lacks is left out."""
+    parts = {"splade.decoder.weight": tensors.get("splade.decoder.weight", tensors.get(_WORDS)),
+             "splade.decoder.bias": tensors.get("splade.decoder.bias")}
+    return {name: np.concatenate([part, np.zeros((columns - len(part), *part.shape[1:]), part.dtype)])
+            for name, part in parts.items() if part is not None}
 
 
 def _mlm_head_name(name: str) -> str:

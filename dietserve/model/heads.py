@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -25,6 +26,10 @@ from .layers import TransposedLinear, activation
 # sentence-transformers' names, in the order its legacy ``pooling_mode_*`` flags concatenate.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid")
+# A sparse encoder's decoder is widened to a multiple of this many columns (zero weights): every
+# packed dense kernel's task width divides it, where a vocabulary's own size (30,522 = 2 x 3 x
+# 5,087) fits none and would leave its largest product to the default rule.
+DECODER_COLUMNS = 768
 # Beyond any position (and exact in float32 when added to one): marks padding in a minimum
 # over positions.
 _NO_TOKEN = float(1 << 20)
@@ -76,6 +81,11 @@ class SpladeOptions:
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "activation": self.activation}
+
+    @property
+    def decoder_columns(self) -> int:
+        """The decoder's width: the vocabulary, up to a multiple of ``DECODER_COLUMNS``."""
+        return -(-self.vocab_size // DECODER_COLUMNS) * DECODER_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -233,30 +243,31 @@ class _LMTransform(nn.Module):
 
 
 class SpladeHead(nn.Module):
-    """A sparse encoder's head, named as BERT's ``cls.predictions``: every token's logits over the
-    vocabulary (``logits``, the decoder's bias left to the pooling), then their pooling, on packed
-    rows by ``pool_packed`` (``kernels/cpu_varlen/splade_pool.py``) or on ``[batch, seq]`` rows
-    here, padding as zero logits, as sentence-transformers masks it."""
+    """A sparse encoder's head (BERT's ``cls.predictions``, renamed at load): every token's logits
+    over the vocabulary (``logits``, the decoder's zero columns past the vocabulary to be left
+    out), then their pooling, on packed rows by ``pool_packed``
+    (``kernels/cpu_varlen/splade_pool.py``) or on ``[batch, seq]`` rows here, padding as zero
+    logits, as sentence-transformers masks it."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, act: str, eps: float, options: SpladeOptions):
+    def __init__(self, hidden_size: int, act: str, eps: float, options: SpladeOptions):
         self.transform = _LMTransform(hidden_size, act, eps)
-        self.decoder = nn.Parameter((hidden_size, vocab_size), "float32")
-        self.decoder.stored_transposed = True
-        self.bias = nn.Parameter((vocab_size,), "float32")
+        self.decoder = TransposedLinear(hidden_size, options.decoder_columns)
         self.options = options
 
     def logits(self, rows: nn.Tensor) -> nn.Tensor:
-        """``[rows, hidden]`` -> ``[rows, vocab]``, without the bias."""
-        return op.matmul(self.transform(rows), self.decoder)
+        """``[rows, hidden]`` -> ``[rows, decoder_columns]``."""
+        return self.decoder(self.transform(rows))
 
     def pool_packed(self, rows: nn.Tensor, starts: nn.Tensor, batch, kernel) -> nn.Tensor:
-        out = nn.Tensor.placeholder((batch, self.bias.shape[0]), "float32")
-        return op.tensor_ir_op(kernel, "splade_pool", [self.logits(rows), self.bias, starts], out)
+        out = nn.Tensor.placeholder((batch, self.options.vocab_size), "float32")
+        return op.tensor_ir_op(kernel, "splade_pool", [self.logits(rows), starts], out)
 
     def pool_padded(self, rows: nn.Tensor, mask: nn.Tensor) -> nn.Tensor:
         """``rows`` ``[batch * seq, hidden]``, ``mask`` ``[batch, seq]`` float32 -> ``[batch, vocab]``."""
         batch, seq = mask.shape
-        logits = op.reshape(self.logits(rows), (batch, seq, self.bias.shape[0])) + self.bias
+        vocab = self.options.vocab_size
+        words = nn.op.wrap_nested(relax.op.strided_slice(self.logits(rows)._expr, [1], [0], [vocab]), "vocabulary")
+        logits = op.reshape(words, (batch, seq, vocab))
         # (Relax has no log1p: below 6e-8, where log(1 + x) rounds to 0, log1p's x is as far from it)
         values = op.log(op.relu(logits * op.reshape(mask, (batch, seq, 1))) + 1.0)
         if self.options.activation == "log1p_relu":

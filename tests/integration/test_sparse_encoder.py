@@ -104,8 +104,9 @@ def _expected(folder: Path) -> np.ndarray:
     return SparseEncoder(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
 
 
-CASES = {  # family, strategy, activation, layout
+CASES = {  # family, strategy, activation, layout (cold start: planned from the hardware model, as served)
     "bert-packed": ("bert", "max", "relu", None),
+    "bert-cold-start": ("bert", "max", "relu", "cold start"),
     "bert-padded": ("bert", "max", "relu", "padded"),
     "sum-of-log1p-relu-packed": ("bert", "sum", "log1p_relu", None),
     "sum-of-log1p-relu-padded": ("bert", "sum", "log1p_relu", "padded"),
@@ -121,8 +122,9 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, cache_dir: Path)
     folder = sparse_encoder(tmp_path_factory.mktemp("splade"), family, strategy, activation)
     if request.param == "saved-by-version-5":
         _as_saved_by_version_5(folder)
-    artifact = compile_artifact(CompileRequest(model=str(folder), max_batch=8, layout=layout), cache_dir)
-    return folder, Engine(load_artifact(artifact))
+    cold = layout == "cold start"
+    request = CompileRequest(model=str(folder), max_batch=8, layout=None if cold else layout, analytic=cold)
+    return folder, Engine(load_artifact(compile_artifact(request, cache_dir)))
 
 
 def test_weights_match_sentence_transformers(compiled) -> None:

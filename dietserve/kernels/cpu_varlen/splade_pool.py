@@ -1,6 +1,6 @@
 """SPLADE's pooling over packed sequences: one sparse vector of the vocabulary per sequence from
 its tokens' masked-language-model logits, as sentence-transformers' ``SpladePooling`` computes it,
-``reduce_t f(relu(logits[t] + bias))`` with ``f`` ``log1p`` (``relu``) or ``log1p`` twice
+``reduce_t f(relu(logits[t]))`` with ``f`` ``log1p`` (``relu``) or ``log1p`` twice
 (``log1p_relu``) and ``reduce`` a max or a sum over the sequence's tokens.
 
 For the max, ``f`` and ``relu`` are monotone, so they apply once to each column's largest logit
@@ -25,12 +25,18 @@ _LANES = 16  # (LLVM splits a wider vector than the target has)
 _COLUMNS = 1024  # a task's block of columns: its sums, 4 KB, stay in the first-level cache
 
 
-def splade_pool(vocab: int, strategy: str = "max", activation: str = "relu", parallel: bool = True) -> tirx.PrimFunc:
-    """The PrimFunc ``(logits [T, vocab], bias [vocab], starts [B + 1] int64, out [B, vocab])``;
-    ``starts``: where each sequence's rows begin, the last entry T."""
+def splade_pool(vocab: int, strategy: str = "max", activation: str = "relu", columns: int | None = None,
+                parallel: bool = True) -> tirx.PrimFunc:
+    """The PrimFunc ``(logits [T, columns], starts [B + 1] int64, out [B, vocab])``, the logits
+    with the decoder's bias added;
+    ``starts``: where each sequence's rows begin, the last entry T; ``columns`` (default
+    ``vocab``): the logits' width, of which the first ``vocab`` are pooled."""
     if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
         raise ValueError(f"SPLADE pooling {strategy!r} of {activation!r}: expected a strategy of "
                          f"{', '.join(SPLADE_STRATEGIES)} and an activation of {', '.join(SPLADE_ACTIVATIONS)}")
+    columns = vocab if columns is None else columns
+    if columns < vocab:
+        raise ValueError(f"logits of {columns} columns cannot hold a vocabulary of {vocab}")
     tokens, segments, batch = tirx.Var("tokens", "int64"), tirx.Var("segments", "int64"), tirx.Var("batch", "int64")
     blocks = -(-vocab // _COLUMNS)
     zero = tirx.const(0, "float32")
@@ -41,8 +47,7 @@ def splade_pool(vocab: int, strategy: str = "max", activation: str = "relu", par
 
     with IRBuilder() as builder:
         with T.prim_func():
-            logits = T.arg("logits", T.Buffer((tokens, vocab), "float32"))
-            bias = T.arg("bias", T.Buffer((vocab,), "float32"))
+            logits = T.arg("logits", T.Buffer((tokens, columns), "float32"))
             starts = T.arg("starts", T.Buffer((segments,), "int64"))
             out = T.arg("out", T.Buffer((batch, vocab), "float32"))
             T.func_attr({"tirx.is_scheduled": True})  # scheduled as written
@@ -54,7 +59,7 @@ def splade_pool(vocab: int, strategy: str = "max", activation: str = "relu", par
                     T.buffer_store(out, zero, [b, first + c])
                 with T.serial(starts[b], starts[b + 1]) as t:
                     def accumulate(c):
-                        x = logits[t, first + c] + bias[first + c]
+                        x = logits[t, first + c]
                         if strategy == "max":
                             T.buffer_store(out, tirx.max(out[b, first + c], x), [b, first + c])
                         else:
