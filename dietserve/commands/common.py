@@ -35,7 +35,8 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pooling", type=_pooling_modes, default=None, metavar="MODE[,MODE...]",
                         help="sentence-embedding pooling in place of the checkpoint's own (1_Pooling): "
                              "cls, max, mean, mean_sqrt_len_tokens, weightedmean or lasttoken; several "
-                             "separated by commas are concatenated in that order")
+                             "separated by commas are concatenated in that order; or splade: a *ForMaskedLM "
+                             "checkpoint as a sparse encoder (SpladePooling, max of log1p(relu))")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="packed: a request's tokens packed one sequence after another, no padded work (llvm "
                              "only; its default); padded: texts padded to the longest, padding masked (cuda's)")

@@ -14,7 +14,7 @@ import numpy as np
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
 from .family_tensors import as_bert, canonical_name, part_width, splade_decoder, without_bias
-from .heads import ClassifierOptions, DenseLayer, PoolingOptions, SpladeOptions
+from .heads import SPLADE_POOLING, ClassifierOptions, DenseLayer, PoolingOptions, SpladeOptions
 from .side_by_side import side_by_side
 from .weight_files import WeightFileError, find_weight_files, read_tensors
 
@@ -87,10 +87,14 @@ class Checkpoint:
         return dataclasses.replace(self, config=dataclasses.replace(self.config, max_position_embeddings=limit))
 
     def with_pooling_modes(self, modes: tuple[str, ...]) -> Checkpoint:
-        """This checkpoint pooled with ``modes`` in place of its own (``--pooling``)."""
+        """This checkpoint pooled with ``modes`` in place of its own (``--pooling``); ``splade``: its
+        masked-language-model head under SpladePooling's defaults (max of ``log1p(relu)``)."""
         if self.classifier is not None:
             raise CheckpointError(f"{self.folder} is a sequence-classification checkpoint: its logits come "
                                   "from the [CLS] row, and --pooling applies to sentence-embedding models only")
+        if modes == (SPLADE_POOLING,):
+            return dataclasses.replace(self, pooling=PoolingOptions(splade=splade_options(self.config, {},
+                                                                                          "--pooling splade")))
         if self.pooling.splade is not None:
             raise CheckpointError(f"{self.folder} is a sparse encoder: it pools its vocabulary logits with "
                                   "SpladePooling, and --pooling applies to dense embedding models only")
@@ -198,16 +202,20 @@ def _splade_options(folder: Path, entries: list, kinds: list[str], config: BertC
     if entries[0].get("path", ""):
         raise CheckpointError(f"{modules_file}: dietserve reads the transformer in the root folder, not in "
                               f"{entries[0]['path']!r}")
-    if config.model_type not in SPLADE_FAMILIES:
-        raise CheckpointError(f"{modules_file}: a {config.model_type} sparse encoder is not supported; its "
-                              f"masked-language-model head compiles for {', '.join(SPLADE_FAMILIES)}")
     settings = _read_json(folder / str(entries[1].get("path", "")) / "config.json")
+    return PoolingOptions(splade=splade_options(config, settings, f"{modules_file}: the SpladePooling module"))
+
+
+def splade_options(config: BertConfig, settings: dict, where: str) -> SpladeOptions:
+    """SpladePooling's ``settings`` (its config.json) for a checkpoint of ``config``, checked."""
+    if config.model_type not in SPLADE_FAMILIES:
+        raise CheckpointError(f"{where}: a {config.model_type} sparse encoder is not supported; its "
+                              f"masked-language-model head compiles for {', '.join(SPLADE_FAMILIES)}")
     try:
-        splade = SpladeOptions(config.vocab_size, settings.get("pooling_strategy", "max"),
-                               settings.get("activation_function", "relu"))
+        return SpladeOptions(config.vocab_size, settings.get("pooling_strategy", "max"),
+                             settings.get("activation_function", "relu"))
     except ValueError as err:
-        raise CheckpointError(f"{modules_file}: the SpladePooling module: {err}") from None
-    return PoolingOptions(splade=splade)
+        raise CheckpointError(f"{where}: {err}") from None
 
 
 def _module_kind(entry: dict, modules_file: Path) -> str:
@@ -282,6 +290,10 @@ def load_parameters(
         for part in sources[name]:
             if part not in raw and without_bias(checkpoint.config, part):
                 raw[part] = np.zeros(part_width(checkpoint.config, part, shape[-1], len(sources[name])), np.float32)
+            if part not in raw and part.startswith("splade."):
+                raise CheckpointError(f"{checkpoint.folder}'s weights have no masked-language-model head ({part!r}: "
+                                      "a *ForMaskedLM checkpoint's cls.predictions, lm_head or vocab_*), which a "
+                                      "sparse encoder needs")
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.folder}'s weights have no tensor {part!r}")
         try:

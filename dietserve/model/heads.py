@@ -23,6 +23,8 @@ from tvm.relax.frontend.nn import op
 from ..kernels.cpu_varlen.splade_pool import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
 from .layers import TransposedLinear, activation
 
+# --pooling's name for SpladePooling (TEI's): sentence-transformers' Pooling modes do not include it.
+SPLADE_POOLING = "splade"
 # sentence-transformers' names, in the order its legacy ``pooling_mode_*`` flags concatenate.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid")
@@ -36,8 +38,14 @@ _NO_TOKEN = float(1 << 20)
 
 
 def parse_pooling_modes(text: str) -> tuple[str, ...]:
-    """``"cls"`` or ``"cls,mean"`` (concatenated in that order) -> the modes, checked."""
+    """``"cls"`` or ``"cls,mean"`` (concatenated in that order) -> the modes, checked; or
+    ``"splade"`` alone (``SPLADE_POOLING``: a masked-language model as a sparse encoder)."""
     modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    if SPLADE_POOLING in modes:
+        if modes != (SPLADE_POOLING,):
+            raise ValueError(f"pooling {text!r}: {SPLADE_POOLING} pools a masked-language model's logits, with no "
+                             "other mode")
+        return modes
     unknown = [mode for mode in modes if mode not in POOLING_MODES]
     if unknown or not modes:
         raise ValueError(f"unknown pooling mode {', '.join(map(repr, unknown)) or repr(text)}; "
@@ -99,7 +107,8 @@ class PoolingOptions:
     splade: SpladeOptions | None = None
 
     def __post_init__(self) -> None:
-        parse_pooling_modes(",".join(self.modes))
+        if SPLADE_POOLING in parse_pooling_modes(",".join(self.modes)):
+            raise ValueError(f"{SPLADE_POOLING} is not a mode of sentence-transformers' Pooling: set splade")
 
     def embedding_size(self, hidden_size: int) -> int:
         if self.splade is not None:

@@ -148,6 +148,30 @@ def test_a_sparse_encoder_is_recorded_and_refuses_other_pooling(tmp_path: Path) 
         checkpoint.with_pooling_modes(("mean",))
 
 
+def test_pooling_splade_makes_a_masked_language_model_a_sparse_encoder(tmp_path: Path, cache_dir: Path) -> None:
+    """``--pooling splade`` (TEI's flag) on a *ForMaskedLM folder with no modules.json: the
+    checkpoint under SpladePooling's defaults, as sentence-transformers builds it from the folder."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.models import Transformer
+    from sentence_transformers.sparse_encoder.models import SpladePooling
+
+    folder = _masked_lm("bert", tmp_path / "mlm")
+    artifact = compile_artifact(CompileRequest(model=str(folder), max_batch=8, pooling=("splade",)), cache_dir)
+    reference = SparseEncoder(modules=[Transformer(str(folder), transformer_task="fill-mask"), SpladePooling()],
+                              device="cpu")
+    expected = reference.encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
+    np.testing.assert_allclose(Embedder(Engine(load_artifact(artifact))).embed(TEXTS), expected, rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match="splade pools a masked-language model's logits, with no other mode"):
+        CompileRequest(model=str(folder), pooling=("splade", "mean"))
+    without_head = tmp_path / "encoder"
+    from transformers import BertModel
+
+    BertModel.from_pretrained(str(folder)).save_pretrained(str(without_head))
+    _with_bert_tokenizer(without_head)
+    with pytest.raises(CheckpointError, match="have no masked-language-model head"):
+        compile_artifact(CompileRequest(model=str(without_head), max_batch=8, pooling=("splade",)), cache_dir)
+
+
 def _rewritten_modules(folder: Path, edit) -> None:
     path = folder / "modules.json"
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
