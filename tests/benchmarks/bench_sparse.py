@@ -6,10 +6,13 @@ pooling exported to ONNX, under ONNX Runtime and OpenVINO (fp32). Batch 1 at eac
 batches of mixed lengths (the peers padded to the longest, as they run them); each round runs
 every backend in turn, medians over rounds.
 
-    python tests/benchmarks/bench_sparse.py [--lengths 16 64 128 256 512] [--rounds 3]
+    python tests/benchmarks/bench_sparse.py [--lengths 16 64 128 256 512] [--rounds 3] [--precision bf16]
 
 Prints a table, the largest difference from sentence-transformers, and
-``RESULT geomean_vs_best=.. min_vs_best=.. mixed_vs_best=..``.
+``RESULT geomean_vs_best=.. min_vs_best=.. mixed_vs_best=..``. With ``--precision bf16`` ours is
+a bf16 build, and OpenVINO runs at its default precision (bf16 where the CPU has AVX512-BF16 or
+AMX; the run says which), PyTorch under bf16 autocast; the smallest cosine of ours to the fp32
+reference is printed in place of the largest difference.
 """
 
 from __future__ import annotations
@@ -82,26 +85,33 @@ def onnx_export(folder: Path, path: Path) -> None:
                       output_names=["sparse"], dynamic_axes=dict.fromkeys(names, axes), dynamo=False)
 
 
-def backends(folder: Path, threads: int, workdir: Path) -> dict:
+def backends(folder: Path, threads: int, workdir: Path, precision: str) -> tuple[dict, object]:
+    """The runs by name, and sentence-transformers' fp32 run (the reference)."""
     import torch
     from sentence_transformers import SparseEncoder
 
     torch.set_num_threads(threads)
-    ours = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=max(MIXED),
-                                                                analytic=True), workdir)))
+    request = CompileRequest(model=str(folder), max_batch=max(MIXED), analytic=True, precision=precision)
+    ours = Engine(load_artifact(compile_artifact(request, workdir)))
     reference = SparseEncoder(str(folder), device="cpu")
 
-    def pytorch(ids, mask, types):
-        with torch.inference_mode():
+    def pytorch(ids, mask, types, bf16: bool = False):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             feed = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
                     "token_type_ids": torch.from_numpy(types)}
-            return reference.forward(feed)["sentence_embedding"].numpy()
+            return reference.forward(feed)["sentence_embedding"].float().numpy()
 
     onnx_path = workdir / "splade.onnx"
     onnx_export(folder, onnx_path)
-    return {"ours": lambda ids, mask, types: ours.run(ids, mask, types).sentence_embedding, "pytorch": pytorch,
-            "onnxruntime": bert_baselines.onnx_runtime(onnx_path, threads),
-            "openvino": bert_baselines.openvino(onnx_path, threads)}
+    runs = {"ours": lambda ids, mask, types: ours.run(ids, mask, types).sentence_embedding}
+    if precision == "bf16":
+        openvino, chosen = bert_baselines.openvino_default(onnx_path, threads)
+        print(f"OpenVINO's default inference precision here: {chosen}")
+        runs.update({"pytorch_bf16": lambda *batch: pytorch(*batch, bf16=True), "openvino_default": openvino})
+    else:
+        runs.update({"pytorch": pytorch, "onnxruntime": bert_baselines.onnx_runtime(onnx_path, threads),
+                     "openvino": bert_baselines.openvino(onnx_path, threads)})
+    return runs, pytorch
 
 
 def inputs(rng: np.random.Generator, lengths: list[int]):
@@ -119,21 +129,28 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 128, 256, 512])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     points = {f"b1 seq {n}": inputs(rng, [n]) for n in args.lengths}
     points.update({f"b{rows} mixed": inputs(rng, list(rng.integers(8, 257, rows))) for rows in MIXED})
     with tempfile.TemporaryDirectory() as workdir:
-        runs = backends(sparse_encoder_folder(), args.threads, Path(workdir))
+        runs, reference = backends(sparse_encoder_folder(), args.threads, Path(workdir), args.precision)
         names = list(runs)
-        worst = max(float(np.abs(runs["ours"](*batch) - runs["pytorch"](*batch)).max()) for batch in points.values())
+        agreement = [(runs["ours"](*batch), reference(*batch)) for batch in points.values()]
         seconds = {point: {name: [] for name in names} for point in points}
         for turn in range(args.rounds):
             for point, batch in points.items():
                 for name in rotated(names, turn):
                     runs_each = 1 if batch[0].size >= 2048 else 3
                     seconds[point][name].append(statistics.median(call_seconds(runs[name], batch, runs_each, 1)))
-    print(f"largest |ours - sentence-transformers| over the points: {worst:.2e}")
+    if args.precision == "bf16":
+        cosine = min(float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+                     for a, b in agreement)
+        print(f"smallest cosine of ours to sentence-transformers (fp32) over the points' texts: {cosine:.6f}")
+    else:
+        worst = max(float(np.abs(a - b).max()) for a, b in agreement)
+        print(f"largest |ours - sentence-transformers| over the points: {worst:.2e}")
     print("| point | " + " | ".join(f"{name} (ms)" for name in names) + " | vs best |")
     print("|" + " --- |" * (len(names) + 2))
     ratios = {}

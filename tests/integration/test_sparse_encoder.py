@@ -8,6 +8,7 @@ in both layouts; and the server's TEI route ``/embed_sparse`` answers the nonzer
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 import requests
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
+from dietserve.compile.target import TargetSpec
+from dietserve.host.cpu import cpu_flags
 from dietserve.model.checkpoint import Checkpoint, CheckpointError
 from dietserve.model.presets import default_model_folder
 from dietserve.model.tokenizer import TOKENIZER_FILES
@@ -137,6 +140,31 @@ def test_weights_match_sentence_transformers(compiled) -> None:
     np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
     if engine.packed:  # (the packed kernel takes log1p; the padded graph log(1 + x), zero below 6e-8)
         np.testing.assert_array_equal(ours > 0, expected > 0)
+
+
+@pytest.mark.skipif("avx512_bf16" not in (cpu_flags() or set()), reason="this CPU has no AVX512-BF16")
+def test_a_bf16_build_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: Path) -> None:
+    """bf16 products (the decoder's too), fp32 sums and pooling: each text's weights within the
+    bf16 contract's per-token cosine (0.9999) of sentence-transformers' fp32: each weight is one
+    token's logit (the largest), not an average over the tokens as a sentence embedding is."""
+    folder = sparse_encoder(tmp_path)
+    request = CompileRequest(model=str(folder), max_batch=8, analytic=True, precision="bf16")
+    ours = Embedder(Engine(load_artifact(compile_artifact(request, cache_dir)))).embed(TEXTS)
+    expected = _expected(folder)
+    cosine = (ours * expected).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= 0.9999, cosine
+    assert not np.allclose(ours, expected, rtol=0, atol=ATOL)  # (bf16 indeed: not fp32's numbers)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_a_cuda_build_carries_its_kernels(tmp_path: Path, cache_dir: Path) -> None:
+    """The padded graph (the head on every slot, pooled by masked reductions) builds for CUDA;
+    running it needs a GPU (``tests/gpu``)."""
+    request = CompileRequest(model=str(sparse_encoder(tmp_path)), target=TargetSpec(kind="cuda", arch="sm_90"),
+                             max_batch=8)
+    manifest = Manifest.read(compile_artifact(request, cache_dir))
+    assert manifest.pooling["splade"] == {"strategy": "max", "activation": "relu"}
+    assert manifest.layout == "padded" and manifest.output_shapes["sentence_embedding"] == [-1, 30522]
 
 
 def test_a_sparse_encoder_is_recorded_and_refuses_other_pooling(tmp_path: Path) -> None:
