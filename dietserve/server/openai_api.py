@@ -188,6 +188,10 @@ class OpenAIRoutes:
             raise FieldError("model", f"the served model '{parsed.model}' is a classifier (cross-encoder), not an "
                                       "embedding model: it gives scores, not embeddings; use /rerank, /v1/rerank or "
                                       "/predict")
+        if model.engine.sparse and parsed.dimensions is not None:
+            raise FieldError("dimensions", f"'{parsed.model}' is a sparse encoder (SPLADE): its weights are the "
+                                           "vocabulary's, whose first entries are no shorter embedding; leave "
+                                           "dimensions out, or use /embed_sparse for the nonzero weights")
         large = is_large(body, parsed.takes_text)
         answers = await infer_inputs(self.core, model, parsed.inputs, parsed.truncate, large, (EMBEDDING,))
         embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer in answers])

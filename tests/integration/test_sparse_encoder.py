@@ -272,6 +272,10 @@ def test_embed_sparse_answers_the_nonzero_weights(server) -> None:
     assert refused.status_code == 400 and "is a sparse encoder (SPLADE)" in refused.json()["error"]
     dense = _post(process, "/embed", {"inputs": TEXTS[0], "model": name, "normalize": False})
     np.testing.assert_allclose(dense.json()[0], expected[0], rtol=0, atol=ATOL)
+    openai = _post(process, "/v1/embeddings", {"input": TEXTS[0], "model": name})
+    np.testing.assert_allclose(openai.json()["data"][0]["embedding"], expected[0], rtol=0, atol=ATOL)
+    shortened = _post(process, "/v1/embeddings", {"input": TEXTS[0], "model": name, "dimensions": 8})
+    assert shortened.status_code == 400 and "is a sparse encoder (SPLADE)" in shortened.json()["error"]["message"]
     info = requests.get(f"http://{process.http_url}/info", params={"model": name}, timeout=60).json()
     assert info["model_type"] == {"embedding": {"pooling": "splade"}}
     wrong = _post(process, "/embed_sparse", {"inputs": "Hi", "model": dense_name})
