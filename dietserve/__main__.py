@@ -29,6 +29,8 @@ from .commands.common import DEFAULT_CACHE, add_build_flags, add_plans_flag, com
 from .commands.serve import add_serve_command
 from .commands.store import add_store_commands
 
+SPARSE_TERMS = 8  # embed: the terms of a sparse encoder's text printed, its heaviest
+
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from .compile.artifact import compile_artifact
@@ -98,6 +100,11 @@ def cmd_embed(args: argparse.Namespace) -> int:
         width = max(len(t) for t in args.texts)
         for text, row in zip(args.texts, similarity, strict=True):
             print(f"{text[:width]:<{width}}  " + "  ".join(f"{value:6.3f}" for value in row))
+    elif embedder.engine.sparse:  # (its weights by vocabulary entry: the terms it weighs most)
+        for text, vector in zip(args.texts, embeddings, strict=True):
+            top = [int(i) for i in np.argsort(-vector, kind="stable")[:SPARSE_TERMS] if vector[i] > 0]
+            terms = ", ".join(f"{embedder.tokenizer.decode([i], False)!r} {vector[i]:.3f}" for i in top)
+            print(f"{text!r}: {np.count_nonzero(vector)} of {vector.size} vocabulary weights nonzero; most: {terms}")
     else:
         np.set_printoptions(precision=4, suppress=True, linewidth=120)
         for text, vector in zip(args.texts, embeddings, strict=True):

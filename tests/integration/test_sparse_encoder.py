@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +200,24 @@ def test_pooling_splade_makes_a_masked_language_model_a_sparse_encoder(tmp_path:
     _with_bert_tokenizer(without_head)
     with pytest.raises(CheckpointError, match="have no masked-language-model head"):
         compile_artifact(CompileRequest(model=str(without_head), max_batch=8, pooling=("splade",)), cache_dir)
+
+
+def test_embed_prints_the_heaviest_terms(tmp_path: Path, cache_dir: Path) -> None:
+    """``python -m dietserve embed`` on a sparse encoder: how many weights are nonzero and the
+    heaviest terms, decoded, as the reference weighs them."""
+    from transformers import AutoTokenizer
+
+    folder = sparse_encoder(tmp_path)
+    artifact = compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)
+    text = TEXTS[1]
+    completed = subprocess.run([sys.executable, "-m", "dietserve", "embed", "--artifact", str(artifact), text],
+                               capture_output=True, text=True, timeout=300, check=True)
+    expected = _expected(folder)[1]
+    heaviest = np.argsort(-expected, kind="stable")[:3]
+    terms = ", ".join(f"{AutoTokenizer.from_pretrained(str(folder)).decode([int(i)])!r} {expected[i]:.3f}"
+                      for i in heaviest)
+    assert f"{text!r}: {np.count_nonzero(expected)} of 30522 vocabulary weights nonzero; most: {terms}" \
+        in completed.stdout
 
 
 def _rewritten_modules(folder: Path, edit) -> None:
