@@ -203,17 +203,21 @@ def _splade_options(folder: Path, entries: list, kinds: list[str], config: BertC
         raise CheckpointError(f"{modules_file}: dietserve reads the transformer in the root folder, not in "
                               f"{entries[0]['path']!r}")
     settings = _read_json(folder / str(entries[1].get("path", "")) / "config.json")
+    encoder_file = folder / "config_sentence_transformers.json"
+    encoder = _read_json(encoder_file) if encoder_file.is_file() else {}
+    settings = {**settings, "max_active_dims": encoder.get("max_active_dims")}
     return PoolingOptions(splade=splade_options(config, settings, f"{modules_file}: the SpladePooling module"))
 
 
 def splade_options(config: BertConfig, settings: dict, where: str) -> SpladeOptions:
-    """SpladePooling's ``settings`` (its config.json) for a checkpoint of ``config``, checked."""
+    """SpladePooling's ``settings`` (its config.json, and the SparseEncoder's ``max_active_dims``)
+    for a checkpoint of ``config``, checked."""
     if config.model_type not in SPLADE_FAMILIES:
         raise CheckpointError(f"{where}: a {config.model_type} sparse encoder is not supported; its "
                               f"masked-language-model head compiles for {', '.join(SPLADE_FAMILIES)}")
     try:
         return SpladeOptions(config.vocab_size, settings.get("pooling_strategy", "max"),
-                             settings.get("activation_function", "relu"))
+                             settings.get("activation_function", "relu"), settings.get("max_active_dims"))
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from None
 

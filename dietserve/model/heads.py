@@ -73,13 +73,19 @@ class DenseLayer:
 class SpladeOptions:
     """sentence-transformers' ``SpladePooling`` over the masked-language-model logits:
     ``strategy`` (max or sum over the tokens) of ``log1p(relu(x))``, or of ``log1p`` of that
-    (``activation`` ``log1p_relu``): one weight per vocabulary entry, most of them zero."""
+    (``activation`` ``log1p_relu``): one weight per vocabulary entry, most of them zero; and the
+    SparseEncoder's ``max_active_dims``."""
 
     vocab_size: int
     strategy: str = "max"
     activation: str = "relu"
+    # SparseEncoder's max_active_dims: each text keeps its this many largest weights, the rest
+    # zero (the engine keeps them, on the host); None: every weight.
+    max_active_dims: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_active_dims is not None and (type(self.max_active_dims) is not int or self.max_active_dims < 1):
+            raise ValueError(f"max_active_dims must be a positive integer, got {self.max_active_dims!r}")
         if self.strategy not in SPLADE_STRATEGIES:
             raise ValueError(f"SPLADE pooling_strategy {self.strategy!r} is not supported; expected one of "
                              f"{', '.join(SPLADE_STRATEGIES)}")
@@ -88,7 +94,7 @@ class SpladeOptions:
                              f"{', '.join(SPLADE_ACTIVATIONS)}")
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "activation": self.activation}
+        return {"strategy": self.strategy, "activation": self.activation, "max_active_dims": self.max_active_dims}
 
     @property
     def decoder_columns(self) -> int:

@@ -5,6 +5,7 @@ Knows nothing about transports. Calls are serialised: a VM instance is not re-en
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -138,7 +139,9 @@ class Engine:
         vocabulary) and the classifier's ``labels`` (logit i is ``labels[i]``; empty for an
         embedding model)."""
         self.task = manifest.task
-        self.sparse = bool((manifest.pooling or {}).get("splade"))
+        splade = (manifest.pooling or {}).get("splade")
+        self.sparse = bool(splade)
+        self.max_active_dims = splade.get("max_active_dims") if splade else None
         self.output_shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.output_shapes.items()}
         embedding = self.output_shapes.get("sentence_embedding")
         self.embedding_size = embedding[1] if embedding else None
@@ -214,4 +217,19 @@ class Engine:
             del hidden, head  # back to the pool before it is measured
             if self.pool_bound is not None:
                 self.pool_bound.check()
+        if self.max_active_dims is None:
             return output
+        return dataclasses.replace(output, sentence_embedding=keep_largest(output.sentence_embedding,
+                                                                           self.max_active_dims))
+
+
+def keep_largest(rows: np.ndarray, count: int | None) -> np.ndarray:
+    """Each row's ``count`` largest values, the rest zero, as sentence-transformers'
+    ``max_active_dims`` keeps a sparse encoder's weights (which are never negative); ``count``
+    None: ``rows`` as they are."""
+    if count is None or count >= rows.shape[1]:
+        return rows
+    kept = np.zeros_like(rows)
+    largest = np.argpartition(rows, -count, axis=1)[:, -count:]
+    np.put_along_axis(kept, largest, np.take_along_axis(rows, largest, axis=1), axis=1)
+    return kept

@@ -165,14 +165,32 @@ def test_a_cuda_build_carries_its_kernels(tmp_path: Path, cache_dir: Path) -> No
     request = CompileRequest(model=str(sparse_encoder(tmp_path)), target=TargetSpec(kind="cuda", arch="sm_90"),
                              max_batch=8)
     manifest = Manifest.read(compile_artifact(request, cache_dir))
-    assert manifest.pooling["splade"] == {"strategy": "max", "activation": "relu"}
+    assert manifest.pooling["splade"] == {"strategy": "max", "activation": "relu", "max_active_dims": None}
     assert manifest.layout == "padded" and manifest.output_shapes["sentence_embedding"] == [-1, 30522]
+
+
+def test_max_active_dims_keeps_the_largest_weights(tmp_path: Path, cache_dir: Path) -> None:
+    """A SparseEncoder saved with ``max_active_dims`` keeps each text's that many largest
+    weights, as sentence-transformers' encode does."""
+    from sentence_transformers import SparseEncoder
+
+    folder = sparse_encoder(tmp_path)
+    reference = SparseEncoder(str(folder), device="cpu")
+    reference.max_active_dims = 7
+    reference.save(str(folder))
+    assert json.loads((folder / "config_sentence_transformers.json").read_text())["max_active_dims"] == 7
+    expected = _expected(folder)
+    assert (np.count_nonzero(expected, axis=1) == 7).all()
+    engine = Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8), cache_dir)))
+    ours = Embedder(engine).embed(TEXTS)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=ATOL)
+    assert (np.count_nonzero(ours, axis=1) == 7).all()
 
 
 def test_a_sparse_encoder_is_recorded_and_refuses_other_pooling(tmp_path: Path) -> None:
     folder = sparse_encoder(tmp_path, strategy="sum")
     checkpoint = Checkpoint.open(folder)
-    assert checkpoint.pooling.to_dict()["splade"] == {"strategy": "sum", "activation": "relu"}
+    assert checkpoint.pooling.to_dict()["splade"] == {"strategy": "sum", "activation": "relu", "max_active_dims": None}
     assert checkpoint.model().output_shapes()["sentence_embedding"] == [-1, 30522]
     with pytest.raises(CheckpointError, match="is a sparse encoder"):
         checkpoint.with_pooling_modes(("mean",))
