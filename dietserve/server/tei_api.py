@@ -162,26 +162,24 @@ class TeiRoutes:
 
     async def root(self, request: web.Request) -> web.Response:
         """A ``query`` is reranked, ``inputs`` holding a ``source_sentence`` compared; other
-        ``inputs`` go to /predict or /embed, by the named model's kind or, where none is named,
-        the kind every served model is. The handler it hands to finds the body parsed already."""
+        ``inputs`` go to /predict, /embed_sparse or /embed, by the named model's kind or, where
+        none is named, the kind every served model is. The handler it hands to finds the body
+        parsed already."""
         body, _ = await self._body(request)
         if "query" in body:
             return await self._rerank(request)
         if isinstance(body.get("inputs"), dict):
             return await self.similarity(request)
         name = named_model(request, body)
-        if name is not None:
-            classifier = self.core.model_for(name, takes_text=True).engine.is_classifier
-        else:
-            kinds = {model.engine.is_classifier for model in self.core.text_models()}
-            if len(kinds) != 1:
-                raise FieldError("model", f"{request.path} serves one model's kind, and this server serves embedding "
-                                          "models and classifiers: name one with 'model' in the body or ?model= in "
-                                          "the URL, or use /embed, /predict or /rerank")
-            classifier = kinds.pop()
-        if classifier:
+        models = [self.core.model_for(name, takes_text=True)] if name is not None else self.core.text_models()
+        kinds = {model.engine.is_classifier for model in models}
+        if len(kinds) != 1:
+            raise FieldError("model", f"{request.path} serves one model's kind, and this server serves embedding "
+                                      "models and classifiers: name one with 'model' in the body or ?model= in "
+                                      "the URL, or use /embed, /predict or /rerank")
+        if kinds.pop():
             return await self._predict(request)
-        sparse = {model.engine.sparse for model in self.core.text_models() if not model.engine.is_classifier}
+        sparse = {model.engine.sparse for model in models}
         return await (self.embed_sparse(request) if sparse == {True} else self.embed(request))
 
     async def _embedded(self, request: web.Request, route: str, output: str) -> tuple[dict, list, ServedModel]:

@@ -305,6 +305,9 @@ def test_embed_sparse_answers_the_nonzero_weights(server) -> None:
         indices = [entry["index"] for entry in row]
         assert indices == np.flatnonzero(weights).tolist()
         np.testing.assert_allclose([entry["value"] for entry in row], weights[indices], rtol=0, atol=ATOL)
+    # TEI's root answers a sparse encoder's inputs as /embed_sparse, a dense one's as /embed
+    assert _post(process, "/", {"inputs": TEXTS, "model": name}).json() == rows
+    assert len(_post(process, "/", {"inputs": "Hi", "model": dense_name}).json()[0]) == 384
     # /embed gives the whole vocabulary's weights, unnormalised only, as TEI does
     refused = _post(process, "/embed", {"inputs": TEXTS[0], "model": name})
     assert refused.status_code == 400 and "is a sparse encoder (SPLADE)" in refused.json()["error"]
