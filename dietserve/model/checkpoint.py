@@ -285,6 +285,9 @@ def load_parameters(
     raw = as_bert(checkpoint.config, {canonical_name(name): tensor for name, tensor in stored.items()})
     raw.update(_dense_tensors(checkpoint))
     splade = checkpoint.pooling.splade if checkpoint.classifier is None else None
+    if splade is not None and "splade.transform.dense.weight" not in raw:
+        raise CheckpointError(f"{checkpoint.folder}'s weights have no masked-language-model head (a *ForMaskedLM "
+                              "checkpoint's cls.predictions, lm_head or vocab_*), which a sparse encoder needs")
     if splade is not None:
         raw.update(splade_decoder(raw, splade.decoder_columns))
     transposed = transposed_weight_names(model)
@@ -294,10 +297,6 @@ def load_parameters(
         for part in sources[name]:
             if part not in raw and without_bias(checkpoint.config, part):
                 raw[part] = np.zeros(part_width(checkpoint.config, part, shape[-1], len(sources[name])), np.float32)
-            if part not in raw and part.startswith("splade."):
-                raise CheckpointError(f"{checkpoint.folder}'s weights have no masked-language-model head ({part!r}: "
-                                      "a *ForMaskedLM checkpoint's cls.predictions, lm_head or vocab_*), which a "
-                                      "sparse encoder needs")
             if part not in raw:
                 raise CheckpointError(f"{checkpoint.folder}'s weights have no tensor {part!r}")
         try:

@@ -20,7 +20,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..kernels.cpu_varlen.splade_pool import SPLADE_ACTIVATIONS, SPLADE_STRATEGIES
+from ..kernels.cpu_varlen.splade_pool import check_splade_pooling
 from .layers import TransposedLinear, activation
 
 # --pooling's name for SpladePooling (TEI's): sentence-transformers' Pooling modes do not include it.
@@ -86,12 +86,7 @@ class SpladeOptions:
     def __post_init__(self) -> None:
         if self.max_active_dims is not None and (type(self.max_active_dims) is not int or self.max_active_dims < 1):
             raise ValueError(f"max_active_dims must be a positive integer, got {self.max_active_dims!r}")
-        if self.strategy not in SPLADE_STRATEGIES:
-            raise ValueError(f"SPLADE pooling_strategy {self.strategy!r} is not supported; expected one of "
-                             f"{', '.join(SPLADE_STRATEGIES)}")
-        if self.activation not in SPLADE_ACTIVATIONS:
-            raise ValueError(f"SPLADE activation_function {self.activation!r} is not supported; expected one of "
-                             f"{', '.join(SPLADE_ACTIVATIONS)}")
+        check_splade_pooling(self.strategy, self.activation)
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "activation": self.activation, "max_active_dims": self.max_active_dims}
@@ -245,8 +240,8 @@ class SentencePooling(nn.Module):
 
 class _LMTransform(nn.Module):
     """The masked-language-model head's first part: dense, activation, LayerNorm (BERT's
-    ``cls.predictions.transform``; RoBERTa's ``lm_head.dense`` and ``layer_norm``; DistilBERT's
-    ``vocab_transform`` and ``vocab_layer_norm``, which always apply GELU)."""
+    ``cls.predictions.transform``; RoBERTa's and MPNet's ``lm_head.dense`` and ``layer_norm``,
+    whose activation is always GELU; DistilBERT's ``vocab_transform`` and ``vocab_layer_norm``)."""
 
     def __init__(self, hidden_size: int, act: str, eps: float):
         self.dense = TransposedLinear(hidden_size, hidden_size)

@@ -223,11 +223,10 @@ class Engine:
                                                                            self.max_active_dims))
 
 
-def keep_largest(rows: np.ndarray, count: int | None) -> np.ndarray:
+def keep_largest(rows: np.ndarray, count: int) -> np.ndarray:
     """Each row's ``count`` largest values, the rest zero, as sentence-transformers'
-    ``max_active_dims`` keeps a sparse encoder's weights (which are never negative); ``count``
-    None: ``rows`` as they are."""
-    if count is None or count >= rows.shape[1]:
+    ``max_active_dims`` keeps a sparse encoder's weights (which are never negative)."""
+    if count >= rows.shape[1]:
         return rows
     kept = np.zeros_like(rows)
     largest = np.argpartition(rows, -count, axis=1)[:, -count:]

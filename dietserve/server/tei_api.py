@@ -120,6 +120,26 @@ def _prompted(options: dict, model: ServedModel, inputs: list) -> list:
     return [prompts[name] + text for text in inputs]
 
 
+def _check_embed(model: ServedModel, body: dict) -> None:
+    """What /embed refuses: ``normalize: false`` where the graph normalises; for a sparse encoder,
+    as TEI does, ``normalize: true`` (its default), and ``dimensions``."""
+    normalize, dimensions = flag_field(body, "normalize", True), dimensions_field(body)
+    if model.engine.sparse and (normalize or dimensions is not None):
+        raise FieldError("normalize" if normalize else "dimensions",
+                         f"'{model.artifact}' is a sparse encoder (SPLADE): /embed gives its weights of the "
+                         "whole vocabulary only with normalize=false and no dimensions; /embed_sparse gives "
+                         "the nonzero ones")
+    if not normalize and normalizes(model):
+        raise FieldError("normalize", f"normalize=false is not available: '{model.artifact}' normalises its "
+                                      "embeddings inside the compiled model (its Normalize module)")
+
+
+def _check_sparse(model: ServedModel, _body: dict) -> None:
+    if not model.engine.sparse:
+        raise InputError(f"/embed_sparse needs a sparse encoder (SPLADE); '{model.artifact}' gives dense "
+                         "embeddings: use /embed")
+
+
 def _keeps_last(options: dict) -> bool:
     """TEI's ``truncation_direction``: "right" (the default) keeps a text's first tokens, "left"
     its last."""
@@ -182,22 +202,26 @@ class TeiRoutes:
         sparse = {model.engine.sparse for model in models}
         return await (self.embed_sparse(request) if sparse == {True} else self.embed(request))
 
-    async def _embedded(self, request: web.Request, route: str, output: str) -> tuple[dict, list, ServedModel]:
-        """The body, the outputs of its ``inputs`` (one array per batch-sized request) and the model."""
+    async def _embedded(self, request: web.Request, route: str, output: str,
+                        check=lambda _model, _body: None) -> tuple[dict, list, ServedModel]:
+        """The body, the outputs of its ``inputs`` (one array per batch-sized request) and the
+        model; ``check(model, body)`` refuses what the route cannot answer, before any work."""
         body, raw = await self._body(request)
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': the text(s) or token ids to embed")
-        answers, model = await self._run(request, route, body, raw, parse_input(body["inputs"], "inputs"), body, output)
+        answers, model = await self._run(request, route, body, raw, parse_input(body["inputs"], "inputs"), body, output,
+                                         check)
         return body, answers, model
 
     async def _run(self, request: web.Request, route: str, body: dict, raw: bytes, inputs: list, options: dict,
-                   output: str) -> tuple[list, ServedModel]:
-        """``inputs`` through the embedding model the route takes; ``options`` holds truncate, its
-        direction and the prompt's name."""
+                   output: str, check=lambda _model, _body: None) -> tuple[list, ServedModel]:
+        """``inputs`` through the embedding model the route takes, once ``check`` passes it;
+        ``options`` holds truncate, its direction and the prompt's name."""
         model = chosen_model(self.core, route, request, body, classifier=False)
         if model.engine.is_classifier:
             raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
                              f"{other_routes(False)}")
+        check(model, body)
         keep_last = _keeps_last(options)
         inputs = _prompted(options, model, inputs)
         takes_text = isinstance(inputs[0], str)
@@ -226,16 +250,8 @@ class TeiRoutes:
 
     async def embed(self, request: web.Request) -> web.Response:
         """{inputs, normalize, truncate, dimensions} -> one embedding per input."""
-        body, answers, model = await self._embedded(request, "/embed", EMBEDDING)
+        body, answers, model = await self._embedded(request, "/embed", EMBEDDING, _check_embed)
         normalize, dimensions = flag_field(body, "normalize", True), dimensions_field(body)
-        if model.engine.sparse and (normalize or dimensions is not None):
-            raise FieldError("normalize" if normalize else "dimensions",
-                             f"'{model.artifact}' is a sparse encoder (SPLADE): /embed gives its weights of the "
-                             "whole vocabulary only with normalize=false and no dimensions; /embed_sparse gives "
-                             "the nonzero ones")
-        if not normalize and normalizes(model):
-            raise FieldError("normalize", f"normalize=false is not available: '{model.artifact}' normalises its "
-                                          "embeddings inside the compiled model (its Normalize module)")
         embeddings = shorten(np.concatenate([answer.outputs[EMBEDDING] for answer in answers]), dimensions,
                              normalizes(model))
         if normalize and not normalizes(model):
@@ -245,10 +261,7 @@ class TeiRoutes:
     async def embed_sparse(self, request: web.Request) -> web.Response:
         """{inputs, truncate} -> per input, the sparse encoder's nonzero weights as
         ``[{index, value}, ...]`` in vocabulary order."""
-        _, answers, model = await self._embedded(request, "/embed_sparse", EMBEDDING)
-        if not model.engine.sparse:
-            raise InputError(f"/embed_sparse needs a sparse encoder (SPLADE); '{model.artifact}' gives dense "
-                             "embeddings: use /embed")
+        _, answers, _ = await self._embedded(request, "/embed_sparse", EMBEDDING, _check_sparse)
         weights = np.concatenate([answer.outputs[EMBEDDING] for answer in answers])
 
         def nonzero() -> list:

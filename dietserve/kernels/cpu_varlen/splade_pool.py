@@ -25,15 +25,23 @@ _LANES = 16  # (LLVM splits a wider vector than the target has)
 _COLUMNS = 1024  # a task's block of columns: its sums, 4 KB, stay in the first-level cache
 
 
+def check_splade_pooling(strategy: str, activation: str) -> None:
+    """A ValueError naming the setting unless SpladePooling's ``pooling_strategy`` and
+    ``activation_function`` are ones this kernel computes."""
+    for setting, value, known in (("pooling_strategy", strategy, SPLADE_STRATEGIES),
+                                  ("activation_function", activation, SPLADE_ACTIVATIONS)):
+        if value not in known:
+            raise ValueError(f"SPLADE pooling {strategy!r} of {activation!r}: {setting} {value!r} is not supported; "
+                             f"expected one of {', '.join(known)}")
+
+
 def splade_pool(vocab: int, strategy: str = "max", activation: str = "relu", columns: int | None = None,
                 parallel: bool = True) -> tirx.PrimFunc:
     """The PrimFunc ``(logits [T, columns], starts [B + 1] int64, out [B, vocab])``, the logits
     with the decoder's bias added;
     ``starts``: where each sequence's rows begin, the last entry T; ``columns`` (default
     ``vocab``): the logits' width, of which the first ``vocab`` are pooled."""
-    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
-        raise ValueError(f"SPLADE pooling {strategy!r} of {activation!r}: expected a strategy of "
-                         f"{', '.join(SPLADE_STRATEGIES)} and an activation of {', '.join(SPLADE_ACTIVATIONS)}")
+    check_splade_pooling(strategy, activation)
     columns = vocab if columns is None else columns
     if columns < vocab:
         raise ValueError(f"logits of {columns} columns cannot hold a vocabulary of {vocab}")
