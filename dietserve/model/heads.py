@@ -117,10 +117,11 @@ class PoolingOptions:
         return self.dense[-1].out_features if self.dense else len(self.modes) * hidden_size
 
     def to_dict(self) -> dict:
+        if self.splade is not None:  # the dense recipe's fields do not apply: not recorded
+            return {"splade": self.splade.to_dict()}
         dense = [{"in_features": d.in_features, "out_features": d.out_features, "bias": d.bias,
                   "activation": d.activation, "path": d.path} for d in self.dense]
-        splade = None if self.splade is None else self.splade.to_dict()
-        return {"modes": list(self.modes), "dense": dense, "normalize": self.normalize, "splade": splade}
+        return {"modes": list(self.modes), "dense": dense, "normalize": self.normalize}
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ class Manifest:
     # output name -> shape, -1 where it follows the request (batch, sequence length)
     output_shapes: dict = field(default_factory=dict)
     task: str = EMBEDDING_TASK  # or CLASSIFICATION_TASK: logits in place of sentence_embedding
-    # EMBEDDING_TASK: {"modes": [...], "dense": [...], "normalize": bool} (model/heads.py PoolingOptions)
+    # EMBEDDING_TASK: {"modes": [...], "dense": [...], "normalize": bool}, or for a sparse encoder
+    # {"splade": {...}} (model/heads.py PoolingOptions.to_dict)
     pooling: dict | None = None
     # CLASSIFICATION_TASK: {"num_labels": n, "id2label": {"0": name, ...}}
     classifier: dict | None = None
