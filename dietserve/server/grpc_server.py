@@ -1,5 +1,5 @@
 """Building the gRPC servers: the inference server (interceptor, message limits, the v2 service,
-health, reflection, TLS) and the plaintext health-only server for Kubernetes probes."""
+TEI's services, health, reflection, TLS) and the plaintext health-only server for Kubernetes probes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from .config import ServerConfig
 from .inference import Inference
 from .servicer import InferenceServicer, inference_handlers
 from .status import ServingInterceptor
+from .tei_grpc import SERVICES as TEI_SERVICES
+from .tei_grpc import add_tei_services
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -21,8 +23,8 @@ REPLY_OVERHEAD_BYTES = 64 << 10
 
 def inference_server(config: ServerConfig, core: Inference,
                      health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
-    """The v2 inference service over ``core``, with ``health_servicer`` and, if configured,
-    reflection; not bound yet."""
+    """The v2 inference service and TEI's services over ``core``, with ``health_servicer`` and,
+    if configured, reflection; not bound yet."""
     server = grpc.aio.server(
         interceptors=[ServingInterceptor(core.state.metrics, core.state.cap, core.state.api_keys)],
         options=[
@@ -31,9 +33,11 @@ def inference_server(config: ServerConfig, core: Inference,
             ("grpc.so_reuseport", 0),
         ])
     server.add_generic_rpc_handlers((inference_handlers(InferenceServicer(core)),))
+    add_tei_services(server, core)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
-        reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection([SERVICE_NAME, *TEI_SERVICES, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME],
+                                           server)
     return server
 
 

@@ -72,6 +72,8 @@ class Answer:
     model: ServedModel
     request: EncoderRequest
     outputs: dict[str, np.ndarray]  # in the order the request asked for them
+    queue_seconds: float = 0.0  # waiting in the batcher
+    compute_seconds: float = 0.0  # the batch's run, which it may share with other requests
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ class Inference:
             queue_seconds, compute_seconds = result.queue_seconds, result.run.compute_seconds
             model.statistics.record_execution(result.run)
             ok = True
-            return Answer(model, request, {name: getattr(result.output, name) for name in request.outputs}), wire
+            outputs = {name: getattr(result.output, name) for name in request.outputs}
+            return Answer(model, request, outputs, queue_seconds, compute_seconds), wire
         finally:
             metrics.inflight.dec()
             elapsed = time.perf_counter() - started

@@ -192,7 +192,7 @@ class OpenAIRoutes:
             raise FieldError("dimensions", f"'{parsed.model}' is a sparse encoder (SPLADE): its weights are the "
                                            "vocabulary's, whose first entries are no shorter embedding; leave "
                                            "dimensions out, or use /embed_sparse for the nonzero weights")
-        large = is_large(body, parsed.takes_text)
+        large = is_large(len(body), parsed.takes_text)
         answers = await infer_inputs(self.core, model, parsed.inputs, parsed.truncate, large, (EMBEDDING,))
         embeddings = np.concatenate([answer.outputs[EMBEDDING] for answer in answers])
         embeddings = shorten(embeddings, parsed.dimensions, normalizes(model))
@@ -200,9 +200,9 @@ class OpenAIRoutes:
         return json_response(await self.core.off_loop(large, encode_embeddings, embeddings, parsed, tokens))
 
 
-def is_large(body: bytes, takes_text: bool) -> bool:
-    """Whether a body is worth decoding off the event loop (``Inference.off_loop``)."""
-    return len(body) > (codec.INLINE_TEXT_BYTES if takes_text else codec.INLINE_MESSAGE_BYTES)
+def is_large(size: int, takes_text: bool) -> bool:
+    """Whether a request of ``size`` bytes is worth decoding off the event loop (``Inference.off_loop``)."""
+    return size > (codec.INLINE_TEXT_BYTES if takes_text else codec.INLINE_MESSAGE_BYTES)
 
 
 async def infer_inputs(core: Inference, model: ServedModel, inputs: list, truncate: bool | None, large: bool,

@@ -31,7 +31,8 @@ from . import codec
 from .http_body import FieldError, json_response, read_object
 from .inference import Inference
 from .model import ServedModel
-from .tei_api import chosen_model, flag_field, other_routes, string_field, wrong_kind
+from .tei_api import named_model
+from .tei_calls import chosen_model, flag_field, other_routes, string_field, wrong_kind
 
 LOGITS = "logits"
 Item = str | tuple[str, str]  # a text, or a (text, text_pair) pair
@@ -92,20 +93,14 @@ def predict_inputs(value: object) -> tuple[list[Item], bool]:
 # ---------------------------------------------------------------------------- routes
 
 
-class RerankRoutes:
+class ClassifierCalls:
+    """TEI's classifier calls, with no wire (HTTP: :class:`RerankRoutes`; gRPC: ``tei_grpc.py``):
+    each takes TEI's JSON body, the model the request names (None: the only classifier) and
+    whether the request is large enough to tokenize off the event loop."""
+
     def __init__(self, core: Inference):
         self.core = core
         self.config = core.state.config
-
-    def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/rerank", self.rerank)
-        app.router.add_post("/v1/rerank", self.cohere_rerank)
-        app.router.add_post("/predict", self.predict)
-
-    async def _body(self, request: web.Request) -> tuple[dict, bool]:
-        """The JSON body, and whether it is large enough to tokenize off the event loop."""
-        fields, body = await read_object(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
-        return fields, len(body) > codec.INLINE_TEXT_BYTES
 
     def _classifier(self, route: str, one_label: bool, model: ServedModel) -> ServedModel:
         """``model``, once it is known to be a classifier (with one label, to rerank)."""
@@ -118,17 +113,72 @@ class RerankRoutes:
                              f"{len(engine.labels)} ({', '.join(engine.labels)}): use /predict")
         return model
 
-    async def rerank(self, request: web.Request) -> web.Response:
-        """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best first."""
-        body, large = await self._body(request)
-        model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", request, body, classifier=True))
+    async def ranks(self, body: dict, name: str | None, large: bool) -> list[dict]:
+        """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best
+        first, from the classifier ``name`` names (None: the only one)."""
         query, texts = string_field(body, "query"), _texts(body, "texts")
-        raw, with_text = flag_field(body, "raw_scores", False), flag_field(body, "return_text", False)
-        truncate = flag_field(body, "truncate", None)
-        logits, _ = await self._logits(model, [(query, text) for text in texts], truncate, large)
+        return await self.pair_ranks([(query, text) for text in texts], body, name, large)
+
+    async def pair_ranks(self, pairs: list[tuple[str, str]], options: dict, name: str | None,
+                         large: bool) -> list[dict]:
+        """(query, text) pairs, each scored -> [{index, score, text?}], best first; ``options``
+        holds raw_scores, return_text and truncate."""
+        model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", name, classifier=True))
+        raw, with_text = flag_field(options, "raw_scores", False), flag_field(options, "return_text", False)
+        logits, _ = await self._logits(model, pairs, flag_field(options, "truncate", None), large)
         ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
-        return json_response([{"index": index, "score": score, **({"text": texts[index]} if with_text else {})}
-                              for index, score in ranked])
+        return [{"index": index, "score": score, **({"text": pairs[index][1]} if with_text else {})}
+                for index, score in ranked]
+
+    async def predictions(self, body: dict, name: str | None, large: bool) -> tuple[list[list[dict]], bool]:
+        """TEI: {inputs, raw_scores, truncate} -> ([{label, score}] per input, best first; whether
+        ``inputs`` was a batch), from the classifier ``name`` names (None: the only one)."""
+        model = self._classifier("/predict", False, chosen_model(self.core, "/predict", name, classifier=True))
+        if "inputs" not in body:
+            raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
+        items, batch = predict_inputs(body["inputs"])
+        raw = flag_field(body, "raw_scores", False)
+        logits, _ = await self._logits(model, items, flag_field(body, "truncate", None), large)
+        labels = model.engine.labels
+        answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
+                          key=lambda entry: -entry["score"])
+                   for row in scores(logits, raw).tolist()]
+        return answers, batch
+
+    # ------------------------------------------------------------------ inference
+
+    async def _logits(self, model: ServedModel, items: list[Item], truncate: bool | None,
+                      large: bool) -> tuple[np.ndarray, int]:
+        """[len(items), labels] logits and the tokens read, in batch-sized requests."""
+        step, truncate = model.engine.max_batch, self.core.truncate(truncate)
+        answers = await asyncio.gather(*(
+            self.core.infer(self._receive(model, items[first : first + step], first, truncate, large))
+            for first in range(0, len(items), step)))
+        logits = np.concatenate([answer.outputs[LOGITS] for answer, _ in answers])
+        return logits, sum(answer.request.tokens for answer, _ in answers)
+
+    async def _receive(self, model: ServedModel, items: list[Item], first: int, truncate: bool,
+                       large: bool) -> tuple[ServedModel, EncoderRequest, None]:
+        return model, await self.core.off_loop(large, encode_items, model, items, first, truncate), None
+
+
+
+class RerankRoutes(ClassifierCalls):
+    """The classifier routes over HTTP."""
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/rerank", self.rerank)
+        app.router.add_post("/v1/rerank", self.cohere_rerank)
+        app.router.add_post("/predict", self.predict)
+
+    async def _body(self, request: web.Request) -> tuple[dict, bool]:
+        """The JSON body, and whether it is large enough to tokenize off the event loop."""
+        fields, body = await read_object(request, self.config.max_request_bytes, self.config.http_body_timeout_seconds)
+        return fields, len(body) > codec.INLINE_TEXT_BYTES
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        body, large = await self._body(request)
+        return json_response(await self.ranks(body, named_model(request, body), large))
 
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         """Cohere: {model, query, documents, top_n, return_documents} -> {id, results, meta}."""
@@ -150,35 +200,9 @@ class RerankRoutes:
         return json_response({"id": str(uuid.uuid4()), "results": results, "meta": meta})
 
     async def predict(self, request: web.Request) -> web.Response:
-        """TEI: {inputs, raw_scores, truncate} -> [{label, score}] per input, best first."""
         body, large = await self._body(request)
-        model = self._classifier("/predict", False, chosen_model(self.core, "/predict", request, body, classifier=True))
-        if "inputs" not in body:
-            raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
-        items, batch = predict_inputs(body["inputs"])
-        raw = flag_field(body, "raw_scores", False)
-        logits, _ = await self._logits(model, items, flag_field(body, "truncate", None), large)
-        labels = model.engine.labels
-        answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
-                          key=lambda entry: -entry["score"])
-                   for row in scores(logits, raw).tolist()]
+        answers, batch = await self.predictions(body, named_model(request, body), large)
         return json_response(answers if batch else answers[0])
-
-    # ------------------------------------------------------------------ inference
-
-    async def _logits(self, model: ServedModel, items: list[Item], truncate: bool | None,
-                      large: bool) -> tuple[np.ndarray, int]:
-        """[len(items), labels] logits and the tokens read, in batch-sized requests."""
-        step, truncate = model.engine.max_batch, self.core.truncate(truncate)
-        answers = await asyncio.gather(*(
-            self.core.infer(self._receive(model, items[first : first + step], first, truncate, large))
-            for first in range(0, len(items), step)))
-        logits = np.concatenate([answer.outputs[LOGITS] for answer, _ in answers])
-        return logits, sum(answer.request.tokens for answer, _ in answers)
-
-    async def _receive(self, model: ServedModel, items: list[Item], first: int, truncate: bool,
-                       large: bool) -> tuple[ServedModel, EncoderRequest, None]:
-        return model, await self.core.off_loop(large, encode_items, model, items, first, truncate), None
 
 
 def encode_items(model: ServedModel, items: list[Item], first: int, truncate: bool) -> EncoderRequest:

@@ -165,7 +165,8 @@ def test_a_cuda_build_carries_its_kernels(tmp_path: Path, cache_dir: Path) -> No
     request = CompileRequest(model=str(sparse_encoder(tmp_path)), target=TargetSpec(kind="cuda", arch="sm_90"),
                              max_batch=8)
     manifest = Manifest.read(compile_artifact(request, cache_dir))
-    assert manifest.pooling["splade"] == {"strategy": "max", "activation": "relu", "max_active_dims": None}
+    # only the sparse recipe: the dense one's modes and normalize do not apply to it
+    assert manifest.pooling == {"splade": {"strategy": "max", "activation": "relu", "max_active_dims": None}}
     assert manifest.layout == "padded" and manifest.output_shapes["sentence_embedding"] == [-1, 30522]
 
 
@@ -323,3 +324,28 @@ def test_embed_sparse_answers_the_nonzero_weights(server) -> None:
     assert wrong.status_code == 400
     assert wrong.json()["error"].startswith(f"/embed_sparse needs a sparse encoder (SPLADE); '{dense_name}'")
     assert _post(process, "/embed", {"inputs": "Hi", "model": dense_name}).status_code == 200
+
+
+@pytest.mark.slow
+def test_teis_grpc_embed_sparse_answers_as_the_http_route(server) -> None:
+    import grpc
+
+    from dietserve.server._proto import tei_pb2 as tei
+    from dietserve.server._proto import tei_pb2_grpc as tei_grpc
+
+    folder, (name, _), process = server
+    expected = _expected(folder)
+    with grpc.insecure_channel(process.grpc_url) as channel:
+        stub = tei_grpc.EmbedStub(channel)
+        named = (("model", name),)
+        answers = list(stub.EmbedSparseStream((tei.EmbedSparseRequest(inputs=text) for text in TEXTS), metadata=named))
+        for answer, weights in zip(answers, expected, strict=True):
+            indices = [entry.index for entry in answer.sparse_embeddings]
+            assert indices == np.flatnonzero(weights).tolist()
+            np.testing.assert_allclose([entry.value for entry in answer.sparse_embeddings], weights[indices],
+                                       rtol=0, atol=ATOL)
+        with pytest.raises(grpc.RpcError) as refused:  # as /embed refuses it: TEI's normalize defaults to true
+            stub.Embed(tei.EmbedRequest(inputs=TEXTS[0]), metadata=named)
+        assert "is a sparse encoder (SPLADE)" in refused.value.details()
+        unnormalised = stub.Embed(tei.EmbedRequest(inputs=TEXTS[0], normalize=False), metadata=named)
+        np.testing.assert_allclose(unnormalised.embeddings, expected[0], rtol=0, atol=ATOL)
