@@ -113,37 +113,38 @@ class ClassifierCalls:
                              f"{len(engine.labels)} ({', '.join(engine.labels)}): use /predict")
         return model
 
-    async def ranks(self, body: dict, name: str | None, large: bool) -> list[dict]:
-        """TEI: {query, texts, raw_scores, return_text, truncate} -> [{index, score, text?}], best
-        first, from the classifier ``name`` names (None: the only one)."""
+    async def ranks(self, body: dict, name: str | None, large: bool) -> tuple[list[dict], int]:
+        """TEI: {query, texts, raw_scores, return_text, truncate} -> ([{index, score, text?}], best
+        first; the tokens read), from the classifier ``name`` names (None: the only one)."""
         query, texts = string_field(body, "query"), _texts(body, "texts")
         return await self.pair_ranks([(query, text) for text in texts], body, name, large)
 
     async def pair_ranks(self, pairs: list[tuple[str, str]], options: dict, name: str | None,
-                         large: bool) -> list[dict]:
-        """(query, text) pairs, each scored -> [{index, score, text?}], best first; ``options``
-        holds raw_scores, return_text and truncate."""
+                         large: bool) -> tuple[list[dict], int]:
+        """(query, text) pairs, each scored -> ([{index, score, text?}], best first; the tokens
+        read); ``options`` holds raw_scores, return_text and truncate."""
         model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", name, classifier=True))
         raw, with_text = flag_field(options, "raw_scores", False), flag_field(options, "return_text", False)
-        logits, _ = await self._logits(model, pairs, flag_field(options, "truncate", None), large)
+        logits, tokens = await self._logits(model, pairs, flag_field(options, "truncate", None), large)
         ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
         return [{"index": index, "score": score, **({"text": pairs[index][1]} if with_text else {})}
-                for index, score in ranked]
+                for index, score in ranked], tokens
 
-    async def predictions(self, body: dict, name: str | None, large: bool) -> tuple[list[list[dict]], bool]:
+    async def predictions(self, body: dict, name: str | None, large: bool) -> tuple[list[list[dict]], bool, int]:
         """TEI: {inputs, raw_scores, truncate} -> ([{label, score}] per input, best first; whether
-        ``inputs`` was a batch), from the classifier ``name`` names (None: the only one)."""
+        ``inputs`` was a batch; the tokens read), from the classifier ``name`` names (None: the
+        only one)."""
         model = self._classifier("/predict", False, chosen_model(self.core, "/predict", name, classifier=True))
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
         items, batch = predict_inputs(body["inputs"])
         raw = flag_field(body, "raw_scores", False)
-        logits, _ = await self._logits(model, items, flag_field(body, "truncate", None), large)
+        logits, tokens = await self._logits(model, items, flag_field(body, "truncate", None), large)
         labels = model.engine.labels
         answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
                           key=lambda entry: -entry["score"])
                    for row in scores(logits, raw).tolist()]
-        return answers, batch
+        return answers, batch, tokens
 
     # ------------------------------------------------------------------ inference
 
@@ -178,7 +179,8 @@ class RerankRoutes(ClassifierCalls):
 
     async def rerank(self, request: web.Request) -> web.Response:
         body, large = await self._body(request)
-        return json_response(await self.ranks(body, named_model(request, body), large))
+        ranks, _ = await self.ranks(body, named_model(request, body), large)
+        return json_response(ranks)
 
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         """Cohere: {model, query, documents, top_n, return_documents} -> {id, results, meta}."""
@@ -201,7 +203,7 @@ class RerankRoutes(ClassifierCalls):
 
     async def predict(self, request: web.Request) -> web.Response:
         body, large = await self._body(request)
-        answers, batch = await self.predictions(body, named_model(request, body), large)
+        answers, batch, _ = await self.predictions(body, named_model(request, body), large)
         return json_response(answers if batch else answers[0])
 
 

@@ -49,12 +49,17 @@ def _options(message, *optional: str) -> dict:
     return options | {name: getattr(message, name) for name in optional if message.HasField(name)}
 
 
-def _metadata(started: float, chars: int, answers: list[Answer]) -> tei.Metadata:
-    """What an answer computed and where its time went; tokenization is not timed apart here."""
-    return tei.Metadata(compute_chars=chars, compute_tokens=sum(answer.request.tokens for answer in answers),
+def _metadata(started: float, chars: int, tokens: int, answers: list[Answer] = ()) -> tei.Metadata:
+    """What an answer computed and where its time went: queue and inference times where the
+    call's ``answers`` are at hand (the embedding calls); tokenization is not timed apart here."""
+    return tei.Metadata(compute_chars=chars, compute_tokens=tokens,
                         total_time_ns=int((time.perf_counter() - started) * 1e9),
-                        queue_time_ns=int(max(answer.queue_seconds for answer in answers) * 1e9),
-                        inference_time_ns=int(max(answer.compute_seconds for answer in answers) * 1e9))
+                        queue_time_ns=int(max((answer.queue_seconds for answer in answers), default=0) * 1e9),
+                        inference_time_ns=int(max((answer.compute_seconds for answer in answers), default=0) * 1e9))
+
+
+def _tokens(answers: list[Answer]) -> int:
+    return sum(answer.request.tokens for answer in answers)
 
 
 async def in_order(messages: AsyncIterator, call: Callable[[object], Awaitable]) -> AsyncIterator:
@@ -108,7 +113,7 @@ class TeiServicer:
         body = {"inputs": message.inputs, **_options(message, "normalize", "prompt_name", "dimensions")}
         embeddings, answers = await self.calls.embeddings(body, _named_model(context), message.ByteSize())
         return tei.EmbedResponse(embeddings=embeddings[0].tolist(),
-                                 metadata=_metadata(started, len(message.inputs), answers))
+                                 metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
 
     async def _embed_sparse(self, message, context) -> tei.EmbedSparseResponse:
         started = time.perf_counter()
@@ -117,14 +122,14 @@ class TeiServicer:
         indices, values = nonzero_weights(weights)[0]
         entries = [tei.SparseValue(index=int(i), value=float(v)) for i, v in zip(indices, values, strict=True)]
         return tei.EmbedSparseResponse(sparse_embeddings=entries,
-                                       metadata=_metadata(started, len(message.inputs), answers))
+                                       metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
 
     async def _embed_all(self, message, context) -> tei.EmbedAllResponse:
         started = time.perf_counter()
         body = {"inputs": message.inputs, **_options(message, "prompt_name")}
         hidden, answers = await self.calls.token_embeddings(body, _named_model(context), message.ByteSize())
         return tei.EmbedAllResponse(token_embeddings=[tei.TokenEmbedding(embeddings=row) for row in hidden[0].tolist()],
-                                    metadata=_metadata(started, len(message.inputs), answers))
+                                    metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
 
     async def Embed(self, request, context):
         return await self._embed(request, context)
@@ -155,12 +160,11 @@ class TeiServicer:
         if not isinstance(inputs, str) and len(inputs) != 2:
             raise FieldError("inputs", f"PredictPair takes two texts (a text and its pair), got {len(inputs)}")
         body = {"inputs": inputs if isinstance(inputs, str) else list(inputs), **_options(message)}
-        answers, _ = await self.classify.predictions(body, _named_model(context), False)
+        answers, _, tokens = await self.classify.predictions(body, _named_model(context), False)
         chars = len(inputs) if isinstance(inputs, str) else sum(map(len, inputs))
         return tei.PredictResponse(predictions=[tei.Prediction(score=entry["score"], label=entry["label"])
                                                 for entry in answers[0]],
-                                   metadata=tei.Metadata(compute_chars=chars,
-                                                         total_time_ns=int((time.perf_counter() - started) * 1e9)))
+                                   metadata=_metadata(started, chars, tokens))
 
     async def Predict(self, request, context):
         return await self._predict(request, context)
@@ -180,12 +184,11 @@ class TeiServicer:
 
     async def _ranks(self, pairs: list[tuple[str, str]], first, context, started: float) -> tei.RerankResponse:
         options = {**_options(first), "return_text": first.return_text}
-        ranks = await self.classify.pair_ranks(pairs, options, _named_model(context), False)
+        ranks, tokens = await self.classify.pair_ranks(pairs, options, _named_model(context), False)
         chars = sum(len(query) + len(text) for query, text in pairs)
         return tei.RerankResponse(ranks=[tei.Rank(index=rank["index"], score=rank["score"], text=rank.get("text"))
                                          for rank in ranks],
-                                  metadata=tei.Metadata(compute_chars=chars,
-                                                        total_time_ns=int((time.perf_counter() - started) * 1e9)))
+                                  metadata=_metadata(started, chars, tokens))
 
     async def Rerank(self, request, context):
         if not request.texts:

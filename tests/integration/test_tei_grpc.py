@@ -121,8 +121,13 @@ def test_rerank_and_predict_score_as_the_cross_encoder_does(served, channel):
     texts = ["A man is eating food.", "Pizza is popular.", "The sky is blue.", "A child eats an apple."]
     reference = cross_encoder_scores(folder, [(QUERY, text) for text in texts])
     named = (("model", reranker),)
-    ranks = tei_grpc.RerankStub(channel).Rerank(tei.RerankRequest(query=QUERY, texts=texts, return_text=True),
-                                                metadata=named).ranks
+    answer = tei_grpc.RerankStub(channel).Rerank(tei.RerankRequest(query=QUERY, texts=texts, return_text=True),
+                                                 metadata=named)
+    ranks = answer.ranks
+    from transformers import AutoTokenizer
+
+    pairs = AutoTokenizer.from_pretrained(str(folder))([QUERY] * len(texts), texts)["input_ids"]
+    assert answer.metadata.compute_tokens == sum(map(len, pairs)) and answer.metadata.total_time_ns > 0
     assert [rank.index for rank in ranks] == list(np.argsort(-reference))
     np.testing.assert_allclose([rank.score for rank in ranks], np.sort(reference)[::-1], atol=REFERENCE_ATOL)
     assert [rank.text for rank in ranks] == [texts[rank.index] for rank in ranks]
