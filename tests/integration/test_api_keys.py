@@ -92,6 +92,24 @@ def test_grpc_needs_the_key_in_authorization_metadata(server):
     assert _refused(server, "grpc") == before + 3
 
 
+def test_teis_grpc_services_need_the_key_too(server):
+    from dietserve.server._proto import tei_pb2 as tei
+    from dietserve.server._proto import tei_pb2_grpc as tei_grpc
+
+    before = _refused(server, "grpc")
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        embed = tei_grpc.EmbedStub(channel)
+        for call in (lambda: embed.Embed(tei.EmbedRequest(inputs="hi")),
+                     lambda: list(embed.EmbedStream(iter([tei.EmbedRequest(inputs="hi")]))),
+                     lambda: tei_grpc.InfoStub(channel).Info(tei.InfoRequest())):
+            with pytest.raises(grpc.RpcError) as raised:
+                call()
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        keyed = (("authorization", f"Bearer {KEY}"),)
+        assert len(embed.Embed(tei.EmbedRequest(inputs="hi"), metadata=keyed).embeddings) == 384
+    assert _refused(server, "grpc") == before + 3
+
+
 def test_health_readiness_and_metrics_need_no_key(server):
     base = f"http://{server.http_url}"
     for path in ("/health", "/v2/health/live", "/v2/health/ready"):
