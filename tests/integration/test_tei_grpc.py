@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,7 @@ from dietserve.server._proto import tei_pb2 as tei
 from dietserve.server._proto import tei_pb2_grpc as tei_grpc
 
 from .reference import reference_hidden
+from .scrape import metrics, total, wait_for
 from .server_process import ServerProcess
 from .test_rerank import cross_encoder_scores, transformers_logits
 from .test_sentence_embedding import _reference_embeddings, sentence_transformers_length
@@ -183,3 +185,22 @@ def test_a_long_text_is_cut_when_truncate_asks(served, channel):
                                        "truncation_direction": "left"})
     assert len(long) == 384
     np.testing.assert_allclose(left, http[0], atol=SAME)
+
+
+def test_a_stream_the_client_cancels_stops_its_work(served, channel):
+    """The stream's queued and running messages are cancelled with it (up to 64 run ahead of the
+    answers): little more than a batch is computed after the cancel, and the next call is served."""
+    long_text = f"{SENTENCES[1]} " * 20
+    tokens_each = len(_tokenizer()(long_text)["input_ids"])
+    computed = lambda: total(metrics(served[0]), "dietserve_computed_tokens_total")  # noqa: E731
+    before = computed()
+    replies = tei_grpc.EmbedStub(channel).EmbedStream(tei.EmbedRequest(inputs=long_text) for _ in range(200))
+    for count, _ in enumerate(replies, 1):
+        if count == 3:
+            replies.cancel()
+            break
+    assert replies.code() == grpc.StatusCode.CANCELLED
+    wait_for(lambda: metrics(served[0]).get(("dietserve_inflight_requests", ())) == 0, "no request in flight")
+    time.sleep(1)  # a batch's metrics are recorded just after its answers
+    assert computed() - before < 30 * tokens_each  # not the 64 messages read ahead
+    assert len(tei_grpc.EmbedStub(channel).Embed(tei.EmbedRequest(inputs="still serving")).embeddings) == 384
