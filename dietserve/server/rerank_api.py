@@ -1,6 +1,8 @@
 """Rerank and classification over HTTP, for a classifier (cross-encoder) artifact: text
 embeddings inference's (TEI) ``POST /rerank`` and ``POST /predict``, and Cohere's
-``POST /v1/rerank``. On an embedding model each answers 400, naming what the model is.
+``POST /v1/rerank``. On an embedding model each answers 400, naming what the model is. The
+checks and the work of TEI's two are :class:`ClassifierCalls`', which TEI's gRPC ``Predict`` and
+``Rerank`` (``tei_grpc.py``) call too.
 
 A query and its documents become (query, document) pairs, tokenized as the checkpoint's
 tokenizer encodes pairs (``model/tokenizer.py``) and run through the same core as every other

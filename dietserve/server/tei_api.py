@@ -6,7 +6,7 @@ its SageMaker name ``/invocations``. TEI answers ``/`` by what its one model is;
 here the body decides: a ``query`` is reranked, ``inputs`` holding a ``source_sentence`` are
 compared, other ``inputs`` are embedded by an embedding model and classified by a classifier.
 TEI's classifier routes, ``/rerank`` and ``/predict``, are in ``rerank_api.py``; both modules
-pick the model with :func:`chosen_model`.
+pick the model with ``tei_calls.chosen_model``, from the name :func:`named_model` reads.
 
 Errors carry TEI's ``error_type`` beside the message; the status codes are this server's, as on
 every route. The checks and the work are ``tei_calls.py``'s, shared with TEI's gRPC services.
