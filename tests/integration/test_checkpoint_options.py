@@ -60,7 +60,7 @@ def test_the_padded_layout_bounds_a_long_models_default_length(tmp_path: Path, c
     4 heads), and its first call would fail to allocate them. Where --max-seq-len does not say,
     the length is the longest within ``PADDED_SCORES_BYTES``, and said; a length given past it
     is warned of."""
-    from dietserve.compile.request import PADDED_SCORES_BYTES
+    from dietserve.compile.request import PADDED_SCORES_BYTES, open_checkpoint
 
     config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=80, max_position_embeddings=8192)
@@ -75,9 +75,10 @@ def test_the_padded_layout_bounds_a_long_models_default_length(tmp_path: Path, c
     ids, mask, types = padded_batch(np.random.default_rng(5), 2, 37, config.vocab_size)
     expected = as_layout_answers(engine, reference_hidden(reference_model(folder), ids, mask, types), mask)
     assert np.abs(engine.run(ids, mask, types).last_hidden_state - expected).max() <= 1e-4
-    said.clear()
-    compile_artifact(CompileRequest(model=str(folder), layout="padded", analytic=True, max_seq_len=4096), cache_dir,
-                     progress=said.append)
+    said.clear()  # the checkpoint a compile opens (without the build the first call showed)
+    given = open_checkpoint(CompileRequest(model=str(folder), layout="padded", analytic=True, max_seq_len=4096),
+                            cache_dir, progress=said.append)
+    assert given.config.max_length == 4096
     assert any("plans 16.0 GiB for a batch's attention scores at --max-batch 64 and --max-seq-len 4096" in line
                for line in said)
 
