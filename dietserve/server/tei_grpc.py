@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -49,7 +49,7 @@ def _options(message, *optional: str) -> dict:
     return options | {name: getattr(message, name) for name in optional if message.HasField(name)}
 
 
-def _metadata(started: float, chars: int, tokens: int, answers: list[Answer] = ()) -> tei.Metadata:
+def _metadata(started: float, chars: int, tokens: int, answers: Sequence[Answer] = ()) -> tei.Metadata:
     """What an answer computed and where its time went: queue and inference times where the
     call's ``answers`` are at hand (the embedding calls); tokenization is not timed apart here."""
     return tei.Metadata(compute_chars=chars, compute_tokens=tokens,
