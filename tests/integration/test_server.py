@@ -114,6 +114,8 @@ def test_reflection_lists_the_services(server):
         response = next(stub.ServerReflectionInfo(iter([request]), timeout=10))
         names = {s.name for s in response.list_services_response.service}
     assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+    # TEI's services, for grpcurl and Postman beside the v2 one
+    assert {"tei.v1.Info", "tei.v1.Embed", "tei.v1.Predict", "tei.v1.Rerank", "tei.v1.Tokenize"} <= names
 
 
 # ---------------------------------------------------------------------------- inference
