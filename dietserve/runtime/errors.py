@@ -15,6 +15,15 @@ class InputError(ServingError, ValueError):
     """A request's tensors are malformed or out of the model's range."""
 
 
+class FieldError(InputError):
+    """A request field (a JSON body's, or the gRPC message's it is read from) has the wrong type
+    or value; ``param`` names it (OpenAI's error shape)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class InputTooLong(InputError):
     """A text (or token sequence) has more tokens than the model takes and the request did not
     ask for truncation."""

@@ -1,5 +1,4 @@
-"""HTTP bodies for both HTTP APIs: reading one within ``--max-request-bytes``, JSON in and out,
-and the input error that names the body field at fault."""
+"""HTTP bodies for both HTTP APIs: reading one within ``--max-request-bytes``, JSON in and out."""
 
 from __future__ import annotations
 
@@ -13,14 +12,6 @@ from ..runtime.errors import InputError, RequestIncomplete, RequestTooLarge
 
 JSON_TYPE = "application/json"
 _PARSED_BODY = "dietserve.parsed_body"  # where read_object keeps a request's parsed body
-
-
-class FieldError(InputError):
-    """A body field has the wrong type or value; ``param`` names it (OpenAI's error shape)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:

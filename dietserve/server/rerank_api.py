@@ -27,10 +27,10 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from ..runtime.errors import InputError
+from ..runtime.errors import FieldError, InputError
 from ..runtime.request import EncoderRequest
 from . import codec
-from .http_body import FieldError, json_response, read_object
+from .http_body import json_response, read_object
 from .inference import Inference
 from .model import ServedModel
 from .tei_api import named_model

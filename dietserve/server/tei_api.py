@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..runtime.errors import FieldError
 from . import codec
-from .http_body import JSON_TYPE, FieldError, dumps, json_response, read_object
+from .http_body import JSON_TYPE, dumps, json_response, read_object
 from .inference import Inference
 from .tei_calls import TeiCalls, nonzero_weights, string_field
 

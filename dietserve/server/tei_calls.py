@@ -16,12 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import __version__
-from ..runtime.errors import InputError, ReplyTooLarge
+from ..runtime.errors import FieldError, InputError, ReplyTooLarge
 from ..runtime.request import OUTPUTS
-from .http_body import FieldError
-from .inference import DECODE_THREADS, Answer, Inference
-from .model import ServedModel
-from .openai_api import (
+from .embedding_inputs import (
     EMBEDDING,
     dimensions_field,
     infer_inputs,
@@ -32,6 +29,8 @@ from .openai_api import (
     shorten,
     token_lists,
 )
+from .inference import DECODE_THREADS, Answer, Inference
+from .model import ServedModel
 
 LAST_HIDDEN_STATE = OUTPUTS[0]
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}  # -> whether the last tokens are kept

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
+from ..runtime.errors import FieldError
 from ._proto import tei_pb2 as tei
 from ._proto import tei_pb2_grpc as tei_grpc
-from .http_body import FieldError
 from .inference import Answer, Inference
 from .rerank_api import ClassifierCalls
 from .tei_calls import TeiCalls, nonzero_weights
