@@ -34,7 +34,7 @@ from .http_body import json_response, read_object
 from .inference import Inference
 from .model import ServedModel
 from .tei_api import named_model
-from .tei_calls import chosen_model, flag_field, other_routes, string_field, wrong_kind
+from .tei_calls import chosen_model, flag_field, keeps_last, other_routes, string_field, wrong_kind
 
 LOGITS = "logits"
 Item = str | tuple[str, str]  # a text, or a (text, text_pair) pair
@@ -78,6 +78,15 @@ def _sequence(value: object, where: str) -> Item:
     if isinstance(value, list) and len(value) in (1, 2) and all(isinstance(text, str) for text in value):
         return value[0] if len(value) == 1 else (value[0], value[1])
     raise FieldError("inputs", f"{where} must be a text, [text] or [text, text_pair], got {value!r:.80}")
+
+
+def _cut_on_the_right(options: dict, route: str) -> None:
+    """TEI's ``truncation_direction``: only "right" here, as a pair is cut longest text first
+    from its end (sentence-transformers' CrossEncoder); "left" is refused, not ignored."""
+    if keeps_last(options):
+        raise FieldError("truncation_direction", f"{route} cuts over-long inputs at their end (a pair's longest text "
+                                                 "first, as sentence-transformers' CrossEncoder does): "
+                                                 "truncation_direction 'left' is not available")
 
 
 def predict_inputs(value: object) -> tuple[list[Item], bool]:
@@ -126,6 +135,7 @@ class ClassifierCalls:
         """(query, text) pairs, each scored -> ([{index, score, text?}], best first; the tokens
         read); ``options`` holds raw_scores, return_text and truncate."""
         model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", name, classifier=True))
+        _cut_on_the_right(options, "/rerank")
         raw, with_text = flag_field(options, "raw_scores", False), flag_field(options, "return_text", False)
         logits, tokens = await self._logits(model, pairs, flag_field(options, "truncate", None), large)
         ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
@@ -140,6 +150,7 @@ class ClassifierCalls:
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
         items, batch = predict_inputs(body["inputs"])
+        _cut_on_the_right(body, "/predict")
         raw = flag_field(body, "raw_scores", False)
         logits, tokens = await self._logits(model, items, flag_field(body, "truncate", None), large)
         labels = model.engine.labels

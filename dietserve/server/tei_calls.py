@@ -118,7 +118,7 @@ def _check_sparse(model: ServedModel, _body: dict) -> None:
                          "embeddings: use /embed")
 
 
-def _keeps_last(options: dict) -> bool:
+def keeps_last(options: dict) -> bool:
     """TEI's ``truncation_direction``: "right" (the default) keeps a text's first tokens, "left"
     its last."""
     direction = options.get("truncation_direction", "right")
@@ -179,7 +179,7 @@ class TeiCalls:
             raise InputError(f"{route} needs an embedding model; '{model.artifact}' is a classifier: "
                              f"{other_routes(False)}")
         check(model, options)
-        keep_last = _keeps_last(options)
+        keep_last = keeps_last(options)
         inputs = _prompted(options, model, inputs)
         takes_text = isinstance(inputs[0], str)
         model = self.core.model_for(model.artifact, takes_text)

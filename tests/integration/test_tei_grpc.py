@@ -167,8 +167,11 @@ def test_info_describes_each_served_model(served, channel):
     (lambda channel: list(tei_grpc.EmbedStub(channel).EmbedStream(
         iter([tei.EmbedRequest(inputs="fine"), tei.EmbedRequest(inputs="x", dimensions=9999)]))),
      grpc.StatusCode.INVALID_ARGUMENT, "dimensions"),
+    (lambda channel: tei_grpc.RerankStub(channel).Rerank(tei.RerankRequest(
+        query="q", texts=["t"], truncation_direction=tei.TRUNCATION_DIRECTION_LEFT)),
+     grpc.StatusCode.INVALID_ARGUMENT, "truncation_direction 'left' is not available"),
 ], ids=["unknown-prompt", "unknown-model", "dense-model-sparse-call", "three-texts-pair", "too-long",
-        "stream-second-message"])
+        "stream-second-message", "pairs-cut-on-the-left"])
 def test_errors_name_what_was_wrong_and_the_server_keeps_serving(served, channel, call, code, named):
     with pytest.raises(grpc.RpcError) as raised:
         call(channel)
@@ -204,3 +207,14 @@ def test_a_stream_the_client_cancels_stops_its_work(served, channel):
     time.sleep(1)  # a batch's metrics are recorded just after its answers
     assert computed() - before < 30 * tokens_each  # not the 64 messages read ahead
     assert len(tei_grpc.EmbedStub(channel).Embed(tei.EmbedRequest(inputs="still serving")).embeddings) == 384
+
+
+def test_http_refuses_a_left_cut_of_pairs_too(served):
+    """/rerank and /predict cut pairs at their end only, and say so rather than ignore the field."""
+    for path, body in (("/rerank", {"query": "q", "texts": ["t"]}), ("/predict", {"inputs": ["q", "t"]})):
+        answer = requests.post(f"http://{served[0].http_url}{path}", json={**body, "truncation_direction": "left"},
+                               timeout=60)
+        assert answer.status_code == 400 and "truncation_direction 'left'" in answer.json()["error"], answer.text
+        right = requests.post(f"http://{served[0].http_url}{path}", json={**body, "truncation_direction": "right"},
+                              timeout=60)
+        assert right.status_code == 200, right.text
