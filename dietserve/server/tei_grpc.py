@@ -28,7 +28,9 @@ from .rerank_api import ClassifierCalls
 from .tei_calls import TeiCalls, nonzero_weights
 
 SERVICES = tuple(service.full_name for service in tei.DESCRIPTOR.services_by_name.values())
-STREAM_IN_FLIGHT = 64  # a stream's messages running at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS)
+# A stream's messages running at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS): a quarter of the
+# default --max-queue-rows, so that one stream cannot fill the queue and see its messages refused.
+STREAM_IN_FLIGHT = 64
 MODEL_METADATA = "model"
 MODEL_TYPES = {"embedding": tei.MODEL_TYPE_EMBEDDING, "classifier": tei.MODEL_TYPE_CLASSIFIER,
                "reranker": tei.MODEL_TYPE_RERANKER}
