@@ -31,7 +31,7 @@ from ..runtime.batcher import BatchRun, DynamicBatcher, bucket_edges
 from . import grpc_server
 from .batch_metrics import BatchRecorder
 from .config import ServerConfig
-from .grpc_server import SERVICE_NAME
+from .grpc_server import SERVICE_NAME, TEI_SERVICES
 from .http_server import HttpServer, is_inference_route
 from .inference import Inference, ServingState
 from .metrics import ServerMetrics
@@ -309,7 +309,8 @@ class Server:
         self._parts.push_async_callback(_cancel, task)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for service in ("", SERVICE_NAME):  # "" is the whole server, as Kubernetes probes ask
+        # "" is the whole server, as Kubernetes probes ask; TEI's clients ask by their services' names
+        for service in ("", SERVICE_NAME, *TEI_SERVICES):
             await self.health.set(service, status)
 
     async def _set_ready(self, ready: bool) -> None:

@@ -144,6 +144,16 @@ def test_rerank_and_predict_score_as_the_cross_encoder_does(served, channel):
     assert raw[0].label == json.loads((folder / "config.json").read_text())["id2label"]["0"]
 
 
+def test_health_answers_for_teis_services(channel):
+    """As TEI's server does, each service's name is SERVING once the models are ready."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("tei.v1.Info", "tei.v1.Embed", "tei.v1.Predict", "tei.v1.Rerank", "tei.v1.Tokenize"):
+        status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, service
+
+
 def test_info_describes_each_served_model(served, channel):
     server, minilm, reranker, _ = served
     info = tei_grpc.InfoStub(channel).Info(tei.InfoRequest(), metadata=(("model", minilm),))
