@@ -28,8 +28,9 @@ from .rerank_api import ClassifierCalls
 from .tei_calls import TeiCalls, nonzero_weights
 
 SERVICES = tuple(service.full_name for service in tei.DESCRIPTOR.services_by_name.values())
-# A stream's messages running at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS): a quarter of the
-# default --max-queue-rows, so that one stream cannot fill the queue and see its messages refused.
+# A stream's messages running at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS): at most this, and
+# at most a quarter of --max-queue-rows, so that one stream cannot fill the queue and see its
+# messages refused.
 STREAM_IN_FLIGHT = 64
 MODEL_METADATA = "model"
 MODEL_TYPES = {"embedding": tei.MODEL_TYPE_EMBEDDING, "classifier": tei.MODEL_TYPE_CLASSIFIER,
@@ -51,23 +52,21 @@ def _options(message, *optional: str) -> dict:
     return options | {name: getattr(message, name) for name in optional if message.HasField(name)}
 
 
-def _metadata(started: float, chars: int, tokens: int, answers: Sequence[Answer] = ()) -> tei.Metadata:
-    """What an answer computed and where its time went: queue and inference times where the
-    call's ``answers`` are at hand (the embedding calls); tokenization is not timed apart here."""
-    return tei.Metadata(compute_chars=chars, compute_tokens=tokens,
+def _metadata(started: float, chars: int, answers: Sequence[Answer] = (), tokens: int | None = None) -> tei.Metadata:
+    """What an answer computed and where its time went: tokens, queue and inference times from the
+    call's ``answers`` where they are at hand (the embedding calls), else ``tokens``; tokenization
+    is not timed apart here."""
+    return tei.Metadata(compute_chars=chars,
+                        compute_tokens=tokens if tokens is not None else sum(a.request.tokens for a in answers),
                         total_time_ns=int((time.perf_counter() - started) * 1e9),
                         queue_time_ns=int(max((answer.queue_seconds for answer in answers), default=0) * 1e9),
                         inference_time_ns=int(max((answer.compute_seconds for answer in answers), default=0) * 1e9))
 
 
-def _tokens(answers: list[Answer]) -> int:
-    return sum(answer.request.tokens for answer in answers)
-
-
-async def in_order(messages: AsyncIterator, call: Callable[[object], Awaitable]) -> AsyncIterator:
-    """``call(message)`` for each message of a stream, up to :data:`STREAM_IN_FLIGHT` at once;
-    the answers in the messages' order. The first failure ends the stream with its error."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_IN_FLIGHT)
+async def in_order(messages: AsyncIterator, call: Callable[[object], Awaitable], limit: int) -> AsyncIterator:
+    """``call(message)`` for each message of a stream, up to ``limit`` at once; the answers in
+    the messages' order. The first failure ends the stream with its error."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=limit)
 
     async def read() -> None:
         try:
@@ -89,11 +88,21 @@ async def in_order(messages: AsyncIterator, call: Callable[[object], Awaitable])
                 task.cancel()
 
 
+def _streamed(method: str):
+    """The stream form of the unary method ``method``: its answer to each message, in order."""
+    async def stream(self, requests, context):
+        async for response in in_order(requests, lambda message: getattr(self, method)(message, context),
+                                       self.read_ahead):
+            yield response
+    return stream
+
+
 class TeiServicer:
     """The five services' methods; one object registered as each."""
 
     def __init__(self, core: Inference):
         self.core = core
+        self.read_ahead = max(1, min(STREAM_IN_FLIGHT, core.state.config.max_queue_rows // 4))
         self.calls = TeiCalls(core)
         self.classify = ClassifierCalls(core)
 
@@ -110,53 +119,36 @@ class TeiServicer:
 
     # ------------------------------------------------------------------ Embed
 
-    async def _embed(self, message, context) -> tei.EmbedResponse:
+    async def Embed(self, message, context) -> tei.EmbedResponse:
         started = time.perf_counter()
         body = {"inputs": message.inputs, **_options(message, "normalize", "prompt_name", "dimensions")}
         embeddings, answers = await self.calls.embeddings(body, _named_model(context), message.ByteSize())
         return tei.EmbedResponse(embeddings=embeddings[0].tolist(),
-                                 metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
+                                 metadata=_metadata(started, len(message.inputs), answers))
 
-    async def _embed_sparse(self, message, context) -> tei.EmbedSparseResponse:
+    async def EmbedSparse(self, message, context) -> tei.EmbedSparseResponse:
         started = time.perf_counter()
         body = {"inputs": message.inputs, **_options(message, "prompt_name")}
         weights, answers = await self.calls.sparse_weights(body, _named_model(context), message.ByteSize())
         indices, values = nonzero_weights(weights)[0]
         entries = [tei.SparseValue(index=int(i), value=float(v)) for i, v in zip(indices, values, strict=True)]
         return tei.EmbedSparseResponse(sparse_embeddings=entries,
-                                       metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
+                                       metadata=_metadata(started, len(message.inputs), answers))
 
-    async def _embed_all(self, message, context) -> tei.EmbedAllResponse:
+    async def EmbedAll(self, message, context) -> tei.EmbedAllResponse:
         started = time.perf_counter()
         body = {"inputs": message.inputs, **_options(message, "prompt_name")}
         hidden, answers = await self.calls.token_embeddings(body, _named_model(context), message.ByteSize())
         return tei.EmbedAllResponse(token_embeddings=[tei.TokenEmbedding(embeddings=row) for row in hidden[0].tolist()],
-                                    metadata=_metadata(started, len(message.inputs), _tokens(answers), answers))
+                                    metadata=_metadata(started, len(message.inputs), answers))
 
-    async def Embed(self, request, context):
-        return await self._embed(request, context)
-
-    async def EmbedStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self._embed(message, context)):
-            yield response
-
-    async def EmbedSparse(self, request, context):
-        return await self._embed_sparse(request, context)
-
-    async def EmbedSparseStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self._embed_sparse(message, context)):
-            yield response
-
-    async def EmbedAll(self, request, context):
-        return await self._embed_all(request, context)
-
-    async def EmbedAllStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self._embed_all(message, context)):
-            yield response
+    EmbedStream = _streamed("Embed")
+    EmbedSparseStream = _streamed("EmbedSparse")
+    EmbedAllStream = _streamed("EmbedAll")
 
     # ------------------------------------------------------------------ Predict
 
-    async def _predict(self, message, context) -> tei.PredictResponse:
+    async def Predict(self, message, context) -> tei.PredictResponse:
         started = time.perf_counter()
         inputs = message.inputs
         if not isinstance(inputs, str) and len(inputs) != 2:
@@ -166,37 +158,27 @@ class TeiServicer:
         chars = len(inputs) if isinstance(inputs, str) else sum(map(len, inputs))
         return tei.PredictResponse(predictions=[tei.Prediction(score=entry["score"], label=entry["label"])
                                                 for entry in answers[0]],
-                                   metadata=_metadata(started, chars, tokens))
+                                   metadata=_metadata(started, chars, tokens=tokens))
 
-    async def Predict(self, request, context):
-        return await self._predict(request, context)
-
-    async def PredictPair(self, request, context):
-        return await self._predict(request, context)
-
-    async def PredictStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self._predict(message, context)):
-            yield response
-
-    async def PredictPairStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self._predict(message, context)):
-            yield response
+    PredictStream = _streamed("Predict")
+    PredictPair = Predict
+    PredictPairStream = _streamed("Predict")
 
     # ------------------------------------------------------------------ Rerank
 
-    async def _ranks(self, pairs: list[tuple[str, str]], first, context, started: float) -> tei.RerankResponse:
-        options = {**_options(first), "return_text": first.return_text}
-        ranks, tokens = await self.classify.pair_ranks(pairs, options, _named_model(context), False)
-        chars = sum(len(query) + len(text) for query, text in pairs)
+    @staticmethod
+    def _ranked(ranks: list[dict], tokens: int, chars: int, started: float) -> tei.RerankResponse:
         return tei.RerankResponse(ranks=[tei.Rank(index=rank["index"], score=rank["score"], text=rank.get("text"))
                                          for rank in ranks],
-                                  metadata=_metadata(started, chars, tokens))
+                                  metadata=_metadata(started, chars, tokens=tokens))
 
     async def Rerank(self, request, context):
-        if not request.texts:
-            raise FieldError("texts", "texts must hold at least one text to rank against the query")
-        return await self._ranks([(request.query, text) for text in request.texts], request, context,
-                                 time.perf_counter())
+        started = time.perf_counter()
+        body = {"query": request.query, "texts": list(request.texts), "return_text": request.return_text,
+                **_options(request)}
+        ranks, tokens = await self.classify.ranks(body, _named_model(context), False)
+        return self._ranked(ranks, tokens, len(request.query) * len(request.texts) + sum(map(len, request.texts)),
+                            started)
 
     async def RerankStream(self, requests, context):
         """Each message is a (query, text) pair; its first message's raw_scores and return_text
@@ -204,8 +186,10 @@ class TeiServicer:
         started, messages = time.perf_counter(), [message async for message in requests]
         if not messages:
             raise FieldError("texts", "the stream held no (query, text) pair to rank")
-        return await self._ranks([(message.query, message.text) for message in messages], messages[0], context,
-                                 started)
+        pairs = [(message.query, message.text) for message in messages]
+        options = {**_options(messages[0]), "return_text": messages[0].return_text}
+        ranks, tokens = await self.classify.pair_ranks(pairs, options, _named_model(context), False)
+        return self._ranked(ranks, tokens, sum(len(query) + len(text) for query, text in pairs), started)
 
     # ------------------------------------------------------------------ Tokenize
 
@@ -216,19 +200,14 @@ class TeiServicer:
         tokens = (await self.calls.tokens(body, _named_model(context), request.ByteSize()))[0]
         return tei.EncodeResponse(tokens=[tei.SimpleToken(**token) for token in tokens])
 
-    async def TokenizeStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self.Tokenize(message, context)):
-            yield response
+    TokenizeStream = _streamed("Tokenize")
 
     async def Decode(self, request, context):
         body = {"ids": list(request.ids), "skip_special_tokens": request.skip_special_tokens}
         texts = await self.calls.decoded(body, _named_model(context), request.ByteSize())
         return tei.DecodeResponse(text=texts[0])
 
-    async def DecodeStream(self, requests, context):
-        async for response in in_order(requests, lambda message: self.Decode(message, context)):
-            yield response
-
+    DecodeStream = _streamed("Decode")
 
 def add_tei_services(server: grpc.aio.Server, core: Inference) -> None:
     servicer = TeiServicer(core)
