@@ -12,12 +12,12 @@ from ..model.config import FULL_ATTENTION, SLIDING_ATTENTION
 
 
 def attention_kernels(config) -> tuple[AttentionKernel, AttentionKernel | None]:
-    """(the full layers' kernel, the sliding-window layers' or None). A rotary family's full
-    layers take a bias where it is causal; MPNet's every layer, by distance."""
+    """(the full layers' kernel or None, the sliding-window layers' or None). A rotary family's
+    full layers take a bias where it is causal; MPNet's every layer, by distance."""
     layers = config.layer_types or (FULL_ATTENTION,) * config.num_hidden_layers
     full_calls, windowed_calls = layers.count(FULL_ATTENTION), layers.count(SLIDING_ATTENTION)
-    full = AttentionKernel(max(full_calls, 1), config.biased(FULL_ATTENTION) if config.rotary else config.score_bias,
-                           causal=config.causal)
+    full = AttentionKernel(full_calls, config.biased(FULL_ATTENTION) if config.rotary else config.score_bias,
+                           causal=config.causal) if full_calls else None
     windowed = AttentionKernel(windowed_calls, True, config.sliding_window, config.causal) if windowed_calls else None
     return full, windowed
 
@@ -46,4 +46,6 @@ def attention_functions(config, precision: str, hardware, attention: AttentionPl
                                 **kernel.masking())
 
     full, windowed = attention_kernels(config)
-    return build(full), build(windowed)
+    # (where every layer is windowed, as Mistral's, the model still declares a full layers'
+    # kernel, which none calls: a plain one)
+    return build(full or AttentionKernel(1)), build(windowed)

@@ -4,7 +4,10 @@ index), DistilBERT (the same layers under other names, with no token types), MPN
 numbering, no token types, and a bias on attention scores by relative position), and the rotary
 families, whose configs ``family_configs.py`` reads: ModernBERT (pre-LayerNorm layers, a gated
 GELU, sliding windows in two layers of three), Qwen3, the decoder Qwen3-Embedding is (causal
-attention, RMSNorm, a gated SiLU, key and value heads shared by groups of query heads), Gemma3's
+attention, RMSNorm, a gated SiLU, key and value heads shared by groups of query heads), the
+decoders built as Qwen3 but for its norms on each head (Qwen2, gte-Qwen2's, bidirectional or
+causal, with biases on its query, key and value projections; Mistral, e5-mistral's, with a
+causal sliding window; Llama), Gemma3's
 text model as EmbeddingGemma runs it (Qwen3's layers, bidirectional, mostly windowed, a norm
 after each block too, a gated tanh GELU), NomicBERT and GTE (BERT's post-LayerNorm layers with
 rotary attention and a gated MLP)."""
@@ -21,6 +24,7 @@ from .family_configs import (
     GTE,
     MODERNBERT,
     NOMIC_BERT,
+    PLAIN_DECODERS,
     QWEN3,
     ROTARY_READERS,
     SLIDING_ATTENTION,
@@ -33,7 +37,8 @@ SUPPORTED_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "
 # model_type values whose checkpoints are BERT's layers under RoBERTa's position numbering.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 DISTILBERT, MPNET = "distilbert", "mpnet"
-MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT, GTE)
+MODEL_TYPES = ("bert", *ROBERTA_TYPES, DISTILBERT, MPNET, MODERNBERT, QWEN3, *PLAIN_DECODERS, GEMMA3, NOMIC_BERT, GTE)
+_ROTARY_TYPES = (MODERNBERT, QWEN3, *PLAIN_DECODERS, GEMMA3, NOMIC_BERT, GTE)
 # MPNet's relative position buckets grow logarithmically up to this distance (transformers' default).
 MPNET_MAX_DISTANCE = 128
 # DistilBERT's config keys -> BERT's, with DistilBertConfig's defaults; its LayerNorm epsilon is fixed.
@@ -43,7 +48,7 @@ _DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers
 # Fields of the rotary families, left out of ``to_dict`` at their defaults.
 _ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
                   "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim",
-                  "query_pre_attn_scalar", "rope_ntk_factor")
+                  "query_pre_attn_scalar", "rope_ntk_factor", "bidirectional")
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ class BertConfig:
     # GTE's original checkpoints' fixed NTK scaling of the rotary frequencies (0: none;
     # ``modernbert.rotary_tables``)
     rope_ntk_factor: float = 0.0
+    # A Qwen2 decoder whose attention reads every token (gte-Qwen2-7B-instruct's ``is_causal`` false)
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -163,9 +170,9 @@ class BertConfig:
 
     @property
     def rotary(self) -> bool:
-        """Positions by rotating queries and keys (ModernBERT, Qwen3, Gemma3, NomicBERT, GTE), not by
+        """Positions by rotating queries and keys (ModernBERT, the decoders, NomicBERT, GTE), not by
         a table of embeddings."""
-        return self.model_type in (MODERNBERT, QWEN3, GEMMA3, NOMIC_BERT, GTE)
+        return self.model_type in _ROTARY_TYPES
 
     @property
     def post_norm_rotary(self) -> bool:
@@ -174,14 +181,20 @@ class BertConfig:
 
     @property
     def decoder_layers(self) -> bool:
-        """Built of a decoder's layers (Qwen3's, Gemma3's): RMSNorm, each head's queries and keys
-        normed, a gated MLP, no biases but where the config says; attention causal or not."""
+        """Built of a decoder's layers (Qwen3's, Qwen2's, Mistral's, Llama's, Gemma3's): RMSNorm, a
+        gated MLP, no biases but where the config says; attention causal or not."""
+        return self.model_type in (QWEN3, *PLAIN_DECODERS, GEMMA3)
+
+    @property
+    def head_norms(self) -> bool:
+        """Whether each head's queries and keys are RMS-normed before their rotation (Qwen3's, Gemma3's)."""
         return self.model_type in (QWEN3, GEMMA3)
 
     @property
     def causal(self) -> bool:
-        """A decoder's attention: each token attends to itself and the tokens before it (Qwen3)."""
-        return self.model_type == QWEN3
+        """A decoder's attention: each token attends to itself and the tokens before it (Qwen3's,
+        Mistral's, Llama's, Qwen2's unless bidirectional)."""
+        return self.model_type in (QWEN3, *PLAIN_DECODERS) and not self.bidirectional
 
     @property
     def max_length(self) -> int:

@@ -61,7 +61,7 @@ class DecoderAttention(nn.Module):
         self.heads, self.head_dim, self.kv_heads = cfg.num_attention_heads, cfg.head_dim, cfg.kv_heads
         self.qkv = TransposedLinear(cfg.hidden_size, cfg.projection_width, parts=("q_proj", "k_proj", "v_proj"))
         self.q_norm = self.k_norm = None
-        if cfg.decoder_layers:
+        if cfg.head_norms:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.layer_norm_eps)
         self.o_proj = TransposedLinear(cfg.attention_width, cfg.hidden_size)

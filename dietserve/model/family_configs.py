@@ -1,11 +1,15 @@
-"""The rotary families' ``config.json`` in ``BertConfig``'s keys: ModernBERT's, Qwen3's,
-Gemma3's (as EmbeddingGemma), NomicBERT's and GTE's, each from transformers' keys or its
-original checkpoints' where they differ, with the options we do not compile refused by name.
-``config.BertConfig.from_dict`` reads a config through ``ROTARY_READERS``."""
+"""The rotary families' ``config.json`` in ``BertConfig``'s keys: ModernBERT's, the decoders'
+(Qwen3's, Qwen2's, Mistral's, Llama's; Gemma3's as EmbeddingGemma), NomicBERT's and GTE's, each
+from transformers' keys or its original checkpoints' where they differ, with the options we do
+not compile refused by name. ``config.BertConfig.from_dict`` reads a config through
+``ROTARY_READERS``."""
 
 from __future__ import annotations
 
 MODERNBERT, QWEN3, GEMMA3 = "modernbert", "qwen3", "gemma3_text"
+QWEN2, MISTRAL, LLAMA = "qwen2", "mistral", "llama"
+# The decoders whose layers are Qwen3's without its norms on each head's queries and keys.
+PLAIN_DECODERS = (QWEN2, MISTRAL, LLAMA)
 NOMIC_BERT, GTE = "nomic_bert", "gte"
 GTE_ORIGINAL = "new"  # the model_type of GTE's original checkpoints (Alibaba-NLP's custom code)
 # The rotary families' layer kinds (``layer_types``).
@@ -29,6 +33,14 @@ _QWEN3_KEYS = {"vocab_size": ("vocab_size", 151936), "hidden_size": ("hidden_siz
                "num_attention_heads": ("num_attention_heads", 32), "hidden_act": ("hidden_act", "silu"),
                "max_position_embeddings": ("max_position_embeddings", 32768), "rms_norm_eps": ("layer_norm_eps", 1e-6),
                "head_dim": ("attention_head_dim", 128)}
+# Qwen2's, Mistral's and Llama's defaults where they differ from Qwen3's (their configs' classes'),
+# each head hidden_size / heads wide unless ``head_dim`` says otherwise.
+_PLAIN_DECODER_DEFAULTS = {
+    QWEN2: {"vocab_size": 151936, "intermediate_size": 22016, "rope_theta": 10_000.0},
+    MISTRAL: {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8, "rope_theta": 10_000.0,
+              "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    LLAMA: {"vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048, "rope_theta": 10_000.0},
+}
 # Gemma3's config keys -> ours, with Gemma3TextConfig's defaults.
 _GEMMA3_KEYS = {**_QWEN3_KEYS, "vocab_size": ("vocab_size", 262_208), "hidden_size": ("hidden_size", 2304),
                 "intermediate_size": ("intermediate_size", 9216), "num_hidden_layers": ("num_hidden_layers", 26),
@@ -83,21 +95,51 @@ def _rope_thetas(raw: dict, older_keys: dict) -> list[tuple[str, float]]:
     return thetas
 
 
-def _qwen3(raw: dict) -> dict:
-    """Qwen3's config in our keys: every layer a full (causal) one, one rotary base. Sliding
-    windows and scaled rotary positions are refused."""
+def _decoder(raw: dict) -> dict:
+    """A causal decoder's config in our keys (Qwen3's, Qwen2's, Mistral's, Llama's): every layer a
+    full one, or for Mistral's ``sliding_window`` a causal window, one rotary base. Qwen2's
+    attention is causal unless ``is_causal`` is false (gte-Qwen2-7B-instruct's); where the
+    config names its own modeling code and not ``is_causal``, which one it runs is not known, and
+    the config is refused. Qwen2's query, key and value projections have biases. Qwen's sliding
+    windows, Llama's MLP biases and scaled rotary positions are refused."""
+    family = raw["model_type"]
     if raw.get("use_sliding_window"):
-        raise ModelConfigError("use_sliding_window=true is not supported for qwen3")
+        raise ModelConfigError(f"use_sliding_window=true is not supported for {family}")
+    if raw.get("mlp_bias"):
+        raise ModelConfigError(f"mlp_bias=true is not supported for {family}")
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
         raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
                                "'default'")
+    plain = _PLAIN_DECODER_DEFAULTS.get(family, {})
+    raw = {**{key: value for key, value in plain.items() if key != "sliding_window"}, **raw}
     ours = {key: raw.get(theirs, default) for theirs, (key, default) in _QWEN3_KEYS.items()}
-    heads = int(ours["num_attention_heads"])
+    if plain:
+        ours["attention_head_dim"] = _own_head_dim({"hidden_size": ours["hidden_size"],
+                                                    "num_attention_heads": ours["num_attention_heads"], **raw})
+    heads, layers = int(ours["num_attention_heads"]), int(ours["num_hidden_layers"])
+    window = raw.get("sliding_window", plain.get("sliding_window")) if family == MISTRAL else None
+    kind = SLIDING_ATTENTION if window else FULL_ATTENTION
     return {**raw, **ours, "type_vocab_size": 1, "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-            "layer_types": (FULL_ATTENTION,) * int(ours["num_hidden_layers"]),
-            "rope_thetas": ((FULL_ATTENTION, float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))),),
-            "norm_bias": False, "linear_bias": bool(raw.get("attention_bias", False))}
+            "layer_types": (kind,) * layers,
+            "rope_thetas": ((kind, float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))),),
+            # (transformers' window W holds the query and the W - 1 keys before it)
+            "sliding_window": int(window) - 1 if window else 0, "norm_bias": False,
+            "linear_bias": family == QWEN2 or bool(raw.get("attention_bias", False)),
+            "bidirectional": family == QWEN2 and not _qwen2_causal(raw)}
+
+
+def _qwen2_causal(raw: dict) -> bool:
+    """Whether a Qwen2 checkpoint's attention is causal: ``is_causal``, else transformers'
+    ``Qwen2Model``'s (causal) unless the config names modeling code of its own."""
+    if "is_causal" in raw:
+        return bool(raw["is_causal"])
+    own = (raw.get("auto_map") or {}).get("AutoModel")
+    if own:
+        raise ModelConfigError(f"this qwen2 config names its own modeling code (auto_map AutoModel {own!r}) and not "
+                               "is_causal: its attention may be bidirectional (gte-Qwen2-7B-instruct's) or causal; "
+                               "add \"is_causal\": false or true to config.json to say which")
+    return True
 
 
 def _gemma3(raw: dict) -> dict:
@@ -186,5 +228,5 @@ def _own_head_dim(raw: dict) -> int:
 
 
 # model_type -> its reader (``raw`` -> ``raw`` in our keys)
-ROTARY_READERS = {MODERNBERT: _modernbert, QWEN3: _qwen3, GEMMA3: _gemma3, NOMIC_BERT: _nomic_bert, GTE: _gte,
-                  GTE_ORIGINAL: _gte}
+ROTARY_READERS = {MODERNBERT: _modernbert, QWEN3: _decoder, QWEN2: _decoder, MISTRAL: _decoder, LLAMA: _decoder,
+                  GEMMA3: _gemma3, NOMIC_BERT: _nomic_bert, GTE: _gte, GTE_ORIGINAL: _gte}

@@ -19,6 +19,7 @@ from .config import (
     SLIDING_ATTENTION,
     BertConfig,
 )
+from .family_configs import QWEN2
 from .modernbert import rotary_tables, window_bias
 
 # Prefixes under which task heads (BertForMaskedLM, XLMRobertaForSequenceClassification, ...) nest the encoder.
@@ -190,12 +191,13 @@ def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
 
 
 def without_bias(config: BertConfig, name: str) -> bool:
-    """Whether ``name`` is a bias a ModernBERT, Qwen3, Gemma3, NomicBERT or GTE checkpoint leaves
-    out (its config says so; a decoder's MLP has none, GTE's gate and up projections none): zero."""
+    """Whether ``name`` is a bias a ModernBERT, decoder, NomicBERT or GTE checkpoint leaves out
+    (its config says so; a decoder's MLP has none, Qwen2's output projection none, GTE's gate and
+    up projections none): zero."""
     if not config.rotary or not name.endswith(".bias"):
         return False
     if config.decoder_layers:
-        return ".mlp." in name or not config.linear_bias
+        return ".mlp." in name or not config.linear_bias or (config.model_type == QWEN2 and "o_proj" in name)
     if config.post_norm_rotary and name.endswith(("gate_proj.bias", "up_proj.bias")):
         return True  # (GTE's gated MLP has a bias on its output projection only)
     if name.endswith("norm.bias"):

@@ -7,7 +7,9 @@ mean pooling, a Dense module and Normalize (EmbeddingGemma's recipe): Qwen3's pa
 sliding-window layers beside full ones, norms after each block too, norms that scale by
 ``1 + weight``, a scaled embedding, a query scale of its own and a gated tanh GELU. Each compiles
 in both layouts and answers as transformers and sentence-transformers do, at every length up to
-the last position."""
+the last position. The decoders built as Qwen3 without its norms on each head: Qwen2 (biases on
+its query, key and value projections; causal, or bidirectional as gte-Qwen2-7B-instruct is),
+Mistral (a causal sliding window, e5-mistral's recipe) and Llama."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.host.cpu import cpu_flags
 from dietserve.model.checkpoint import Checkpoint, CheckpointError
 from dietserve.runtime.artifact import load_artifact
+from dietserve.runtime.embedder import Embedder
 from dietserve.runtime.engine import Engine
 
 from .server_process import ServerProcess
@@ -37,25 +40,36 @@ def _qwen3_config(tokenizer_folder: Path, **more):
                        bos_token_id=0, eos_token_id=2, **more)
 
 
-@pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _saved_embedder(tmp_path_factory: pytest.TempPathFactory, name: str, model_class, config,
+                    pooling: str, seed: int) -> Path:
+    """``model_class(config)`` randomly initialised (its RMSNorm weights, which start at one,
+    and its biases, which start at zero, varied so that one left out shows), saved by
+    transformers, under sentence-transformers' ``pooling`` and Normalize."""
     import torch
     from sentence_transformers import SentenceTransformer, models
-    from transformers import Qwen3Model
 
-    decoder = _tokenizer_folder(tmp_path_factory.mktemp("qwen3-decoder"))
-    torch.manual_seed(23)
-    model = Qwen3Model(_qwen3_config(decoder)).eval()
-    with torch.no_grad():  # (RMSNorm weights start at one: vary them, so that a norm's weight left out shows)
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
+    decoder = tmp_path_factory.mktemp(f"{name}-decoder")
+    torch.manual_seed(seed)
+    model = model_class(config(_tokenizer_folder(decoder))).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
                 parameter.uniform_(0.5, 1.5)
+            elif parameter_name.endswith(".bias"):
+                parameter.uniform_(-0.2, 0.2)
     model.save_pretrained(str(decoder))
     transformer = models.Transformer(str(decoder), max_seq_length=MAX_LENGTH)
-    folder = tmp_path_factory.mktemp("embedders") / "qwen3-embedder"
-    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), "lasttoken"),
+    folder = tmp_path_factory.mktemp("embedders") / f"{name}-embedder"
+    SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_embedding_dimension(), pooling),
                                  models.Normalize()], device="cpu").save(str(folder))
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen3Model
+
+    return _saved_embedder(tmp_path_factory, "qwen3", Qwen3Model, _qwen3_config, "lasttoken", 23)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -170,3 +184,138 @@ def test_qwen3_bf16_keeps_the_accuracy_contract(tmp_path: Path, cache_dir: Path)
     engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
     assert engine.artifact.manifest.precision == "bf16"
     check_random_tokens(engine, reference, seed=5)
+
+
+def _vocabulary(tokenizer_folder: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(tokenizer_folder)))
+
+
+def _qwen2_config(tokenizer_folder: Path, **more):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=_vocabulary(tokenizer_folder), hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=MAX_LENGTH, initializer_range=0.1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, pad_token_id=1,
+                       bos_token_id=0, eos_token_id=2, **more)
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Saved as ``Qwen2ForCausalLM`` (its encoder under ``model.``, an ``lm_head`` beside it), as
+    a causal Qwen2 embedder fine-tuned from a generator is."""
+    from transformers import Qwen2ForCausalLM
+
+    return _saved_embedder(tmp_path_factory, "qwen2", Qwen2ForCausalLM, _qwen2_config, "lasttoken", 37)
+
+
+def test_qwen2_matches_transformers_and_sentence_transformers(qwen2_folder: Path, cache_dir: Path) -> None:
+    from transformers import Qwen2Model
+
+    reference = _embedder_matches(qwen2_folder, Qwen2Model, MAX_LENGTH, "packed", cache_dir)
+    assert np.abs(reference.layers[0].self_attn.k_proj.bias.detach().numpy()).max() > 0.01
+
+
+def test_a_bidirectional_qwen2_matches_transformers_layers_unmasked(qwen2_folder: Path, cache_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """gte-Qwen2-7B-instruct's attention reads every token (``is_causal`` false): transformers'
+    Qwen2 layers given a mask of the padding alone, and their last token's state normalised
+    (sentence-transformers would run them causal)."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Model
+
+    folder = tmp_path / "gte-qwen2"
+    shutil.copytree(qwen2_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "is_causal": False}))
+    embedder = Embedder(Engine(load_artifact(compile_artifact(
+        CompileRequest(model=str(folder), max_batch=8), cache_dir))))
+    reference = Qwen2Model.from_pretrained(str(qwen2_folder), attn_implementation="eager").eval()
+    encoded = AutoTokenizer.from_pretrained(str(folder))(TEXTS, padding=True, truncation=True, max_length=MAX_LENGTH,
+                                                         return_tensors="pt")
+    keys = encoded["attention_mask"][:, None, None, :].expand(-1, 1, MAX_LENGTH, -1)
+    unmasked = torch.zeros(keys.shape).masked_fill(keys == 0, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = reference(input_ids=encoded["input_ids"],
+                             attention_mask={"full_attention": unmasked}).last_hidden_state.numpy()
+        causal = reference(**encoded).last_hidden_state.numpy()
+    output = embedder.encode(TEXTS)
+    mask = encoded["attention_mask"].numpy()[..., None]
+    assert np.abs((causal - expected) * mask).max() > 0.1  # (the two attentions differ here)
+    np.testing.assert_allclose(output.last_hidden_state * mask, expected * mask, rtol=0, atol=1e-4)
+    last = expected[np.arange(len(TEXTS)), mask[..., 0].sum(axis=1) - 1]
+    np.testing.assert_allclose(output.sentence_embedding, last / np.linalg.norm(last, axis=1, keepdims=True),
+                               rtol=0, atol=1e-5)
+
+
+def test_a_qwen2_with_its_own_modeling_code_must_say_whether_it_is_causal(qwen2_folder: Path,
+                                                                          tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "custom"
+    shutil.copytree(qwen2_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    custom = {**raw, "auto_map": {"AutoModel": "modeling_qwen.Qwen2Model"}}
+    (folder / "config.json").write_text(json.dumps(custom))
+    with pytest.raises(CheckpointError, match=r"modeling_qwen\.Qwen2Model.*add \"is_causal\": false or true"):
+        Checkpoint.open(folder)
+    (folder / "config.json").write_text(json.dumps({**custom, "is_causal": True}))
+    assert Checkpoint.open(folder).config.causal
+
+
+MISTRAL_WINDOW = 6  # transformers: the query and the 5 keys before it, so texts here reach past it
+
+
+@pytest.fixture(scope="module")
+def mistral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import MistralConfig, MistralModel
+
+    def config(tokenizer_folder: Path):
+        return MistralConfig(vocab_size=_vocabulary(tokenizer_folder), hidden_size=64, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                             max_position_embeddings=MAX_LENGTH, sliding_window=MISTRAL_WINDOW,
+                             initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                             pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+    return _saved_embedder(tmp_path_factory, "mistral", MistralModel, config, "lasttoken", 41)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_mistral_matches_transformers_and_sentence_transformers(mistral_folder: Path, cache_dir: Path,
+                                                                 layout: str) -> None:
+    from transformers import MistralModel
+
+    reference = _embedder_matches(mistral_folder, MistralModel, MAX_LENGTH, layout, cache_dir)
+    assert reference.config.sliding_window == MISTRAL_WINDOW
+
+
+def test_llama_matches_transformers_and_sentence_transformers(tmp_path_factory: pytest.TempPathFactory,
+                                                               cache_dir: Path) -> None:
+    """Llama with biases on its attention's projections (``attention_bias``), under mean pooling."""
+    from transformers import LlamaConfig, LlamaModel
+
+    def config(tokenizer_folder: Path):
+        return LlamaConfig(vocab_size=_vocabulary(tokenizer_folder), hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           max_position_embeddings=MAX_LENGTH, attention_bias=True, initializer_range=0.1,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=2)
+
+    folder = _saved_embedder(tmp_path_factory, "llama", LlamaModel, config, "mean", 43)
+    reference = _embedder_matches(folder, LlamaModel, MAX_LENGTH, "packed", cache_dir)
+    assert np.abs(reference.layers[0].self_attn.o_proj.bias.detach().numpy()).max() > 0.01
+
+
+def test_a_llama_with_mlp_biases_is_refused_by_name(mistral_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(mistral_folder, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "model_type": "llama", "mlp_bias": True}))
+    with pytest.raises(CheckpointError, match="mlp_bias=true is not supported for llama"):
+        Checkpoint.open(folder)

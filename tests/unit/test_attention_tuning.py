@@ -143,6 +143,17 @@ SERVED = {
     "gemma3": (lambda: __import__("transformers").Gemma3TextConfig(
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, sliding_window=512,
         use_bidirectional_attention=True), (4, 1, [(1, False, None, False), (5, True, 256, False)])),
+    # e5-mistral's: every layer causal within transformers' window of 4,096 (the query and 4,095 keys before it)
+    "mistral": (lambda: __import__("transformers").MistralConfig(num_hidden_layers=3, sliding_window=4096),
+                (32, 8, [(3, True, 4095, True)])),
+    "mistral-unwindowed": (lambda: __import__("transformers").MistralConfig(num_hidden_layers=3, sliding_window=None),
+                           (32, 8, [(3, True, None, True)])),
+    "qwen2": (lambda: __import__("transformers").Qwen2Config(num_hidden_layers=2, num_key_value_heads=4),
+              (32, 4, [(2, True, None, True)])),
+    # gte-Qwen2-7B-instruct's: bidirectional
+    "qwen2-bidirectional": (lambda: __import__("transformers").Qwen2Config(num_hidden_layers=2, is_causal=False),
+                            (32, 32, [(2, False, None, False)])),
+    "llama": (lambda: __import__("transformers").LlamaConfig(num_hidden_layers=2), (32, 32, [(2, True, None, True)])),
     "nomic_bert": (lambda: __import__("transformers").NomicBertConfig(num_hidden_layers=3),
                    (12, 12, [(3, False, None, False)])),
     "gte": (lambda: __import__("transformers").GteConfig(num_hidden_layers=2), (12, 12, [(2, False, None, False)])),
