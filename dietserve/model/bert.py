@@ -29,7 +29,7 @@ from tvm.relax.frontend.nn import op
 
 from .config import DISTILBERT, MODERNBERT, SLIDING_ATTENTION, BertConfig
 from .decoders import DecoderEmbeddings, DecoderEncoder
-from .heads import ClassifierOptions, PoolingOptions, SentencePooling, SpladeHead
+from .heads import ClassifierOptions, PoolingOptions, SentencePooling, SpladeHead, pool
 from .layers import (
     MASK_FILL,
     Embedding,
@@ -181,6 +181,8 @@ class BertModel(nn.Module):
             self.splade = SpladeHead(cfg.hidden_size, act, cfg.layer_norm_eps, pooling.splade)
         elif classifier is None:
             self.sentence = SentencePooling(pooling)
+        elif cfg.decoder_layers:  # named as in the checkpoint: score.* (no bias)
+            self.score = TransposedLinear(cfg.hidden_size, classifier.num_labels)
         elif cfg.model_type == MODERNBERT:  # named as in the checkpoint: head.dense.*, head.norm.*, classifier.*
             self.head = ModernBertPredictionHead(cfg)
             self.classifier = TransposedLinear(cfg.hidden_size, classifier.num_labels)
@@ -217,7 +219,7 @@ class BertModel(nn.Module):
             hidden = self.encoder(hidden, attention_of, position_ids, batch)
         else:
             hidden = self.encoder(hidden, PaddedAttention(mask_bias, self.encoder.position_bias(position_ids)))
-        return self._heads(op.reshape(hidden, (batch, seq, hidden.shape[-1])), mask, position_ids)
+        return self._heads(op.reshape(hidden, (batch, seq, hidden.shape[-1])), mask, position_ids, input_ids)
 
     def forward_packed(
         self,
@@ -256,10 +258,23 @@ class BertModel(nn.Module):
         padded = op.reshape(rows, (batch, seq, width))
         if sparse is not None:
             return padded, sparse
-        return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions)
+        ids = None
+        if self.classifier_options is not None and self.config.decoder_layers:  # (the ids its head reads)
+            with_pad = op.concat([input_ids, op.zeros((1,), input_ids.dtype)], dim=0)
+            ids = op.reshape(nn.op.wrap_nested(relax.op.take(with_pad._expr, op.reshape(unpack, (-1,))._expr, axis=0,
+                                                             mode="clip"), "unpack_ids"), (batch, seq))
+        return self._heads(padded, op.astype(attention_mask, "float32"), padded_positions, ids)
 
-    def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
-        if self.classifier_options is not None and self.config.model_type == MODERNBERT:
+    def _heads(self, hidden: nn.Tensor, mask: nn.Tensor, position_ids: nn.Tensor,
+               input_ids: nn.Tensor | None) -> tuple[nn.Tensor, nn.Tensor]:
+        """The head's output from ``hidden [b, s, h]``, the float ``mask`` and positions; a
+        decoder's classifier also reads ``input_ids [b, s]``."""
+        options = self.classifier_options
+        if options is not None and self.config.decoder_layers:
+            if options.pad_token_id is not None:
+                mask = mask * op.astype(op.not_equal(input_ids, nn.Tensor.from_const(options.pad_token_id)), "float32")
+            return hidden, self.score(pool("lasttoken", hidden, mask, op.astype(position_ids, "float32")))
+        if options is not None and self.config.model_type == MODERNBERT:
             return hidden, self.classifier(self.head(hidden, mask))
         if self.classifier_options is not None:
             return hidden, self.classifier(self.pooler(hidden))

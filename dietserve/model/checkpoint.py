@@ -22,7 +22,9 @@ CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequ
                                  "XLMRobertaForSequenceClassification", "CamembertForSequenceClassification",
                                  "DistilBertForSequenceClassification", "MPNetForSequenceClassification",
                                  "ModernBertForSequenceClassification", "NomicBertForSequenceClassification",
-                                 "GteForSequenceClassification", "NewForSequenceClassification")
+                                 "GteForSequenceClassification", "NewForSequenceClassification",
+                                 "Qwen3ForSequenceClassification", "Qwen2ForSequenceClassification",
+                                 "MistralForSequenceClassification", "LlamaForSequenceClassification")
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
 _POOLING_FLAGS = {
     "pooling_mode_cls_token": "cls",
@@ -91,7 +93,7 @@ class Checkpoint:
         masked-language-model head under SpladePooling's defaults (max of ``log1p(relu)``)."""
         if self.classifier is not None:
             raise CheckpointError(f"{self.folder} is a sequence-classification checkpoint: its logits come "
-                                  "from the [CLS] row, and --pooling applies to sentence-embedding models only")
+                                  "from its own head, and --pooling applies to sentence-embedding models only")
         if modes == (SPLADE_POOLING,):
             return dataclasses.replace(self, pooling=PoolingOptions(splade=splade_options(self.config, {},
                                                                                           "--pooling splade")))
@@ -121,7 +123,10 @@ class Checkpoint:
                                   f"supported: a {config.model_type} checkpoint compiles as an embedder; sequence "
                                   f"classifiers compile from {', '.join(CLASSIFICATION_ARCHITECTURES)}")
         if set(CLASSIFICATION_ARCHITECTURES) & set(architectures):
-            return cls(folder, config, classifier=read_classifier(raw, folder))
+            classifier = read_classifier(raw, folder)
+            if config.decoder_layers:  # (its head reads the last token that is not padding)
+                classifier = dataclasses.replace(classifier, pad_token_id=raw.get("pad_token_id"))
+            return cls(folder, config, classifier=classifier)
         return cls(folder, config, read_pooling_options(folder, config))
 
 

@@ -192,12 +192,13 @@ def part_width(config: BertConfig, part: str, width: int, parts: int) -> int:
 
 def without_bias(config: BertConfig, name: str) -> bool:
     """Whether ``name`` is a bias a ModernBERT, decoder, NomicBERT or GTE checkpoint leaves out
-    (its config says so; a decoder's MLP has none, Qwen2's output projection none, GTE's gate and
-    up projections none): zero."""
+    (its config says so; a decoder's MLP and classifier have none, Qwen2's output projection none,
+    GTE's gate and up projections none): zero."""
     if not config.rotary or not name.endswith(".bias"):
         return False
     if config.decoder_layers:
-        return ".mlp." in name or not config.linear_bias or (config.model_type == QWEN2 and "o_proj" in name)
+        return (".mlp." in name or name.startswith("score.") or not config.linear_bias
+                or (config.model_type == QWEN2 and "o_proj" in name))
     if config.post_norm_rotary and name.endswith(("gate_proj.bias", "up_proj.bias")):
         return True  # (GTE's gated MLP has a bias on its output projection only)
     if name.endswith("norm.bias"):

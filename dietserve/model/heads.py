@@ -126,16 +126,21 @@ class PoolingOptions:
 
 @dataclass(frozen=True)
 class ClassifierOptions:
-    """A sequence-classification head (BERT's or RoBERTa's family): ``labels[i]`` names logit ``i``."""
+    """A sequence-classification head: ``labels[i]`` names logit ``i``. A decoder's reads the
+    last attended token whose id is not ``pad_token_id`` (transformers' rule: a text may end in
+    the padding token, as an end-of-text token; None: the last attended token)."""
 
     labels: tuple[str, ...]
+    pad_token_id: int | None = None
 
     @property
     def num_labels(self) -> int:
         return len(self.labels)
 
     def to_dict(self) -> dict:
-        return {"num_labels": self.num_labels, "id2label": {str(i): label for i, label in enumerate(self.labels)}}
+        skipped = {} if self.pad_token_id is None else {"pad_token_id": self.pad_token_id}
+        return {"num_labels": self.num_labels, "id2label": {str(i): label for i, label in enumerate(self.labels)},
+                **skipped}
 
 
 def _activation(x: nn.Tensor, name: str) -> nn.Tensor:

@@ -23,11 +23,18 @@ from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.host.cpu import cpu_flags
 from dietserve.model.checkpoint import Checkpoint, CheckpointError
 from dietserve.runtime.artifact import load_artifact
-from dietserve.runtime.embedder import Embedder
+from dietserve.runtime.embedder import Embedder, artifact_tokenizer
 from dietserve.runtime.engine import Engine
 
 from .server_process import ServerProcess
-from .test_encoder_families import MAX_LENGTH, TEXTS, _embedder_matches, _tokenizer_folder
+from .test_encoder_families import (
+    MAX_LENGTH,
+    PAIRS,
+    TEXTS,
+    _embedder_matches,
+    _tokenizer_folder,
+    cross_encoder_matches,
+)
 
 
 def _qwen3_config(tokenizer_folder: Path, **more):
@@ -36,8 +43,8 @@ def _qwen3_config(tokenizer_folder: Path, **more):
     return Qwen3Config(vocab_size=len(AutoTokenizer.from_pretrained(str(tokenizer_folder))), hidden_size=64,
                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, max_position_embeddings=MAX_LENGTH, initializer_range=0.1,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, pad_token_id=1,
-                       bos_token_id=0, eos_token_id=2, **more)
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                       **{"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, **more})
 
 
 def _saved_embedder(tmp_path_factory: pytest.TempPathFactory, name: str, model_class, config,
@@ -134,15 +141,67 @@ def test_a_causal_gemma3_is_refused_by_name(gemma3_folder: Path, tmp_path: Path)
         Checkpoint.open(folder)
 
 
-def test_a_qwen3_sequence_classifier_is_refused_by_name(qwen3_folder: Path, tmp_path: Path) -> None:
+def test_a_gemma3_sequence_classifier_is_refused_by_name(gemma3_folder: Path, tmp_path: Path) -> None:
     import shutil
 
     folder = tmp_path / "classifier"
-    shutil.copytree(qwen3_folder, folder)
+    shutil.copytree(gemma3_folder, folder)
     raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen3ForSequenceClassification"]}))
-    with pytest.raises(CheckpointError, match=r"a qwen3 sequence classifier \(Qwen3ForSequenceClass"):
+    architecture = {"architectures": ["Gemma3TextForSequenceClassification"]}
+    (folder / "config.json").write_text(json.dumps({**raw, **architecture}))
+    with pytest.raises(CheckpointError, match=r"a gemma3_text sequence classifier \(Gemma3TextForSequenceClass"):
         Checkpoint.open(folder)
+
+
+def _qwen3_reranker(folder: Path, cache_dir: Path, layout: str, **config) -> Engine:
+    """A Qwen3ForSequenceClassification with one label (Qwen3-Reranker converted to one, as
+    sentence-transformers' CrossEncoder reads it), its norms varied, compiled in ``layout``."""
+    import torch
+    from transformers import Qwen3ForSequenceClassification
+
+    _tokenizer_folder(folder)
+    torch.manual_seed(47)
+    model = Qwen3ForSequenceClassification(_qwen3_config(folder, num_labels=1, **config)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(str(folder))
+    return Engine(load_artifact(compile_artifact(CompileRequest(model=str(folder), max_batch=8, layout=layout),
+                                                 cache_dir)))
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_qwen3_reranker_matches_transformers_and_cross_encoder(tmp_path: Path, cache_dir: Path,
+                                                                 layout: str) -> None:
+    """The score of each pair's last token, as transformers' and CrossEncoder's."""
+    from transformers import Qwen3ForSequenceClassification
+
+    folder = tmp_path / "qwen3-reranker"
+    cross_encoder_matches(folder, _qwen3_reranker(folder, cache_dir, layout), Qwen3ForSequenceClassification)
+
+
+def test_a_qwen3_reranker_skips_a_last_token_that_is_its_padding(tmp_path: Path, cache_dir: Path) -> None:
+    """Where the padding token ends each text (here ``</s>``, as Qwen3's ``<|endoftext|>`` can),
+    the head reads the token before it, as transformers' rule does (one pair at a time there:
+    its rule reads padding slots as text where the tokenizer pads with another token)."""
+    import torch
+    from transformers import Qwen3ForSequenceClassification
+
+    folder = tmp_path / "qwen3-reranker"
+    engine = _qwen3_reranker(folder, cache_dir, "packed", pad_token_id=2)
+    encoded = artifact_tokenizer(engine).encode(PAIRS)
+    assert (encoded.input_ids[np.arange(len(PAIRS)), encoded.attention_mask.sum(axis=1) - 1] == 2).all()
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    reference = Qwen3ForSequenceClassification.from_pretrained(str(folder), attn_implementation="eager").eval()
+    expected = []
+    with torch.no_grad():
+        for ids, mask in zip(encoded.input_ids, encoded.attention_mask, strict=True):
+            expected.append(reference(input_ids=torch.from_numpy(ids[mask == 1][None])).logits[0].numpy())
+        last = reference(input_ids=torch.from_numpy(encoded.input_ids[:1, :encoded.attention_mask[0].sum()]),
+                         output_hidden_states=True).hidden_states[-1][0, -1]
+    np.testing.assert_allclose(output.logits, expected, rtol=0, atol=1e-4)
+    assert abs(float(reference.score(last)[0]) - expected[0][0]) > 1e-3  # (the last token's score differs)
 
 
 @pytest.mark.slow
