@@ -45,12 +45,12 @@ from .rotary_bert import RotaryBertEncoder
 
 class BertEmbeddings(nn.Module):
     """Words, token types and positions summed, then LayerNorm; no position table where the
-    layers rotate by position (NomicBERT, GTE)."""
+    layers rotate by position (NomicBERT, GTE) or bias the scores by distance (JinaBERT)."""
 
     def __init__(self, cfg: BertConfig):
         self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         # (RoBERTa: rows past its offset)
-        self.position_embeddings = None if cfg.rotary else Embedding(cfg.max_length, cfg.hidden_size)
+        self.position_embeddings = None if cfg.rotary or cfg.alibi else Embedding(cfg.max_length, cfg.hidden_size)
         self.token_type_embeddings = Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
@@ -95,12 +95,19 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """``act(dense(x))``; JinaBERT's gated form ``act(gate(x)) * up(x)``, its gate and up
+    projections one dense layer (the checkpoint's ``mlp.gated_layers``, gate first)."""
+
     def __init__(self, cfg: BertConfig):
-        self.dense = TransposedLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.gated = cfg.alibi
+        self.dense = TransposedLinear(cfg.hidden_size, cfg.intermediate_size * (2 if self.gated else 1))
         self.hidden_act = cfg.hidden_act
 
     def forward(self, hidden: nn.Tensor) -> nn.Tensor:
-        return activation(self.dense(hidden), self.hidden_act)
+        if not self.gated:
+            return activation(self.dense(hidden), self.hidden_act)
+        gate, up = op.split(self.dense(hidden), 2, axis=-1)
+        return activation(gate, self.hidden_act) * up
 
 
 class BertOutput(nn.Module):
@@ -127,9 +134,10 @@ class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig):
         self.layer = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         # MPNet's bias by relative position, shared by every layer: ``relative_bias[h, j - i +
-        # max_length - 1]`` for query i and key j (its buckets' values spread over every distance at load)
+        # max_length - 1]`` for query i and key j (its buckets' values spread over every distance at
+        # load); JinaBERT's ALiBi in the same table
         self.relative_bias = None
-        if cfg.relative_attention_num_buckets:
+        if cfg.relative_attention_num_buckets or cfg.alibi:
             self.relative_bias = nn.Parameter((cfg.num_attention_heads, 2 * cfg.max_length - 1), "float32")
 
     def position_bias(self, position_ids: nn.Tensor) -> nn.Tensor | None:

@@ -29,6 +29,7 @@ from .family_configs import (
     ROTARY_READERS,
     SLIDING_ATTENTION,
     ModelConfigError,
+    jina_bert,
 )
 
 # Activation names used by real BERT-family checkpoints. "gelu" is the exact erf form;
@@ -48,7 +49,7 @@ _DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers
 # Fields of the rotary families, left out of ``to_dict`` at their defaults.
 _ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
                   "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim",
-                  "query_pre_attn_scalar", "rope_ntk_factor", "bidirectional")
+                  "query_pre_attn_scalar", "rope_ntk_factor", "bidirectional", "alibi")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class BertConfig:
     rope_ntk_factor: float = 0.0
     # A Qwen2 decoder whose attention reads every token (gte-Qwen2-7B-instruct's ``is_causal`` false)
     bidirectional: bool = False
+    # JinaBERT's: positions as a bias by distance (ALiBi: -slope * |distance|, a slope per head,
+    # no position table) and a gated MLP (``act(gate) * up``, the gate and up projections one dense layer)
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -160,8 +164,8 @@ class BertConfig:
     @property
     def score_bias(self) -> bool:
         """Whether attention adds a bias by distance to its scores: MPNet's relative positions,
-        ModernBERT's sliding window, Qwen3's causal mask."""
-        return self.relative_attention_num_buckets > 0 or any(map(self.biased, self.layer_types))
+        JinaBERT's ALiBi, ModernBERT's sliding window, Qwen3's causal mask."""
+        return self.relative_attention_num_buckets > 0 or self.alibi or any(map(self.biased, self.layer_types))
 
     def biased(self, kind: str) -> bool:
         """Whether a rotary family's layers of ``kind`` mask keys by distance: a sliding window,
@@ -214,9 +218,11 @@ class BertConfig:
         if rotary is not None:
             raw = rotary(raw)
         position_kind = raw.get("position_embedding_type", "absolute")
-        if position_kind != "absolute":
+        if position_kind == "alibi":
+            raw = jina_bert(raw)
+        elif position_kind != "absolute":
             raise ModelConfigError(
-                f"position_embedding_type={position_kind!r} is not supported (only 'absolute')"
+                f"position_embedding_type={position_kind!r} is not supported (only 'absolute', and JinaBERT's 'alibi')"
             )
         if raw.get("model_type") == DISTILBERT:
             renamed = {ours: raw.get(theirs, default) for theirs, (ours, default) in _DISTILBERT_KEYS.items()}

@@ -227,6 +227,25 @@ def _own_head_dim(raw: dict) -> int:
     return own if own and own * heads != width else 0
 
 
+# JinaBERT's feed-forward types -> the activation on its gate (its GLU MLP's).
+_JINA_GATES = {"geglu": "gelu", "reglu": "relu"}
+
+
+def jina_bert(raw: dict) -> dict:
+    """JinaBERT's config (jina-embeddings-v2: BERT's layers, ALiBi for positions, a gated MLP;
+    ``position_embedding_type`` alibi) in our keys. Its variant with queries and keys normed
+    after the projection (jina-bert-v2-qk-post-norm, jina-embeddings-v2-base-code's) is refused."""
+    if "qk-post-norm" in str(raw.get("auto_map") or ""):
+        raise ModelConfigError("jina-bert-v2-qk-post-norm (jina-embeddings-v2-base-code's layers) is not supported")
+    gate = raw.get("feed_forward_type", "original")
+    if raw.get("model_type") != "bert" or gate not in _JINA_GATES:
+        raise ModelConfigError(f"position_embedding_type='alibi' is supported for JinaBERT (model_type 'bert', "
+                               f"feed_forward_type one of {sorted(_JINA_GATES)}), got model_type "
+                               f"{raw.get('model_type')!r}, feed_forward_type {gate!r}")
+    return {**{key: value for key, value in raw.items() if key != "position_embedding_type"},
+            "hidden_act": _JINA_GATES[gate], "alibi": True}
+
+
 # model_type -> its reader (``raw`` -> ``raw`` in our keys)
 ROTARY_READERS = {MODERNBERT: _modernbert, QWEN3: _decoder, QWEN2: _decoder, MISTRAL: _decoder, LLAMA: _decoder,
                   GEMMA3: _gemma3, NOMIC_BERT: _nomic_bert, GTE: _gte, GTE_ORIGINAL: _gte}

@@ -65,6 +65,9 @@ _MLM_HEAD_NAMES = (
     ("lm_head.bias", "splade.decoder.bias"), ("vocab_transform.", "splade.transform.dense."),
     ("vocab_layer_norm.", "splade.transform.LayerNorm."), ("vocab_projector.", "splade.decoder."),
 )
+# JinaBERT's gated MLP under BERT's names (``bert.BertIntermediate``'s gated form).
+_JINA_NAMES = ((".mlp.gated_layers.", ".intermediate.dense."), (".mlp.wo.", ".output.dense."),
+               (".mlp.layernorm.", ".output.LayerNorm."))
 _WORDS = "embeddings.word_embeddings.weight"
 _POSITIONS = "embeddings.position_embeddings.weight"
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
@@ -94,8 +97,11 @@ def as_bert(config: BertConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.
         tensors = _rotary_bert_tensors(tensors)
     renames = {DISTILBERT: _DISTILBERT_NAMES, MPNET: _MPNET_NAMES, MODERNBERT: _MODERNBERT_NAMES}.get(
         config.model_type, _ROBERTA_NAMES if config.model_type in ROBERTA_TYPES else ())
+    renames = _JINA_NAMES if config.alibi else renames
     if config.model_type in (DISTILBERT, MPNET, GTE):  # (GTE: where type_vocab_size is 0)
         tensors.setdefault(_TOKEN_TYPES, np.zeros((1, config.hidden_size), np.float32))
+    if config.alibi:
+        tensors[_RELATIVE_BIAS] = alibi_bias(config.num_attention_heads, config.max_length)
     if config.relative_attention_num_buckets and _BUCKET_BIAS in tensors:
         distances = np.arange(1 - config.max_length, config.max_length)
         buckets = relative_position_buckets(distances, config.relative_attention_num_buckets)
@@ -194,6 +200,8 @@ def without_bias(config: BertConfig, name: str) -> bool:
     """Whether ``name`` is a bias a ModernBERT, decoder, NomicBERT or GTE checkpoint leaves out
     (its config says so; a decoder's MLP and classifier have none, Qwen2's output projection none,
     GTE's gate and up projections none): zero."""
+    if config.alibi and name.endswith("intermediate.dense.bias"):
+        return True  # (JinaBERT's gated projections have no bias)
     if not config.rotary or not name.endswith(".bias"):
         return False
     if config.decoder_layers:
@@ -204,6 +212,20 @@ def without_bias(config: BertConfig, name: str) -> bool:
     if name.endswith("norm.bias"):
         return not config.norm_bias
     return not (config.classifier_bias if name.startswith("head.") else config.linear_bias)
+
+
+def alibi_bias(heads: int, max_length: int) -> np.ndarray:
+    """ALiBi's bias ``[heads, 2 * max_length - 1]`` by key-minus-query distance d: ``-slope * |d|``,
+    the slopes a geometric series from ``2 ** (-8 / n)`` for the largest power of two n of heads
+    at most ``heads``, the rest every other one of the series for 2n (the ALiBi paper's, TEI's)."""
+    def series(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    n = 1 << (heads.bit_length() - 1)
+    slopes = series(n) + series(2 * n)[0::2][:heads - n]
+    distance = np.abs(np.arange(1 - max_length, max_length, dtype=np.float64))
+    return np.ascontiguousarray((-np.asarray(slopes)[:, None] * distance).astype(np.float32))
 
 
 def relative_position_buckets(distance: np.ndarray, num_buckets: int,
