@@ -23,6 +23,7 @@ CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequ
                                  "DistilBertForSequenceClassification", "MPNetForSequenceClassification",
                                  "ModernBertForSequenceClassification", "NomicBertForSequenceClassification",
                                  "GteForSequenceClassification", "NewForSequenceClassification",
+                                 "JinaBertForSequenceClassification",
                                  "Qwen3ForSequenceClassification", "Qwen2ForSequenceClassification",
                                  "MistralForSequenceClassification", "LlamaForSequenceClassification")
 # sentence-transformers' legacy Pooling flags, in the order it concatenates their modes.
