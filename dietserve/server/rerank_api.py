@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 from aiohttp import web
@@ -80,15 +81,6 @@ def _sequence(value: object, where: str) -> Item:
     raise FieldError("inputs", f"{where} must be a text, [text] or [text, text_pair], got {value!r:.80}")
 
 
-def _cut_on_the_right(options: dict, route: str) -> None:
-    """TEI's ``truncation_direction``: only "right" here, as a pair is cut longest text first
-    from its end (sentence-transformers' CrossEncoder); "left" is refused, not ignored."""
-    if keeps_last(options):
-        raise FieldError("truncation_direction", f"{route} cuts over-long inputs at their end (a pair's longest text "
-                                                 "first, as sentence-transformers' CrossEncoder does): "
-                                                 "truncation_direction 'left' is not available")
-
-
 def predict_inputs(value: object) -> tuple[list[Item], bool]:
     """TEI's ``inputs`` -> (items, whether it was a batch): a text or a one- or two-text list is
     one input; any other list is a batch of such inputs."""
@@ -135,9 +127,8 @@ class ClassifierCalls:
         """(query, text) pairs, each scored -> ([{index, score, text?}], best first; the tokens
         read); ``options`` holds raw_scores, return_text and truncate."""
         model = self._classifier("/rerank", True, chosen_model(self.core, "/rerank", name, classifier=True))
-        _cut_on_the_right(options, "/rerank")
         raw, with_text = flag_field(options, "raw_scores", False), flag_field(options, "return_text", False)
-        logits, tokens = await self._logits(model, pairs, flag_field(options, "truncate", None), large)
+        logits, tokens = await self._logits(model, pairs, options, large)
         ranked = sorted(enumerate(scores(logits, raw)[:, 0].tolist()), key=lambda entry: -entry[1])
         return [{"index": index, "score": score, **({"text": pairs[index][1]} if with_text else {})}
                 for index, score in ranked], tokens
@@ -150,9 +141,8 @@ class ClassifierCalls:
         if "inputs" not in body:
             raise FieldError("inputs", "the body needs 'inputs': a text, [text, text_pair], or a list of them")
         items, batch = predict_inputs(body["inputs"])
-        _cut_on_the_right(body, "/predict")
         raw = flag_field(body, "raw_scores", False)
-        logits, tokens = await self._logits(model, items, flag_field(body, "truncate", None), large)
+        logits, tokens = await self._logits(model, items, body, large)
         labels = model.engine.labels
         answers = [sorted(({"label": label, "score": score} for label, score in zip(labels, row, strict=True)),
                           key=lambda entry: -entry["score"])
@@ -161,19 +151,21 @@ class ClassifierCalls:
 
     # ------------------------------------------------------------------ inference
 
-    async def _logits(self, model: ServedModel, items: list[Item], truncate: bool | None,
+    async def _logits(self, model: ServedModel, items: list[Item], options: dict,
                       large: bool) -> tuple[np.ndarray, int]:
-        """[len(items), labels] logits and the tokens read, in batch-sized requests."""
-        step, truncate = model.engine.max_batch, self.core.truncate(truncate)
+        """[len(items), labels] logits and the tokens read, in batch-sized requests, cut as
+        ``options``' truncate and truncation_direction say."""
+        step, truncate = model.engine.max_batch, self.core.truncate(flag_field(options, "truncate", None))
+        cut = Cut(truncate, keeps_last(options))
         answers = await asyncio.gather(*(
-            self.core.infer(self._receive(model, items[first : first + step], first, truncate, large))
+            self.core.infer(self._receive(model, items[first : first + step], first, cut, large))
             for first in range(0, len(items), step)))
         logits = np.concatenate([answer.outputs[LOGITS] for answer, _ in answers])
         return logits, sum(answer.request.tokens for answer, _ in answers)
 
-    async def _receive(self, model: ServedModel, items: list[Item], first: int, truncate: bool,
+    async def _receive(self, model: ServedModel, items: list[Item], first: int, cut: Cut,
                        large: bool) -> tuple[ServedModel, EncoderRequest, None]:
-        return model, await self.core.off_loop(large, encode_items, model, items, first, truncate), None
+        return model, await self.core.off_loop(large, encode_items, model, items, first, cut), None
 
 
 
@@ -204,8 +196,7 @@ class RerankRoutes(ClassifierCalls):
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
             raise FieldError("top_n", f"top_n must be a positive integer, got {top_n!r}")
         with_documents = flag_field(body, "return_documents", False)
-        logits, tokens = await self._logits(model, [(query, document) for document in documents],
-                                            flag_field(body, "truncate", None), large)
+        logits, tokens = await self._logits(model, [(query, document) for document in documents], body, large)
         ranked = sorted(enumerate(scores(logits, False)[:, 0].tolist()), key=lambda entry: -entry[1])[:top_n]
         results = [{"index": index, "relevance_score": score,
                     **({"document": {"text": documents[index]}} if with_documents else {})}
@@ -220,14 +211,23 @@ class RerankRoutes(ClassifierCalls):
         return json_response(answers if batch else answers[0])
 
 
-def encode_items(model: ServedModel, items: list[Item], first: int, truncate: bool) -> EncoderRequest:
+@dataclass(frozen=True)
+class Cut:
+    """How over-long inputs are cut: whether they are (else refused), and whether a text keeps
+    its last tokens (TEI's ``truncation_direction`` left; a pair: its longest text first)."""
+
+    truncate: bool
+    keep_last: bool = False
+
+
+def encode_items(model: ServedModel, items: list[Item], first: int, cut: Cut) -> EncoderRequest:
     """Texts and pairs -> a request for the logits. Each text is cut to the tokenizer's byte limit
-    and checked as UTF-8 as v2 text is (``codec.texts_of``); ``first`` numbers the items in
-    messages as the client's request does."""
+    (its last bytes where ``cut`` keeps the last tokens) and checked as UTF-8 as v2 text is
+    (``codec.texts_of``); ``first`` numbers the items in messages as the client's request does."""
     flat = [text for item in items for text in ((item,) if isinstance(item, str) else item)]
     # Lone surrogates (JSON allows them) pass through to the UTF-8 check, which names them.
     texts, clipped_texts = codec.texts_of("BYTES", [text.encode("utf-8", "surrogatepass") for text in flat],
-                                          model.tokenizer.byte_limit)
+                                          model.tokenizer.byte_limit, cut.keep_last)
     regrouped, clipped, offset = [], set(), 0
     for index, item in enumerate(items):
         width = 1 if isinstance(item, str) else 2
@@ -235,6 +235,7 @@ def encode_items(model: ServedModel, items: list[Item], first: int, truncate: bo
         if clipped_texts.intersection(range(offset, offset + width)):
             clipped.add(index)
         offset += width
-    encoded = model.tokenizer.encode(regrouped, truncate=truncate, clipped=clipped, first=first)
+    encoded = model.tokenizer.encode(regrouped, truncate=cut.truncate, clipped=clipped, first=first,
+                                     keep_last=cut.keep_last)
     ids, mask, types = model.engine.validate(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     return EncoderRequest(ids, mask, types, (LOGITS,))

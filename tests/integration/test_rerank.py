@@ -51,12 +51,13 @@ def nli(tmp_path_factory, cache_dir: Path):
     server.stop()
 
 
-def transformers_logits(folder: Path, items: list, truncate_to: int | None = None) -> np.ndarray:
+def transformers_logits(folder: Path, items: list, truncate_to: int | None = None,
+                        truncation_side: str = "right") -> np.ndarray:
     """The checkpoint's logits by transformers: items are texts or (text, text_pair) pairs."""
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), truncation_side=truncation_side)
     pairs = isinstance(items[0], tuple)
     encoded = tokenizer([a for a, _ in items] if pairs else items, [b for _, b in items] if pairs else None,
                         padding=True, truncation="longest_first" if truncate_to else False, max_length=truncate_to,

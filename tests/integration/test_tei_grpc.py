@@ -177,11 +177,8 @@ def test_info_describes_each_served_model(served, channel):
     (lambda channel: list(tei_grpc.EmbedStub(channel).EmbedStream(
         iter([tei.EmbedRequest(inputs="fine"), tei.EmbedRequest(inputs="x", dimensions=9999)]))),
      grpc.StatusCode.INVALID_ARGUMENT, "dimensions"),
-    (lambda channel: tei_grpc.RerankStub(channel).Rerank(tei.RerankRequest(
-        query="q", texts=["t"], truncation_direction=tei.TRUNCATION_DIRECTION_LEFT)),
-     grpc.StatusCode.INVALID_ARGUMENT, "truncation_direction 'left' is not available"),
 ], ids=["unknown-prompt", "unknown-model", "dense-model-sparse-call", "three-texts-pair", "too-long",
-        "stream-second-message", "pairs-cut-on-the-left"])
+        "stream-second-message"])
 def test_errors_name_what_was_wrong_and_the_server_keeps_serving(served, channel, call, code, named):
     with pytest.raises(grpc.RpcError) as raised:
         call(channel)
@@ -219,12 +216,24 @@ def test_a_stream_the_client_cancels_stops_its_work(served, channel):
     assert len(tei_grpc.EmbedStub(channel).Embed(tei.EmbedRequest(inputs="still serving")).embeddings) == 384
 
 
-def test_http_refuses_a_left_cut_of_pairs_too(served):
-    """/rerank and /predict cut pairs at their end only, and say so rather than ignore the field."""
-    for path, body in (("/rerank", {"query": "q", "texts": ["t"]}), ("/predict", {"inputs": ["q", "t"]})):
-        answer = requests.post(f"http://{served[0].http_url}{path}", json={**body, "truncation_direction": "left"},
-                               timeout=60)
-        assert answer.status_code == 400 and "truncation_direction 'left'" in answer.json()["error"], answer.text
-        right = requests.post(f"http://{served[0].http_url}{path}", json={**body, "truncation_direction": "right"},
-                              timeout=60)
-        assert right.status_code == 200, right.text
+def test_a_pair_is_cut_on_the_left_when_asked(served, channel):
+    """``truncation_direction`` left: a pair's longest text loses its first tokens, as transformers'
+    tokenizer cuts it with ``truncation_side`` left (its score differs from the right cut's), over
+    HTTP's /rerank and /predict and gRPC's Rerank and PredictPair."""
+    _, _, reranker, folder = served
+    named = (("model", reranker),)
+    longest = tei_grpc.InfoStub(channel).Info(tei.InfoRequest(), metadata=named).max_input_length
+    long_text = "A man is eating food. " * 60 + "The sky is blue over the sea. " * 60
+    expected = {side: 1 / (1 + np.exp(-transformers_logits(folder, [(QUERY, long_text)], longest, side)[0, 0]))
+                for side in ("left", "right")}
+    assert abs(expected["left"] - expected["right"]) > 1e-3
+    options = {"truncate": True, "truncation_direction": "left"}
+    ranked = _http(served[0], "/rerank", {"query": QUERY, "texts": [long_text], **options})
+    predicted = _http(served[0], "/predict", {"inputs": [QUERY, long_text], **options})
+    left = {"truncate": True, "truncation_direction": tei.TRUNCATION_DIRECTION_LEFT}
+    ranks = tei_grpc.RerankStub(channel).Rerank(tei.RerankRequest(query=QUERY, texts=[long_text], **left),
+                                                metadata=named).ranks
+    pair = tei_grpc.PredictStub(channel).PredictPair(tei.PredictPairRequest(inputs=[QUERY, long_text], **left),
+                                                     metadata=named).predictions
+    for score in (ranked[0]["score"], predicted[0]["score"], ranks[0].score, pair[0].score):
+        assert abs(score - expected["left"]) < REFERENCE_ATOL, (score, expected)
