@@ -37,6 +37,10 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
                              "cls, max, mean, mean_sqrt_len_tokens, weightedmean or lasttoken; several "
                              "separated by commas are concatenated in that order; or splade: a *ForMaskedLM "
                              "checkpoint as a sparse encoder (SpladePooling, max of log1p(relu))")
+    parser.add_argument("--classifier-from-tokens", type=_token_pair, default=None, metavar="NO,YES",
+                        help="a decoder language model (qwen3, qwen2, mistral, llama) as a one-label classifier for "
+                             "/rerank: the logit of token YES minus that of NO at the last token (Qwen3-Reranker: "
+                             "no,yes); its prompt is the client's to write")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="packed: a request's tokens packed one sequence after another, no padded work (llvm "
                              "only; its default); padded: texts padded to the longest, padding masked (cuda's)")
@@ -56,6 +60,13 @@ def _pooling_modes(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _token_pair(text: str) -> tuple[str, str]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two tokens, NO,YES (Qwen3-Reranker: no,yes)")
+    return parts[0], parts[1]
+
+
 def compile_request(args: argparse.Namespace):
     from ..compile.artifact import CompileRequest
     from ..compile.target import TargetSpec
@@ -70,7 +81,8 @@ def compile_request(args: argparse.Namespace):
     return CompileRequest(model=args.model, target=spec, max_batch=args.max_batch, seed=args.seed, plans=plans,
                           analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling,
                           layout=getattr(args, "layout", None), precision=getattr(args, "precision", "fp32"),
-                          max_seq_len=getattr(args, "max_seq_len", None))
+                          max_seq_len=getattr(args, "max_seq_len", None),
+                          classifier_tokens=getattr(args, "classifier_from_tokens", None))
 
 
 def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:
@@ -100,6 +112,8 @@ def build_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--pooling", ",".join(args.pooling)]
     if getattr(args, "max_seq_len", None):
         argv += ["--max-seq-len", str(args.max_seq_len)]
+    if getattr(args, "classifier_from_tokens", None):
+        argv += ["--classifier-from-tokens", ",".join(args.classifier_from_tokens)]
     if getattr(args, "layout", None):
         argv += ["--layout", args.layout]
     if getattr(args, "precision", None):

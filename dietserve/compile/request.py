@@ -51,6 +51,9 @@ class CompileRequest:
     # a long-context model's tables, warm-up and memory bound end there; None: its last position,
     # at most LONGEST_BY_DEFAULT.
     max_seq_len: int | None = None
+    # (no, yes): a decoder language model served as a one-label classifier, the logit of yes
+    # minus that of no (--classifier-from-tokens; Qwen3-Reranker's)
+    classifier_tokens: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -67,6 +70,9 @@ class CompileRequest:
             raise ValueError(f"the packed layout has kernels for CPU (llvm) targets only, not {self.target.kind}")
         if self.pooling is not None:
             parse_pooling_modes(",".join(self.pooling))
+        if self.classifier_tokens is not None and (len(self.classifier_tokens) != 2 or self.pooling is not None):
+            raise ValueError(f"classifier_tokens must be two tokens (no, yes), without pooling, got "
+                             f"{self.classifier_tokens!r}")
 
     def build_record(self) -> dict:
         """What the manifest keeps of this request (``Manifest.build``), plans aside: enough for a
@@ -77,6 +83,7 @@ class CompileRequest:
         return {"model": model, "max_batch": self.max_batch, "seed": self.seed,
                 "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
                 "precision": self.precision, "max_seq_len": self.max_seq_len,
+                **({"classifier_tokens": list(self.classifier_tokens)} if self.classifier_tokens else {}),
                 "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
 
     @classmethod
@@ -88,7 +95,9 @@ class CompileRequest:
                        max_batch=int(record["max_batch"]), seed=int(record["seed"]),
                        pooling=tuple(pooling) if pooling is not None else None,
                        layout=str(record.get("layout", LAYOUT_PADDED)),
-                       precision=str(record.get("precision", "fp32")), max_seq_len=record.get("max_seq_len"))
+                       precision=str(record.get("precision", "fp32")), max_seq_len=record.get("max_seq_len"),
+                       classifier_tokens=tuple(record["classifier_tokens"]) if record.get("classifier_tokens")
+                       else None)
         except (KeyError, TypeError) as err:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
@@ -118,4 +127,6 @@ def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress
                      f"{PADDED_SCORES_BYTES / 2**30:.0f} GiB" if bounded else "")
             progress(f"serving sequences of up to {longest} of the model's {positions} positions (--max-seq-len "
                      f"to change it{bound})")
+    if request.classifier_tokens is not None:
+        return checkpoint.with_classifier_from_tokens(*request.classifier_tokens)
     return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)

@@ -105,6 +105,28 @@ class Checkpoint:
         _check_dense_inputs(pooling, self.config.hidden_size, f"--pooling {','.join(modes)}")
         return dataclasses.replace(self, pooling=pooling)
 
+    def with_classifier_from_tokens(self, no: str, yes: str) -> Checkpoint:
+        """This decoder (a causal language model, as Qwen3-Reranker is) as a one-label classifier
+        (``--classifier-from-tokens``): the logit of token ``yes`` minus that of ``no`` at the last
+        token, from its ``lm_head`` (or, tied, its word embeddings)."""
+        where = f"--classifier-from-tokens {no},{yes}"
+        if not self.config.decoder_layers or self.classifier is not None:
+            raise CheckpointError(f"{where}: {self.folder} is a {self.config.model_type} "
+                                  f"{self.task} checkpoint; a decoder language model (qwen3, qwen2, mistral, llama) "
+                                  "scores by its tokens' logits")
+        from tokenizers import Tokenizer
+
+        try:
+            vocabulary = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        except Exception as err:  # (a missing or unreadable file: the tokens cannot be looked up)
+            raise CheckpointError(f"{where}: {self.folder}/tokenizer.json cannot be read: {err}") from None
+        ids = [vocabulary.token_to_id(token) for token in (no, yes)]
+        missing = [token for token, token_id in zip((no, yes), ids, strict=True) if token_id is None]
+        if missing:
+            raise CheckpointError(f"{where}: {missing[0]!r} is not a token of {self.folder}'s vocabulary")
+        return dataclasses.replace(self, pooling=PoolingOptions(),
+                                   classifier=ClassifierOptions((yes,), from_tokens=(ids[0], ids[1])))
+
     @classmethod
     def open(cls, folder: Path) -> Checkpoint:
         folder = Path(folder)
@@ -296,6 +318,10 @@ def load_parameters(
                               "checkpoint's cls.predictions, lm_head or vocab_*), which a sparse encoder needs")
     if splade is not None:
         raw.update(splade_decoder(raw, splade.decoder_columns))
+    tokens = checkpoint.classifier.from_tokens if checkpoint.classifier is not None else None
+    if tokens is not None:  # (a tied head is the word embeddings)
+        head = raw.get("lm_head.weight", raw.get("embeddings.embed_tokens.weight"))
+        raw["score.weight"] = (head[tokens[1]] - head[tokens[0]])[None]
     transposed = transposed_weight_names(model)
     sources = checkpoint_parts(model)
     params: dict[str, np.ndarray] = {}

@@ -128,10 +128,13 @@ class PoolingOptions:
 class ClassifierOptions:
     """A sequence-classification head: ``labels[i]`` names logit ``i``. A decoder's reads the
     last attended token whose id is not ``pad_token_id`` (transformers' rule: a text may end in
-    the padding token, as an end-of-text token; None: the last attended token)."""
+    the padding token, as an end-of-text token; None: the last attended token). ``from_tokens``
+    (no, yes): a causal language model's head made one label, the logit of ``yes`` minus that of
+    ``no`` (its sigmoid is their softmax's yes: Qwen3-Reranker's score)."""
 
     labels: tuple[str, ...]
     pad_token_id: int | None = None
+    from_tokens: tuple[int, int] | None = None
 
     @property
     def num_labels(self) -> int:
@@ -139,8 +142,9 @@ class ClassifierOptions:
 
     def to_dict(self) -> dict:
         skipped = {} if self.pad_token_id is None else {"pad_token_id": self.pad_token_id}
+        tokens = {} if self.from_tokens is None else {"from_tokens": list(self.from_tokens)}
         return {"num_labels": self.num_labels, "id2label": {str(i): label for i, label in enumerate(self.labels)},
-                **skipped}
+                **skipped, **tokens}
 
 
 def _activation(x: nn.Tensor, name: str) -> nn.Tensor:

@@ -378,3 +378,41 @@ def test_a_llama_with_mlp_biases_is_refused_by_name(mistral_folder: Path, tmp_pa
     (folder / "config.json").write_text(json.dumps({**raw, "model_type": "llama", "mlp_bias": True}))
     with pytest.raises(CheckpointError, match="mlp_bias=true is not supported for llama"):
         Checkpoint.open(folder)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_causal_lm_scores_by_its_yes_and_no_tokens(tmp_path: Path, cache_dir: Path, tied: bool) -> None:
+    """``--classifier-from-tokens no,yes`` (Qwen3-Reranker's own checkpoints: a Qwen3ForCausalLM
+    whose answer token is scored): the sigmoid of the one logit against the softmax over the two
+    tokens' logits at each pair's last token in transformers, from ``lm_head`` or, tied, the
+    word embeddings."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    folder = _tokenizer_folder(tmp_path / "qwen3-reranker-lm")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    no, yes = tokenizer.convert_ids_to_tokens([7, 11])
+    torch.manual_seed(59)
+    Qwen3ForCausalLM(_qwen3_config(folder, tie_word_embeddings=tied)).eval().save_pretrained(str(folder))
+    request = CompileRequest(model=str(folder), max_batch=8, classifier_tokens=(no, yes))
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
+    assert list(engine.labels) == [yes] and engine.artifact.manifest.build["classifier_tokens"] == [no, yes]
+    encoded = artifact_tokenizer(engine).encode(PAIRS)
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    reference = Qwen3ForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask)).logits
+    last = logits[torch.arange(len(PAIRS)), torch.from_numpy(encoded.attention_mask.sum(axis=1) - 1)]
+    expected = torch.softmax(last[:, [7, 11]], dim=-1)[:, 1].numpy()
+    assert expected.std() > 1e-3
+    np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), expected, rtol=0, atol=1e-5)
+
+
+def test_classifier_tokens_are_refused_where_they_cannot_score(qwen2_folder: Path, tmp_path: Path) -> None:
+    from dietserve.model.presets import default_model_folder
+
+    with pytest.raises(CheckpointError, match="'nope' is not a token of"):
+        Checkpoint.open(qwen2_folder).with_classifier_from_tokens("nope", "</s>")
+    with pytest.raises(CheckpointError, match="a bert embedding checkpoint; a decoder language model"):
+        Checkpoint.open(default_model_folder()).with_classifier_from_tokens("no", "yes")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dietserve.commands.common import add_build_flags, compile_request
-from dietserve.compile.artifact import cache_key
+from dietserve.commands.common import add_build_flags, build_argv, compile_request
+from dietserve.compile.artifact import CompileRequest, cache_key
 from dietserve.compile.target import TargetSpec, build_target
 from dietserve.model.bert import export_relax
 from dietserve.model.checkpoint import Checkpoint, CheckpointError, load_parameters
@@ -232,3 +232,18 @@ def test_the_cache_key_follows_the_tokenizer_and_prompt_files(tmp_path: Path) ->
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "q: "}}))
     keys.append(key())
     assert len(set(keys)) == 4 and key() == keys[-1]
+
+
+def test_classifier_tokens_flag_reaches_the_request_its_record_and_a_child_command() -> None:
+    parser = argparse.ArgumentParser()
+    add_build_flags(parser)
+    args = parser.parse_args(["--model", "Qwen/Qwen3-Reranker-0.6B", "--classifier-from-tokens", "no,yes"])
+    request = compile_request(args)
+    assert request.classifier_tokens == ("no", "yes")
+    assert CompileRequest.from_build_record(request.build_record()).classifier_tokens == ("no", "yes")
+    assert compile_request(parser.parse_args(build_argv(args))).classifier_tokens == ("no", "yes")
+    for wrong in ("yes", "no,yes,maybe", "no,"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--classifier-from-tokens", wrong])
+    with pytest.raises(ValueError, match="without pooling"):
+        CompileRequest(pooling=("mean",), classifier_tokens=("no", "yes"))
