@@ -284,7 +284,7 @@ class BertModel(nn.Module):
             return hidden, self.score(pool("lasttoken", hidden, mask, op.astype(position_ids, "float32")))
         if options is not None and self.config.model_type == MODERNBERT:
             return hidden, self.classifier(self.head(hidden, mask))
-        if self.classifier_options is not None:
+        if options is not None:
             return hidden, self.classifier(self.pooler(hidden))
         if self.pooling.splade is not None:
             batch, seq, width = hidden.shape

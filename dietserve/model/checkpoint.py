@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from .bert import BertModel, checkpoint_parts, transposed_weight_names
 from .config import BertConfig, ModelConfigError
@@ -114,8 +115,6 @@ class Checkpoint:
             raise CheckpointError(f"{where}: {self.folder} is a {self.config.model_type} "
                                   f"{self.task} checkpoint; a decoder language model (qwen3, qwen2, mistral, llama) "
                                   "scores by its tokens' logits")
-        from tokenizers import Tokenizer
-
         try:
             vocabulary = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         except Exception as err:  # (a missing or unreadable file: the tokens cannot be looked up)

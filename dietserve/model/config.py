@@ -1,4 +1,5 @@
-"""Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT, RoBERTa's family
+"""Encoder hyper-parameters as read from a Hugging Face ``config.json``: BERT (and JinaBERT, with
+ALiBi for positions and a gated MLP), RoBERTa's family
 (RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder, its positions numbered past the padding
 index), DistilBERT (the same layers under other names, with no token types), MPNet (RoBERTa's
 numbering, no token types, and a bias on attention scores by relative position), and the rotary
@@ -46,8 +47,8 @@ MPNET_MAX_DISTANCE = 128
 _DISTILBERT_KEYS = {"dim": ("hidden_size", 768), "n_layers": ("num_hidden_layers", 6),
                     "n_heads": ("num_attention_heads", 12), "hidden_dim": ("intermediate_size", 3072),
                     "activation": ("hidden_act", "gelu")}
-# Fields of the rotary families, left out of ``to_dict`` at their defaults.
-_ROTARY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
+# Fields of the families beyond BERT's (the rotary ones, JinaBERT), left out of ``to_dict`` at their defaults.
+_FAMILY_FIELDS = ("layer_types", "rope_thetas", "sliding_window", "norm_bias", "linear_bias", "classifier_pooling",
                   "classifier_activation", "classifier_bias", "num_key_value_heads", "attention_head_dim",
                   "query_pre_attn_scalar", "rope_ntk_factor", "bidirectional", "alibi")
 
@@ -206,11 +207,11 @@ class BertConfig:
         return self.max_position_embeddings - self.position_offset
 
     def to_dict(self) -> dict:
-        """The fields, without the rotary families' at their defaults: an earlier build's manifest
+        """The fields, without the other families' at their defaults: an earlier build's manifest
         and cache key read the same for every other family (a hot swap compares manifests' configs)."""
         defaults = BertConfig.__dataclass_fields__
         return {name: value for name, value in asdict(self).items()
-                if name not in _ROTARY_FIELDS or value != defaults[name].default}
+                if name not in _FAMILY_FIELDS or value != defaults[name].default}
 
     @classmethod
     def from_dict(cls, raw: dict) -> BertConfig:
