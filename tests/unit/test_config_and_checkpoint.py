@@ -144,6 +144,34 @@ def test_gte_config_reads_either_format() -> None:
     assert "rope_ntk_factor" not in ours.to_dict() and english.to_dict()["rope_ntk_factor"] == 2.0
 
 
+def test_the_plain_decoders_configs_read_as_transformers_defaults_them() -> None:
+    """Qwen2's, Mistral's and Llama's configs at transformers' defaults read as the same model
+    whether or not the defaults are written out; gte-Qwen2-1.5B-instruct's config (the Hub's: its
+    own modeling code named, no ``is_causal``) is refused until ``is_causal`` says which."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    for theirs in (Qwen2Config(), MistralConfig(), LlamaConfig()):
+        written = BertConfig.from_dict(json.loads(theirs.to_json_string()))
+        assert written == BertConfig.from_dict({"model_type": theirs.model_type})
+        assert (written.hidden_size, written.num_hidden_layers, written.kv_heads, written.vocab_size) == (
+            theirs.hidden_size, theirs.num_hidden_layers, theirs.num_key_value_heads, theirs.vocab_size)
+        assert written.causal and written.head_dim == theirs.hidden_size // theirs.num_attention_heads
+    assert BertConfig.from_dict({"model_type": "mistral"}).sliding_window == 4095  # (MistralConfig's 4,096)
+    gte_qwen2 = {"architectures": ["Qwen2Model"], "auto_map": {
+        "AutoModel": "Alibaba-NLP/gte-Qwen2-1.5B-instruct--modeling_qwen.Qwen2Model"}, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 1536, "intermediate_size": 8960,
+        "max_position_embeddings": 131072, "max_window_layers": 21, "model_type": "qwen2", "num_attention_heads": 12,
+        "num_hidden_layers": 28, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151646}
+    with pytest.raises(ModelConfigError, match="add \"is_causal\": false or true"):
+        BertConfig.from_dict(gte_qwen2)
+    ours = BertConfig.from_dict({**gte_qwen2, "is_causal": False})
+    assert (ours.bidirectional, ours.causal, ours.kv_heads, ours.head_dim, ours.linear_bias) == (
+        True, False, 2, 128, True)
+    assert dict(ours.rope_thetas) == {"full_attention": 1000000.0} and ours.layer_norm_eps == 1e-6
+
+
 def test_modernbert_rotary_tables_are_transformers() -> None:
     """cos and sin at every position of both layer kinds against transformers' rotary embedding."""
     import torch
