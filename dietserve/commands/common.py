@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,10 @@ def add_build_flags(parser: argparse.ArgumentParser) -> None:
                         help="a decoder language model (qwen3, qwen2, mistral, llama) as a one-label classifier for "
                              "/rerank: the logit of token YES minus that of NO at the last token (Qwen3-Reranker: "
                              "no,yes); its prompt is the client's to write")
+    parser.add_argument("--pair-template", type=_pair_template, default=None, metavar="NAME|FILE",
+                        help="the prompt a reranker reads each (query, document) pair through: qwen3-reranker "
+                             "(Qwen3-Reranker's, with its default instruction), or a JSON file of 'prefix', 'pair' "
+                             "(with {query} and {document}) and 'suffix'")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="packed: a request's tokens packed one sequence after another, no padded work (llvm "
                              "only; its default); padded: texts padded to the longest, padding masked (cuda's)")
@@ -67,6 +72,15 @@ def _token_pair(text: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+def _pair_template(text: str) -> dict:
+    from ..model.tokenizer import TokenizerError, read_pair_template
+
+    try:
+        return read_pair_template(text).to_dict()
+    except TokenizerError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def compile_request(args: argparse.Namespace):
     from ..compile.artifact import CompileRequest
     from ..compile.target import TargetSpec
@@ -82,7 +96,8 @@ def compile_request(args: argparse.Namespace):
                           analytic=modes == [PLANS_ANALYTIC], pooling=args.pooling,
                           layout=getattr(args, "layout", None), precision=getattr(args, "precision", "fp32"),
                           max_seq_len=getattr(args, "max_seq_len", None),
-                          classifier_tokens=getattr(args, "classifier_from_tokens", None))
+                          classifier_tokens=getattr(args, "classifier_from_tokens", None),
+                          pair_template=getattr(args, "pair_template", None))
 
 
 def add_plans_flag(parser: argparse.ArgumentParser, files: bool) -> None:
@@ -114,6 +129,8 @@ def build_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--max-seq-len", str(args.max_seq_len)]
     if getattr(args, "classifier_from_tokens", None):
         argv += ["--classifier-from-tokens", ",".join(args.classifier_from_tokens)]
+    if getattr(args, "pair_template", None):
+        argv += ["--pair-template", json.dumps(args.pair_template)]
     if getattr(args, "layout", None):
         argv += ["--layout", args.layout]
     if getattr(args, "precision", None):

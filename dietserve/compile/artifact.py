@@ -25,7 +25,7 @@ from ..kernels.space.analytic import ANALYTIC_SOURCE
 from ..model.bert import PACKED_VARS, SHAPE_VARS, export_relax
 from ..model.checkpoint import Checkpoint, load_parameters
 from ..model.presets import display_name
-from ..model.tokenizer import TOKENIZER_FILES
+from ..model.tokenizer import PAIR_TEMPLATE_FILE, TOKENIZER_FILES
 from ..runtime.cuda_kernels import FATBIN_FILE
 from ..runtime.manifest import (
     LAYOUT_PACKED,
@@ -215,6 +215,9 @@ def _build_into(staging, checkpoint, target, request, name, key, plans, progress
         source = checkpoint.folder / file_name
         if source.is_file():
             shutil.copy(source, staging / file_name)
+    template = checkpoint.classifier.pair_template if checkpoint.classifier is not None else None
+    if template is not None:
+        write_text_atomic(staging / PAIR_TEMPLATE_FILE, json.dumps(template.to_dict(), indent=1))
     for plan in plans:  # what was linked in, for `explain` and for re-linking
         plan.write(plan_path(staging / PLANS_DIR, plan.workload))
     if attention is not None:

@@ -14,6 +14,7 @@ from ..model.checkpoint import Checkpoint
 from ..model.heads import parse_pooling_modes
 from ..model.hub import hub_id
 from ..model.presets import PRESET_DISPLAY_NAMES, resolve_model
+from ..model.tokenizer import PairTemplate
 from ..runtime.manifest import LAYOUT_PACKED, LAYOUT_PADDED, LAYOUTS, default_layout
 from .target import TargetSpec
 
@@ -54,6 +55,9 @@ class CompileRequest:
     # (no, yes): a decoder language model served as a one-label classifier, the logit of yes
     # minus that of no (--classifier-from-tokens; Qwen3-Reranker's)
     classifier_tokens: tuple[str, str] | None = None
+    # The prompt a classifier reads each pair through (--pair-template; ``tokenizer.PairTemplate``'s
+    # fields): a reranker's, as Qwen3-Reranker's
+    pair_template: dict | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -73,6 +77,8 @@ class CompileRequest:
         if self.classifier_tokens is not None and (len(self.classifier_tokens) != 2 or self.pooling is not None):
             raise ValueError(f"classifier_tokens must be two tokens (no, yes), without pooling, got "
                              f"{self.classifier_tokens!r}")
+        if self.pair_template is not None:
+            PairTemplate.from_dict(self.pair_template, "pair_template")
 
     def build_record(self) -> dict:
         """What the manifest keeps of this request (``Manifest.build``), plans aside: enough for a
@@ -84,6 +90,7 @@ class CompileRequest:
                 "pooling": list(self.pooling) if self.pooling is not None else None, "layout": self.layout,
                 "precision": self.precision, "max_seq_len": self.max_seq_len,
                 **({"classifier_tokens": list(self.classifier_tokens)} if self.classifier_tokens else {}),
+                **({"pair_template": self.pair_template} if self.pair_template else {}),
                 "target": {"kind": spec.kind, "mcpu": spec.mcpu, "num_cores": spec.num_cores, "arch": spec.arch}}
 
     @classmethod
@@ -97,7 +104,7 @@ class CompileRequest:
                        layout=str(record.get("layout", LAYOUT_PADDED)),
                        precision=str(record.get("precision", "fp32")), max_seq_len=record.get("max_seq_len"),
                        classifier_tokens=tuple(record["classifier_tokens"]) if record.get("classifier_tokens")
-                       else None)
+                       else None, pair_template=record.get("pair_template"))
         except (KeyError, TypeError) as err:
             raise ValueError(f"the manifest's build record {record!r} is malformed: {err!r}") from None
 
@@ -128,5 +135,9 @@ def open_checkpoint(request: CompileRequest, cache_dir: Path, progress: Progress
             progress(f"serving sequences of up to {longest} of the model's {positions} positions (--max-seq-len "
                      f"to change it{bound})")
     if request.classifier_tokens is not None:
-        return checkpoint.with_classifier_from_tokens(*request.classifier_tokens)
-    return checkpoint if request.pooling is None else checkpoint.with_pooling_modes(request.pooling)
+        checkpoint = checkpoint.with_classifier_from_tokens(*request.classifier_tokens)
+    elif request.pooling is not None:
+        checkpoint = checkpoint.with_pooling_modes(request.pooling)
+    if request.pair_template is not None:
+        checkpoint = checkpoint.with_pair_template(PairTemplate.from_dict(request.pair_template, "--pair-template"))
+    return checkpoint

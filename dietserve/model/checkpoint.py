@@ -17,6 +17,7 @@ from .config import BertConfig, ModelConfigError
 from .family_tensors import as_bert, canonical_name, part_width, splade_decoder, without_bias
 from .heads import SPLADE_POOLING, ClassifierOptions, DenseLayer, PoolingOptions, SpladeOptions
 from .side_by_side import side_by_side
+from .tokenizer import PairTemplate
 from .weight_files import WeightFileError, find_weight_files, read_tensors
 
 CLASSIFICATION_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
@@ -125,6 +126,14 @@ class Checkpoint:
             raise CheckpointError(f"{where}: {missing[0]!r} is not a token of {self.folder}'s vocabulary")
         return dataclasses.replace(self, pooling=PoolingOptions(),
                                    classifier=ClassifierOptions((yes,), from_tokens=(ids[0], ids[1])))
+
+    def with_pair_template(self, template: PairTemplate) -> Checkpoint:
+        """This classifier reading each (query, document) pair through ``template``
+        (``--pair-template``: a reranker's prompt, as Qwen3-Reranker's)."""
+        if self.classifier is None:
+            raise CheckpointError(f"--pair-template: {self.folder} is an embedding model; a pair template is the "
+                                  "prompt a classifier (a reranker) reads a pair through")
+        return dataclasses.replace(self, classifier=dataclasses.replace(self.classifier, pair_template=template))
 
     @classmethod
     def open(cls, folder: Path) -> Checkpoint:

@@ -22,6 +22,7 @@ from tvm.relax.frontend.nn import op
 
 from ..kernels.cpu_varlen.splade_pool import check_splade_pooling
 from .layers import TransposedLinear, activation
+from .tokenizer import PairTemplate
 
 # --pooling's name for SpladePooling (TEI's): sentence-transformers' Pooling modes do not include it.
 SPLADE_POOLING = "splade"
@@ -130,11 +131,13 @@ class ClassifierOptions:
     last attended token whose id is not ``pad_token_id`` (transformers' rule: a text may end in
     the padding token, as an end-of-text token; None: the last attended token). ``from_tokens``
     (no, yes): a causal language model's head made one label, the logit of ``yes`` minus that of
-    ``no`` (its sigmoid is their softmax's yes: Qwen3-Reranker's score)."""
+    ``no`` (its sigmoid is their softmax's yes: Qwen3-Reranker's score). ``pair_template``: the
+    prompt a pair is read through (``tokenizer.PairTemplate``)."""
 
     labels: tuple[str, ...]
     pad_token_id: int | None = None
     from_tokens: tuple[int, int] | None = None
+    pair_template: PairTemplate | None = None
 
     @property
     def num_labels(self) -> int:
@@ -143,8 +146,9 @@ class ClassifierOptions:
     def to_dict(self) -> dict:
         skipped = {} if self.pad_token_id is None else {"pad_token_id": self.pad_token_id}
         tokens = {} if self.from_tokens is None else {"from_tokens": list(self.from_tokens)}
+        template = {} if self.pair_template is None else {"pair_template": self.pair_template.to_dict()}
         return {"num_labels": self.num_labels, "id2label": {str(i): label for i, label in enumerate(self.labels)},
-                **skipped, **tokens}
+                **skipped, **tokens, **template}
 
 
 def _activation(x: nn.Tensor, name: str) -> nn.Tensor:

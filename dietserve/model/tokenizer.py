@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from ..runtime.errors import InputError, InputTooLong
 
@@ -25,8 +26,66 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
                    SETTINGS_FILE)
 
 
+# A classifier's pair template (``PairTemplate``), written into the artifact by the compile.
+PAIR_TEMPLATE_FILE = "pair_template.json"
+
+
 class TokenizerError(ValueError):
     """The tokenizer files are missing or unusable."""
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """How a reranker that reads a (query, document) pair as one prompt sees it: ``prefix``, then
+    ``pair`` with ``{query}`` and ``{document}`` filled in, then ``suffix``, no other special
+    tokens. Where the prompt is too long the filled-in part is cut, the prefix and suffix kept
+    whole (the answer the model scores follows the suffix), as Qwen3-Reranker's own code cuts it."""
+
+    pair: str
+    prefix: str = ""
+    suffix: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> PairTemplate:
+        if not isinstance(raw, dict) or not set(raw) <= {"prefix", "pair", "suffix"} or "pair" not in raw:
+            raise TokenizerError(f"{where}: a pair template is a JSON object with 'pair' and optional 'prefix' "
+                                 f"and 'suffix', got {raw!r:.120}")
+        if not all(isinstance(value, str) for value in raw.values()):
+            raise TokenizerError(f"{where}: the pair template's prefix, pair and suffix must be strings")
+        if any(raw["pair"].count(field) != 1 for field in ("{query}", "{document}")):
+            raise TokenizerError(f"{where}: the pair template's 'pair' must hold {{query}} and {{document}} once each, "
+                                 f"got {raw['pair']!r:.120}")
+        return cls(**raw)
+
+    def to_dict(self) -> dict:
+        return {"prefix": self.prefix, "pair": self.pair, "suffix": self.suffix}
+
+    def filled(self, query: str, document: str) -> str:
+        """``pair`` with the two texts in (one pass: braces inside the texts stay as they are)."""
+        return re.sub(r"\{query\}|\{document\}", lambda field: query if field.group() == "{query}" else document,
+                      self.pair)
+
+
+# Templates by name (``--pair-template NAME``): Qwen3-Reranker's prompt as its model card writes
+# it, with its default instruction.
+PAIR_TEMPLATES = {"qwen3-reranker": PairTemplate(
+    prefix="<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+           "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n",
+    pair="<Instruct>: Given a web search query, retrieve relevant passages that answer the query\n"
+         "<Query>: {query}\n<Document>: {document}",
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")}
+
+
+def read_pair_template(text: str) -> PairTemplate:
+    """A template by name (``PAIR_TEMPLATES``), as a JSON object, or from a JSON file."""
+    if text in PAIR_TEMPLATES:
+        return PAIR_TEMPLATES[text]
+    try:
+        raw = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise TokenizerError(f"--pair-template {text:.80}: neither a template's name ({', '.join(PAIR_TEMPLATES)}), "
+                             f"a JSON object nor a readable JSON file: {err}") from None
+    return PairTemplate.from_dict(raw, f"--pair-template {text:.80}")
 
 
 @dataclass(frozen=True)
@@ -71,8 +130,9 @@ class TextTokenizer:
     when the caller asks for it, and refused with :class:`InputTooLong` otherwise."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, prompts: dict[str, str] | None = None,
-                 token_types: bool = True):
+                 token_types: bool = True, pair_template: PairTemplate | None = None):
         self.max_length = max_length
+        self.pair_template = pair_template
         # False: the model has one token type, whatever its tokenizer numbers a pair's second
         # text (DistilBERT's numbers it 1, as BERT's does); every id is 0.
         self.token_types = token_types
@@ -109,8 +169,11 @@ class TextTokenizer:
         folder = Path(folder)
         prompts = _prompts(folder / PROMPTS_FILE)
         max_length = _text_length(folder / SETTINGS_FILE, max_length)
+        template_file = folder / PAIR_TEMPLATE_FILE
+        template = PairTemplate.from_dict(json.loads(template_file.read_text()), str(template_file)) if (
+            template_file.is_file()) else None
         if (folder / "tokenizer.json").is_file():
-            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts, token_types)
+            return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), max_length, prompts, token_types, template)
         if (folder / "vocab.txt").is_file():
             from tokenizers import BertWordPieceTokenizer
 
@@ -137,6 +200,8 @@ class TextTokenizer:
         if not texts:
             raise TokenizerError("no texts to encode")
         items = list(texts)
+        if self.pair_template is not None:
+            return self._padded(self._prompted(items, truncate, clipped, first, keep_last))
         batch = self._whole.encode_batch(items)
         too_long = [i for i, encoding in enumerate(batch) if len(encoding.ids) > self.max_length or i in clipped]
         if too_long and not truncate:
@@ -148,6 +213,27 @@ class TextTokenizer:
             for index, encoding in zip(too_long, truncating.encode_batch([items[i] for i in too_long]), strict=True):
                 batch[index] = encoding
         return self._padded(batch)
+
+    def _prompted(self, items: list, truncate: bool, clipped: Collection[int], first: int,
+                  keep_last: bool) -> list[Encoding]:
+        """Each pair through ``pair_template``: the filled-in part cut to what the prefix and
+        suffix leave (its end, or its start with ``keep_last``), refused without ``truncate``."""
+        template = self.pair_template
+        lone = next((index for index, item in enumerate(items) if not isinstance(item, tuple)), None)
+        if lone is not None:
+            raise InputError(f"text {first + lone}: this model scores (query, document) pairs through its pair "
+                             "template; send a pair")
+        prefix, suffix = (self._whole.encode(part, add_special_tokens=False) for part in (template.prefix,
+                                                                                         template.suffix))
+        room = self.max_length - len(prefix.ids) - len(suffix.ids)
+        bodies = self._whole.encode_batch([template.filled(*item) for item in items], add_special_tokens=False)
+        for index, body in enumerate(bodies):
+            if len(body.ids) > room or index in clipped:
+                if not truncate:
+                    raise InputTooLong(self._too_long(f"pair {first + index}", len(body.ids) + self.max_length - room,
+                                                      index in clipped))
+                body.truncate(max(room, 0), direction="left" if keep_last else "right")
+        return [Encoding.merge([prefix, body, suffix], growing_offsets=False) for body in bodies]
 
     def tokens(self, text: str, add_special_tokens: bool = True) -> list[dict]:
         """``text``'s tokens as text embeddings inference's ``/tokenize`` lists them: id, text,

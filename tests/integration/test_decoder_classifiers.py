@@ -1,10 +1,12 @@
 """A decoder's sequence classifiers: a one-label ``Qwen3ForSequenceClassification`` (Qwen3-Reranker
 converted to one, as sentence-transformers' CrossEncoder reads it) scoring each pair's last token
 that is not its padding, and a ``Qwen3ForCausalLM`` made one by ``--classifier-from-tokens``
-(Qwen3-Reranker's own checkpoints: the softmax of two tokens' logits), against transformers."""
+(Qwen3-Reranker's own checkpoints: the softmax of two tokens' logits), reading its pairs through
+a prompt (``--pair-template``), against transformers."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +14,11 @@ import pytest
 
 from dietserve.compile.artifact import CompileRequest, compile_artifact
 from dietserve.model.checkpoint import Checkpoint, CheckpointError
+from dietserve.model.tokenizer import PairTemplate, TokenizerError, read_pair_template
 from dietserve.runtime.artifact import load_artifact
 from dietserve.runtime.embedder import artifact_tokenizer
 from dietserve.runtime.engine import Engine
+from dietserve.runtime.errors import InputError, InputTooLong
 
 from .test_decoder_embedders import _qwen3_config
 from .test_encoder_families import PAIRS, _tokenizer_folder, cross_encoder_matches
@@ -113,3 +117,56 @@ def test_classifier_tokens_are_refused_where_they_cannot_score(tmp_path: Path) -
         Checkpoint.open(folder).with_classifier_from_tokens("nope", "</s>")
     with pytest.raises(CheckpointError, match="a bert embedding checkpoint; a decoder language model"):
         Checkpoint.open(default_model_folder()).with_classifier_from_tokens("no", "yes")
+
+
+def test_a_reranker_reads_each_pair_through_its_prompt(tmp_path: Path, cache_dir: Path) -> None:
+    """``--pair-template``: each pair read as the prefix, the filled-in pair and the suffix, the
+    filled-in part cut where the whole is too long (the suffix, which the scored answer follows,
+    kept), against transformers on prompts built as Qwen3-Reranker's own code builds them."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    folder = _tokenizer_folder(tmp_path / "prompted-lm")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    no, yes = tokenizer.convert_ids_to_tokens([7, 11])
+    torch.manual_seed(67)
+    Qwen3ForCausalLM(_qwen3_config(folder)).eval().save_pretrained(str(folder))
+    # (no space at a part's ends: transformers' XLM-R tokenizer class, this test's, strips it; Qwen's keeps it)
+    template = {"prefix": "<s>Judge the Document.", "pair": "Query: {query} Document: {document}", "suffix": "Answer:"}
+    request = CompileRequest(model=str(folder), max_batch=8, classifier_tokens=(no, yes), pair_template=template)
+    engine = Engine(load_artifact(compile_artifact(request, cache_dir)))
+    pairs = [*PAIRS, ("How many people live in {Berlin}?", "Berlin has a population of 3,520,031. " * 30)]
+    prefix, suffix = (tokenizer.encode(template[part], add_special_tokens=False) for part in ("prefix", "suffix"))
+    bodies = tokenizer([f"Query: {query} Document: {document}" for query, document in pairs], add_special_tokens=False,
+                       truncation=True, max_length=engine.max_seq_len - len(prefix) - len(suffix))["input_ids"]
+    expected_ids = [prefix + body + suffix for body in bodies]
+    assert len(expected_ids[-1]) == engine.max_seq_len and prefix[0] == 0  # (cut; "<s>" read as its token)
+    encoded = artifact_tokenizer(engine).encode(pairs)
+    assert [row[mask == 1].tolist() for row, mask in zip(encoded.input_ids, encoded.attention_mask, strict=True)] == (
+        expected_ids)
+    output = engine.run(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
+    reference = Qwen3ForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = [torch.softmax(reference(input_ids=torch.tensor([ids])).logits[0, -1, [7, 11]], dim=-1)[1].item()
+                    for ids in expected_ids]
+    np.testing.assert_allclose(1 / (1 + np.exp(-output.logits[:, 0])), expected, rtol=0, atol=1e-5)
+    with pytest.raises(InputError, match="text 0: this model scores .* pairs through its pair template"):
+        artifact_tokenizer(engine).encode(["a lone text"])
+    with pytest.raises(InputTooLong, match="pair 1 has"):
+        artifact_tokenizer(engine).encode([pairs[0], pairs[-1]], truncate=False)
+
+
+def test_a_pair_template_is_checked_and_fills_in_one_pass() -> None:
+    from dietserve.model.presets import default_model_folder
+
+    template = PairTemplate.from_dict({"pair": "{document} | {query}"}, "here")
+    assert template.filled("q {document}", "d {query}") == "d {query} | q {document}"
+    for raw, message in (({"pair": "{query} only"}, "{document} once each"), ({"pair": "{query}{document}", "x": ""},
+                                                                             "a JSON object with 'pair'"),
+                         ({"pair": "{query}{document}", "prefix": 1}, "must be strings")):
+        with pytest.raises(TokenizerError, match=re.escape(message)):
+            PairTemplate.from_dict(raw, "here")
+    assert read_pair_template("qwen3-reranker").suffix.endswith("</think>\n\n")
+    assert read_pair_template('{"pair": "{query}: {document}"}').pair == "{query}: {document}"
+    with pytest.raises(CheckpointError, match="an embedding model; a pair template"):
+        Checkpoint.open(default_model_folder()).with_pair_template(template)

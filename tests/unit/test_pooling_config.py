@@ -20,6 +20,7 @@ from dietserve.model.checkpoint import Checkpoint, CheckpointError, load_paramet
 from dietserve.model.config import BertConfig
 from dietserve.model.heads import POOLING_MODES, parse_pooling_modes
 from dietserve.model.presets import random_hf_weights
+from dietserve.model.tokenizer import read_pair_template
 
 TINY = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=16, max_position_embeddings=12)
@@ -234,14 +235,19 @@ def test_the_cache_key_follows_the_tokenizer_and_prompt_files(tmp_path: Path) ->
     assert len(set(keys)) == 4 and key() == keys[-1]
 
 
-def test_classifier_tokens_flag_reaches_the_request_its_record_and_a_child_command() -> None:
+def test_classifier_tokens_and_pair_template_flags_reach_the_request_its_record_and_a_child_command() -> None:
     parser = argparse.ArgumentParser()
     add_build_flags(parser)
-    args = parser.parse_args(["--model", "Qwen/Qwen3-Reranker-0.6B", "--classifier-from-tokens", "no,yes"])
+    args = parser.parse_args(["--model", "Qwen/Qwen3-Reranker-0.6B", "--classifier-from-tokens", "no,yes",
+                              "--pair-template", "qwen3-reranker"])
     request = compile_request(args)
     assert request.classifier_tokens == ("no", "yes")
-    assert CompileRequest.from_build_record(request.build_record()).classifier_tokens == ("no", "yes")
-    assert compile_request(parser.parse_args(build_argv(args))).classifier_tokens == ("no", "yes")
+    assert request.pair_template == read_pair_template("qwen3-reranker").to_dict()
+    for again in (CompileRequest.from_build_record(request.build_record()), compile_request(
+            parser.parse_args(build_argv(args)))):
+        assert (again.classifier_tokens, again.pair_template) == (("no", "yes"), request.pair_template)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pair-template", "no-such-template"])
     for wrong in ("yes", "no,yes,maybe", "no,"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--classifier-from-tokens", wrong])
