@@ -145,6 +145,14 @@ class TextTokenizer:
         self._truncating = self._truncated_copy("right")  # keeps a text's first tokens
         pad_ids = [tokenizer.token_to_id(token) for token in ("[PAD]", "<pad>")]  # BERT's, RoBERTa's
         self._pad_id = next((token_id for token_id in pad_ids if token_id is not None), 0)
+        self._prompt_parts = None  # (prefix, suffix) encoded, with a pair template
+        if pair_template is not None:
+            self._prompt_parts = tuple(self._whole.encode(part, add_special_tokens=False)
+                                       for part in (pair_template.prefix, pair_template.suffix))
+            fixed = sum(len(part.ids) for part in self._prompt_parts)
+            if fixed >= max_length:
+                raise TokenizerError(f"the pair template's prefix and suffix take {fixed} tokens, leaving none of the "
+                                     f"{max_length} a text may have for the pair")
 
     def _truncated_copy(self, direction: str) -> Tokenizer:
         copy = Tokenizer.from_str(self._whole.to_str())
@@ -223,8 +231,7 @@ class TextTokenizer:
         if lone is not None:
             raise InputError(f"text {first + lone}: this model scores (query, document) pairs through its pair "
                              "template; send a pair")
-        prefix, suffix = (self._whole.encode(part, add_special_tokens=False) for part in (template.prefix,
-                                                                                         template.suffix))
+        prefix, suffix = self._prompt_parts
         room = self.max_length - len(prefix.ids) - len(suffix.ids)
         bodies = self._whole.encode_batch([template.filled(*item) for item in items], add_special_tokens=False)
         for index, body in enumerate(bodies):
@@ -232,7 +239,7 @@ class TextTokenizer:
                 if not truncate:
                     raise InputTooLong(self._too_long(f"pair {first + index}", len(body.ids) + self.max_length - room,
                                                       index in clipped))
-                body.truncate(max(room, 0), direction="left" if keep_last else "right")
+                body.truncate(room, direction="left" if keep_last else "right")
         return [Encoding.merge([prefix, body, suffix], growing_offsets=False) for body in bodies]
 
     def tokens(self, text: str, add_special_tokens: bool = True) -> list[dict]:

@@ -170,3 +170,10 @@ def test_a_pair_template_is_checked_and_fills_in_one_pass() -> None:
     assert read_pair_template('{"pair": "{query}: {document}"}').pair == "{query}: {document}"
     with pytest.raises(CheckpointError, match="an embedding model; a pair template"):
         Checkpoint.open(default_model_folder()).with_pair_template(template)
+    from tokenizers import Tokenizer
+
+    from dietserve.model.tokenizer import TextTokenizer
+
+    words = Tokenizer.from_file(str(default_model_folder() / "tokenizer.json"))
+    with pytest.raises(TokenizerError, match="prefix and suffix take 6 tokens, leaving none of the 6"):
+        TextTokenizer(words, 6, pair_template=PairTemplate("{query}{document}", "one two three", "four five six"))
