@@ -267,7 +267,8 @@ class BertModel(nn.Module):
         if sparse is not None:
             return padded, sparse
         ids = None
-        if self.classifier_options is not None and self.config.decoder_layers:  # (the ids its head reads)
+        options = self.classifier_options
+        if options is not None and options.pad_token_id is not None:  # (a decoder's head skips its padding id)
             with_pad = op.concat([input_ids, op.zeros((1,), input_ids.dtype)], dim=0)
             ids = op.reshape(nn.op.wrap_nested(relax.op.take(with_pad._expr, op.reshape(unpack, (-1,))._expr, axis=0,
                                                              mode="clip"), "unpack_ids"), (batch, seq))

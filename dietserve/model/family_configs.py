@@ -38,9 +38,11 @@ _QWEN3_KEYS = {"vocab_size": ("vocab_size", 151936), "hidden_size": ("hidden_siz
 _PLAIN_DECODER_DEFAULTS = {
     QWEN2: {"vocab_size": 151936, "intermediate_size": 22016, "rope_theta": 10_000.0},
     MISTRAL: {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8, "rope_theta": 10_000.0,
-              "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+              "max_position_embeddings": 4096 * 32},
     LLAMA: {"vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048, "rope_theta": 10_000.0},
 }
+# MistralConfig's sliding_window where a config leaves it out (null in a config: no window).
+_MISTRAL_WINDOW = 4096
 # Gemma3's config keys -> ours, with Gemma3TextConfig's defaults.
 _GEMMA3_KEYS = {**_QWEN3_KEYS, "vocab_size": ("vocab_size", 262_208), "hidden_size": ("hidden_size", 2304),
                 "intermediate_size": ("intermediate_size", 9216), "num_hidden_layers": ("num_hidden_layers", 26),
@@ -112,13 +114,13 @@ def _decoder(raw: dict) -> dict:
         raise ModelConfigError(f"rope_parameters={rope} (scaled rotary positions) is not supported; only rope_type "
                                "'default'")
     plain = _PLAIN_DECODER_DEFAULTS.get(family, {})
-    raw = {**{key: value for key, value in plain.items() if key != "sliding_window"}, **raw}
+    raw = {**plain, **raw}
     ours = {key: raw.get(theirs, default) for theirs, (key, default) in _QWEN3_KEYS.items()}
     if plain:
         ours["attention_head_dim"] = _own_head_dim({"hidden_size": ours["hidden_size"],
                                                     "num_attention_heads": ours["num_attention_heads"], **raw})
     heads, layers = int(ours["num_attention_heads"]), int(ours["num_hidden_layers"])
-    window = raw.get("sliding_window", plain.get("sliding_window")) if family == MISTRAL else None
+    window = raw.get("sliding_window", _MISTRAL_WINDOW) if family == MISTRAL else None
     kind = SLIDING_ATTENTION if window else FULL_ATTENTION
     return {**raw, **ours, "type_vocab_size": 1, "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
             "layer_types": (kind,) * layers,

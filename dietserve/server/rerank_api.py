@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 from aiohttp import web
@@ -156,16 +155,16 @@ class ClassifierCalls:
         """[len(items), labels] logits and the tokens read, in batch-sized requests, cut as
         ``options``' truncate and truncation_direction say."""
         step, truncate = model.engine.max_batch, self.core.truncate(flag_field(options, "truncate", None))
-        cut = Cut(truncate, keeps_last(options))
+        keep_last = keeps_last(options)
         answers = await asyncio.gather(*(
-            self.core.infer(self._receive(model, items[first : first + step], first, cut, large))
+            self.core.infer(self._receive(model, items[first : first + step], first, truncate, keep_last, large))
             for first in range(0, len(items), step)))
         logits = np.concatenate([answer.outputs[LOGITS] for answer, _ in answers])
         return logits, sum(answer.request.tokens for answer, _ in answers)
 
-    async def _receive(self, model: ServedModel, items: list[Item], first: int, cut: Cut,
+    async def _receive(self, model: ServedModel, items: list[Item], first: int, truncate: bool, keep_last: bool,
                        large: bool) -> tuple[ServedModel, EncoderRequest, None]:
-        return model, await self.core.off_loop(large, encode_items, model, items, first, cut), None
+        return model, await self.core.off_loop(large, encode_items, model, items, first, truncate, keep_last), None
 
 
 
@@ -211,23 +210,16 @@ class RerankRoutes(ClassifierCalls):
         return json_response(answers if batch else answers[0])
 
 
-@dataclass(frozen=True)
-class Cut:
-    """How over-long inputs are cut: whether they are (else refused), and whether a text keeps
-    its last tokens (TEI's ``truncation_direction`` left; a pair: its longest text first)."""
-
-    truncate: bool
-    keep_last: bool = False
-
-
-def encode_items(model: ServedModel, items: list[Item], first: int, cut: Cut) -> EncoderRequest:
+def encode_items(model: ServedModel, items: list[Item], first: int, truncate: bool,
+                 keep_last: bool = False) -> EncoderRequest:
     """Texts and pairs -> a request for the logits. Each text is cut to the tokenizer's byte limit
-    (its last bytes where ``cut`` keeps the last tokens) and checked as UTF-8 as v2 text is
-    (``codec.texts_of``); ``first`` numbers the items in messages as the client's request does."""
+    (its last bytes with ``keep_last``, TEI's ``truncation_direction`` left: a pair's longest text
+    cut from its start) and checked as UTF-8 as v2 text is (``codec.texts_of``); ``first`` numbers
+    the items in messages as the client's request does."""
     flat = [text for item in items for text in ((item,) if isinstance(item, str) else item)]
     # Lone surrogates (JSON allows them) pass through to the UTF-8 check, which names them.
     texts, clipped_texts = codec.texts_of("BYTES", [text.encode("utf-8", "surrogatepass") for text in flat],
-                                          model.tokenizer.byte_limit, cut.keep_last)
+                                          model.tokenizer.byte_limit, keep_last)
     regrouped, clipped, offset = [], set(), 0
     for index, item in enumerate(items):
         width = 1 if isinstance(item, str) else 2
@@ -235,7 +227,6 @@ def encode_items(model: ServedModel, items: list[Item], first: int, cut: Cut) ->
         if clipped_texts.intersection(range(offset, offset + width)):
             clipped.add(index)
         offset += width
-    encoded = model.tokenizer.encode(regrouped, truncate=cut.truncate, clipped=clipped, first=first,
-                                     keep_last=cut.keep_last)
+    encoded = model.tokenizer.encode(regrouped, truncate=truncate, clipped=clipped, first=first, keep_last=keep_last)
     ids, mask, types = model.engine.validate(encoded.input_ids, encoded.attention_mask, encoded.token_type_ids)
     return EncoderRequest(ids, mask, types, (LOGITS,))
